@@ -1,0 +1,3 @@
+from meshdeploy.cli import main
+
+raise SystemExit(main())
