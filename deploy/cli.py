@@ -1,0 +1,138 @@
+"""The `meshdeploy` command line: argument parsing, error reporting and exit codes.
+
+Work is done elsewhere (config loading here for validate, meshdeploy.deploy.commands for the
+rest); this module only guarantees that users see one clear message and a documented exit
+code, never a traceback unless they ask for one with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import Callable
+
+from meshdeploy.deploy import errors
+from meshdeploy.deploy.errors import MeshdeployError
+
+
+def host_list(value: str) -> list[str]:
+    hosts = [h.strip() for h in value.split(",") if h.strip()]
+    if not hosts:
+        raise argparse.ArgumentTypeError("expected HOST[,HOST...]")
+    return hosts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshdeploy",
+        description="Plan and apply llama.cpp RPC inference clusters from a cluster file.",
+        epilog="meshdeploy lab ... manages the local systemd-nspawn lab (meshdeploy lab --help).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--verbose", "-v", action="store_true",
+                       help="show every error, not only the most relevant one")
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+        return p
+
+    p = command("validate", "check a cluster file without contacting any host")
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(handler=validate)
+
+    p = command("plan", "show what apply would change on the hosts")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
+    p.add_argument("-out", "--out", dest="out", metavar="FILE",
+                   help="save the plan for a later `apply FILE`")
+    p.add_argument("--detailed-exitcode", action="store_true",
+                   help="exit 0 = no changes, 2 = changes, 1 = error")
+    p.add_argument("--limit", type=host_list, metavar="HOST,...", help="only these hosts")
+    p.set_defaults(handler=engine("plan"))
+
+    p = command("apply", "converge the hosts to a cluster file or a saved plan")
+    p.add_argument("file", metavar="FILE|PLANFILE")
+    p.add_argument("--auto-approve", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--limit", type=host_list, metavar="HOST,...", help="only these hosts")
+    p.add_argument("--json", action="store_true", help="machine-readable progress on stdout")
+    p.set_defaults(handler=engine("apply"))
+
+    p = command("status", "show what runs on the hosts and whether it is healthy")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true", help="machine-readable status on stdout")
+    p.set_defaults(handler=engine("status"))
+
+    sub.add_parser("lab", help="manage the local systemd-nspawn lab", add_help=False)
+    return parser
+
+
+def engine(name: str) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        # Imported late: the engine pulls in pyinfra, which validate and --help do not need.
+        from meshdeploy.deploy import commands
+
+        return getattr(commands, name)(args)
+
+    handler.__name__ = name
+    return handler
+
+
+def validate(args: argparse.Namespace) -> int:
+    from meshdeploy.deploy.config import load_cluster
+    from meshdeploy.roles.services.argv import warnings_for
+
+    cluster = load_cluster(args.file)
+    for warning in warnings_for(cluster):
+        print(f"warning: {warning}", file=sys.stderr)
+    rpc_servers = len(cluster.rpc_servers())
+    print(f"{args.file}: ok ({plural(len(cluster.hosts), 'host')}, "
+          f"{plural(rpc_servers, 'rpc-server')}, {plural(len(cluster.models), 'model')})")
+    return errors.OK
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lab"]:
+        return run_lab(argv[1:])
+    args = build_parser().parse_args(argv)
+    return run(args.handler, args)
+
+
+def run_lab(rest: list[str]) -> int:
+    debug = "--debug" in rest
+
+    def handler(_args: argparse.Namespace) -> int:
+        from meshdeploy.lab.cli import main as lab_main
+
+        return lab_main(rest)
+
+    return run(handler, argparse.Namespace(debug=debug, verbose=False))
+
+
+def run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    detailed = getattr(args, "detailed_exitcode", False)
+    try:
+        code = handler(args)
+        return errors.OK if code is None else int(code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return errors.INTERRUPTED
+    except MeshdeployError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(exc.render(verbose=args.verbose), file=sys.stderr)
+        # Terraform's convention: with --detailed-exitcode, 2 means "changes", so errors
+        # collapse to 1 and cannot be mistaken for it.
+        return errors.ERROR if detailed else exc.exit_code
+    except Exception as exc:  # the last line of defence: no traceback unless asked
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"internal error: {type(exc).__name__}: {exc}\n"
+                  "rerun with --debug for the traceback, and report it", file=sys.stderr)
+        return errors.ERROR

@@ -1,0 +1,499 @@
+"""Load a cluster file: YAML with positions, JSON Schema, semantic checks, then the typed model.
+
+Every problem becomes a ConfigIssue pointing at file:line:col, so a user fixes the file without
+guessing; the checks the schema cannot express live in meshdeploy.deploy.config_checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import ipaddress
+import json
+import os
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from jsonschema.exceptions import best_match, relevance
+from ruamel.yaml import YAML
+from ruamel.yaml.error import MarkedYAMLError, YAMLError
+from ruamel.yaml.nodes import MappingNode, SequenceNode
+
+from meshdeploy.deploy.errors import ConfigError, ConfigIssue
+from meshdeploy.deploy.model import (
+    DEFAULT_DEVICES,
+    SSH,
+    Build,
+    Cluster,
+    Health,
+    HfSource,
+    Host,
+    HuggingFace,
+    LlamaCpp,
+    Model,
+    Network,
+    OllamaSource,
+    PathSource,
+    RpcServer,
+    Server,
+    Toolchain,
+)
+
+
+@lru_cache(maxsize=1)
+def load_schema() -> dict:
+    text = resources.files("meshdeploy.schemas").joinpath("cluster.schema.json").read_text()
+    return json.loads(text)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read, validate and resolve a cluster file; raises ConfigError listing every problem."""
+    from meshdeploy.deploy import config_checks
+
+    doc = Document.read(path)
+    issues = schema_issues(doc)
+    if issues:
+        raise ConfigError(issues)
+    data = fill_defaults(doc.root, load_schema())
+    issues = config_checks.check(doc, data)
+    if issues:
+        raise ConfigError(issues)
+    return build_cluster(doc, data)
+
+
+class Document:
+    """The parsed file plus what is needed to turn a data path back into file:line:col."""
+
+    def __init__(self, display: str, path: Path, raw: bytes, root: Any):
+        self.display = display
+        self.path = path
+        self.raw = raw
+        self.root = root
+
+    @classmethod
+    def read(cls, path: str | Path) -> Document:
+        display = str(path)
+        file = Path(path)
+        try:
+            raw = file.read_bytes()
+        except OSError as exc:
+            raise ConfigError([ConfigIssue(display, 0, 0, "", f"cannot read: {exc.strerror}",
+                                           "check the path of the cluster file")]) from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise ConfigError([ConfigIssue(display, line, 1, "", "file is not valid UTF-8",
+                                           "save the file as UTF-8")]) from None
+        yaml = YAML(typ="rt")
+        try:
+            node = yaml.compose(text)
+        except MarkedYAMLError as exc:
+            raise ConfigError([yaml_issue(display, exc)]) from None
+        except YAMLError as exc:
+            raise ConfigError([ConfigIssue(display, 0, 0, "", f"YAML error: {exc}")]) from None
+        duplicates = duplicate_keys(display, node)
+        if duplicates:
+            raise ConfigError(duplicates)
+        root = YAML(typ="rt").load(text)
+        if not isinstance(root, dict):
+            what = "empty" if root is None else f"a {yaml_type(root)}"
+            raise ConfigError([ConfigIssue(
+                display, 1, 1, "", f"the cluster file is {what}; expected a mapping",
+                "start from inventories/lab.yaml: it needs at least cluster, llama_cpp.ref "
+                "and hosts")])
+        return cls(display, file.resolve(), raw, root)
+
+    def position(self, path: tuple, at_key: bool = False) -> tuple[int, int]:
+        """1-based line/col of the value at `path`; of its key when at_key or a collection."""
+        parent, node = None, self.root
+        for step in path:
+            parent = node
+            try:
+                node = node[step]
+            except (KeyError, IndexError, TypeError):
+                node = None
+                break
+        if not path:
+            return 1, 1
+        last = path[-1]
+        try:
+            if isinstance(parent, dict):
+                if at_key or isinstance(node, (dict, list)):
+                    line, col = parent.lc.key(last)
+                else:
+                    line, col = parent.lc.value(last)
+            elif isinstance(parent, list):
+                line, col = parent.lc.item(last)
+            else:
+                return self.position(path[:-1], at_key=True)
+        except (KeyError, IndexError, AttributeError, TypeError):
+            return self.position(path[:-1], at_key=True)
+        return line + 1, col + 1
+
+    def issue(self, path: tuple, message: str, hint: str | None = None,
+              at_key: bool = False) -> ConfigIssue:
+        line, col = self.position(path, at_key)
+        return ConfigIssue(self.display, line, col, render_path(path), message, hint)
+
+
+def yaml_issue(display: str, exc: MarkedYAMLError) -> ConfigIssue:
+    mark = exc.problem_mark or exc.context_mark
+    line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
+    problem = exc.problem or "malformed YAML"
+    message = f"YAML syntax error: {problem}"
+    if exc.context and exc.context_mark:
+        message += f" ({exc.context} started at line {exc.context_mark.line + 1})"
+    return ConfigIssue(display, line, col, "", message,
+                       "check indentation, colons and quotes around this line")
+
+
+def duplicate_keys(display: str, node: Any, path: tuple = ()) -> list[ConfigIssue]:
+    """Duplicate keys, found on the node graph because the loaded data keeps only one copy."""
+    issues = []
+    if isinstance(node, MappingNode):
+        seen: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            if key in seen and key != "<<":
+                first = seen[key].start_mark
+                mark = key_node.start_mark
+                issues.append(ConfigIssue(
+                    display, mark.line + 1, mark.column + 1, render_path(path + (key,)),
+                    f"duplicate key '{key}' (first defined at line {first.line + 1})",
+                    "keep one of the two; YAML would silently use only the last"))
+            else:
+                seen[key] = key_node
+            issues += duplicate_keys(display, value_node, path + (key,))
+    elif isinstance(node, SequenceNode):
+        for index, item in enumerate(node.value):
+            issues += duplicate_keys(display, item, path + (index,))
+    return issues
+
+
+def render_path(path: tuple) -> str:
+    out = ""
+    for step in path:
+        if isinstance(step, int):
+            out += f"[{step}]"
+        else:
+            out += f".{step}" if out else str(step)
+    return out
+
+
+def yaml_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, dict):
+        return "mapping"
+    if isinstance(value, list):
+        return "list"
+    return type(value).__name__
+
+
+# -- JSON Schema errors rewritten for people -------------------------------------------------
+
+# Why a value failed a `pattern`, by the name of the field (or of the list holding it).
+PATTERN_MEANING = {
+    "cluster": "is not a valid name (letters, digits, '_', '.', '-'; starts with a letter or digit)",
+    "ref": "is not a git tag, branch or commit",
+    "cmake_flags": "is not a cmake -DNAME=VALUE flag",
+    "prefix": "is not an absolute path",
+    "apt_proxy": "is not an http:// or https:// proxy URL",
+    "endpoint": "is not an http:// or https:// URL",
+    "api_endpoint": "is not an http:// or https:// URL",
+    "address": "is not an IPv4 address or DNS name",
+    "devices": "is not a device name like CUDA0, MTL0 or Vulkan0",
+    "device": "is not a device name like CUDA1, MTL0 or CPU",
+    "repo": "is not a Hugging Face repository id (owner/name)",
+    "sha256": "is not 64 lowercase hex digits",
+    "model": "is not an Ollama model name like qwen3-coder:30b",
+    "path": "is not an absolute path",
+    "api_key_file": "is not an absolute path on the host",
+    "rpc": "is not host:port (a host name from hosts, then the rpc-server's port)",
+    "bind": "is not an IPv4 address",
+}
+
+# What an either/or field accepts, for values that match neither branch.
+ALTERNATIVES = {
+    "tensor_split": "'auto' or a list of numbers, one per device",
+    "rpc": "'none' or a list of host:port entries",
+    "bind": "an IPv4 address such as 10.0.0.5, or \"\" for the network.rpc_bind rule",
+}
+
+
+def schema_issues(doc: Document) -> list[ConfigIssue]:
+    validator = jsonschema.Draft202012Validator(load_schema())
+    errors = list(validator.iter_errors(doc.root))
+    if not errors:
+        return []
+    first = best_match(errors)
+    errors.sort(key=lambda e: (e is not first, doc.position(tuple(e.absolute_path))))
+    issues: list[ConfigIssue] = []
+    for error in errors:
+        for issue in error_issues(doc, error):
+            if issue not in issues:
+                issues.append(issue)
+    return issues
+
+
+def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[ConfigIssue]:
+    path = tuple(error.absolute_path)
+    name = next((s for s in reversed(path) if isinstance(s, str)), "")
+    value = error.instance
+    kind = error.validator
+    schema = error.schema if isinstance(error.schema, dict) else {}
+
+    if kind in ("oneOf", "anyOf"):
+        # Errors from the branch whose type matched (a bad list item, too many values) say
+        # more than "is not 'auto'"; type/const failures only say the branch did not apply.
+        specific = [e for e in error.context or ()
+                    if len(e.absolute_path) > len(error.absolute_path)
+                    or e.validator not in ("type", "const", "enum")]
+        if specific:
+            return error_issues(doc, best_match(specific, key=relevance))
+        wanted = ALTERNATIVES.get(name, "one of the documented forms")
+        return [doc.issue(path, f"{show(value)} is not {wanted}")]
+    if kind == "additionalProperties":
+        allowed = sorted(schema.get("properties", {}))
+        unknown = [k for k in value if k not in allowed]
+        return [doc.issue(path + (key,), f"unknown key '{key}'",
+                          suggest(str(key), allowed, "allowed keys"), at_key=True)
+                for key in unknown]
+    if kind == "required":
+        missing = [k for k in error.validator_value if k not in value]
+        where = render_path(path) or "the top level"
+        return [doc.issue(path, f"missing required key '{key}'",
+                          f"add '{key}:' under {where}", at_key=True) for key in missing]
+    if kind == "enum":
+        options = [show_option(o) for o in error.validator_value]
+        return [doc.issue(path, f"{show(value)} is not one of {', '.join(options)}",
+                          suggest(str(value), [str(o) for o in error.validator_value if o]))]
+    if kind == "type":
+        wanted = error.validator_value
+        hint = None
+        if wanted == "string" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            hint = f"quote it: '{value}'"
+        article = "an" if str(wanted)[0] in "aeiou" else "a"
+        label = {"object": "mapping", "array": "list"}.get(wanted, wanted)
+        return [doc.issue(path, f"expected {article} {label}, got {yaml_type(value)} "
+                                f"{show(value)}", hint)]
+    if kind == "pattern":
+        meaning = PATTERN_MEANING.get(name, f"does not match {error.validator_value}")
+        return [doc.issue(path, f"{show(value)} {meaning}", schema_hint(name))]
+    if kind == "propertyNames":
+        # jsonschema reports the offending name itself as the instance.
+        bad = value if isinstance(value, str) else next(
+            (k for k in value if isinstance(k, str) and not valid_name(k)), None)
+        where = path + (bad,) if bad is not None else path
+        return [doc.issue(where, f"'{bad}' is not a valid name",
+                          "use letters, digits, '_', '.', '-' (no ':' or spaces)", at_key=True)]
+    if kind in ("minimum", "exclusiveMinimum", "maximum"):
+        bound = error.validator_value
+        relation = {"minimum": f"at least {bound}", "exclusiveMinimum": f"more than {bound}",
+                    "maximum": f"at most {bound}"}[kind]
+        return [doc.issue(path, f"{show(value)} is out of range: must be {relation}")]
+    if kind == "minProperties":
+        if name == "hosts":
+            return [doc.issue(path, "needs at least one host", "add a host with an address")]
+        return [doc.issue(path, "needs exactly one source: huggingface, ollama or path")]
+    if kind == "maxProperties":
+        return [doc.issue(path, f"has several sources ({', '.join(value)}); keep exactly one")]
+    if kind == "maxItems":
+        return [doc.issue(path, f"has {len(value)} values; llama.cpp accepts at most "
+                                f"{error.validator_value}")]
+    if kind == "minItems":
+        return [doc.issue(path, "needs at least one value")]
+    if kind == "uniqueItems":
+        dup = next(v for i, v in enumerate(value) if v in value[:i])
+        return [doc.issue(path, f"lists {show(dup)} more than once")]
+    if kind == "const":
+        return [doc.issue(path, f"{show(value)} is not {show(error.validator_value)}")]
+    return [doc.issue(path, error.message)]
+
+
+def show(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(str(value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return f"a {yaml_type(value)}"
+    return str(value)
+
+
+def show_option(option: Any) -> str:
+    return '""' if option == "" else str(option)
+
+
+def suggest(word: str, options: list[str], label: str = "allowed") -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return f"{label}: {', '.join(options)}"
+
+
+def schema_hint(name: str) -> str | None:
+    if name in ("rpc",):
+        return "write the host's name from hosts, e.g. node2:50052"
+    if name == "sha256":
+        return "sha256sum prints it; leave \"\" to trust the hub's hash"
+    return None
+
+
+def valid_name(name: str) -> bool:
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) is not None
+
+
+# -- defaults and the typed model ------------------------------------------------------------
+
+def fill_defaults(instance: Any, schema: dict, root: dict | None = None) -> Any:
+    """Plain data (no ruamel types) with every schema default filled in."""
+    root = root or schema
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            target = target[part]
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    if isinstance(instance, dict):
+        out = {}
+        props = schema.get("properties", {})
+        for key, sub in props.items():
+            if key in instance:
+                out[key] = fill_defaults(instance[key], sub, root)
+            elif "default" in sub and schema.get("maxProperties") != 1:
+                # A model's sources are alternatives: defaulting the absent ones would
+                # give every model several sources.
+                out[key] = fill_defaults(copy.deepcopy(sub["default"]), sub, root)
+        extra = schema.get("additionalProperties")
+        for key, value in instance.items():
+            if key not in props:
+                out[str(key)] = fill_defaults(value, extra, root) if isinstance(extra, dict) \
+                    else value
+        return out
+    if isinstance(instance, list):
+        items = schema.get("items", {})
+        return [fill_defaults(v, items, root) for v in instance]
+    if isinstance(instance, bool):
+        return bool(instance)
+    if isinstance(instance, int):
+        return int(instance)
+    if isinstance(instance, float):
+        return float(instance)
+    if isinstance(instance, str):
+        return str(instance)
+    return instance
+
+
+def unset(value: str) -> str | None:
+    return value if value != "" else None
+
+
+def control_path(value: str, base: Path) -> str | None:
+    """A path on the control machine: ~ expanded, relative to the cluster file's folder."""
+    if value == "":
+        return None
+    path = Path(os.path.expanduser(value))
+    if not path.is_absolute():
+        path = base / path
+    return str(path)
+
+
+def resolve_bind(host: dict, rpc: dict, rule: str) -> str | None:
+    """-H value for an rpc-server, or None when the rule needs an address that isn't IPv4."""
+    if rpc["bind"]:
+        return rpc["bind"]
+    if rule == "loopback":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.IPv4Address(host["address"]))
+    except ValueError:
+        return None
+
+
+def host_devices(host: dict) -> tuple[str, ...]:
+    return tuple(host["devices"]) or DEFAULT_DEVICES[host["backend"]]
+
+
+def rpc_refs(data: dict, server: dict) -> tuple[str, ...] | None:
+    """The file's rpc setting resolved to "host:port" names; None for `none`."""
+    if server["rpc"] == "none":
+        return None
+    if server["rpc"]:
+        return tuple(server["rpc"])
+    return tuple(f"{name}:{rpc['port']}" for name, host in data["hosts"].items()
+                 for rpc in host["rpc_servers"])
+
+
+def build_cluster(doc: Document, data: dict) -> Cluster:
+    base = doc.path.parent
+    lc = data["llama_cpp"]
+    b = lc["build"]
+    hf = data["huggingface"]
+    net = data["network"]
+    hosts = []
+    for name, h in data["hosts"].items():
+        rpcs = tuple(
+            RpcServer(port=r["port"], bind=resolve_bind(h, r, net["rpc_bind"]),
+                      device=unset(r["device"]), threads=r["threads"], cache=r["cache"])
+            for r in h["rpc_servers"])
+        s = h["ssh"]
+        ssh = SSH(user=unset(s["user"]), port=s["port"], key=control_path(s["key"], base),
+                  config=control_path(s["config"], base), sudo=s["sudo"])
+        hosts.append(Host(name=name, address=h["address"], ssh=ssh, backend=h["backend"],
+                          devices=host_devices(h), rpc_servers=rpcs))
+    models = {name: Model(name, model_source(m)) for name, m in data["models"].items()}
+    servers = tuple(
+        Server(name=name, host=s["host"], model=s["model"], port=s["port"], bind=s["bind"],
+               ctx_size=s["ctx_size"], n_gpu_layers=s["n_gpu_layers"],
+               tensor_split=s["tensor_split"] if s["tensor_split"] == "auto"
+               else tuple(float(v) for v in s["tensor_split"]),
+               rpc=rpc_refs(data, s), load_mode=unset(s["load_mode"]),
+               api_key_file=unset(s["api_key_file"]), extra_args=tuple(s["extra_args"]),
+               health=Health(s["health"]["retries"], s["health"]["interval"]))
+        for name, s in data["servers"].items())
+    return Cluster(
+        name=data["cluster"],
+        path=doc.path,
+        llama_cpp=LlamaCpp(
+            repo=lc["repo"], ref=lc["ref"], prefix=lc["prefix"], keep_builds=lc["keep_builds"],
+            build=Build(type=b["type"], jobs=b["jobs"], ccache=b["ccache"],
+                        ccache_dir=unset(b["ccache_dir"]), cmake_flags=tuple(b["cmake_flags"]),
+                        serial=b["serial"])),
+        toolchain=Toolchain(apt_proxy=unset(data["toolchain"]["apt_proxy"])),
+        huggingface=HuggingFace(endpoint=hf["endpoint"],
+                                api_endpoint=hf["api_endpoint"] or hf["endpoint"],
+                                token_file=control_path(hf["token_file"], base)),
+        network=Network(rpc_bind=net["rpc_bind"], allow_public=net["allow_public"]),
+        hosts=tuple(hosts),
+        models=models,
+        servers=servers,
+        source_hash=hashlib.sha256(doc.raw).hexdigest(),
+    )
+
+
+def model_source(m: dict) -> HfSource | OllamaSource | PathSource:
+    if "huggingface" in m:
+        h = m["huggingface"]
+        files = (h["file"],) if h["file"] else tuple(h["files"])
+        return HfSource(repo=h["repo"], files=files, revision=h["revision"],
+                        sha256=unset(h["sha256"]), endpoint=unset(h["endpoint"]))
+    if "ollama" in m:
+        o = m["ollama"]
+        model, _, tag = o["model"].partition(":")
+        return OllamaSource(model=model, tag=tag or "latest", store=unset(o["store"]))
+    return PathSource(path=m["path"])

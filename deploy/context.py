@@ -1,0 +1,89 @@
+"""What a role's planning functions see: the wish (cluster, host), the facts, and the run so far."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Callable
+
+from meshdeploy.deploy.model import Cluster, Host
+from meshdeploy.deploy.plan import AttrDiff, Change
+
+
+@dataclass
+class Resolved:
+    """Values fixed once for the whole cluster before any host changes.
+
+    commit is None when the ref could not be resolved yet (no host has git and the control
+    machine cannot reach the repository): the plan then says "(known after apply)" and apply
+    resolves it on the first host right after the toolchain is in place.
+    """
+
+    commit: str | None = None
+    build_number: int | None = None
+    upstream_commit: str | None = None  # what the ref points at now, when it was checked
+    models: dict = field(default_factory=dict)  # model name -> roles.models.hf.HfResolved
+    # "host:port" of rpc-servers (re)started by this run: their llama-servers restart after.
+    restarted: set = field(default_factory=set)
+
+
+@dataclass
+class HostContext:
+    cluster: Cluster
+    host: Host
+    facts: dict[str, object]
+    resolved: Resolved
+    # Filled during apply by earlier steps of this host (e.g. "build_changed": True); the plan
+    # fills it with what the steps *would* do, so downstream resources show known-after-apply.
+    run: dict = field(default_factory=dict)
+
+    @property
+    def prefix(self) -> str:
+        return self.cluster.llama_cpp.prefix
+
+    def fact(self, key: str):
+        return self.facts.get(key)
+
+    def servers(self):
+        """llama-server instances this host runs."""
+        return [s for s in self.cluster.servers if s.host == self.host.name]
+
+    def change(self, role: str, resource: str, action: str, reason: str = "",
+               diffs: list[AttrDiff] | None = None, unit_diff: str | None = None) -> Change:
+        return Change(host=self.host.name, role=role, resource=resource, action=action,
+                      diffs=diffs or [], reason=reason, unit_diff=unit_diff)
+
+
+@dataclass
+class Step:
+    """One resource on one host: what the plan shows and what apply runs.
+
+    commands run in order in one shell each, as root when the host uses sudo; `after` is a
+    control-machine callable run once the commands succeeded (readiness probes), given the
+    pyinfra host; it raises ApplyError on failure.
+    """
+
+    change: Change
+    commands: list[str] = field(default_factory=list)
+    after: Callable | None = None
+    deferred: bool = False  # commands are computed at apply time (depend on earlier results)
+    sudo: bool = True  # False for tools that refuse root (Homebrew)
+
+    @property
+    def noop(self) -> bool:
+        return self.change.action == "no-op" and not self.commands and self.after is None
+
+
+def q(value) -> str:
+    return shlex.quote(str(value))
+
+
+def write_file_command(path: str, content: str, mode: str = "0644") -> str:
+    """Atomic write through a temporary name; content travels in a quoted heredoc."""
+    tag = "MESHDEPLOY_EOF"
+    while tag in content:
+        tag += "_"
+    tmp = f"{path}.meshdeploy-tmp"
+    return (f"mkdir -p {q(path.rsplit('/', 1)[0] or '/')} && cat > {q(tmp)} <<'{tag}'\n"
+            f"{content}{'' if content.endswith(chr(10)) else chr(10)}{tag}\n"
+            f"chmod {mode} {q(tmp)} && mv -f {q(tmp)} {q(path)}")

@@ -1,0 +1,257 @@
+"""The typed cluster model: what a validated cluster file means, with every default resolved.
+
+Everything here is frozen and already checked by meshdeploy.deploy.config.load_cluster, so the
+engine never re-validates and never sees "" for "unset": unset optional values are None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Union
+
+BACKENDS = ("cpu", "cuda", "metal", "vulkan", "rocm")
+
+# What a host's llama.cpp calls its accelerators when the file lists none.
+DEFAULT_DEVICES = {
+    "cpu": (),
+    "cuda": ("CUDA0",),
+    "metal": ("MTL0",),
+    "vulkan": ("Vulkan0",),
+    "rocm": ("ROCm0",),
+}
+
+# rpc-server and llama-server accept -d CPU on every backend.
+CPU_DEVICE = "CPU"
+
+# llama.cpp's compile-time limit on -ts values (LLAMA_MAX_DEVICES).
+MAX_TENSOR_SPLIT = 15
+
+
+@dataclass(frozen=True)
+class Build:
+    type: str
+    jobs: int  # 0 = number of cores of the building host
+    ccache: bool
+    ccache_dir: str | None
+    cmake_flags: tuple[str, ...]
+    serial: bool
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    repo: str
+    ref: str
+    build: Build
+    prefix: str
+    keep_builds: int
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    apt_proxy: str | None
+
+
+@dataclass(frozen=True)
+class HuggingFace:
+    endpoint: str  # what hosts download from
+    api_endpoint: str  # what the control machine queries (already defaulted to endpoint)
+    token_file: str | None  # control-machine path, ~ expanded; None = $HF_TOKEN / default file
+
+
+@dataclass(frozen=True)
+class Network:
+    rpc_bind: Literal["address", "loopback"]
+    allow_public: bool
+
+
+@dataclass(frozen=True)
+class SSH:
+    user: str | None  # None = the ssh default (current user / ssh_config)
+    port: int
+    key: str | None  # absolute control-machine path
+    config: str | None  # absolute control-machine path of an ssh_config
+    sudo: bool
+
+
+@dataclass(frozen=True)
+class RpcServer:
+    port: int
+    bind: str  # resolved IPv4 literal for -H, never ""
+    device: str | None  # None = every device of the host
+    threads: int  # 0 = rpc-server's default
+    cache: bool
+
+    @property
+    def unit_name(self) -> str:
+        return f"meshdeploy-rpc-{self.port}"
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str  # IPv4 literal or DNS name: the SSH target and the default RPC address
+    ssh: SSH
+    backend: str
+    devices: tuple[str, ...]  # resolved: the backend's default when the file lists none
+    rpc_servers: tuple[RpcServer, ...]
+
+    def rpc_server(self, port: int) -> RpcServer | None:
+        for rpc in self.rpc_servers:
+            if rpc.port == port:
+                return rpc
+        return None
+
+
+@dataclass(frozen=True)
+class RpcEndpoint:
+    host: Host
+    rpc: RpcServer
+    address: str  # what the orchestrator dials
+
+    @property
+    def target(self) -> str:
+        """The `address:port` form that goes into llama-server's --rpc list."""
+        return f"{self.address}:{self.rpc.port}"
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Devices this rpc-server exposes, in the order llama-server counts them."""
+        if self.rpc.device is not None:
+            return (self.rpc.device,)
+        return self.host.devices or (CPU_DEVICE,)
+
+
+@dataclass(frozen=True)
+class HfSource:
+    repo: str
+    files: tuple[str, ...]  # one file, or the parts of a split GGUF (first part is loaded)
+    revision: str
+    sha256: str | None  # of the single file; None = trust the hub's LFS hash
+    endpoint: str | None  # None = huggingface.endpoint
+
+
+@dataclass(frozen=True)
+class OllamaSource:
+    model: str  # "qwen3-coder"
+    tag: str  # "30b"; "latest" when the file names none
+    store: str | None  # None = $OLLAMA_MODELS or ~/.ollama/models on the host
+
+
+@dataclass(frozen=True)
+class PathSource:
+    path: str  # absolute path of a GGUF already on the orchestrator host
+
+
+ModelSource = Union[HfSource, OllamaSource, PathSource]
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    source: ModelSource
+
+
+@dataclass(frozen=True)
+class Health:
+    retries: int
+    interval: float  # seconds
+
+    @property
+    def budget(self) -> float:
+        return self.retries * self.interval
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    host: str  # host name (the orchestrator)
+    model: str  # model name
+    port: int
+    bind: str
+    ctx_size: int  # 0 = the model's training context
+    n_gpu_layers: int
+    tensor_split: Literal["auto"] | tuple[float, ...]
+    # Resolved "host:port" names in --rpc order; () when the cluster has no rpc-server to use,
+    # None when the file says `rpc: none`. The file's `[]` (every rpc-server) is expanded.
+    rpc: tuple[str, ...] | None
+    load_mode: str | None
+    api_key_file: str | None  # path on the host
+    extra_args: tuple[str, ...]
+    health: Health
+
+    @property
+    def unit_name(self) -> str:
+        return f"meshdeploy-server-{self.name}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    path: Path
+    llama_cpp: LlamaCpp
+    toolchain: Toolchain
+    huggingface: HuggingFace
+    network: Network
+    hosts: tuple[Host, ...]
+    models: dict[str, Model] = field(hash=False)
+    servers: tuple[Server, ...] = ()
+    source_hash: str = ""  # sha256 of the cluster file's bytes
+
+    def host(self, name: str) -> Host:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(f"no host named {name!r} in cluster {self.name!r}")
+
+    def server(self, name: str) -> Server:
+        for server in self.servers:
+            if server.name == name:
+                return server
+        raise KeyError(f"no server named {name!r} in cluster {self.name!r}")
+
+    def model(self, name: str) -> Model:
+        return self.models[name]
+
+    def rpc_servers(self) -> list[tuple[Host, RpcServer]]:
+        """Every rpc-server of the cluster, hosts in file order."""
+        return [(host, rpc) for host in self.hosts for rpc in host.rpc_servers]
+
+    def rpc_endpoints(self, server: Server) -> list[RpcEndpoint]:
+        """The rpc-servers `server` uses, in --rpc order, with the address it dials."""
+        if not server.rpc:
+            return []
+        endpoints = []
+        for ref in server.rpc:
+            host_name, _, port = ref.rpartition(":")
+            host = self.host(host_name)
+            rpc = host.rpc_server(int(port))
+            if rpc is None:
+                raise KeyError(f"no rpc-server {ref!r} in cluster {self.name!r}")
+            endpoints.append(RpcEndpoint(host, rpc, dial_address(host, rpc, server.host)))
+        return endpoints
+
+    def devices_for(self, server: Server) -> list[str]:
+        """Device labels in llama-server's -ts order: RPC devices first, then local ones."""
+        labels = []
+        for endpoint in self.rpc_endpoints(server):
+            labels += [f"{endpoint.host.name}:{endpoint.rpc.port}/{d}" for d in endpoint.devices]
+        labels += [f"{server.host}/{d}" for d in self.host(server.host).devices]
+        return labels
+
+
+def dial_address(host: Host, rpc: RpcServer, from_host: str) -> str:
+    """Where an orchestrator on `from_host` reaches `rpc` on `host`."""
+    if is_loopback(rpc.bind):
+        return rpc.bind
+    if host.name == from_host:
+        # A wildcard or own-address bind also listens on the host itself; loopback avoids
+        # hairpinning through the host's interface and any firewall on it.
+        return "127.0.0.1" if rpc.bind == "0.0.0.0" else rpc.bind
+    if rpc.bind == "0.0.0.0":
+        return host.address
+    return rpc.bind
+
+
+def is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1"

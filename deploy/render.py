@@ -1,0 +1,237 @@
+"""Plans and apply results as text (Terraform-style) and JSON.
+
+Renderers only read `meshdeploy.deploy.plan` records; they never decide what changes. Returned
+strings carry no trailing newline: callers print() them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from tabulate import tabulate
+
+from meshdeploy.deploy.plan import FORMAT_VERSION, AttrDiff, Change, Plan
+
+# Symbols are right-aligned to the width of "-/+" so resource lines line up, as in Terraform.
+_SYMBOL = {"create": "  +", "update": "  ~", "delete": "  -", "replace": "-/+"}
+_LEGEND = {
+    "create": "create",
+    "update": "update in-place",
+    "delete": "destroy",
+    "replace": "destroy and then create replacement",
+}
+_LEGEND_ORDER = ("create", "update", "delete", "replace")
+_VERB = {
+    "create": "will be created",
+    "update": "will be updated in-place",
+    "replace": "must be replaced",
+    "delete": "will be destroyed",
+}
+_SENSITIVE = "(sensitive value)"
+_KNOWN_AFTER = "(known after apply)"
+
+_GREEN, _YELLOW, _RED, _CYAN, _BOLD, _RESET = (
+    "\x1b[32m", "\x1b[33m", "\x1b[31m", "\x1b[36m", "\x1b[1m", "\x1b[0m"
+)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _Paint:
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __call__(self, code: str, text: str) -> str:
+        return f"{code}{text}{_RESET}" if self.on and text.strip() else text
+
+    def symbol(self, sym: str) -> str:
+        if not self.on:
+            return sym
+        # Colour each character so "-/+" reads red-slash-green, like Terraform.
+        colours = {"+": _GREEN, "~": _YELLOW, "-": _RED}
+        return "".join(self(colours[ch], ch) if ch in colours else ch for ch in sym)
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def _literal(value: Any) -> str:
+    """A value as Terraform prints it: quoted strings, bare numbers, true/false/null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        return "{ " + ", ".join(f"{k} = {_literal(v)}" for k, v in value.items()) + " }"
+    return json.dumps(str(value), ensure_ascii=False)
+
+
+def _attr_line(d: AttrDiff, action: str, width: int, paint: _Paint) -> str:
+    def shown(v: Any) -> str:
+        return _SENSITIVE if d.sensitive else _literal(v)
+
+    if action == "delete" or (d.after is None and d.before is not None and not d.known_after_apply):
+        sym, value = "-", f"{shown(d.before)} -> null"
+    elif action == "create" or d.before is None:
+        sym, value = "+", _KNOWN_AFTER if d.known_after_apply else shown(d.after)
+    elif d.known_after_apply:
+        sym, value = "~", f"{shown(d.before)} -> {_KNOWN_AFTER}"
+    elif d.sensitive:
+        sym, value = "~", _SENSITIVE  # Terraform does not hint at which way a secret moved
+    else:
+        sym, value = "~", f"{shown(d.before)} -> {shown(d.after)}"
+    line = f"      {paint.symbol(sym)} {d.name.ljust(width)} = {value}"
+    if d.forces_replacement:
+        line += paint(_RED, " # forces replacement")
+    return line
+
+
+def _unit_diff_lines(change: Change, paint: _Paint) -> list[str]:
+    sym = {"create": "+", "delete": "-"}.get(change.action, "~")
+    out = [f"      {paint.symbol(sym)} unit_file = <<-EOT"]
+    for raw in change.unit_diff.splitlines():
+        if raw.startswith(("+++", "---")):
+            text = paint(_BOLD, raw)
+        elif raw.startswith("+"):
+            text = paint(_GREEN, raw)
+        elif raw.startswith("-"):
+            text = paint(_RED, raw)
+        elif raw.startswith("@@"):
+            text = paint(_CYAN, raw)
+        else:
+            text = raw
+        out.append(f"          {text}".rstrip())
+    out.append("        EOT")
+    return out
+
+
+def _change_block(change: Change, paint: _Paint) -> list[str]:
+    lines = [paint(_BOLD, f"  # {change.address} {_VERB[change.action]}")]
+    if change.reason:
+        lines.append(f"  # ({change.reason})")
+    sym = paint.symbol(_SYMBOL[change.action])
+    lines.append(f'{sym} resource "{change.role}.{change.resource}" {{')
+    # Updates hide attributes that do not move; creates and deletes show everything they touch.
+    hide = change.action in ("update", "replace")
+    shown = [d for d in change.diffs if not (hide and d.unchanged)]
+    width = max((len(d.name) for d in shown), default=0)
+    lines += [_attr_line(d, change.action, width, paint) for d in shown]
+    if change.unit_diff:
+        lines += _unit_diff_lines(change, paint)
+    hidden = len(change.diffs) - len(shown)
+    if hidden:
+        noun = "attribute" if hidden == 1 else "attributes"
+        lines.append(f"        # ({hidden} unchanged {noun} hidden)")
+    lines.append("    }")
+    return lines
+
+
+def _table(rows: list[dict], headers: list[str], numbers: bool = False) -> str:
+    body = [[r.get(h, "") for h in headers] for r in rows]
+    # Only count columns are numbers: a host or detail such as "1e5" must stay as written.
+    keep = [i for i in range(len(headers)) if not (numbers and i > 0)]
+    text = tabulate(body, headers=headers, tablefmt="simple", disable_numparse=keep)
+    return "\n".join(line.rstrip() for line in text.splitlines())
+
+
+def render_text(plan: Plan, color: bool = False) -> str:
+    paint = _Paint(color)
+    visible = [c for c in plan.changes if c.action != "no-op"]
+    out: list[str] = []
+    if visible:
+        present = {c.action for c in visible}
+        out.append("Resource actions are indicated with the following symbols:")
+        out += [f"{paint.symbol(_SYMBOL[a])} {_LEGEND[a]}" for a in _LEGEND_ORDER if a in present]
+        out += ["", "meshdeploy will perform the following actions:"]
+        for host in plan.all_hosts():
+            for change in (c for c in visible if c.host == host):
+                out.append("")
+                out += _change_block(change, paint)
+        out.append("")
+    rows = plan.host_counts()
+    if rows:
+        headers = ["host", "add", "change", "destroy", "unchanged"]
+        out += [_table(rows, headers, numbers=True), ""]
+    for w in plan.warnings:
+        first, *rest = w.splitlines() or [""]
+        out.append(f"{paint(_YELLOW, 'Warning:')} {first}".rstrip())
+        out += [f"  {line}".rstrip() for line in rest]
+        out.append("")
+    if plan.has_changes():
+        n = plan.counts()
+        summary = f"Plan: {n['add']} to add, {n['change']} to change, {n['destroy']} to destroy."
+    else:
+        summary = "No changes. The cluster matches the configuration."
+    out.append(paint(_BOLD, summary))
+    return "\n".join(out)
+
+
+def _diff_json(d: AttrDiff) -> dict:
+    out = {
+        "name": d.name,
+        "before": d.before,
+        "after": d.after,
+        "forces_replacement": d.forces_replacement,
+        "known_after_apply": d.known_after_apply,
+        "sensitive": d.sensitive,
+    }
+    if d.sensitive:
+        # JSON output ends up in CI logs; the saved plan file (0600) keeps the real values.
+        out["before"] = out["after"] = None
+    if d.known_after_apply:
+        out["after"] = None
+    return out
+
+
+def render_json(plan: Plan) -> str:
+    doc = {
+        "format_version": FORMAT_VERSION,
+        "cluster_name": plan.cluster_name,
+        "cluster_path": plan.cluster_path,
+        "config_hash": plan.config_hash,
+        "created_at": plan.created_at,
+        "meshdeploy_version": plan.meshdeploy_version,
+        "hosts": plan.all_hosts(),
+        "fingerprints": plan.fingerprints,
+        "has_changes": plan.has_changes(),
+        "counts": plan.counts(),
+        "host_counts": plan.host_counts(),
+        "warnings": list(plan.warnings),
+        "changes": [
+            {
+                "address": c.address,
+                "host": c.host,
+                "role": c.role,
+                "resource": c.resource,
+                "action": c.action,
+                "reason": c.reason,
+                "diffs": [_diff_json(d) for d in c.diffs],
+                "unit_diff": c.unit_diff,
+            }
+            for c in plan.changes
+        ],
+    }
+    return json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=False)
+
+
+_APPLY_HEADERS = ["host", "step", "status", "detail"]
+
+
+def render_apply_summary(rows: list[dict]) -> str:
+    """Per-host results at the end of apply: host | step | status | detail."""
+    if not rows:
+        return "Apply complete: nothing was run."
+    for i, r in enumerate(rows):
+        unknown = sorted(set(r) - set(_APPLY_HEADERS))
+        if unknown:
+            raise ValueError(f"apply summary row {i}: unknown key {unknown[0]!r}")
+    return _table([{k: "" if r.get(k) is None else str(r.get(k)) for k in _APPLY_HEADERS}
+                   for r in rows], _APPLY_HEADERS)

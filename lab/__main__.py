@@ -1,0 +1,3 @@
+from meshdeploy.lab.cli import main
+
+raise SystemExit(main())

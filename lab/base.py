@@ -1,0 +1,158 @@
+"""The shared Debian 12 root every lab host overlays, built once per recipe and cached."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from meshdeploy.lab.errors import INSTALL_HINT, LabError
+
+SUITE = "bookworm"
+MIRROR = "http://deb.debian.org/debian"
+VARIANT = "minbase"
+# Only what SSH and systemd need: toolchains, git and curl are the product's job to install.
+PACKAGES = (
+    "systemd",
+    "systemd-sysv",
+    "dbus",
+    "openssh-server",
+    "python3",
+    "iproute2",
+    "sudo",
+    "ca-certificates",
+)
+
+# Runs inside the fresh root (chroot). Host identity (ssh host keys, machine-id) is removed so
+# every host generates its own on first boot; keys for users are added per host, not here.
+SETUP_SCRIPT = r"""
+set -eu
+cat > /etc/apt/sources.list <<'EOF'
+deb http://deb.debian.org/debian bookworm main
+deb http://deb.debian.org/debian bookworm-updates main
+deb http://deb.debian.org/debian-security bookworm-security main
+EOF
+useradd --create-home --shell /bin/bash deploy
+install -d -m 0700 -o deploy -g deploy /home/deploy/.ssh
+install -d -m 0700 /root/.ssh
+echo 'deploy ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/deploy
+chmod 0440 /etc/sudoers.d/deploy
+cat > /etc/ssh/sshd_config.d/lab.conf <<'EOF'
+PasswordAuthentication no
+PermitRootLogin prohibit-password
+UseDNS no
+# pyinfra opens several channels per connection when it gathers facts in parallel.
+MaxSessions 64
+MaxStartups 100:30:200
+EOF
+# Debian's ssh.service refuses to start without host keys; generate them on first boot.
+cat > /etc/systemd/system/lab-ssh-hostkeys.service <<'EOF'
+[Unit]
+Description=Generate this host's SSH host keys
+Before=ssh.service
+ConditionPathExists=!/etc/ssh/ssh_host_ed25519_key
+
+[Service]
+Type=oneshot
+ExecStart=/usr/bin/ssh-keygen -A
+
+[Install]
+WantedBy=multi-user.target
+EOF
+ln -sf /etc/systemd/system/lab-ssh-hostkeys.service \
+    /etc/systemd/system/multi-user.target.wants/lab-ssh-hostkeys.service
+ln -sf /lib/systemd/system/ssh.service /etc/systemd/system/multi-user.target.wants/ssh.service
+# No console login in a lab host: it only costs memory and restarts.
+ln -sf /dev/null /etc/systemd/system/console-getty.service
+ln -sf /dev/null /etc/systemd/system/getty@.service
+rm -f /etc/ssh/ssh_host_*
+: > /etc/machine-id
+rm -f /var/lib/dbus/machine-id
+apt-get clean
+rm -rf /var/lib/apt/lists/*
+"""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MESHDEPLOY_LAB_CACHE", "/var/cache/meshdeploy/lab"))
+
+
+def recipe() -> dict:
+    return {
+        "suite": SUITE,
+        "mirror": MIRROR,
+        "variant": VARIANT,
+        "packages": list(PACKAGES),
+        "setup": SETUP_SCRIPT,
+    }
+
+
+def recipe_hash(spec: dict | None = None) -> str:
+    blob = json.dumps(spec or recipe(), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def base_dir(root: Path | None = None, spec: dict | None = None) -> Path:
+    return (root or cache_root()) / f"base-{recipe_hash(spec)}"
+
+
+def ensure_base(root: Path | None = None, log=print) -> Path:
+    """Return the rootfs of the cached base, debootstrapping it first when the recipe is new.
+
+    The build happens in a temporary directory renamed into place only when complete, so an
+    interrupted build never leaves a base that looks usable.
+    """
+    root = root or cache_root()
+    final = base_dir(root)
+    rootfs = final / "rootfs"
+    if (final / "complete").exists():
+        return rootfs
+    if shutil.which("debootstrap") is None:
+        raise LabError(f"debootstrap is missing: {INSTALL_HINT}")
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "complete").exists():
+            return rootfs
+        _build(final, log)
+    return rootfs
+
+
+def _build(final: Path, log) -> None:
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp_rootfs = tmp / "rootfs"
+    tmp_rootfs.mkdir(parents=True)
+    started = time.monotonic()
+    log(f"building lab base {final.name} (debootstrap {SUITE}, once per recipe)")
+    argv = [
+        "debootstrap",
+        f"--variant={VARIANT}",
+        f"--include={','.join(PACKAGES)}",
+        SUITE,
+        str(tmp_rootfs),
+        MIRROR,
+    ]
+    _run(argv, tmp / "debootstrap.log", "debootstrap")
+    _run(["chroot", str(tmp_rootfs), "/bin/sh", "-c", SETUP_SCRIPT], tmp / "setup.log", "setup")
+    (tmp / "recipe.json").write_text(json.dumps(recipe(), indent=2, sort_keys=True) + "\n")
+    (tmp / "complete").write_text(f"{time.monotonic() - started:.1f}\n")
+    tmp.rename(final)
+    log(f"lab base ready in {time.monotonic() - started:.0f} s: {final}")
+
+
+def _run(argv: list[str], logfile: Path, what: str) -> None:
+    with open(logfile, "w") as out:
+        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        tail = logfile.read_text(errors="replace").strip().splitlines()[-5:]
+        raise LabError(
+            f"building the lab base failed in {what} (exit {proc.returncode}); "
+            f"see {logfile}: {' | '.join(tail)}"
+        )

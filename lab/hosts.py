@@ -1,0 +1,151 @@
+"""One lab host: an overlay root over the shared base, booted by systemd-nspawn in its netns."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+from meshdeploy.lab import net, procs
+from meshdeploy.lab.errors import LabError
+
+CCACHE_IN_HOST = "/var/cache/meshdeploy-ccache"
+NSPAWN_REBOOT_EXIT = 133
+
+
+def host_dir(state_dir: Path, host: str) -> Path:
+    return state_dir / "hosts" / host
+
+
+def overlay_mounted(root: Path) -> bool:
+    return str(root) in mounts_under(root.parent)
+
+
+def mounts_under(prefix: Path) -> list[str]:
+    """Mount points at or below `prefix`, deepest first (the order to unmount them)."""
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].replace("\\040", " ")
+            if point == str(prefix) or point.startswith(str(prefix) + "/"):
+                points.append(point)
+    return sorted(set(points), key=len, reverse=True)
+
+
+def prepare(state_dir: Path, host: str, base_rootfs: Path, all_hosts: list[str], pubkey: str):
+    """Mount the host's overlay root and write what makes it this host and reachable by key."""
+    d = host_dir(state_dir, host)
+    upper, work, root = d / "upper", d / "work", d / "root"
+    for p in (upper, work, root):
+        p.mkdir(parents=True, exist_ok=True)
+    if not overlay_mounted(root):
+        opts = f"lowerdir={base_rootfs},upperdir={upper},workdir={work}"
+        proc = subprocess.run(
+            ["mount", "-t", "overlay", "overlay", "-o", opts, str(root)],
+            capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            raise LabError(f"mounting the overlay root of {host} failed: {proc.stderr.strip()}")
+    (root / "etc/hostname").write_text(host + "\n")
+    lines = ["127.0.0.1 localhost", f"127.0.1.1 {host}", f"{net.BRIDGE_ADDRESS} lab-gateway"]
+    lines += [f"{net.host_address(h)} {h}" for h in all_hosts]
+    (root / "etc/hosts").write_text("\n".join(lines) + "\n")
+    uid, gid = _ids(root, "deploy")
+    for home, owner in ((root / "home/deploy", (uid, gid)), (root / "root", (0, 0))):
+        ssh = home / ".ssh"
+        ssh.mkdir(mode=0o700, exist_ok=True)
+        keys = ssh / "authorized_keys"
+        keys.write_text(pubkey.strip() + "\n")
+        for p in (ssh, keys):
+            os.chown(p, *owner)
+        keys.chmod(0o600)
+    (d / "stop").unlink(missing_ok=True)
+    return root
+
+
+def _ids(root: Path, user: str) -> tuple[int, int]:
+    for line in (root / "etc/passwd").read_text().splitlines():
+        fields = line.split(":")
+        if fields[0] == user:
+            return int(fields[2]), int(fields[3])
+    raise LabError(f"the lab base has no user {user!r}; delete the base cache to rebuild it")
+
+
+def boot(lab: str, state_dir: Path, host: str, ccache: Path, marker: str) -> int:
+    """Start the host's nspawn in a restart loop (a reboot inside makes nspawn exit 133)."""
+    d = host_dir(state_dir, host)
+    nspawn = shlex.join(
+        [
+            "systemd-nspawn",
+            "--boot",
+            "--register=no",  # no machined on the machine
+            "--keep-unit",  # no systemd on the machine to create a scope
+            f"--machine={host}",
+            f"--directory={d / 'root'}",
+            f"--bind={ccache}:{CCACHE_IN_HOST}",
+            "--resolv-conf=off",
+            "--timezone=off",
+            "--link-journal=no",
+            "--console=read-only",
+        ]
+    )
+    stop = shlex.quote(str(d / "stop"))
+    loop = (
+        f"while :; do {nspawn}; rc=$?; "
+        f'if [ "$rc" -ne {NSPAWN_REBOOT_EXIT} ] || [ -e {stop} ]; then exit "$rc"; fi; done'
+    )
+    ns = net.host_netns(lab, host)
+    # Not `ip netns exec`: it remounts /sys, hiding the cgroup mounts nspawn needs.
+    return procs.spawn(["nsenter", f"--net=/run/netns/{ns}", "sh", "-c", loop], d, "nspawn",
+                       marker)
+
+
+def is_booted(state_dir: Path, host: str, marker: str) -> bool:
+    return procs.running(host_dir(state_dir, host), "nspawn", marker) is not None
+
+
+def ssh_argv(ssh_config: Path, host: str, command: str, timeout: int = 5) -> list[str]:
+    return ["ssh", "-F", str(ssh_config), "-o", "BatchMode=yes", "-o",
+            f"ConnectTimeout={timeout}", host, command]
+
+
+def wait_ssh(state_dir: Path, hosts: list[str], ssh_config: Path, marker: str,
+             timeout: float) -> None:
+    """Poll every host until `ssh host true` works; fail naming the hosts that never answered."""
+    pending = set(hosts)
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        tries = {
+            h: subprocess.Popen(ssh_argv(ssh_config, h, "true", 3), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for h in sorted(pending)
+        }
+        for h, p in tries.items():
+            if p.wait() == 0:
+                pending.discard(h)
+            elif not is_booted(state_dir, h, marker):
+                log = host_dir(state_dir, h) / "nspawn.log"
+                raise LabError(f"host {h} stopped while booting; see {log}")
+        if pending:
+            time.sleep(0.5)
+    if pending:
+        names = ", ".join(sorted(pending, key=lambda n: int(n.removeprefix("node"))))
+        raise LabError(
+            f"hosts not answering SSH after {timeout:.0f} s: {names}; see "
+            f"{host_dir(state_dir, 'NODE')}/nspawn.log"
+        )
+
+
+def pss_kib(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+                    break
+        except (OSError, ValueError):
+            continue
+    return total

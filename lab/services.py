@@ -1,0 +1,139 @@
+"""What hosts reach on the bridge address: the apt proxy and the git and Hugging Face mirrors.
+
+Each service listens on the machine's loopback only; a socat pair relays it into the lab
+namespace through a UNIX socket (no route, no lab address in the machine's namespace).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from meshdeploy.lab import procs
+from meshdeploy.lab.errors import LabError
+from meshdeploy.lab.net import BRIDGE_ADDRESS
+
+PROXY_PORT = 3142
+GIT_PORT = 9418
+HF_PORT = 8080
+
+
+def _tinyproxy_conf(port: int) -> str:
+    user = "tinyproxy" if _has_user("tinyproxy") else "nobody"
+    group = "tinyproxy" if _has_user("tinyproxy") else "nogroup"
+    # No LogFile/Syslog: in the foreground tinyproxy logs to stdout, which spawn() captures.
+    return "\n".join(
+        [
+            f"User {user}",
+            f"Group {group}",
+            f"Port {port}",
+            "Listen 127.0.0.1",
+            "Timeout 600",
+            "MaxClients 200",
+            "Allow 127.0.0.1",
+            "LogLevel Notice",
+            "DisableViaHeader Yes",
+            "",
+        ]
+    )
+
+
+def _has_user(name: str) -> bool:
+    try:
+        import pwd
+
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+def _relay(lab: str, run_dir: Path, name: str, lab_port: int, local_port: int, marker: str):
+    sock = run_dir / f"{name}.sock"
+    if len(str(sock)) > 100:
+        raise LabError(f"lab state dir path too long for a UNIX socket: {sock}; use a shorter one")
+    if not procs.running(run_dir, f"{name}-local", marker):
+        procs.spawn(
+            ["socat", f"UNIX-LISTEN:{sock},fork,unlink-early,mode=600",
+             f"TCP:127.0.0.1:{local_port}"],
+            run_dir, f"{name}-local", marker,
+        )
+    if not procs.running(run_dir, f"{name}-lab", marker):
+        procs.spawn(
+            ["ip", "netns", "exec", lab, "socat",
+             f"TCP-LISTEN:{lab_port},bind={BRIDGE_ADDRESS},fork,reuseaddr",
+             f"UNIX-CONNECT:{sock}"],
+            run_dir, f"{name}-lab", marker,
+        )
+
+
+def _port_of(run_dir: Path, name: str) -> int | None:
+    try:
+        return int((run_dir / f"{name}.port").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _service(run_dir: Path, name: str, marker: str, argv_for_port) -> int:
+    """Start a loopback service once; returns its port (kept when already running)."""
+    port = _port_of(run_dir, name)
+    if port and procs.running(run_dir, name, marker):
+        return port
+    port = procs.free_port()
+    pid = procs.spawn(argv_for_port(port), run_dir, name, marker)
+    (run_dir / f"{name}.port").write_text(str(port))
+    procs.wait_tcp(port, name, pid=pid)
+    return port
+
+
+def start_proxy(lab: str, run_dir: Path, marker: str) -> str:
+    if shutil.which("tinyproxy") is None:
+        raise LabError("tinyproxy is missing: install tinyproxy (Debian package)")
+    conf = run_dir / "tinyproxy.conf"
+
+    def argv(port):
+        conf.write_text(_tinyproxy_conf(port))
+        return ["tinyproxy", "-d", "-c", str(conf)]
+
+    port = _service(run_dir, "proxy", marker, argv)
+    _relay(lab, run_dir, "proxy", PROXY_PORT, port, marker)
+    return f"http://{BRIDGE_ADDRESS}:{PROXY_PORT}"
+
+
+def start_git(lab: str, run_dir: Path, marker: str, cache: Path) -> dict:
+    try:
+        from meshdeploy.lab import gitmirror
+    except ImportError as exc:
+        raise LabError(f"the git mirror module is not available ({exc})") from exc
+    repo = gitmirror.ensure_repo(cache / "git")
+    path = Path(repo["path"])
+
+    def argv(port):
+        return ["git", "daemon", "--export-all", f"--base-path={path.parent}", "--reuseaddr",
+                "--listen=127.0.0.1", f"--port={port}", "--informative-errors"]
+
+    port = _service(run_dir, "git", marker, argv)
+    _relay(lab, run_dir, "git", GIT_PORT, port, marker)
+    return {"git_url": f"git://{BRIDGE_ADDRESS}/{path.name}", "git_tags": dict(repo["tags"])}
+
+
+def start_hf(lab: str, run_dir: Path, marker: str, cache: Path) -> dict:
+    try:
+        from meshdeploy.lab import hfmirror
+    except ImportError as exc:
+        raise LabError(f"the Hugging Face mirror module is not available ({exc})") from exc
+    root = cache / "hf"
+    model = hfmirror.ensure_gemma_repo(root)
+
+    def argv(port):
+        return [sys.executable, "-m", "meshdeploy.lab.hfmirror", "--root", str(root),
+                "--bind", "127.0.0.1", "--port", str(port)]
+
+    port = _service(run_dir, "hf", marker, argv)
+    _relay(lab, run_dir, "hf", HF_PORT, port, marker)
+    return {
+        "hf_endpoint": f"http://{BRIDGE_ADDRESS}:{HF_PORT}",
+        "hf_api_endpoint": f"http://127.0.0.1:{port}",
+        "hf_model": model,
+    }

@@ -1,0 +1,34 @@
+"""Defaults of the llama_cpp role (see README.md)."""
+
+# --- layout under llama_cpp.prefix ------------------------------------------------------------
+llama_cpp_src_dir = "src/llama.cpp"        # the clone
+llama_cpp_build_dir = "build"              # cmake build trees, one per (backend, flags)
+llama_cpp_builds_dir = "builds"            # installed builds, one per (commit, backend, flags)
+llama_cpp_current_link = "current"         # -> builds/<key>, flipped only after a good build
+
+# --- cmake --------------------------------------------------------------------------------------
+# Flags every build gets: RPC on, static binaries, nothing fetched from the network at build
+# time (no web UI download), no tests or examples.
+llama_cpp_common_cmake_flags = (
+    "-DGGML_RPC=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF",
+)
+llama_cpp_backend_cmake_flags = {
+    "cpu": (),
+    "cuda": ("-DGGML_CUDA=ON",),
+    "metal": ("-DGGML_METAL=ON",),
+    "vulkan": ("-DGGML_VULKAN=ON",),
+    "rocm": ("-DGGML_HIP=ON",),
+}
+llama_cpp_server_target = "llama-server"
+# The RPC worker's target/binary: ggml-rpc-server in newer trees, rpc-server before.
+llama_cpp_rpc_targets = ("ggml-rpc-server", "rpc-server")
+
+# --- lock file ----------------------------------------------------------------------------------
+llama_cpp_lock_suffix = ".lock.json"

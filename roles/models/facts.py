@@ -1,0 +1,91 @@
+"""Facts of the models role: files on the host, their verified markers, free disk space."""
+
+from __future__ import annotations
+
+from pyinfra.api import FactBase
+
+from meshdeploy.roles.models import defaults as d
+
+_STAT = "stat -c '%s %Y' {p} 2>/dev/null || stat -f '%z %m' {p} 2>/dev/null"
+
+
+class ModelFile(FactBase):
+    """Size, mtime and verified marker of one model file, and the size of its partial download.
+
+    ```python
+    {"size": 253113024, "mtime": 1700000000, "verified": (253113024, 1700000000, "<sha256>"),
+     "partial": 1024 or None, "link": "/path/target" or None}
+    ```
+    None: the file does not exist.
+    """
+
+    def command(self, path):
+        marker = f"{path}{d.models_verified_suffix}"
+        part = f"{path}{d.models_partial_suffix}"
+        return (f"echo \"file $({_STAT.format(p=path)})\"; echo \"marker $(cat {marker} 2>/dev/null)\"; "
+                f"echo \"part $({_STAT.format(p=part)})\"; echo \"link $(readlink {path})\"")
+
+    def process(self, output):
+        values = {}
+        for line in output:
+            key, _, rest = line.partition(" ")
+            values[key] = rest.split()
+        if len(values.get("file", [])) != 2:
+            part = values.get("part", [])
+            return {"size": None, "mtime": None, "verified": None,
+                    "partial": int(part[0]) if len(part) == 2 else None, "link": None}
+        size, mtime = (int(v) for v in values["file"])
+        marker = values.get("marker", [])
+        verified = (int(marker[0]), int(marker[1]), marker[2]) if len(marker) == 3 else None
+        part = values.get("part", [])
+        link = values.get("link") or None
+        return {"size": size, "mtime": mtime, "verified": verified,
+                "partial": int(part[0]) if len(part) == 2 else None,
+                "link": link[0] if link else None}
+
+
+class DiskFree(FactBase):
+    """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
+
+    def command(self, path):
+        return (f"p={path}; while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=$(dirname \"$p\"); done; "
+                "df -Pk \"$p\" | tail -n 1")
+
+    def process(self, output):
+        try:
+            return int(output[-1].split()[3]) * 1024
+        except (IndexError, ValueError):
+            return None
+
+
+class OllamaManifest(FactBase):
+    """An Ollama manifest and the blobs it names.
+
+    ```python
+    {"manifest": "<json text>", "blobs": {"sha256:<hex>": (size, mtime)}, "store": "/root/.ollama/models"}
+    ```
+    None: no such manifest in the store.
+    """
+
+    def command(self, store, registry_path):
+        blob_stat = _STAT.format(p='"$f"')
+        s = store or '${OLLAMA_MODELS:-$HOME/.ollama/models}'
+        return (f"S={s}; M=\"$S/manifests/{registry_path}\"; [ -f \"$M\" ] || exit 0; "
+                "echo \"store $S\"; echo \"manifest $(tr -d '\\n' < \"$M\")\"; "
+                "for dg in $(grep -o 'sha256:[0-9a-f]\\{64\\}' \"$M\" | sort -u); do "
+                "f=\"$S/blobs/sha256-${dg#sha256:}\"; "
+                f"echo \"blob $dg $({blob_stat})\"; done")
+
+    def process(self, output):
+        out = {"manifest": None, "blobs": {}, "store": None}
+        for line in output:
+            key, _, rest = line.partition(" ")
+            if key == "store":
+                out["store"] = rest.strip()
+            elif key == "manifest":
+                out["manifest"] = rest
+            elif key == "blob":
+                parts = rest.split()
+                if len(parts) == 3:
+                    out["blobs"][parts[0]] = (int(parts[1]), int(parts[2]))
+        return out if out["manifest"] else None

@@ -1,0 +1,198 @@
+"""models: GGUF files on the hosts that load them, downloaded with resume and verified once."""
+
+from __future__ import annotations
+
+import json
+
+from meshdeploy.deploy.context import HostContext, Step, q
+from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource
+from meshdeploy.deploy.plan import AttrDiff
+from meshdeploy.deploy.probe import Section
+from meshdeploy.roles.models import defaults as d
+from meshdeploy.roles.models.facts import DiskFree, ModelFile, OllamaManifest
+
+ROLE = "models"
+OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
+
+
+def needed(cluster, host) -> list[str]:
+    """Models this host loads, in cluster order."""
+    names = {s.model for s in cluster.servers if s.host == host.name}
+    return [m for m in cluster.models if m in names]
+
+
+def model_dir(prefix: str, name: str) -> str:
+    return f"{prefix}/{d.models_dir}/{name}"
+
+
+def ollama_registry_path(src: OllamaSource) -> str:
+    model = src.model
+    if model.count("/") == 0:
+        model = f"registry.ollama.ai/library/{model}"
+    elif model.count("/") == 1:
+        model = f"registry.ollama.ai/{model}"
+    return f"{model}/{src.tag}"
+
+
+def files_of(cluster, name: str) -> list[str]:
+    src = cluster.models[name].source
+    if isinstance(src, HfSource):
+        return list(src.files)
+    if isinstance(src, OllamaSource):
+        return ["model.gguf"]
+    return []
+
+
+def model_path(cluster, name: str) -> str:
+    """The path llama-server's -m gets (first part of a split GGUF)."""
+    src = cluster.models[name].source
+    if isinstance(src, PathSource):
+        return src.path
+    return f"{model_dir(cluster.llama_cpp.prefix, name)}/{files_of(cluster, name)[0]}"
+
+
+def sections(cluster, host) -> list[Section]:
+    out = [Section("models.DiskFree", DiskFree, {"path": q(f"{cluster.llama_cpp.prefix}/{d.models_dir}")})]
+    for name in needed(cluster, host):
+        src = cluster.models[name].source
+        if isinstance(src, PathSource):
+            out.append(Section(f"models.ModelFile[{name}]", ModelFile, {"path": q(src.path)}))
+            continue
+        if isinstance(src, OllamaSource):
+            out.append(Section(f"models.OllamaManifest[{name}]", OllamaManifest,
+                               {"store": q(src.store) if src.store else None,
+                                "registry_path": q(ollama_registry_path(src))}))
+        for f in files_of(cluster, name):
+            path = f"{model_dir(cluster.llama_cpp.prefix, name)}/{f}"
+            out.append(Section(f"models.ModelFile[{name}/{f}]", ModelFile, {"path": q(path)}))
+    return out
+
+
+def verify_script(path: str, sha: str) -> str:
+    """Hash once; on a match leave a marker (size mtime sha) that later plans trust."""
+    marker = f"{path}{d.models_verified_suffix}"
+    return (f"set -e; F={q(path)}; "
+            f"H=$( (sha256sum \"$F\" 2>/dev/null || shasum -a 256 \"$F\") | cut -d' ' -f1); "
+            f"if [ \"$H\" != {sha} ]; then echo \"$F: sha256 $H, expected {sha}\" >&2; exit 1; fi; "
+            f"S=$(stat -Lc '%s %Y' \"$F\" 2>/dev/null || stat -Lf '%z %m' \"$F\"); "
+            f"echo \"$S {sha}\" > {q(marker)}.tmp && mv -f {q(marker)}.tmp {q(marker)}")
+
+
+def download_script(path: str, url: str, size: int, sha: str, header_file: str | None) -> str:
+    part = f"{path}{d.models_partial_suffix}"
+    auth = f"-H @{q(header_file)} " if header_file else ""
+    return "\n".join([
+        "set -e",
+        f"mkdir -p {q(path.rsplit('/', 1)[0])}",
+        f"P={q(part)}",
+        # A partial longer than the file, or a finished one with the wrong bytes, starts over.
+        f"S=$(stat -c %s \"$P\" 2>/dev/null || echo 0); [ \"$S\" -le {size} ] || rm -f \"$P\"",
+        f"if [ \"$(stat -c %s \"$P\" 2>/dev/null || echo 0)\" -lt {size} ]; then "
+        f"curl -fsSL --retry {d.models_curl_retries} --retry-delay 2 -C - {auth}-o \"$P\" {q(url)}; fi",
+        f"S=$(stat -c %s \"$P\"); [ \"$S\" = {size} ] || "
+        f"{{ echo \"{path}: downloaded $S bytes, expected {size}\" >&2; exit 1; }}",
+        f"H=$(sha256sum \"$P\" | cut -d' ' -f1); [ \"$H\" = {sha} ] || "
+        f"{{ rm -f \"$P\"; echo \"{path}: sha256 $H, expected {sha}; partial removed\" >&2; exit 1; }}",
+        f"mv -f \"$P\" {q(path)}",
+        verify_script(path, sha).replace("set -e; ", ""),
+    ])
+
+
+def _trusted(fact: dict | None, sha: str) -> bool:
+    if not fact or fact["size"] is None or not fact["verified"]:
+        return False
+    return fact["verified"] == (fact["size"], fact["mtime"], sha)
+
+
+def gguf(ctx: HostContext, name: str) -> Step:
+    """models.gguf[name]: the model's files present on this host, sha256 verified."""
+    cluster = ctx.cluster
+    resource = f"gguf[{name}]"
+    if name not in needed(cluster, ctx.host):
+        return Step(ctx.change(ROLE, resource, "no-op", "not loaded on this host"))
+    src = cluster.models[name].source
+    if isinstance(src, PathSource):
+        fact = ctx.fact(f"models.ModelFile[{name}]")
+        if not fact or fact["size"] is None:
+            raise PlanError(f"models.{name}.path: {src.path} does not exist on host {ctx.host.name}",
+                            hint="copy the GGUF there or use a huggingface source")
+        return Step(ctx.change(ROLE, resource, "no-op", f"{src.path} present"))
+    if isinstance(src, OllamaSource):
+        return _ollama(ctx, name, src)
+    return _huggingface(ctx, name)
+
+
+def _huggingface(ctx: HostContext, name: str) -> Step:
+    resource = f"gguf[{name}]"
+    resolved = ctx.resolved.models[name]
+    commands, diffs, missing_bytes, actions = [], [], 0, set()
+    for f in resolved.files:
+        path = f"{model_dir(ctx.prefix, name)}/{f.name}"
+        fact = ctx.fact(f"models.ModelFile[{name}/{f.name}]")
+        if _trusted(fact, f.sha256):
+            continue
+        if fact and fact["size"] == f.size and not fact["verified"]:
+            actions.add("update")
+            diffs.append(AttrDiff(f.name, "unverified", f"sha256 {f.sha256[:12]}"))
+            commands.append(verify_script(path, f.sha256) + f" || rm -f {q(path)}")
+            commands.append(download_script(path, f.url, f.size, f.sha256, ctx.run.get("hf_header")))
+            continue
+        have = fact["size"] if fact else None
+        actions.add("create" if have is None else "replace")
+        resume = (fact or {}).get("partial") or 0
+        missing_bytes += f.size - resume
+        diffs.append(AttrDiff(f.name, None if have is None else f"{have} bytes",
+                              f"{f.size} bytes, sha256 {f.sha256[:12]}",
+                              forces_replacement=have is not None))
+        if have is not None:
+            commands.append(f"rm -f {q(path)} {q(path + d.models_verified_suffix)}")
+        commands.append(download_script(path, f.url, f.size, f.sha256, ctx.run.get("hf_header")))
+    if not commands:
+        return Step(ctx.change(ROLE, resource, "no-op", f"{name} present, sha256 verified"))
+    free = ctx.fact("models.DiskFree")
+    if free is not None and missing_bytes + d.models_disk_headroom_bytes > free:
+        raise PlanError(f"host {ctx.host.name}: {name} needs {missing_bytes / 2**30:.2f} GiB more "
+                        f"under {ctx.prefix}, only {free / 2**30:.2f} GiB free",
+                        hint="free disk space or set llama_cpp.prefix to a larger disk")
+    ctx.run["model_changed"] = True
+    action = "replace" if "replace" in actions else ("create" if "create" in actions else "update")
+    reason = f"{resolved.repo}@{resolved.commit[:12]}"
+    if missing_bytes:
+        reason += f", {missing_bytes / 2**20:.1f} MiB to download"
+    return Step(ctx.change(ROLE, resource, action, reason, diffs), commands)
+
+
+def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:
+    """Use the blob in place: verify its digest once, then link it; never copy gigabytes."""
+    resource = f"gguf[{name}]"
+    fact = ctx.fact(f"models.OllamaManifest[{name}]")
+    where = f"models.{name}.ollama"
+    if fact is None:
+        raise PlanError(f"{where}: no manifest for {src.model}:{src.tag} in the Ollama store on "
+                        f"{ctx.host.name}", hint=f"run `ollama pull {src.model}:{src.tag}` there, "
+                                                 "or set the store path")
+    try:
+        layers = json.loads(fact["manifest"]).get("layers", [])
+    except ValueError:
+        raise PlanError(f"{where}: the manifest on {ctx.host.name} is not JSON") from None
+    layer = next((x for x in layers if x.get("mediaType") == OLLAMA_MODEL_MEDIA), None)
+    if layer is None:
+        raise PlanError(f"{where}: the manifest has no {OLLAMA_MODEL_MEDIA} layer")
+    digest = layer["digest"]
+    blob = f"{fact['store']}/blobs/sha256-{digest.split(':', 1)[1]}"
+    if digest not in fact["blobs"]:
+        raise PlanError(f"{where}: blob {blob} is missing on {ctx.host.name}",
+                        hint=f"run `ollama pull {src.model}:{src.tag}` again")
+    sha = digest.split(":", 1)[1]
+    path = f"{model_dir(ctx.prefix, name)}/model.gguf"
+    link = ctx.fact(f"models.ModelFile[{name}/model.gguf]")
+    blob_size, blob_mtime = fact["blobs"][digest]
+    marker_ok = link and link.get("verified") == (blob_size, blob_mtime, sha)
+    if link and link.get("link") == blob and marker_ok:
+        return Step(ctx.change(ROLE, resource, "no-op", f"{src.model}:{src.tag} linked, verified"))
+    ctx.run["model_changed"] = True
+    return Step(ctx.change(ROLE, resource, "create" if not link or link["size"] is None else "update",
+                           f"link the Ollama blob (no copy)", [AttrDiff("target", (link or {}).get("link"), blob)]),
+                [f"mkdir -p {q(model_dir(ctx.prefix, name))} && ln -sfn {q(blob)} {q(path)}",
+                 verify_script(path, sha)])

@@ -1,0 +1,122 @@
+"""Command lines of rpc-server and llama-server, as pure functions of the cluster model.
+
+Kept apart from the unit templates so every inventory's exact commands can be golden-tested
+without a host, and so flags that moved between llama.cpp versions are decided in one place.
+"""
+
+from __future__ import annotations
+
+from meshdeploy.deploy.config_checks import is_private
+from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.model import Cluster, Host, RpcServer, Server, is_loopback
+
+# Option names llama-server's --help lists in the tree meshdeploy is tested against (b11312):
+# -lm/--load-mode replaced --mmap/--no-mmap/--mlock/--direct-io there.
+UPSTREAM_FLAGS = frozenset({
+    "-m", "--model", "--host", "--port", "--rpc", "-ngl", "--gpu-layers", "--n-gpu-layers",
+    "-ts", "--tensor-split", "-c", "--ctx-size", "--api-key-file", "-lm", "--load-mode",
+})
+
+# For binaries without -lm: the older flags that give the same loading behaviour.
+LEGACY_LOAD_MODE = {
+    "auto": (),  # the old default: mmap where possible
+    "none": ("--no-mmap",),
+    "mmap": ("--mmap",),
+    "mlock": ("--no-mmap", "--mlock"),
+    "mmap+mlock": ("--mlock",),
+    "dio": ("--direct-io",),
+}
+
+
+def rpc_server_argv(binary: str, host: Host, rpc: RpcServer,
+                    cache_dir: str) -> tuple[list[str], dict]:
+    """argv and environment of one rpc-server.
+
+    + binary: absolute path of rpc-server (ggml-rpc-server in current trees)
+    + cache_dir: LLAMA_CACHE for -c; rpc-server keeps its tensors under $LLAMA_CACHE/rpc
+    Example: (["/opt/meshdeploy/current/bin/ggml-rpc-server", "-H", "10.0.0.5", "-p", "50052"], {})
+    """
+    argv = [binary, "-H", rpc.bind, "-p", str(rpc.port)]
+    if rpc.device is not None:
+        argv += ["-d", rpc.device]
+    if rpc.threads:
+        argv += ["-t", str(rpc.threads)]
+    env = {}
+    if rpc.cache:
+        argv.append("-c")
+        env["LLAMA_CACHE"] = cache_dir
+    return argv, env
+
+
+def llama_server_argv(binary: str, cluster: Cluster, server: Server, model_path: str,
+                      flags: frozenset[str] | None = None) -> list[str]:
+    """argv of one llama-server, using only options the built binary knows.
+
+    + flags: option names from the binary's --help; None = the upstream tree (UPSTREAM_FLAGS)
+    + model_path: the GGUF on the host (the first part for split models)
+    Raises PlanError when a setting needs an option the binary lacks.
+    """
+    known = UPSTREAM_FLAGS if flags is None else flags
+
+    def opt(*aliases: str) -> str:
+        for alias in aliases:
+            if alias in known:
+                return alias
+        raise PlanError(
+            f"llama-server at {binary} has no {'/'.join(aliases)} option "
+            f"(server {server.name})",
+            f"build a llama.cpp that has it (llama_cpp.ref is {cluster.llama_cpp.ref}) or "
+            "remove the setting that needs it")
+
+    argv = [binary, opt("-m", "--model"), model_path,
+            opt("--host"), server.bind, opt("--port"), str(server.port)]
+    endpoints = cluster.rpc_endpoints(server)
+    if endpoints:
+        # An empty --rpc makes llama-server refuse to start (seed ernos): only emit with values.
+        argv += [opt("--rpc"), ",".join(e.target for e in endpoints)]
+    argv += [opt("-ngl", "--gpu-layers", "--n-gpu-layers"), str(server.n_gpu_layers)]
+    if server.tensor_split != "auto":
+        argv += [opt("-ts", "--tensor-split"), ",".join(f"{v:g}" for v in server.tensor_split)]
+    argv += [opt("-c", "--ctx-size"), str(server.ctx_size)]
+    if server.api_key_file is not None:
+        argv += [opt("--api-key-file"), server.api_key_file]
+    if server.load_mode is not None:
+        argv += load_mode_args(server, known, binary)
+    argv += list(server.extra_args)
+    return argv
+
+
+def load_mode_args(server: Server, known: frozenset[str], binary: str) -> list[str]:
+    mode = server.load_mode
+    for alias in ("-lm", "--load-mode"):
+        if alias in known:
+            return [alias, mode]
+    legacy = LEGACY_LOAD_MODE.get(mode)
+    if legacy is not None and all(flag in known for flag in legacy):
+        return list(legacy)
+    raise PlanError(
+        f"llama-server at {binary} supports neither -lm/--load-mode nor the older flags for "
+        f"load_mode '{mode}' (server {server.name})",
+        "remove servers.{0}.load_mode or build a llama.cpp that supports it".format(server.name))
+
+
+def warnings_for(cluster: Cluster) -> list[str]:
+    """Risks that are allowed but must be said every time (plan and apply print them)."""
+    warnings = []
+    for host, rpc in cluster.rpc_servers():
+        if not is_loopback(rpc.bind):
+            scope = "every interface" if rpc.bind == "0.0.0.0" else rpc.bind
+            public = rpc.bind == "0.0.0.0" or not is_private(rpc.bind)
+            if public:
+                warnings.append(
+                    f"rpc-server on {host.name} binds {scope} (port {rpc.port}): RPC is "
+                    "unauthenticated and unencrypted; anyone who reaches it can run code on "
+                    "its devices. Restrict it with a firewall or a private network.")
+    for server in cluster.servers:
+        if not is_loopback(server.bind) and server.api_key_file is None:
+            warnings.append(
+                f"llama-server {server.name} on {server.host} listens on {server.bind}:"
+                f"{server.port} without an API key; set servers.{server.name}.api_key_file "
+                "or bind 127.0.0.1.")
+    return warnings
+

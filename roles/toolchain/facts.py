@@ -1,0 +1,69 @@
+"""Facts of the toolchain role: what the host is and which build tools it already has."""
+
+from __future__ import annotations
+
+from pyinfra.api import FactBase
+
+from meshdeploy.roles.toolchain import defaults as d
+
+_TOOLS = ("cmake", "cc", "c++", "g++", "git", "curl", "ninja", "ccache", "nvcc", "nvidia-smi",
+          "apt-get", "dnf", "brew", "systemctl", "launchctl", "sha256sum", "shasum", "python3")
+
+
+class Platform(FactBase):
+    """Kernel, machine, distribution and the tools on PATH.
+
+    ```python
+    {"kernel": "Linux", "machine": "x86_64", "distro": "debian", "version": "12",
+     "tools": ["cmake", "git"], "cmake_version": (3, 25, 1) or None}
+    ```
+    """
+
+    def command(self):
+        tools = " ".join(_TOOLS)
+        return ("uname -s; uname -m; (. /etc/os-release 2>/dev/null && echo \"$ID $VERSION_ID\") "
+                "|| echo 'unknown -'; "
+                f"for t in {tools}; do command -v $t >/dev/null 2>&1 && printf '%s ' $t; done; echo; "
+                "cmake --version 2>/dev/null | head -n 1")
+
+    def process(self, output):
+        kernel, machine, distro_line, tools_line = (output + ["", "", "", ""])[:4]
+        distro, _, version = distro_line.partition(" ")
+        cmake_version = None
+        if len(output) > 4 and output[4].startswith("cmake version"):
+            try:
+                cmake_version = tuple(int(p) for p in output[4].split()[2].split("-")[0].split(".")[:3])
+            except ValueError:
+                cmake_version = None
+        return {"kernel": kernel, "machine": machine, "distro": distro, "version": version,
+                "tools": sorted(tools_line.split()), "cmake_version": cmake_version}
+
+
+class DebPackages(FactBase):
+    """Installed state of the given Debian packages: {name: True|False}."""
+
+    def command(self, packages):
+        names = " ".join(packages)
+        return f"dpkg-query -W -f '${{Package}} ${{db:Status-Abbrev}}\\n' {names} 2>/dev/null; true"
+
+    def process(self, output):
+        found = {}
+        for line in output:
+            parts = line.split()
+            if len(parts) >= 2:
+                found[parts[0]] = parts[1].startswith("ii")
+        return found
+
+    @staticmethod
+    def default():
+        return {}
+
+
+class AptProxy(FactBase):
+    """Content of meshdeploy's apt proxy snippet, or None when absent."""
+
+    def command(self):
+        return f"cat {d.toolchain_apt_proxy_file}"
+
+    def process(self, output):
+        return "\n".join(output) + "\n"

@@ -1,0 +1,120 @@
+"""toolchain: build tools (cmake, compiler, git, curl, ninja, ccache) and the apt proxy."""
+
+from __future__ import annotations
+
+from meshdeploy.deploy.context import HostContext, Step, q, write_file_command
+from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.plan import AttrDiff
+from meshdeploy.deploy.probe import Section
+from meshdeploy.roles.toolchain import defaults as d
+from meshdeploy.roles.toolchain.facts import AptProxy, DebPackages, Platform
+
+ROLE = "toolchain"
+
+
+def wanted_packages(cluster, manager: str) -> tuple[str, ...]:
+    base = {"apt": d.toolchain_apt_packages, "dnf": d.toolchain_dnf_packages,
+            "brew": d.toolchain_brew_packages}[manager]
+    if cluster.llama_cpp.build.ccache:
+        base = base + (d.toolchain_ccache_package,)
+    return base
+
+
+def sections(cluster, host) -> list[Section]:
+    return [
+        Section("toolchain.Platform", Platform),
+        Section("toolchain.DebPackages", DebPackages,
+                {"packages": wanted_packages(cluster, "apt")}),
+        Section("toolchain.AptProxy", AptProxy),
+    ]
+
+
+def package_manager(platform: dict) -> str | None:
+    tools = platform.get("tools", [])
+    if platform.get("kernel") == "Darwin":
+        return "brew" if "brew" in tools else None
+    for manager, binary in (("apt", "apt-get"), ("dnf", "dnf")):
+        if binary in tools:
+            return manager
+    return None
+
+
+def preflight(ctx: HostContext) -> None:
+    """Refuse, before any change, what cannot work on this host."""
+    platform = ctx.fact("toolchain.Platform") or {}
+    host, backend = ctx.host.name, ctx.host.backend
+    kernel = platform.get("kernel") or "an unknown OS"
+    tools = platform.get("tools", [])
+    if backend == "metal" and kernel != "Darwin":
+        raise PlanError(f"llama.cpp Metal builds need macOS; host {host} reports {kernel}",
+                        hint=f"set hosts.{host}.backend to cpu or vulkan")
+    if backend == "cuda" and "nvcc" not in tools:
+        raise PlanError(f"host {host} has backend cuda but no nvcc on PATH",
+                        hint="install the CUDA toolkit (and the NVIDIA driver) on it, "
+                             "or choose another backend")
+    if backend == "cuda" and "nvidia-smi" not in tools:
+        raise PlanError(f"host {host} has backend cuda but no NVIDIA driver (nvidia-smi missing)",
+                        hint="install the NVIDIA driver on it")
+    if package_manager(platform) is None:
+        raise PlanError(f"host {host}: no supported package manager (apt, dnf, Homebrew) found",
+                        hint="install cmake, a C++ compiler, git, curl and ninja by hand "
+                             "or use a Debian, Ubuntu, Fedora/RHEL or macOS host")
+    have = platform.get("cmake_version")
+    if have and tuple(have) < d.toolchain_cmake_min and package_manager(platform) != "brew":
+        need = ".".join(map(str, d.toolchain_cmake_min))
+        raise PlanError(f"host {host} has cmake {'.'.join(map(str, have))}; llama.cpp needs "
+                        f">= {need}",
+                        hint="install a newer cmake (e.g. from backports or pip install cmake)")
+
+
+def apt_proxy(ctx: HostContext) -> Step:
+    """toolchain.apt_proxy: the apt proxy snippet for hosts without internet."""
+    want_url = ctx.cluster.toolchain.apt_proxy
+    have = ctx.fact("toolchain.AptProxy")
+    manager = package_manager(ctx.fact("toolchain.Platform") or {})
+    path = d.toolchain_apt_proxy_file
+    if manager != "apt" or (want_url is None and have is None):
+        return Step(ctx.change(ROLE, "apt_proxy", "no-op", "no apt proxy configured"))
+    if want_url is None:
+        return Step(ctx.change(ROLE, "apt_proxy", "delete", "apt proxy removed from the file",
+                               [AttrDiff("path", path, None)]),
+                    [f"rm -f {q(path)}"])
+    want = f'Acquire::http::Proxy "{want_url}";\nAcquire::https::Proxy "{want_url}";\n'
+    if have == want:
+        return Step(ctx.change(ROLE, "apt_proxy", "no-op", f"apt uses {want_url}"))
+    action = "create" if have is None else "update"
+    before = None if have is None else have.split('"')[1] if '"' in have else have.strip()
+    return Step(ctx.change(ROLE, "apt_proxy", action, f"apt must go through {want_url}",
+                           [AttrDiff("proxy", before, want_url)]),
+                [write_file_command(path, want)])
+
+
+def packages(ctx: HostContext) -> Step:
+    """toolchain.packages: cmake, compiler, git, curl, ninja (and ccache when asked)."""
+    platform = ctx.fact("toolchain.Platform") or {}
+    manager = package_manager(platform)
+    wanted = wanted_packages(ctx.cluster, manager)
+    if manager == "apt":
+        installed = ctx.fact("toolchain.DebPackages") or {}
+        missing = [p for p in wanted if not installed.get(p)]
+        command = ("export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && "
+                   "apt-get install -y -qq --no-install-recommends " + " ".join(missing))
+    else:
+        # dnf/brew hosts: tools on PATH stand for their packages.
+        by_tool = {"cmake": "cmake", "git": "git", "curl": "curl", "ninja": "ninja",
+                   "ccache": "ccache", "c++": None}
+        tools = set(platform.get("tools", []))
+        missing = [p for p in wanted if by_tool.get(p.replace("-build", ""), p) not in tools
+                   and p not in ("ca-certificates", "gcc-c++")]
+        if manager == "dnf" and "c++" not in tools:
+            missing.append("gcc-c++")
+        if manager == "brew":
+            # Homebrew refuses to run as root: never sudo for brew.
+            command = "brew install " + " ".join(missing)
+        else:
+            command = "dnf install -y " + " ".join(missing)
+    if not missing:
+        return Step(ctx.change(ROLE, "packages", "no-op", f"{', '.join(wanted)} installed"))
+    return Step(ctx.change(ROLE, "packages", "create", f"install with {manager}",
+                           [AttrDiff("packages", None, " ".join(missing))]),
+                [command], sudo=manager != "brew")

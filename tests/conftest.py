@@ -1,0 +1,98 @@
+"""Shared fixtures. `lab`: the multi-host lab, started once per session and always removed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--keep-lab",
+        action="store_true",
+        default=False,
+        help="leave the lab running after the session (remove it with `meshdeploy lab down`)",
+    )
+
+
+def lab_unavailable_reason() -> str | None:
+    """Why the lab cannot run here, or None when it can."""
+    if os.geteuid() != 0:
+        return "the lab needs root"
+    from meshdeploy.lab.core import REQUIRED_TOOLS
+
+    missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"missing tools: {', '.join(missing)}"
+    return None
+
+
+def require_lab() -> None:
+    reason = lab_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("MESHDEPLOY_REQUIRE_LAB") == "1":
+        pytest.fail(f"MESHDEPLOY_REQUIRE_LAB=1 but the lab cannot run: {reason}", pytrace=False)
+    pytest.skip(f"lab unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def lab_available() -> None:
+    """Skips (or fails, under MESHDEPLOY_REQUIRE_LAB=1) when the lab cannot run here."""
+    require_lab()
+
+
+@pytest.fixture(scope="session")
+def lab_handle(request):
+    """The `Lab` object behind the `lab` fixture (tests that take the lab down and back up)."""
+    require_lab()
+    from meshdeploy.lab import Lab
+
+    hosts = int(os.environ.get("MESHDEPLOY_LAB_HOSTS", "3"))
+    handle = Lab(name=os.environ.get("MESHDEPLOY_LAB_NAME", "mdlab"), hosts=hosts)
+    keep = request.config.getoption("--keep-lab")
+    if not keep:
+        _STARTED.append(handle)
+    # SIGTERM (CI timeout, `kill`) must still reach the teardown below.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        handle.up()
+        yield handle
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if not keep:
+            handle.down()
+            _STARTED.clear()
+            from meshdeploy.lab.core import leftovers
+
+            left = {k: v for k, v in leftovers(handle.name, handle.state_dir).items() if v}
+            assert not left, f"lab teardown left traces behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def lab(lab_handle):
+    """LabInfo of a running 3-host lab (see docs/lab.md)."""
+    from meshdeploy.lab import LabInfo
+
+    return LabInfo.load(lab_handle.state_dir)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# Labs this session started and must remove (not a lab someone brought up by hand).
+_STARTED: list = []
+
+
+def pytest_keyboard_interrupt(excinfo):
+    # pytest does not always run session finalizers on Ctrl-C; never leave our lab behind.
+    while _STARTED:
+        handle = _STARTED.pop()
+        try:
+            handle.down()
+        except Exception as exc:  # the interrupt is being reported; add, don't replace
+            print(f"lab teardown after interrupt failed: {exc}; run `meshdeploy lab down`")
