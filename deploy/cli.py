@@ -16,6 +16,14 @@ from meshdeploy.deploy import errors
 from meshdeploy.deploy.errors import MeshdeployError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse exits 2 on usage errors, which --detailed-exitcode reserves for "changes"."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(errors.ERROR, f"{self.prog}: error: {message}\n")
+
+
 def host_list(value: str) -> list[str]:
     hosts = [h.strip() for h in value.split(",") if h.strip()]
     if not hosts:
@@ -24,11 +32,12 @@ def host_list(value: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="meshdeploy",
         description="Plan and apply llama.cpp RPC inference clusters from a cluster file.",
         epilog="meshdeploy lab ... manages the local systemd-nspawn lab (meshdeploy lab --help).")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                parser_class=Parser)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -239,7 +239,7 @@ def schema_issues(doc: Document) -> list[ConfigIssue]:
     errors = list(validator.iter_errors(doc.root))
     if not errors:
         return []
-    first = best_match(errors)
+    first = max(errors, key=relevance)  # best_match would descend into oneOf branches
     errors.sort(key=lambda e: (e is not first, doc.position(tuple(e.absolute_path))))
     issues: list[ConfigIssue] = []
     for error in errors:
@@ -256,6 +256,10 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
     kind = error.validator
     schema = error.schema if isinstance(error.schema, dict) else {}
 
+    if "propertyNames" in error.schema_path:
+        # jsonschema reports the offending name itself as the instance, at its mapping's path.
+        return [doc.issue(path + (value,), f"{show(value)} is not a valid name",
+                          "use letters, digits, '_', '.', '-' (no ':' or spaces)", at_key=True)]
     if kind in ("oneOf", "anyOf"):
         # Errors from the branch whose type matched (a bad list item, too many values) say
         # more than "is not 'auto'"; type/const failures only say the branch did not apply.
@@ -279,8 +283,10 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
                           f"add '{key}:' under {where}", at_key=True) for key in missing]
     if kind == "enum":
         options = [show_option(o) for o in error.validator_value]
-        return [doc.issue(path, f"{show(value)} is not one of {', '.join(options)}",
-                          suggest(str(value), [str(o) for o in error.validator_value if o]))]
+        hint = suggest(str(value), [str(o) for o in error.validator_value if o])
+        if name == "load_mode":
+            hint += " ('none' loads without mmap, the old --no-mmap)"
+        return [doc.issue(path, f"{show(value)} is not one of {', '.join(options)}", hint)]
     if kind == "type":
         wanted = error.validator_value
         hint = None
@@ -293,13 +299,6 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
     if kind == "pattern":
         meaning = PATTERN_MEANING.get(name, f"does not match {error.validator_value}")
         return [doc.issue(path, f"{show(value)} {meaning}", schema_hint(name))]
-    if kind == "propertyNames":
-        # jsonschema reports the offending name itself as the instance.
-        bad = value if isinstance(value, str) else next(
-            (k for k in value if isinstance(k, str) and not valid_name(k)), None)
-        where = path + (bad,) if bad is not None else path
-        return [doc.issue(where, f"'{bad}' is not a valid name",
-                          "use letters, digits, '_', '.', '-' (no ':' or spaces)", at_key=True)]
     if kind in ("minimum", "exclusiveMinimum", "maximum"):
         bound = error.validator_value
         relation = {"minimum": f"at least {bound}", "exclusiveMinimum": f"more than {bound}",
@@ -351,12 +350,6 @@ def schema_hint(name: str) -> str | None:
     if name == "sha256":
         return "sha256sum prints it; leave \"\" to trust the hub's hash"
     return None
-
-
-def valid_name(name: str) -> bool:
-    import re
-
-    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) is not None
 
 
 # -- defaults and the typed model ------------------------------------------------------------
@@ -464,7 +457,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                else tuple(float(v) for v in s["tensor_split"]),
                rpc=rpc_refs(data, s), load_mode=unset(s["load_mode"]),
                api_key_file=unset(s["api_key_file"]), extra_args=tuple(s["extra_args"]),
-               health=Health(s["health"]["retries"], s["health"]["interval"]))
+               health=Health(s["health"]["retries"], float(s["health"]["interval"])))
         for name, s in data["servers"].items())
     return Cluster(
         name=data["cluster"],

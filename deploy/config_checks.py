@@ -206,7 +206,12 @@ def check_servers(doc: Document, data: dict) -> list[ConfigIssue]:
         if split != "auto" and not bad_ref:
             tpath = spath + ("tensor_split",)
             wanted = count_devices(data, refs, server["host"])
-            if len(split) != wanted:
+            if wanted == 0:
+                issues.append(doc.issue(
+                    tpath, "is set, but the server has no devices to split across",
+                    "remove tensor_split, or give the server rpc-servers or a host with "
+                    "accelerators", at_key=True))
+            elif len(split) != wanted:
                 issues.append(doc.issue(
                     tpath, f"has {len(split)} values for {wanted} devices",
                     "one value per device: each rpc-server's devices in --rpc order, then "

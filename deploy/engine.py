@@ -171,7 +171,11 @@ def gather(session: Session, commit: str | None) -> dict[str, dict]:
 
     def one(h):
         sections = probe_sections(cluster, h, commit, h.name == first)
-        ok, output = session.run(h.name, probes.compose(sections) + "true")
+        try:
+            ok, output = session.run(h.name, probes.compose(sections) + "true")
+        except Exception as exc:  # a dropped connection surfaces as paramiko/socket errors
+            errors[h.name] = f"{exc.__class__.__name__}: {exc}"
+            return
         if not ok:
             text = "\n".join(output.stderr_lines[-5:]) if hasattr(output, "stderr_lines") else ""
             if SUDO_REFUSED.search(text):

@@ -7,7 +7,9 @@ so it cleans up after a crashed or interrupted `up` just as well.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shlex
@@ -110,8 +112,20 @@ class Lab:
 
     # -- up -------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def locked(self):
+        """Serialise up/down of one lab across processes (the lock file outlives `down`)."""
+        self.state_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir.parent / f".{self.state_dir.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
     def up(self, timeout: float | None = None) -> LabInfo:
         check_environment()
+        with self.locked():
+            return self._up(timeout)
+
+    def _up(self, timeout: float | None) -> LabInfo:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(exist_ok=True)
         self._ensure_key()
@@ -189,6 +203,10 @@ class Lab:
         """Remove every trace of the lab; safe to repeat. Returns the seconds it took."""
         if os.geteuid() != 0:
             raise LabError("taking the lab down needs root: run it as root")
+        with self.locked():
+            return self._down()
+
+    def _down(self) -> float:
         started = time.monotonic()
         host_ns = [ns for ns in net.lab_netns_names(self.name) if ns != self.name]
         self._remove_hosts(host_ns)
@@ -271,9 +289,12 @@ def leftovers(name: str, state_dir: Path | None = None) -> dict:
     addrs = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
     routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
     subnet = str(net.SUBNET.network_address).rsplit(".", 1)[0] + "."
+    netns_files = {f"/run/netns/{ns}" for ns in net.lab_netns_names(name)}
     with open("/proc/self/mountinfo") as f:
-        mounts = [line.split()[4] for line in f
-                  if str(state_dir) in line.split()[4] or f"/run/netns/{name}" in line.split()[4]]
+        points = [line.split()[4] for line in f]
+    mounts = [p for p in points
+              if p == str(state_dir) or p.startswith(f"{state_dir}/") or p in netns_files
+              or p == f"/run/netns/{name}" or p.startswith(f"/run/netns/{name}-")]
     procs_left = [
         f"{pid} {procs.cmdline(pid)[:80]}"
         for pid in procs.pids_marked(str(state_dir))

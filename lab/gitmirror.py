@@ -9,6 +9,7 @@ blobs) with a fixed author and dates, which makes the commit ids the same on eve
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -75,14 +76,20 @@ def ensure_repo(dest_dir: Path, sdists: list[Path] | None = None) -> dict:
         return _result(repo, cached)
 
     dest_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".llama.cpp.git.", dir=dest_dir))
-    try:
-        commits = _build(work, [(v, p) for v, p in inputs])
-        record = {"key": key, "commits": commits}
-        (work / STAMP).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        _replace_dir(work, repo)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    # Two callers at once (lab up and a test) must not both build and swap directories.
+    with open(dest_dir / f".{REPO_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _read_stamp(repo)
+        if cached is not None and cached.get("key") == key:
+            return _result(repo, cached)
+        work = Path(tempfile.mkdtemp(prefix=".llama.cpp.git.", dir=dest_dir))
+        try:
+            commits = _build(work, [(v, p) for v, p in inputs])
+            record = {"key": key, "commits": commits}
+            (work / STAMP).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+            _replace_dir(work, repo)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return _result(repo, record)
 
 
@@ -179,6 +186,7 @@ def _build(repo: Path, inputs: list) -> list[dict]:
         # Every commit carries its llama-cpp-python-v<version> tag, so the tag names it.
         entry["sha"] = _git(["rev-parse", f"refs/tags/{entry['tags'][-1]}^{{commit}}"], repo)
     _git(["update-server-info"], repo)  # lets a plain HTTP server offer it too
+    (repo / "git-daemon-export-ok").touch()  # git daemon serves it without --export-all too
     return commits
 
 

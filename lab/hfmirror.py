@@ -7,8 +7,15 @@ resume, the model-info and tree APIs with LFS sha256s, and the Hub's X-Error-Cod
 Files are sent with sendfile (multi-GB GGUFs never pass through Python memory) and each is
 hashed once: the sha256 is cached on disk, keyed by size and mtime.
 
-Served tree: ROOT/models/<org>/<name>/refs/<branch>/<path in repo>. A repository's commit id is
-the sha1 of its file listing (paths, sizes, sha256s), so it is stable and changes with content.
+Served tree: ROOT/models/<org>/<name>/refs/<branch>/<path in repo>; hashes in
+ROOT/.sha256-cache.json. A repository's commit id is the sha1 of its repo id, branch and file
+listing (paths, sizes, sha256s): stable across machines, new whenever content changes. Branches
+and that full commit id resolve as revisions.
+
+Why not olah (the PyPI Hub mirror): offline it serves a local git-lfs repo and hf_hub_download
+works, but it ignores Range (no resume), gives no size or sha256 in model_info(files_metadata=
+True), reads a whole file into memory per request and re-hashes it on every HEAD; none of that
+holds up with multi-GB GGUFs.
 
     python -m meshdeploy.lab.hfmirror --root DIR --bind ADDR --port PORT [--gemma]
 """

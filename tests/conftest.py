@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -39,6 +40,28 @@ def require_lab() -> None:
     pytest.skip(f"lab unavailable: {reason}")
 
 
+def claim_lab(name: str):
+    """Hold lab `name` for this test session; returns the open lock file (close to release).
+
+    Two sessions sharing one lab would run commands on each other's hosts and take it down
+    under each other, so the second one is skipped (or fails under MESHDEPLOY_REQUIRE_LAB=1).
+    """
+    from meshdeploy.lab.core import STATE_ROOT
+
+    STATE_ROOT.mkdir(parents=True, exist_ok=True)
+    lock = open(STATE_ROOT / f".{name}.session", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        message = (f"lab {name} is in use by another test session; set MESHDEPLOY_LAB_NAME "
+                   "to use a separate lab")
+        if os.environ.get("MESHDEPLOY_REQUIRE_LAB") == "1":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return lock
+
+
 @pytest.fixture(scope="session")
 def lab_available() -> None:
     """Skips (or fails, under MESHDEPLOY_REQUIRE_LAB=1) when the lab cannot run here."""
@@ -54,6 +77,7 @@ def lab_handle(request):
     hosts = int(os.environ.get("MESHDEPLOY_LAB_HOSTS", "3"))
     handle = Lab(name=os.environ.get("MESHDEPLOY_LAB_NAME", "mdlab"), hosts=hosts)
     keep = request.config.getoption("--keep-lab")
+    session_lock = claim_lab(handle.name)
     if not keep:
         _STARTED.append(handle)
     # SIGTERM (CI timeout, `kill`) must still reach the teardown below.
@@ -63,13 +87,16 @@ def lab_handle(request):
         yield handle
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if not keep:
-            handle.down()
-            _STARTED.clear()
-            from meshdeploy.lab.core import leftovers
+        try:
+            if not keep:
+                handle.down()
+                _STARTED.clear()
+                from meshdeploy.lab.core import leftovers
 
-            left = {k: v for k, v in leftovers(handle.name, handle.state_dir).items() if v}
-            assert not left, f"lab teardown left traces behind: {left}"
+                left = {k: v for k, v in leftovers(handle.name, handle.state_dir).items() if v}
+                assert not left, f"lab teardown left traces behind: {left}"
+        finally:
+            session_lock.close()
 
 
 @pytest.fixture(scope="session")

@@ -352,3 +352,63 @@ def test_every_inventory_validates(inventory):
     assert text.startswith("# yaml-language-server: $schema=../schemas/cluster.schema.json\n")
     cluster = load_cluster(inventory)
     assert cluster.hosts and cluster.servers
+
+
+def schema_objects(node, path="#"):
+    if isinstance(node, dict):
+        if node.get("type") == "object":
+            yield path, node
+        for key, value in node.items():
+            yield from schema_objects(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from schema_objects(value, f"{path}/{i}")
+
+
+def test_schema_documents_every_field():
+    import json
+
+    from jsonschema import Draft202012Validator
+
+    schema = json.loads((ROOT / "schemas" / "cluster.schema.json").read_text())
+    Draft202012Validator.check_schema(schema)
+    assert schema["$id"] and schema["title"]
+    for path, obj in schema_objects(schema):
+        assert obj.get("additionalProperties") is not True, path
+        assert "additionalProperties" in obj, path
+        for name, prop in obj.get("properties", {}).items():
+            assert prop.get("description"), f"{path}/{name}"
+            assert "default" in prop or name in ("huggingface", "ollama"), f"{path}/{name}"
+
+
+def test_extension_keys_carry_anchors(tmp_path):
+    body = "x-ssh: &ssh {user: deploy, port: 2222}\nhosts:\n" \
+           "  n: {address: 10.0.0.1, ssh: *ssh}\n  m: {address: 10.0.0.2, ssh: *ssh}\n"
+    cluster = load_cluster(write(tmp_path, body))
+    assert {h.ssh.port for h in cluster.hosts} == {2222}
+
+
+def test_tensor_split_with_nothing_to_split(tmp_path):
+    body = "hosts:\n  n: {address: 10.0.0.1}\n" + MODELS + \
+        "servers:\n  s: {host: n, model: m, tensor_split: [1, 1]}\n"
+    (issue,) = issues(tmp_path, body)
+    assert issue.startswith("9:26: servers.s.tensor_split: is set, but the server has no devices")
+
+
+def test_schema_refs_have_no_siblings():
+    """Editors on draft-07 semantics (yaml-language-server) ignore keywords next to $ref."""
+    import json
+
+    schema = json.loads((ROOT / "schemas" / "cluster.schema.json").read_text())
+
+    def walk(node, path="#"):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                assert set(node) == {"$ref"}, path
+            for key, value in node.items():
+                walk(value, f"{path}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}/{i}")
+
+    walk(schema)

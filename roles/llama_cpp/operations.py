@@ -22,9 +22,10 @@ def paths(prefix: str) -> dict[str, str]:
 
 def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
     p = paths(cluster.llama_cpp.prefix)
-    out = [Section("llama_cpp.Source", Source, {"path": p["src"], "commit": commit}),
+    # Fact commands take shell words: the prefix may hold spaces.
+    out = [Section("llama_cpp.Source", Source, {"path": q(p["src"]), "commit": commit}),
            Section("llama_cpp.Builds", Builds,
-                   {"builds_dir": p["builds"], "current_link": p["current"]})]
+                   {"builds_dir": q(p["builds"]), "current_link": q(p["current"])})]
     if first:
         out.append(Section("llama_cpp.RemoteRef", RemoteRef,
                            {"repo": q(cluster.llama_cpp.repo), "ref": q(cluster.llama_cpp.ref)}))

@@ -132,11 +132,14 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
         fact = ctx.fact(f"models.ModelFile[{name}/{f.name}]")
         if _trusted(fact, f.sha256):
             continue
-        if fact and fact["size"] == f.size and not fact["verified"]:
+        if fact and fact["size"] == f.size:
+            # Right size but no (or a stale) marker: hash it in place; download only when the
+            # bytes are wrong. The subshell keeps the verify's exit from ending the command.
             actions.add("update")
             diffs.append(AttrDiff(f.name, "unverified", f"sha256 {f.sha256[:12]}"))
-            commands.append(verify_script(path, f.sha256) + f" || rm -f {q(path)}")
-            commands.append(download_script(path, f.url, f.size, f.sha256, ctx.run.get("hf_header")))
+            commands.append(f"( {verify_script(path, f.sha256)} ) || {{ rm -f {q(path)}; ( "
+                            f"{download_script(path, f.url, f.size, f.sha256, ctx.run.get('hf_header'))}"
+                            " ); }")
             continue
         have = fact["size"] if fact else None
         actions.add("create" if have is None else "replace")

@@ -93,6 +93,8 @@ def packages(ctx: HostContext) -> Step:
     """toolchain.packages: cmake, compiler, git, curl, ninja (and ccache when asked)."""
     platform = ctx.fact("toolchain.Platform") or {}
     manager = package_manager(platform)
+    if manager is None:
+        preflight(ctx)  # raises the plain "no supported package manager" error
     wanted = wanted_packages(ctx.cluster, manager)
     if manager == "apt":
         installed = ctx.fact("toolchain.DebPackages") or {}

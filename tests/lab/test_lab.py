@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import claim_lab
 
 pytestmark = pytest.mark.lab
 
@@ -145,6 +146,11 @@ def test_down_cleans_up_after_an_interrupted_up(lab_available):
     """An `up` killed midway leaves namespaces, mounts and processes that `down` must find."""
     from meshdeploy.lab.core import Lab, leftovers
 
+    with claim_lab(TEARDOWN_LAB):
+        _interrupt_and_clean(Lab(name=TEARDOWN_LAB), leftovers)
+
+
+def _interrupt_and_clean(lab, leftovers) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshdeploy.lab", "up", "--name", TEARDOWN_LAB, "--hosts", "2",
          "--no-mirrors"],
@@ -152,7 +158,7 @@ def test_down_cleans_up_after_an_interrupted_up(lab_available):
     )
     deadline = time.monotonic() + 300  # a cold base is built first
     while time.monotonic() < deadline and proc.poll() is None:
-        if leftovers(TEARDOWN_LAB)["mounts"]:
+        if any("/hosts/" in m for m in leftovers(TEARDOWN_LAB)["mounts"]):
             break  # a host root is mounted: interrupt now, mid-boot
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
@@ -160,7 +166,6 @@ def test_down_cleans_up_after_an_interrupted_up(lab_available):
     before = leftovers(TEARDOWN_LAB)
     assert before["netns"] and before["processes"], f"nothing to clean up: {before}"
 
-    lab = Lab(name=TEARDOWN_LAB)
     lab.down()
     assert {k: v for k, v in leftovers(TEARDOWN_LAB).items() if v} == {}
     lab.down()  # safe to repeat

@@ -1,0 +1,229 @@
+"""Data-driven tests of every role fact and resource function, as pyinfra tests its own.
+
+tests/facts/<role>.<Fact>/<case>.json
+    {"kwargs": {...}, "output": [lines], "expected": value,
+     "command_contains": [...], "command_lacks": [...]}          (the last two optional)
+    The fact's command(**kwargs) must be a string; its output goes through the same decode as a
+    real probe (empty output = the fact's default) and must equal `expected`.
+
+tests/operations/<role>.<op>/<case>.json
+    {"cluster": "inventories/lab.yaml" or inline YAML, "host": "node2", "arg": model/port/server,
+     "facts": {section key: decoded value}, "resolved": {"commit", "build_number", "models",
+     "restarted"}, "run": {...}, "expected": {...}}
+    expected: "error" (message start, with optional "hint_contains"), or any of "action",
+    "noop" (reason of a no-op step), "reason", "commands" (exact), "commands_contain",
+    "commands_lack", "command_count", "sudo", "deferred", "diffs", "unit_diff_contain", "run"
+    (subset of the run dict afterwards), "restarted" (rpc-servers restarted afterwards),
+    "returns" (for preflight: null when the host passes).
+    "<<build_key>>" anywhere in facts, run or expected stands for the build key of (cluster,
+    host, resolved commit): it embeds a hash of the cmake flags, which fixtures should not pin.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+from pyinfra.api import FactBase
+
+from meshdeploy.deploy import probe
+from meshdeploy.deploy.config import load_cluster
+from meshdeploy.deploy.context import HostContext, Resolved, Step
+from meshdeploy.deploy.errors import PlanError
+from meshdeploy.roles.llama_cpp import operations as llama_cpp
+from meshdeploy.roles.models import operations as models
+from meshdeploy.roles.models.hf import HfFile, HfResolved
+from meshdeploy.roles.services import operations as services
+from meshdeploy.roles.toolchain import operations as toolchain
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+FACT_DIR = TESTS / "facts"
+OP_DIR = TESTS / "operations"
+ROLES = ("toolchain", "llama_cpp", "models", "services")
+BUILD_KEY = "<<build_key>>"
+
+OPERATIONS = {
+    "toolchain.apt_proxy": lambda ctx, arg: toolchain.apt_proxy(ctx),
+    "toolchain.packages": lambda ctx, arg: toolchain.packages(ctx),
+    "toolchain.preflight": lambda ctx, arg: toolchain.preflight(ctx),
+    "llama_cpp.source": lambda ctx, arg: llama_cpp.source(ctx),
+    "llama_cpp.build": lambda ctx, arg: llama_cpp.build(ctx),
+    "models.gguf": lambda ctx, arg: models.gguf(ctx, arg),
+    "services.rpc_server": lambda ctx, arg: services.rpc_server(ctx, arg),
+    "services.llama_server": lambda ctx, arg: services.llama_server(ctx, arg),
+    "services.cleanup": lambda ctx, arg: services.stale_units(ctx),
+}
+
+
+def fact_classes() -> dict[str, type[FactBase]]:
+    """Every FactBase subclass defined in roles/*/facts.py, by "<role>.<Class>"."""
+    found = {}
+    for role in ROLES:
+        module = importlib.import_module(f"meshdeploy.roles.{role}.facts")
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, FactBase) and obj is not FactBase \
+                    and obj.__module__ == module.__name__:
+                found[f"{role}.{name}"] = obj
+    return found
+
+
+def cases(base: Path) -> list[Path]:
+    return sorted(base.glob("*/*.json"))
+
+
+def case_id(path: Path) -> str:
+    return f"{path.parent.name}/{path.stem}"
+
+
+def as_decoded(key: str, value):
+    """JSON has no tuples; give back the shapes process() returns, so comparisons stay strict."""
+    if value is None:
+        return None
+    if key.startswith("models.ModelFile") and value.get("verified") is not None:
+        return {**value, "verified": tuple(value["verified"])}
+    if key.startswith("models.OllamaManifest"):
+        return {**value, "blobs": {k: tuple(v) for k, v in value["blobs"].items()}}
+    if key == "toolchain.Platform" and value.get("cmake_version") is not None:
+        return {**value, "cmake_version": tuple(value["cmake_version"])}
+    return value
+
+
+def substitute(value, table: dict[str, str]):
+    if isinstance(value, str):
+        for needle, replacement in table.items():
+            value = value.replace(needle, replacement)
+        return value
+    if isinstance(value, list):
+        return [substitute(v, table) for v in value]
+    if isinstance(value, dict):
+        return {substitute(k, table): substitute(v, table) for k, v in value.items()}
+    return value
+
+
+# -- facts -----------------------------------------------------------------------------------------
+
+def test_every_fact_class_has_present_absent_and_odd_cases():
+    classes = fact_classes()
+    assert len(classes) >= 10, sorted(classes)
+    for key in classes:
+        folder = FACT_DIR / key
+        names = sorted(p.stem for p in folder.glob("*.json"))
+        assert len(names) >= 3, f"{folder}: want present/absent/odd cases, have {names}"
+    strays = {p.parent.name for p in cases(FACT_DIR)} - set(classes)
+    assert not strays, f"fixture folders for facts that do not exist: {strays}"
+
+
+@pytest.mark.parametrize("path", cases(FACT_DIR), ids=case_id)
+def test_fact(path):
+    data = json.loads(path.read_text())
+    assert set(data) <= {"kwargs", "output", "expected", "command_contains", "command_lacks",
+                         "note"}, f"{path}: unknown keys"
+    key = path.parent.name
+    fact = fact_classes()[key]
+    command = fact().command(**data.get("kwargs", {}))
+    assert isinstance(command, str) and command.strip()
+    for needle in data.get("command_contains", []):
+        assert needle in command, f"{needle!r} not in {command!r}"
+    for needle in data.get("command_lacks", []):
+        assert needle not in command, f"{needle!r} in {command!r}"
+    # The same route a live probe takes: section lines through decode().
+    section = probe.Section(key, fact, data.get("kwargs", {}))
+    decoded = probe.decode([section], {key: data["output"]})[key]
+    assert decoded == as_decoded(key, data["expected"])
+
+
+# -- operations ------------------------------------------------------------------------------------
+
+def load_case(path: Path, tmp_path: Path):
+    data = json.loads(path.read_text())
+    known = {"cluster", "host", "arg", "facts", "resolved", "run", "expected", "note"}
+    assert set(data) <= known, f"{path}: unknown keys {set(data) - known}"
+    spec = data["cluster"]
+    if "\n" in spec:
+        cluster_file = tmp_path / "cluster.yaml"
+        cluster_file.write_text(spec)
+    else:
+        cluster_file = ROOT / spec
+    cluster = load_cluster(cluster_file)
+    host = cluster.host(data["host"])
+    r = data.get("resolved", {})
+    resolved = Resolved(
+        commit=r.get("commit"), build_number=r.get("build_number"),
+        models={name: HfResolved(m["repo"], m["commit"], tuple(HfFile(**f) for f in m["files"]))
+                for name, m in r.get("models", {}).items()},
+        restarted=set(r.get("restarted", [])))
+    table = {}
+    if resolved.commit:
+        table[BUILD_KEY] = llama_cpp.build_key(cluster, host, resolved.commit)
+    facts = {k: as_decoded(k, v) for k, v in substitute(data.get("facts", {}), table).items()}
+    ctx = HostContext(cluster, host, facts, resolved, run=substitute(data.get("run", {}), table))
+    return ctx, data.get("arg"), substitute(data["expected"], table)
+
+
+def test_every_operation_has_fixtures():
+    present = {p.parent.name for p in cases(OP_DIR)}
+    assert set(OPERATIONS) <= present, f"no fixtures for {set(OPERATIONS) - present}"
+    assert present <= set(OPERATIONS), f"fixtures for unknown operations {present - set(OPERATIONS)}"
+    # Every resource kind the engine schedules is covered by some fixture folder.
+    for inventory in sorted((ROOT / "inventories").glob("*.yaml")):
+        from meshdeploy.deploy.engine import slots
+
+        for slot, _ in slots(load_cluster(inventory)):
+            assert slot.split("[")[0] in OPERATIONS, slot
+
+
+@pytest.mark.parametrize("path", cases(OP_DIR), ids=case_id)
+def test_operation(path, tmp_path):
+    ctx, arg, expected = load_case(path, tmp_path)
+    fn = OPERATIONS[path.parent.name]
+    if "error" in expected:
+        with pytest.raises(PlanError) as info:
+            fn(ctx, arg)
+        assert str(info.value).startswith(expected["error"]), str(info.value)
+        if "hint_contains" in expected:
+            assert expected["hint_contains"] in (info.value.hint or ""), info.value.hint
+        return
+    result = fn(ctx, arg)
+    if "returns" in expected:
+        assert result == expected["returns"]
+        return
+    assert isinstance(result, Step)
+    check_step(result, ctx, expected)
+
+
+def check_step(step: Step, ctx: HostContext, expected: dict) -> None:
+    change = step.change
+    joined = "\n".join(step.commands)
+    assert change.host == ctx.host.name
+    if "noop" in expected:
+        assert step.noop, f"expected a no-op, got {change.action}: {step.commands}"
+        assert change.reason == expected["noop"]
+    if "action" in expected:
+        assert change.action == expected["action"], change.reason
+    if "reason" in expected:
+        assert change.reason == expected["reason"]
+    if "commands" in expected:
+        assert step.commands == expected["commands"]
+    for needle in expected.get("commands_contain", []):
+        assert needle in joined, f"{needle!r} not in the commands:\n{joined}"
+    for needle in expected.get("commands_lack", []):
+        assert needle not in joined, f"{needle!r} in the commands:\n{joined}"
+    if "command_count" in expected:
+        assert len(step.commands) == expected["command_count"], step.commands
+    if "sudo" in expected:
+        assert step.sudo is expected["sudo"]
+    assert step.deferred is expected.get("deferred", False)
+    if "diffs" in expected:
+        got = [{k: getattr(d, k) for k in want} for d, want in zip(change.diffs, expected["diffs"])]
+        assert len(change.diffs) == len(expected["diffs"]), change.diffs
+        assert got == expected["diffs"]
+    for needle in expected.get("unit_diff_contain", []):
+        assert needle in (change.unit_diff or ""), change.unit_diff
+    for key, value in expected.get("run", {}).items():
+        assert ctx.run.get(key) == value, f"run[{key!r}] = {ctx.run.get(key)!r}"
+    if "restarted" in expected:
+        assert sorted(ctx.resolved.restarted) == sorted(expected["restarted"])
