@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    lab = None
     try:
         if args.command == "up":
             lab = Lab(args.name, hosts=args.hosts, state_dir=args.state_dir,
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except LabError as exc:
         _err(f"error: {exc}")
+        started = args.command == "up" and lab is not None and lab.touched
+        hint = exc.hint or (f"run `meshdeploy lab down --name {args.name}` to remove what was "
+                            "started" if started else None)
+        if hint:
+            _err(f"  hint: {hint}")
         return exc.exit_code
     except KeyboardInterrupt:
         _err("interrupted: run `meshdeploy lab down` to remove what was started")

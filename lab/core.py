@@ -16,7 +16,6 @@ import shlex
 import shutil
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from meshdeploy.lab import base, hosts, net, procs, services
@@ -62,11 +61,10 @@ class LabInfo:
             check: bool = False) -> subprocess.CompletedProcess:
         self.host(host)
         command = cmd if isinstance(cmd, str) else shlex.join(cmd)
-        return subprocess.run(
-            hosts.ssh_argv(Path(self.ssh["config"]), host, command),
-            capture_output=True, text=True, timeout=timeout, check=check,
-            stdin=subprocess.DEVNULL,
-        )
+        proc = hosts.run_ssh(hosts.ssh_argv(Path(self.ssh["config"]), host, command), timeout)
+        if check:
+            proc.check_returncode()
+        return proc
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -109,6 +107,7 @@ class Lab:
         self.run_dir = self.state_dir / "run"
         self.ssh_config = self.state_dir / "ssh_config"
         self.key = self.state_dir / "id_ed25519"
+        self.touched = False  # up() got past its checks and may have started things
 
     # -- up -------------------------------------------------------------------------------
 
@@ -126,6 +125,7 @@ class Lab:
             return self._up(timeout)
 
     def _up(self, timeout: float | None) -> LabInfo:
+        self.touched = True
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(exist_ok=True)
         self._ensure_key()
@@ -148,11 +148,15 @@ class Lab:
         for h in self.host_names:
             if hosts.is_booted(self.state_dir, h, self.marker):
                 continue
+            ns = net.host_netns(self.name, h)
+            if ns in net.list_netns():
+                # Left by a crashed or interrupted run: start this host from a clean root.
+                self._remove_hosts([ns])
             net.ensure_host_netns(self.name, h)
             hosts.prepare(self.state_dir, h, rootfs, self.host_names, pubkey)
             hosts.boot(self.name, self.state_dir, h, ccache, self.marker)
         wait = timeout or 60 + 4 * len(self.host_names)
-        hosts.wait_ssh(self.state_dir, self.host_names, self.ssh_config, self.marker, wait)
+        hosts.wait_ready(self.state_dir, self.host_names, self.ssh_config, self.marker, wait)
 
         info = LabInfo(
             name=self.name,
@@ -183,7 +187,8 @@ class Lab:
 
     def _stop_extra_hosts(self) -> None:
         wanted = {net.host_netns(self.name, h) for h in self.host_names}
-        extra = [ns for ns in net.lab_netns_names(self.name) if ns != self.name and ns not in wanted]
+        extra = [ns for ns in net.lab_netns_names(self.name)
+                 if ns != self.name and ns not in wanted]
         if extra:
             self._remove_hosts(extra)
 
@@ -302,10 +307,10 @@ def leftovers(name: str, state_dir: Path | None = None) -> dict:
     return {
         "netns": net.lab_netns_names(name),
         "mounts": mounts,
-        "interfaces": [l.split(":")[1].strip() for l in links.splitlines()
-                       if l.split(":")[1].strip().startswith(name)],
+        "interfaces": [i for i in (ln.split(":")[1].strip() for ln in links.splitlines())
+                       if i.startswith(name)],
         # A lab address or route in the machine's own namespace would be a leak, lab up or not.
-        "root_ns_addresses": [l for l in (addrs + routes).splitlines() if subnet in l],
+        "root_ns_addresses": [ln for ln in (addrs + routes).splitlines() if subnet in ln],
         "processes": procs_left,
     }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -111,30 +112,84 @@ def ssh_argv(ssh_config: Path, host: str, command: str, timeout: int = 5) -> lis
             f"ConnectTimeout={timeout}", host, command]
 
 
-def wait_ssh(state_dir: Path, hosts: list[str], ssh_config: Path, marker: str,
-             timeout: float) -> None:
-    """Poll every host until `ssh host true` works; fail naming the hosts that never answered."""
-    pending = set(hosts)
+# Run as root in each host: ready means boot finished with nothing failed. On this machine a
+# unit sometimes fails to join its cgroup at boot (exit 219/CGROUP); restarting it heals that.
+# Left failed, systemd-user-sessions keeps /run/nologin, which locks out every user but root.
+READY_SCRIPT = """
+state=$(systemctl is-system-running --wait 2>/dev/null)
+if [ "$state" = degraded ]; then
+    failed=$(systemctl list-units --failed --plain --no-legend | awk '{print $1}')
+    systemctl reset-failed
+    systemctl restart $failed
+    state=$(systemctl is-system-running --wait 2>/dev/null)
+fi
+echo "$state $(systemctl list-units --failed --plain --no-legend | awk '{print $1}' | xargs)"
+[ "$state" = running ]
+"""
+ATTEMPT_SECONDS = 45
+
+
+def run_ssh(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ssh, killing it together with its ProxyCommand when it overruns.
+
+    ssh's ConnectTimeout does not cover a ProxyCommand connection whose server went silent, and
+    nc outlives a killed ssh unless its whole process group goes.
+    """
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
+
+
+def wait_ready(state_dir: Path, hosts: list[str], ssh_config: Path, marker: str,
+               timeout: float) -> None:
+    """Poll every host until it answers SSH with its boot finished; fail naming the laggards."""
+    pending = {h: "no answer" for h in hosts}
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
         tries = {
-            h: subprocess.Popen(ssh_argv(ssh_config, h, "true", 3), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            h: subprocess.Popen(
+                ssh_argv(ssh_config, f"root@{h}", READY_SCRIPT, 3), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                start_new_session=True,
+            )
             for h in sorted(pending)
         }
+        round_end = min(deadline, time.monotonic() + ATTEMPT_SECONDS)
         for h, p in tries.items():
-            if p.wait() == 0:
-                pending.discard(h)
+            try:
+                out, _ = p.communicate(timeout=max(0.1, round_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_group(p)
+                pending[h] = "SSH did not answer in time"
+                continue
+            if p.returncode == 0:
+                del pending[h]
             elif not is_booted(state_dir, h, marker):
                 log = host_dir(state_dir, h) / "nspawn.log"
                 raise LabError(f"host {h} stopped while booting; see {log}")
+            elif out.strip():
+                pending[h] = "state " + out.strip()
         if pending:
             time.sleep(0.5)
     if pending:
-        names = ", ".join(sorted(pending, key=lambda n: int(n.removeprefix("node"))))
+        names = sorted(pending, key=lambda n: int(n.removeprefix("node")))
+        detail = "; ".join(f"{h}: {pending[h]}" for h in names)
         raise LabError(
-            f"hosts not answering SSH after {timeout:.0f} s: {names}; see "
-            f"{host_dir(state_dir, 'NODE')}/nspawn.log"
+            f"hosts not ready after {timeout:.0f} s: {detail}; see their boot logs, e.g. "
+            f"{host_dir(state_dir, names[0]) / 'nspawn.log'}"
         )
 
 

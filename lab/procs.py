@@ -64,9 +64,10 @@ def running(run_dir: Path, name: str, marker: str) -> int | None:
 
 def cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
 
 
 def environ_marker(pid: int) -> str:
@@ -129,4 +130,5 @@ def wait_tcp(port: int, what: str, timeout: float = 20.0, pid: int | None = None
             if pid is not None and not alive(pid):
                 break
             time.sleep(0.1)
-    raise LabError(f"{what} did not start listening on 127.0.0.1:{port}; see its log in the lab run dir")
+    raise LabError(f"{what} did not start listening on 127.0.0.1:{port}; "
+                   f"see {what}.log in the lab's run directory")

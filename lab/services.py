@@ -53,7 +53,11 @@ def _relay(lab: str, run_dir: Path, name: str, lab_port: int, local_port: int, m
     sock = run_dir / f"{name}.sock"
     if len(str(sock)) > 100:
         raise LabError(f"lab state dir path too long for a UNIX socket: {sock}; use a shorter one")
-    if not procs.running(run_dir, f"{name}-local", marker):
+    local = procs.running(run_dir, f"{name}-local", marker)
+    if local and f"TCP:127.0.0.1:{local_port}" not in procs.cmdline(local):
+        procs.kill_all([local])  # the service restarted on another port
+        local = None
+    if not local:
         procs.spawn(
             ["socat", f"UNIX-LISTEN:{sock},fork,unlink-early,mode=600",
              f"TCP:127.0.0.1:{local_port}"],

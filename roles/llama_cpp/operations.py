@@ -112,6 +112,7 @@ def build_script(ctx: HostContext, key: str) -> str:
     lines = [
         "set -e", env.strip() or ":",
         f"SRC={q(p['src'])}; TREE={q(tree)}; OUT={q(out)}",
+        'mkdir -p "$TREE" "${OUT%/*}"',
         f'[ "$(git -C "$SRC" rev-parse HEAD)" = {commit} ] || '
         f'{{ echo "source is not at {commit[:12]}" >&2; exit 1; }}',
         # The worker's target name changed upstream; ask the tree which one it has.
@@ -128,7 +129,7 @@ def build_script(ctx: HostContext, key: str) -> str:
     lines += [
         f"cmake -S \"$SRC\" -B \"$TREE\" -G Ninja {flags} -DLLAMA_BUILD_NUMBER={number_expr} "
         f"-DLLAMA_BUILD_COMMIT={commit[:7]} > \"$TREE.configure.log\" 2>&1 || "
-        "{ mkdir -p \"$TREE\"; tail -n 30 \"$TREE.configure.log\" >&2; exit 1; }",
+        "{ tail -n 30 \"$TREE.configure.log\" >&2; exit 1; }",
         f"cmake --build \"$TREE\" --target $TARGETS -j {jobs} > \"$TREE.build.log\" 2>&1 || "
         "{ tail -n 40 \"$TREE.build.log\" >&2; exit 1; }",
         'rm -rf "$OUT.tmp"; mkdir -p "$OUT.tmp/bin"',

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
+
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,9 @@ def cluster_file(lab, tmp_path_factory):
     folder = tmp_path_factory.mktemp("cluster")
     target = folder / "lab.yaml"
     text = (REPO / "inventories" / "lab.yaml").read_text()
-    target.write_text(text.replace("http://127.0.0.1:18080", lab.mirrors["hf_api_endpoint"]))
+    text = text.replace("http://127.0.0.1:18080", lab.mirrors["hf_api_endpoint"])
+    text = text.replace("/var/lib/meshdeploy/lab/mdlab/ssh_config", lab.ssh["config"])
+    target.write_text(text)
     return target
 
 
@@ -51,6 +53,7 @@ def converged(cluster_file):
     applied = meshdeploy("apply", cluster_file, "--auto-approve")
     assert applied.returncode == 0, applied.stderr
     return {"plan": first_plan, "apply": applied}
+
 
 
 def test_validate(cluster_file):
@@ -146,7 +149,7 @@ def test_unreachable_host_is_one_clear_error(converged, cluster_file, tmp_path, 
         "\nHost node9\n    HostName node9\n    User deploy\n"
         f"    IdentityFile {lab.ssh['key']}\n    StrictHostKeyChecking no\n"
         "    UserKnownHostsFile /dev/null\n"
-        "    ProxyCommand ip netns exec mdlab-node3 nc 127.0.0.1 2222\n"))
+        f"    ProxyCommand ip netns exec {lab.name}-node3 nc 127.0.0.1 2222\n"))
     text = cluster_file.read_text().replace("  node3:\n", "  node9:\n")
     text = text.replace(lab.ssh["config"], str(ssh_config))
     bad = tmp_path / "unreachable.yaml"

@@ -116,7 +116,8 @@ def test_ccache_is_shared_and_writable_by_any_user(lab):
     token = f"lab-{time.time_ns()}"
     wrote = lab.run("node1", f"echo {token} > {lab.ccache_dir}/probe-{token}")
     assert wrote.returncode == 0, wrote.stderr
-    read = lab.run("node3", f"cat {lab.ccache_dir}/probe-{token} && rm {lab.ccache_dir}/probe-{token}")
+    probe = f"{lab.ccache_dir}/probe-{token}"
+    read = lab.run("node3", f"cat {probe} && rm {probe}")
     assert read.stdout.strip() == token
 
 
