@@ -198,9 +198,13 @@ def gather(session: Session, commit: str | None) -> dict[str, dict]:
     return results
 
 
-def resolve_commit(cluster: Cluster, facts: dict | None, first: str | None,
-                   probe_here: bool = True) -> tuple[str | None, str | None, str]:
-    """(commit to build, where upstream points now, how it was decided)."""
+def resolve_commit(cluster: Cluster, facts: dict | None,
+                   first: str | None) -> tuple[str | None, str | None, str]:
+    """(commit to build, where upstream points now, how it was decided).
+
+    The repository URL is the hosts' view of it (a mirror on their network may be unreachable
+    from here), so refs are resolved on the first host, never from the control machine.
+    """
     ref = cluster.llama_cpp.ref
     upstream = None
     if facts and first and facts.get(first):
@@ -216,10 +220,6 @@ def resolve_commit(cluster: Cluster, facts: dict | None, first: str | None,
         return locked, upstream, "lock file"
     if upstream:
         return upstream, upstream, "ls-remote on " + first
-    if probe_here:
-        here = locks.ls_remote_here(cluster.llama_cpp.repo, ref)
-        if here:
-            return here, here, "ls-remote from the control machine"
     return None, None, "unresolved"
 
 
@@ -236,7 +236,7 @@ def make_plan(session: Session) -> Planned:
     hosts = session.hosts()
     commit, _, _ = resolve_commit(cluster, None, None)
     facts = gather(session, commit)
-    commit, upstream, how = resolve_commit(cluster, facts, hosts[0].name, probe_here=False)
+    commit, upstream, how = resolve_commit(cluster, facts, hosts[0].name)
     resolved = Resolved(commit=commit, build_number=locks.build_number(cluster.llama_cpp.ref),
                         upstream_commit=upstream)
     for name, model in cluster.models.items():

@@ -420,7 +420,11 @@ class MirrorHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:
         if self.server.verbose:
-            sys.stderr.write(f"{self.address_string()} {format % args}\n")
+            # The Range header shows in the log whether a download resumed.
+            ranged = getattr(self, "headers", None) and self.headers.get("Range")
+            suffix = f" range={ranged}" if ranged else ""
+            sys.stderr.write(f"{self.address_string()} {format % args}{suffix}\n")
+            sys.stderr.flush()
 
 
 def _flag(query: dict, name: str) -> bool:

@@ -17,6 +17,9 @@ from meshdeploy.lab.net import BRIDGE_ADDRESS
 PROXY_PORT = 3142
 GIT_PORT = 9418
 HF_PORT = 8080
+# Where the control machine reaches the default lab's HF mirror (inventories/lab.yaml).
+HF_API_PORT = 18080
+DEFAULT_LAB = "mdlab"  # core.DEFAULT_NAME; core imports this module
 
 
 def _tinyproxy_conf(port: int) -> str:
@@ -79,12 +82,13 @@ def _port_of(run_dir: Path, name: str) -> int | None:
         return None
 
 
-def _service(run_dir: Path, name: str, marker: str, argv_for_port) -> int:
+def _service(run_dir: Path, name: str, marker: str, argv_for_port,
+             preferred: int | None = None) -> int:
     """Start a loopback service once; returns its port (kept when already running)."""
     port = _port_of(run_dir, name)
     if port and procs.running(run_dir, name, marker):
         return port
-    port = procs.free_port()
+    port = preferred if preferred and procs.port_free(preferred) else procs.free_port()
     pid = procs.spawn(argv_for_port(port), run_dir, name, marker)
     (run_dir / f"{name}.port").write_text(str(port))
     procs.wait_tcp(port, name, pid=pid)
@@ -132,9 +136,11 @@ def start_hf(lab: str, run_dir: Path, marker: str, cache: Path) -> dict:
 
     def argv(port):
         return [sys.executable, "-m", "meshdeploy.lab.hfmirror", "--root", str(root),
-                "--bind", "127.0.0.1", "--port", str(port)]
+                "--bind", "127.0.0.1", "--port", str(port), "--verbose"]
 
-    port = _service(run_dir, "hf", marker, argv)
+    # The default lab keeps the port inventories/lab.yaml names for the control machine.
+    preferred = HF_API_PORT if lab == DEFAULT_LAB else None
+    port = _service(run_dir, "hf", marker, argv, preferred)
     _relay(lab, run_dir, "hf", HF_PORT, port, marker)
     return {
         "hf_endpoint": f"http://{BRIDGE_ADDRESS}:{HF_PORT}",

@@ -9,11 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 from meshdeploy.roles.llama_cpp import defaults as d
-from meshdeploy.roles.llama_cpp.facts import pick_ls_remote
 
 FULL_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 BUILD_TAG = re.compile(r"^b(\d+)$")
@@ -47,19 +45,6 @@ def write_lock(cluster_path: Path, repo: str, ref: str, commit: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
-
-
-def ls_remote_here(repo: str, ref: str, timeout: float = 15) -> str | None:
-    """Resolve from the control machine; None when it cannot reach the repository."""
-    try:
-        out = subprocess.run(["git", "ls-remote", repo, ref, f"{ref}^{{}}"], capture_output=True,
-                             text=True, timeout=timeout,
-                             env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    return pick_ls_remote(out.stdout.splitlines())
 
 
 def build_number(ref: str) -> int | None:

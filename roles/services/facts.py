@@ -16,10 +16,17 @@ class Units(FactBase):
     """
 
     def command(self):
+        # systemd hosts list unit files; macOS hosts list LaunchDaemon plists, whose running
+        # state launchctl print reports.
         return (f"for f in {d.services_unit_dir}/{d.services_unit_prefix}*.service; do "
                 "[ -f \"$f\" ] || continue; n=${f##*/}; n=${n%.service}; "
                 "echo \"@@unit $n $(systemctl is-active $n 2>/dev/null) "
-                "$(systemctl is-enabled $n 2>/dev/null)\"; cat \"$f\"; done")
+                "$(systemctl is-enabled $n 2>/dev/null)\"; cat \"$f\"; done; "
+                f"for f in {d.services_launchd_dir}/{d.services_launchd_prefix}*.plist; do "
+                "[ -f \"$f\" ] || continue; n=${f##*/}; n=${n%.plist}; "
+                "st=$(launchctl print system/$n 2>/dev/null | awk '/^\\tstate = / {print $3; exit}'); "
+                "[ \"$st\" = running ] && st=active; "
+                "echo \"@@unit $n ${st:-inactive} enabled\"; cat \"$f\"; done")
 
     def process(self, output):
         units: dict[str, dict] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import plistlib
 import re
 from pathlib import Path
 from string import Template
@@ -79,27 +80,93 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
                    environment=_env_lines(env), credentials=credentials, groups=_groups(host))
 
 
+def is_macos(ctx) -> bool:
+    return (ctx.fact("toolchain.Platform") or {}).get("kernel") == "Darwin"
+
+
+def launchd_plist(label: str, argv: list[str], env: dict, log_dir: str) -> str:
+    """A LaunchDaemon: kept alive like Restart=always, logs where `log show` cannot lose them."""
+    doc = {"Label": label, "ProgramArguments": list(argv), "RunAtLoad": True,
+           "KeepAlive": True, "ThrottleInterval": 3, "UserName": "nobody",
+           "StandardOutPath": f"{log_dir}/{label}.log", "StandardErrorPath": f"{log_dir}/{label}.log"}
+    if env:
+        doc["EnvironmentVariables"] = dict(sorted(env.items()))
+    return plistlib.dumps(doc, sort_keys=True).decode()
+
+
 def _with_key_path(server, path):
     from dataclasses import replace
 
     return replace(server, api_key_file=path)
 
 
+class Systemd:
+    """Where units live and how they are (re)started on systemd hosts."""
+
+    def name(self, unit: str) -> str:
+        return unit
+
+    def path(self, unit: str) -> str:
+        return f"{d.services_unit_dir}/{unit}.service"
+
+    def install(self, unit: str) -> str:
+        return f"systemctl daemon-reload && systemctl enable --quiet {unit} && systemctl restart {unit}"
+
+    def restart(self, unit: str) -> str:
+        return f"systemctl enable --quiet {unit} && systemctl restart {unit}"
+
+    def remove(self, unit: str) -> str:
+        return f"systemctl disable --now {unit} 2>/dev/null; rm -f {q(self.path(unit))}"
+
+    def journal(self, unit: str) -> str:
+        return (f"journalctl -u {unit} -n {d.services_journal_lines} --no-pager -o cat >&2 "
+                "2>/dev/null || true")
+
+
+class Launchd(Systemd):
+    """The same on macOS: LaunchDaemon plists, launchctl bootstrap/kickstart."""
+
+    def name(self, unit: str) -> str:
+        return d.services_launchd_prefix + unit.removeprefix(d.services_unit_prefix)
+
+    def path(self, unit: str) -> str:
+        return f"{d.services_launchd_dir}/{unit}.plist"
+
+    def install(self, unit: str) -> str:
+        return (f"mkdir -p {d.services_launchd_log_dir} && "
+                f"(launchctl bootout system/{unit} 2>/dev/null; true) && "
+                f"launchctl bootstrap system {q(self.path(unit))}")
+
+    def restart(self, unit: str) -> str:
+        return (f"launchctl kickstart -k system/{unit} 2>/dev/null || "
+                f"launchctl bootstrap system {q(self.path(unit))}")
+
+    def remove(self, unit: str) -> str:
+        return f"launchctl bootout system/{unit} 2>/dev/null; rm -f {q(self.path(unit))}"
+
+    def journal(self, unit: str) -> str:
+        return (f"tail -n {d.services_journal_lines} {d.services_launchd_log_dir}/{unit}.log >&2 "
+                "2>/dev/null || true")
+
+
+def manager(ctx) -> Systemd:
+    return Launchd() if is_macos(ctx) else Systemd()
+
+
 def unit_path(name: str) -> str:
-    return f"{d.services_unit_dir}/{name}.service"
+    return Systemd().path(name)
 
 
 def journal_tail(unit: str) -> str:
-    return (f"journalctl -u {unit} -n {d.services_journal_lines} --no-pager -o cat >&2 "
-            "2>/dev/null || true")
+    return Systemd().journal(unit)
 
 
 def _unit_step(ctx, resource, unit, want, reason_restart=None):
     """Write the unit when it differs, then (re)start it once; returns (step, restarted)."""
+    mgr = manager(ctx)
     units = ctx.fact("services.Units") or {}
     have = units.get(unit)
-    write = [write_file_command(unit_path(unit), want),
-             f"systemctl daemon-reload && systemctl enable --quiet {unit} && systemctl restart {unit}"]
+    write = [write_file_command(mgr.path(unit), want), mgr.install(unit)]
     if have is None:
         return Step(ctx.change(ROLE, resource, "create", "new service",
                                unit_diff=_diff(None, want, unit)), write), True
@@ -109,13 +176,13 @@ def _unit_step(ctx, resource, unit, want, reason_restart=None):
     if reason_restart:
         return Step(ctx.change(ROLE, resource, "update", reason_restart,
                                [AttrDiff("restart", None, "yes")]),
-                    [f"systemctl restart {unit}"]), True
+                    [mgr.restart(unit)]), True
     if have["active"] != "active" or have["enabled"] != "enabled":
         return Step(ctx.change(ROLE, resource, "update",
                                f"{have['active']}/{have['enabled']}: start it",
                                [AttrDiff("state", f"{have['active']}/{have['enabled']}",
                                          "active/enabled")]),
-                    [f"systemctl enable --quiet {unit} && systemctl restart {unit}"]), True
+                    [mgr.restart(unit)]), True
     return Step(ctx.change(ROLE, resource, "no-op", f"{unit} active, unit unchanged")), False
 
 
@@ -132,10 +199,10 @@ def _build_info(ctx) -> tuple[str | None, dict | None]:
     return f"{ctx.prefix}/{llama_cpp.d.llama_cpp_builds_dir}/{key}", llama_cpp.manifest_for(ctx)
 
 
-def tcp_wait(address: str, port: int, seconds: int, unit: str | None, who: str) -> str:
+def tcp_wait(address: str, port: int, seconds: int, journal: str | None, who: str) -> str:
     """Readiness by TCP connect: rpc-server exits 0 even when it could not bind (LAB_NOTES)."""
     fail = (f"echo \"{who}: nothing accepts TCP on {address}:{port} after {seconds} s\" >&2; "
-            + (journal_tail(unit) + "; " if unit else "") + "exit 1")
+            + (journal + "; " if journal else "") + "exit 1")
     return (f"bash -c 'for i in $(seq {seconds}); do (exec 3<>/dev/tcp/{address}/{port}) "
             f"2>/dev/null && exit 0; sleep 1; done; exit 1' || {{ {fail}; }}")
 
@@ -147,7 +214,8 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
     if rpc is None:
         return Step(ctx.change(ROLE, resource, "no-op", "no rpc-server on this port here"))
     build_dir, manifest = _build_info(ctx)
-    unit = rpc.unit_name
+    mgr = manager(ctx)
+    unit = mgr.name(rpc.unit_name)
     if manifest is None:
         ctx.run.setdefault("restarted", set()).add(unit)
         ctx.resolved.restarted.add(f"{ctx.host.name}:{port}")
@@ -156,24 +224,32 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
                                "runs the new build",
                                [AttrDiff("exec_start", None, None, known_after_apply=True)]),
                     deferred=True)
-    want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
+    if isinstance(mgr, Launchd):
+        argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{manifest['rpc_binary']}", ctx.host,
+                                          rpc, f"/var/cache/{rpc.unit_name}")
+        want = launchd_plist(unit, argv, env, d.services_launchd_log_dir)
+    else:
+        want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
     step, restarted = _unit_step(ctx, resource, unit, want)
     if restarted:
         ctx.resolved.restarted.add(f"{ctx.host.name}:{port}")
-        step.commands.append(tcp_wait(rpc.bind, port, d.services_rpc_probe_seconds, unit,
-                                      f"{ctx.host.name}/{unit}"))
+        step.commands.append(tcp_wait(rpc.bind, port, d.services_rpc_probe_seconds,
+                                      mgr.journal(unit), f"{ctx.host.name}/{unit}"))
     return step
 
 
 def stale_units(ctx: HostContext) -> Step:
     """services.cleanup: meshdeploy units the cluster file no longer describes."""
-    wanted = {r.unit_name for r in ctx.host.rpc_servers} | {s.unit_name for s in ctx.servers()}
+    mgr = manager(ctx)
+    wanted = {mgr.name(r.unit_name) for r in ctx.host.rpc_servers}
+    wanted |= {mgr.name(s.unit_name) for s in ctx.servers()}
     units = ctx.fact("services.Units") or {}
     stale = sorted(u for u in units if u not in wanted)
     if not stale:
         return Step(ctx.change(ROLE, "cleanup", "no-op", "no stale units"))
-    cmds = [f"systemctl disable --now {u} 2>/dev/null; rm -f {q(unit_path(u))}" for u in stale]
-    cmds.append("systemctl daemon-reload")
+    cmds = [mgr.remove(u) for u in stale]
+    if not isinstance(mgr, Launchd):
+        cmds.append("systemctl daemon-reload")
     return Step(ctx.change(ROLE, "cleanup", "delete", "no longer in the cluster file",
                            [AttrDiff("units", " ".join(stale), None)]), cmds)
 
@@ -185,7 +261,7 @@ def model_sha(ctx: HostContext, name: str) -> str | None:
     return None
 
 
-def health_wait(server) -> str:
+def health_wait(server, journal: str | None = None) -> str:
     """llama-server answers 503 while loading; 200 on /health means ready."""
     h = server.health
     host = "127.0.0.1" if server.bind in ("0.0.0.0", "127.0.0.1") else server.bind
@@ -193,7 +269,7 @@ def health_wait(server) -> str:
     return (f"for i in $(seq {h.retries}); do c=$(curl -s -o /dev/null -w '%{{http_code}}' "
             f"--max-time 5 {url}); [ \"$c\" = 200 ] && exit 0; sleep {h.interval:g}; done; "
             f"echo \"{server.unit_name}: /health not 200 after {h.budget:g} s (last: $c)\" >&2; "
-            f"{journal_tail(server.unit_name)}; exit 1")
+            f"{journal or journal_tail(server.unit_name)}; exit 1")
 
 
 def llama_server(ctx: HostContext, name: str) -> Step:
@@ -207,17 +283,27 @@ def llama_server(ctx: HostContext, name: str) -> Step:
              if f"{e.host.name}:{e.rpc.port}" in ctx.resolved.restarted]
     reason = f"workers restart ({', '.join(moved)})" if moved else None
     build_dir, manifest = _build_info(ctx)
+    mgr = manager(ctx)
+    unit = mgr.name(server.unit_name)
     if manifest is None:
-        have = (ctx.fact("services.Units") or {}).get(server.unit_name)
+        have = (ctx.fact("services.Units") or {}).get(unit)
         return Step(ctx.change(ROLE, resource, "create" if have is None else "update",
                                "runs the new build",
                                [AttrDiff("exec_start", None, None, known_after_apply=True)]),
                     deferred=True)
-    want = server_unit(ctx.cluster, ctx.host, server, build_dir, manifest.get("flags"),
-                       model_sha(ctx, server.model))
-    step, restarted = _unit_step(ctx, resource, server.unit_name, want, reason)
+    sha = model_sha(ctx, server.model)
+    if isinstance(mgr, Launchd):
+        flags = manifest.get("flags")
+        argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", ctx.cluster, server,
+                                       models.model_path(ctx.cluster, server.model),
+                                       frozenset(flags) if flags else None)
+        want = launchd_plist(unit, argv, {"MESHDEPLOY_MODEL_SHA256": sha} if sha else {},
+                             d.services_launchd_log_dir)
+    else:
+        want = server_unit(ctx.cluster, ctx.host, server, build_dir, manifest.get("flags"), sha)
+    step, restarted = _unit_step(ctx, resource, unit, want, reason)
     if restarted:
         checks = [tcp_wait(e.address, e.rpc.port, 10, None, f"{ctx.host.name} -> {e.target}")
                   for e in endpoints]
-        step.commands = checks + step.commands + [health_wait(server)]
+        step.commands = checks + step.commands + [health_wait(server, mgr.journal(unit))]
     return step
