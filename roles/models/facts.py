@@ -62,7 +62,9 @@ class OllamaManifest(FactBase):
     """An Ollama manifest and the blobs it names.
 
     ```python
-    {"manifest": "<json text>", "blobs": {"sha256:<hex>": (size, mtime)}, "store": "/root/.ollama/models"}
+    {"manifest": "<json text>", "blobs": {"sha256:<hex>": (size, mtime)},
+     "heads": {"sha256:<hex>": "<base64 of the first 64 KiB of a GGUF blob>"},
+     "store": "/root/.ollama/models"}
     ```
     None: no such manifest in the store.
     """
@@ -74,16 +76,22 @@ class OllamaManifest(FactBase):
                 "echo \"store $S\"; echo \"manifest $(tr -d '\\n' < \"$M\")\"; "
                 "for dg in $(grep -o 'sha256:[0-9a-f]\\{64\\}' \"$M\" | sort -u); do "
                 "f=\"$S/blobs/sha256-${dg#sha256:}\"; "
-                f"echo \"blob $dg $({blob_stat})\"; done")
+                f"echo \"blob $dg $({blob_stat})\"; "
+                # The model blob's header: enough for its architecture string, not its weights.
+                "[ \"$(head -c 4 \"$f\" 2>/dev/null)\" = GGUF ] && "
+                "echo \"gguf $dg $(head -c 65536 \"$f\" | base64 | tr -d '\\n')\"; done")
 
     def process(self, output):
-        out = {"manifest": None, "blobs": {}, "store": None}
+        out = {"manifest": None, "blobs": {}, "heads": {}, "store": None}
         for line in output:
             key, _, rest = line.partition(" ")
             if key == "store":
                 out["store"] = rest.strip()
             elif key == "manifest":
                 out["manifest"] = rest
+            elif key == "gguf":
+                digest, _, head = rest.partition(" ")
+                out["heads"][digest] = head.strip()
             elif key == "blob":
                 parts = rest.split()
                 if len(parts) == 3:

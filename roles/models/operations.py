@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 from meshdeploy.deploy.context import HostContext, Step, q
@@ -10,6 +11,7 @@ from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.models import defaults as d
+from meshdeploy.roles.models import gguf_header
 from meshdeploy.roles.models.facts import DiskFree, ModelFile, OllamaManifest
 
 ROLE = "models"
@@ -187,6 +189,7 @@ def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:
     if digest not in fact["blobs"]:
         raise PlanError(f"{where}: blob {blob} is missing on {ctx.host.name}",
                         hint=f"run `ollama pull {src.model}:{src.tag}` again")
+    _check_architecture(where, ctx.host.name, fact.get("heads", {}).get(digest))
     sha = digest.split(":", 1)[1]
     path = f"{model_dir(ctx.prefix, name)}/model.gguf"
     link = ctx.fact(f"models.ModelFile[{name}/model.gguf]")
@@ -199,3 +202,19 @@ def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:
                            f"link the Ollama blob (no copy)", [AttrDiff("target", (link or {}).get("link"), blob)]),
                 [f"mkdir -p {q(model_dir(ctx.prefix, name))} && ln -sfn {q(blob)} {q(path)}",
                  verify_script(path, sha)])
+
+
+def _check_architecture(where: str, host: str, head_b64: str | None) -> None:
+    """Ollama ships some models under its own architecture names (seed split-guide:
+    glm4moelite where upstream says deepseek2); upstream llama.cpp refuses to load those."""
+    if not head_b64:
+        raise PlanError(f"{where}: the model blob on {host} is not a GGUF file",
+                        hint="pull the model again, or use a Hugging Face GGUF")
+    try:
+        arch = gguf_header.architecture(base64.b64decode(head_b64))
+    except (ValueError, gguf_header.HeaderError) as exc:
+        raise PlanError(f"{where}: cannot read the GGUF header of the blob on {host}: {exc}") from None
+    if arch is not None and arch not in gguf_header.KNOWN_ARCHITECTURES:
+        raise PlanError(f"{where}: the blob's architecture {arch!r} is not one upstream llama.cpp "
+                        "knows (an Ollama-specific name)",
+                        hint="use the Hugging Face GGUF of this model instead")
