@@ -92,6 +92,11 @@ def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
     from pyinfra.api.state import StateStage
 
     run = Run(session, planned, progress)
+    cluster = session.cluster
+    if planned.resolved.commit and planned.plan.extra.get("commit_source", "").startswith("ls-remote"):
+        # Resolved by this plan: record it before any host builds it.
+        locks.write_lock(cluster.path, cluster.llama_cpp.repo, cluster.llama_cpp.ref,
+                         planned.resolved.commit)
     state = session.state
     op = _operation(run)
     order = [slot for slot, _ in slots(session.cluster)]

@@ -1,0 +1,278 @@
+"""Weight tensors of a GGUF: where their bytes sit, which ones rpc-server caches, the model shape.
+
+The tensor list is read on the control machine. For a model on a Hugging Face endpoint only the
+header travels: header_from_http fetches the header by HTTP Range into a sparse file of the full
+size, so gguf's GGUFReader (which maps a whole file) parses it without the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from gguf import GGUFReader
+from gguf.constants import GGUF_MAGIC, GGUFValueType
+
+from meshdeploy.roles.rpc_cache import defaults as d
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+# llama-arch.cpp: tensors of LLM_TENSOR_LAYER_INPUT; llama.cpp keeps the input layer on the CPU
+# of the orchestrator, so these never reach a worker (unless tied as the output, see placement).
+INPUT_TENSORS = ("token_embd.", "position_embd.", "token_types.", "per_layer_token_embd.")
+
+
+class GgufHeaderError(ValueError):
+    """The bytes are not a GGUF header meshdeploy can read."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    offset: int  # absolute byte offset of the tensor's data in the file
+    size: int  # bytes, as rpc-server receives them (ggml_nbytes)
+    layer: int | None  # N of blk.N.*, None for input/output tensors
+
+    @property
+    def hashed(self) -> bool:
+        """rpc-server caches (and the orchestrator hashes) only weights above the threshold."""
+        return self.size > d.rpc_cache_hash_threshold
+
+    @property
+    def is_input(self) -> bool:
+        return self.layer is None and self.name.startswith(INPUT_TENSORS)
+
+
+def _reader(gguf_path_or_header) -> GGUFReader:
+    if isinstance(gguf_path_or_header, GGUFReader):
+        return gguf_path_or_header
+    path = Path(gguf_path_or_header)
+    try:
+        return GGUFReader(path)
+    except FileNotFoundError:
+        raise GgufHeaderError(f"{path}: no such file") from None
+    except (ValueError, struct.error, IndexError) as exc:
+        raise GgufHeaderError(f"{path}: not a readable GGUF file ({exc})") from None
+
+
+def weight_tensors(gguf_path_or_header) -> list[Tensor]:
+    """Every tensor of the GGUF in file order.
+
+    + gguf_path_or_header: a GGUF path (a sparse header file works) or a GGUFReader
+    Example: weight_tensors("gemma-3-270m-q4_k_m.gguf")[1] ==
+             Tensor("token_embd.weight", 6527680, 178257920, None)   # .hashed is True
+    """
+    reader = _reader(gguf_path_or_header)
+    out = []
+    for t in reader.tensors:
+        m = _BLOCK.match(t.name)
+        out.append(Tensor(t.name, int(t.data_offset), int(t.n_bytes), int(m.group(1)) if m else None))
+    return out
+
+
+def _field(reader: GGUFReader, key: str):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    value = f.contents()
+    return value
+
+
+def model_shape(reader) -> dict:
+    """Sizes that decide where a model fits.
+
+    ```python
+    {"arch": "gemma3", "n_layers": 18, "layer_bytes": [bytes of blk.0, ...],
+     "input_bytes": 178257920, "output_bytes": 2560, "tied_output": True,
+     "output_device_bytes": 178260480,   # what the output device holds (tied: + token_embd)
+     "kv_bytes_per_token": 18432, "kv_bytes_per_token_layer": [1024, ...], "n_ctx_train": 32768}
+    ```
+    KV is f16 K and V at full context in every layer (an upper bound for sliding-window layers).
+    """
+    reader = _reader(reader)
+    arch = _field(reader, "general.architecture")
+    if not arch:
+        raise GgufHeaderError("the GGUF has no general.architecture")
+    n_layers = _field(reader, f"{arch}.block_count")
+    if n_layers is None:
+        raise GgufHeaderError(f"the GGUF has no {arch}.block_count")
+    n_layers = int(n_layers)
+    tensors = weight_tensors(reader)
+    layer_bytes = [0] * n_layers
+    input_bytes = output_bytes = 0
+    for t in tensors:
+        if t.layer is not None and t.layer < n_layers:
+            layer_bytes[t.layer] += t.size
+        elif t.is_input:
+            input_bytes += t.size
+        else:
+            output_bytes += t.size
+    tied = not any(t.name == "output.weight" for t in tensors)
+    embd = next((t.size for t in tensors if t.name == "token_embd.weight"), 0)
+    n_embd = int(_field(reader, f"{arch}.embedding_length") or 0)
+    n_head = _per_layer(_field(reader, f"{arch}.attention.head_count"), n_layers)
+    n_head_kv = _per_layer(_field(reader, f"{arch}.attention.head_count_kv"), n_layers) \
+        if _field(reader, f"{arch}.attention.head_count_kv") is not None else n_head
+    k_len = _field(reader, f"{arch}.attention.key_length")
+    v_len = _field(reader, f"{arch}.attention.value_length")
+    kv_layer = []
+    for il in range(n_layers):
+        # llama-hparams: n_embd_head_k defaults to n_embd / n_head when key_length is absent.
+        head_k = int(k_len) if k_len is not None else (n_embd // n_head[il] if n_head[il] else 0)
+        head_v = int(v_len) if v_len is not None else head_k
+        kv_layer.append((n_head_kv[il] * head_k + n_head_kv[il] * head_v) * 2)
+    return {
+        "arch": arch, "n_layers": n_layers, "layer_bytes": layer_bytes,
+        "input_bytes": input_bytes, "output_bytes": output_bytes, "tied_output": tied,
+        "output_device_bytes": output_bytes + (embd if tied else 0),
+        "kv_bytes_per_token": sum(kv_layer), "kv_bytes_per_token_layer": kv_layer,
+        "n_ctx_train": int(_field(reader, f"{arch}.context_length") or 0),
+    }
+
+
+def _per_layer(value, n_layers: int) -> list[int]:
+    """Head counts are a scalar or, in some architectures, one value per layer."""
+    if value is None:
+        return [0] * n_layers
+    if isinstance(value, list):
+        values = [int(v) for v in value]
+        return (values + [values[-1]] * n_layers)[:n_layers] if values else [0] * n_layers
+    return [int(value)] * n_layers
+
+
+# ---- header over HTTP ----------------------------------------------------------------------------
+
+def header_end(buf: bytes) -> int | None:
+    """Offset where tensor data starts (aligned), or None when `buf` ends inside the header."""
+    if len(buf) >= 4 and struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
+        raise GgufHeaderError("not a GGUF file (bad magic)")
+    try:
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise GgufHeaderError(f"GGUF version {version} is too old")
+        pos, alignment = 24, 32
+        for _ in range(n_kv):
+            key, pos = _string(buf, pos)
+            vtype = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
+            pos += 4
+            if key == "general.alignment" and vtype == GGUFValueType.UINT32:
+                alignment = struct.unpack_from("<I", buf, pos)[0]
+            pos = _skip(buf, pos, vtype)
+        for _ in range(n_tensors):
+            _, pos = _string(buf, pos)
+            n_dims = struct.unpack_from("<I", buf, pos)[0]
+            pos += 4 + 8 * n_dims + 4 + 8
+            if pos > len(buf):
+                return None
+    except (struct.error, IndexError):
+        return None
+    except ValueError as exc:  # an unknown value type: the bytes are not a GGUF we know
+        raise GgufHeaderError(f"unreadable GGUF header: {exc}") from None
+    return pos + (-pos % alignment)
+
+
+_SCALARS = {
+    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UINT16: 2,
+    GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4,
+    GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1, GGUFValueType.UINT64: 8,
+    GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+}
+
+
+def _string(buf: bytes, pos: int) -> tuple[str, int]:
+    n = struct.unpack_from("<Q", buf, pos)[0]
+    end = pos + 8 + n
+    if end > len(buf):
+        raise IndexError
+    return buf[pos + 8:end].decode("utf-8", "replace"), end
+
+
+def _skip(buf: bytes, pos: int, vtype: GGUFValueType) -> int:
+    if vtype == GGUFValueType.STRING:
+        return _string(buf, pos)[1]
+    if vtype == GGUFValueType.ARRAY:
+        item = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
+        count = struct.unpack_from("<Q", buf, pos + 4)[0]
+        pos += 12
+        if item in _SCALARS:
+            end = pos + count * _SCALARS[item]
+            if end > len(buf):
+                raise IndexError
+            return end
+        for _ in range(count):
+            pos = _skip(buf, pos, item)
+        return pos
+    return pos + _SCALARS[vtype]
+
+
+class _DropAuthOnOtherHost(urllib.request.HTTPRedirectHandler):
+    """The Hub redirects LFS files to a CDN with a signed URL: the token stays with the Hub."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urlsplit(newurl).netloc != urlsplit(req.full_url).netloc:
+            for key in list(new.headers):
+                if key.lower() == "authorization":
+                    del new.headers[key]
+        return new
+
+
+def _fetch(opener, url: str, start: int, end: int, headers: dict) -> bytes:
+    req = urllib.request.Request(url, headers={**headers, "Range": f"bytes={start}-{end}"})
+    try:
+        with opener.open(req, timeout=d.rpc_cache_http_timeout) as resp:
+            if resp.status != 206 and start > 0:
+                raise GgufHeaderError(f"{url}: the server ignored the Range request "
+                                      f"(HTTP {resp.status}); a header-only read needs Range")
+            # A server that ignores Range would send the whole file: read only what was asked.
+            return resp.read(end - start + 1)
+    except urllib.error.HTTPError as exc:
+        code = exc.headers.get("X-Error-Code") if exc.headers else None
+        raise GgufHeaderError(f"{url}: HTTP {exc.code}{f' ({code})' if code else ''}") from None
+    except urllib.error.URLError as exc:
+        raise GgufHeaderError(f"{url}: {exc.reason}") from None
+
+
+def header_from_http(url: str, size: int, token: str | None = None,
+                     headers: dict | None = None, dest: Path | None = None) -> Path:
+    """A sparse file of `size` bytes holding only the GGUF header fetched from `url`.
+
+    + url: a resolve URL (meshdeploy's hfmirror, huggingface.co, any server honouring Range)
+    + size: the file's full size (the Hub's X-Linked-Size / model_info)
+    + token: sent as "Authorization: Bearer <token>", never to a redirect's other host
+    + dest: where to write; default a new temporary file. The caller deletes it.
+    Example: weight_tensors(header_from_http(url, 253113024))
+    """
+    hdrs = dict(headers or {})
+    if token:
+        hdrs["Authorization"] = f"Bearer {token}"
+    opener = urllib.request.build_opener(_DropAuthOnOtherHost)
+    buf = b""
+    want = d.rpc_cache_header_first_fetch
+    while True:
+        end = min(want, size) - 1
+        if end >= len(buf):
+            buf += _fetch(opener, url, len(buf), end, hdrs)
+        data_start = header_end(buf)
+        if data_start is not None:
+            break
+        if len(buf) >= size or want >= d.rpc_cache_header_max:
+            raise GgufHeaderError(f"{url}: no complete GGUF header in the first {len(buf)} bytes")
+        want *= 4
+    if data_start > size:
+        raise GgufHeaderError(f"{url}: the header ends at byte {data_start}, past the given "
+                              f"size {size}: wrong size for this file?")
+    if dest is None:
+        fd, name = tempfile.mkstemp(prefix="meshdeploy-gguf-header-", suffix=".gguf")
+        os.close(fd)
+        dest = Path(name)
+    with open(dest, "wb") as f:
+        f.write(buf[:data_start])
+        f.truncate(size)  # the weights stay a hole: nothing is allocated or downloaded
+    return Path(dest)
