@@ -85,6 +85,13 @@ def _operation(run: Run):
     return meshdeploy_step
 
 
+def record_lock(cluster, planned: Planned) -> None:
+    """A ref this plan resolved is recorded before any host builds it."""
+    if planned.resolved.commit and planned.plan.extra.get("commit_source", "").startswith("ls-remote"):
+        locks.write_lock(cluster.path, cluster.llama_cpp.repo, cluster.llama_cpp.ref,
+                         planned.resolved.commit)
+
+
 def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
     from pyinfra.api import BaseStateCallback
     from pyinfra.api.operation import add_op
@@ -92,11 +99,6 @@ def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
     from pyinfra.api.state import StateStage
 
     run = Run(session, planned, progress)
-    cluster = session.cluster
-    if planned.resolved.commit and planned.plan.extra.get("commit_source", "").startswith("ls-remote"):
-        # Resolved by this plan: record it before any host builds it.
-        locks.write_lock(cluster.path, cluster.llama_cpp.repo, cluster.llama_cpp.ref,
-                         planned.resolved.commit)
     state = session.state
     op = _operation(run)
     order = [slot for slot, _ in slots(session.cluster)]

@@ -71,6 +71,7 @@ def _is_plan_file(path: str) -> bool:
 
 def apply(args) -> int:
     from meshdeploy.deploy.apply import apply as run_apply
+    from meshdeploy.deploy.apply import record_lock
 
     saved = None
     if _is_plan_file(args.file):
@@ -88,6 +89,7 @@ def apply(args) -> int:
             check_fresh(saved, config_hash(cluster), planned.plan.fingerprints)
         else:
             print(render_text(planned.plan, color=_color()))
+        record_lock(cluster, planned)
         if not planned.plan.has_changes():
             if saved is not None:
                 print("No changes. The cluster matches the configuration.")

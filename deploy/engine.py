@@ -64,6 +64,26 @@ def ssh_target(host) -> str:
     return host.address
 
 
+def _tolerate_dead_proxy_commands() -> None:
+    """paramiko kills a ProxyCommand's process when it closes the socket, and again from an
+    atexit hook; when the proxy already exited (the host was unreachable) that raises
+    ProcessLookupError and prints a traceback after our one-line error."""
+    from paramiko.proxy import ProxyCommand
+
+    if getattr(ProxyCommand.close, "_meshdeploy", False):
+        return
+    original = ProxyCommand.close
+
+    def close(self):
+        try:
+            original(self)
+        except ProcessLookupError:
+            pass
+
+    close._meshdeploy = True
+    ProxyCommand.close = close
+
+
 @dataclass
 class Session:
     cluster: Cluster
@@ -79,6 +99,7 @@ class Session:
         from pyinfra.api import Config, Inventory, State
 
         logging.getLogger("pyinfra").setLevel(logging.CRITICAL)
+        _tolerate_dead_proxy_commands()
         names = []
         for h in self.hosts():
             data = {"ssh_hostname": ssh_target(h), "ssh_port": h.ssh.port,

@@ -263,7 +263,9 @@ def header_from_http(url: str, size: int, token: str | None = None,
         if data_start is not None:
             break
         if len(buf) >= size or want >= d.rpc_cache_header_max:
-            raise GgufHeaderError(f"{url}: no complete GGUF header in the first {len(buf)} bytes")
+            raise GgufHeaderError(f"{url}: no complete GGUF header in the first {len(buf)} bytes"
+                                  + (" (the whole given size: is the size right?)"
+                                     if len(buf) >= size else ""))
         want *= 4
     if data_start > size:
         raise GgufHeaderError(f"{url}: the header ends at byte {data_start}, past the given "

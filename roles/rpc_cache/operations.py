@@ -1,0 +1,196 @@
+"""rpc_cache: rpc-server caches filled from the worker's own GGUF, so no weight crosses the wire.
+
+rpc-server -c looks up each >10 MiB weight by the FNV-1a hash of its bytes; md-rpc-seed (built
+on the worker from templates/md-rpc-seed.c) writes those entries atomically. Hashes exist only
+after hashing on the worker, so a marker in the cache dir records what was seeded:
+"<gguf sha256> <offset> <size> <16hex>" per tensor. A later plan trusts the marker when every
+wanted (offset, size) of the model is listed and each listed entry exists with its size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshdeploy.deploy.context import HostContext, Step, q, write_file_command
+from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.plan import AttrDiff
+from meshdeploy.deploy.probe import Section
+from meshdeploy.roles.rpc_cache import defaults as d
+from meshdeploy.roles.rpc_cache.facts import CacheDir, SeedTool
+from meshdeploy.roles.rpc_cache.placement import wire_bytes
+from meshdeploy.roles.rpc_cache.tensors import Tensor
+
+ROLE = "rpc_cache"
+SOURCE = Path(__file__).with_name("templates") / "md-rpc-seed.c"
+_HEX16_GLOB = "[0-9a-f]" * 16
+
+
+@dataclass(frozen=True)
+class SeedModel:
+    """One model whose tensors a worker's cache should hold."""
+
+    model_path: str  # the GGUF on the worker
+    model_sha: str  # its sha256 (any stable content id without spaces)
+    tensors: tuple[Tensor, ...]  # what llama-server sends to this worker (placement.device_tensors)
+
+
+def tool_path(prefix: str) -> str:
+    return f"{prefix}/{d.rpc_cache_tools_dir}/{d.rpc_cache_tool_name}"
+
+
+def source_sha256() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
+def _cached_ports(host) -> list[int]:
+    return sorted(r.port for r in host.rpc_servers if r.cache)
+
+
+def sections(cluster, host) -> list[Section]:
+    """Probe sections: the tool, and each cached rpc-server's cache dir."""
+    ports = _cached_ports(host)
+    if not ports:
+        return []
+    out = [Section("rpc_cache.SeedTool", SeedTool, {"path": q(tool_path(cluster.llama_cpp.prefix))})]
+    out += [Section(f"rpc_cache.CacheDir[{p}]", CacheDir, {"path": q(d.cache_dir_for(p))})
+            for p in ports]
+    return out
+
+
+def seed_tool(ctx: HostContext) -> Step:
+    """rpc_cache.seed_tool: md-rpc-seed compiled on the worker from the shipped source.
+
+    + facts: rpc_cache.SeedTool (the source sha256 the installed binary was built from)
+    Example: no-op "md-rpc-seed built from source 3f2a9c01b7de"
+    """
+    if not _cached_ports(ctx.host):
+        return Step(ctx.change(ROLE, "seed_tool", "no-op", "no cached rpc-server on this host"))
+    want = source_sha256()
+    have = ctx.fact("rpc_cache.SeedTool")
+    if have and have.get("source_sha256") == want:
+        return Step(ctx.change(ROLE, "seed_tool", "no-op", f"md-rpc-seed built from source {want[:12]}"))
+    binary = tool_path(ctx.prefix)
+    src = f"{binary}.c"
+    stamp = f"{binary}{d.rpc_cache_tool_source_suffix}"
+    build = (f"command -v cc >/dev/null 2>&1 || {{ echo \"{ctx.host.name}: no C compiler (cc) to "
+             f"build md-rpc-seed; the toolchain role installs one\" >&2; exit 1; }}; "
+             f"{d.rpc_cache_tool_cc} -o {q(binary + '.tmp')} {q(src)} && "
+             f"mv -f {q(binary + '.tmp')} {q(binary)} && "
+             f"echo {want} > {q(stamp + '.tmp')} && mv -f {q(stamp + '.tmp')} {q(stamp)}")
+    ctx.run["seed_tool_changed"] = True
+    before = None if have is None else ((have.get("source_sha256") or "unknown")[:12])
+    return Step(ctx.change(ROLE, "seed_tool", "create" if have is None else "update",
+                           "build md-rpc-seed" if have is None else "source changed; rebuild",
+                           [AttrDiff("source_sha256", before, want[:12])]),
+                [write_file_command(src, SOURCE.read_text()), build])
+
+
+def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], cache_dir: str,
+         model_sha: str, also: tuple[SeedModel, ...] = ()) -> Step:
+    """rpc_cache.seed[port]: the worker's rpc-server cache holds every >10 MiB tensor it loads.
+
+    + model_path, model_sha: the GGUF on this worker and its sha256
+    + tensors: what llama-server sends to this rpc-server (placement.device_tensors)
+    + cache_dir: rpc-server's $LLAMA_CACHE/rpc (defaults.cache_dir_for(port))
+    + also: further models served through the same rpc-server; their entries are kept too
+    Entries in the cache dir that no wanted model's marker line names are deleted.
+    Example: create "1.95 GB to seed from /opt/meshdeploy/models/m/m.gguf; 90.2 MB of small
+             tensors still cross the network at each load"
+    """
+    resource = f"seed[{port}]"
+    rpc = ctx.host.rpc_server(port)
+    if rpc is None:
+        return Step(ctx.change(ROLE, resource, "no-op", "no rpc-server on this port here"))
+    if not rpc.cache:
+        return Step(ctx.change(ROLE, resource, "no-op", "cache off for this rpc-server"))
+    models = (SeedModel(model_path, model_sha, tuple(tensors)),) + tuple(also)
+    for m in models:
+        if not m.model_sha or any(c.isspace() for c in m.model_sha):
+            raise PlanError(f"rpc_cache.seed[{port}] on {ctx.host.name}: model sha {m.model_sha!r} "
+                            "is empty or has spaces", hint="pass the GGUF's sha256")
+    fact = ctx.fact(f"rpc_cache.CacheDir[{port}]")
+    entries = (fact or {}).get("entries", {})
+    marker = (fact or {}).get("marker", [])
+    keep_lines, to_seed, referenced, claimed = [], [], set(), set()
+    for m in models:
+        wanted = {(t.offset, t.size) for t in m.tensors if t.hashed}
+        covered = {}
+        for sha, off, size, name in marker:
+            if sha == m.model_sha and (off, size) in wanted:
+                claimed.add(name)  # a wrong-size entry is replaced by seeding, not deleted
+                if entries.get(name) == size:
+                    covered[(off, size)] = name
+        keep_lines += [(m.model_sha, off, size, name) for (off, size), name in sorted(covered.items())]
+        referenced |= set(covered.values())
+        missing = sorted(wanted - covered.keys())
+        if missing:
+            to_seed.append((m, missing))
+    stale = sorted(n for n in entries if n not in referenced and n not in claimed)
+    temporary = (fact or {}).get("temporary", [])
+    marker_now = sorted(set(marker))
+    marker_want = sorted(set(keep_lines))
+    if not to_seed and not stale and not temporary and marker_now == marker_want:
+        n = len(keep_lines)
+        size = sum(line[2] for line in keep_lines)
+        return Step(ctx.change(ROLE, resource, "no-op",
+                               f"{n} tensors ({size / 1e9:.2f} GB) seeded for {model_sha[:12]}"))
+    seed_bytes = sum(size for _, missing in to_seed for _, size in missing)
+    small = sum(wire_bytes(list(m.tensors))[1] for m in models)
+    diffs = []
+    if to_seed:
+        count = sum(len(missing) for _, missing in to_seed)
+        diffs.append(AttrDiff("seeded", f"{len(keep_lines)} tensors",
+                              f"{len(keep_lines) + count} tensors (+{seed_bytes / 1e6:.1f} MB)"))
+    if stale:
+        stale_bytes = sum(entries[n] for n in stale)
+        diffs.append(AttrDiff("stale entries", f"{len(stale)} ({stale_bytes / 1e6:.1f} MB)", None))
+    if temporary:
+        diffs.append(AttrDiff("interrupted writes", " ".join(temporary), None))
+    if to_seed:
+        action = "create" if not keep_lines else "update"
+        reason = (f"{seed_bytes / 1e9:.2f} GB to seed from {model_path}; {small / 1e6:.1f} MB of "
+                  "small tensors still cross the network at each load")
+    else:
+        action = "delete" if stale else "update"
+        reason = "remove what no deployed model uses" if stale else "rewrite the seeding marker"
+    ctx.run.setdefault("seeded_ports", set()).add(port)
+    return Step(ctx.change(ROLE, resource, action, reason, diffs),
+                [_seed_script(tool_path(ctx.prefix), cache_dir, marker_want, to_seed)])
+
+
+def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list) -> str:
+    """Seed, then write the marker, then delete entries it does not name, in that order: an
+    entry rpc-server wrote itself for a wanted tensor is kept by md-rpc-seed, not rewritten."""
+    marker = f"{cache_dir}/{d.rpc_cache_marker}"
+    lines = [
+        "set -e",
+        f"D={q(cache_dir)}; M={q(marker)}",
+        "mkdir -p \"$D\"",
+        "L=\"$D/.meshdeploy-seed-list\"",
+        f"rm -f \"$D\"/.{_HEX16_GLOB}.tmp \"$M.tmp\" \"$L\" \"$L.out\"",
+        ": > \"$M.tmp\"",
+    ]
+    if keep_lines:
+        body = "".join(f"{sha} {off} {size} {name}\n" for sha, off, size, name in keep_lines)
+        lines.append(f"cat >> \"$M.tmp\" <<'MESHDEPLOY_MARKER'\n{body}MESHDEPLOY_MARKER")
+    for m, missing in to_seed:
+        listing = "".join(f"{off} {size}\n" for off, size in missing)
+        lines += [
+            f"cat > \"$L\" <<'MESHDEPLOY_LIST'\n{listing}MESHDEPLOY_LIST",
+            f"{q(tool)} {q(m.model_path)} \"$D\" < \"$L\" > \"$L.out\"",
+            # md-rpc-seed answers line by line, in order: pair each answer with its request.
+            "[ \"$(wc -l < \"$L\")\" = \"$(wc -l < \"$L.out\")\" ] || "
+            "{ echo \"md-rpc-seed answered for fewer tensors than asked\" >&2; exit 1; }",
+            f"paste -d ' ' \"$L\" \"$L.out\" | awk -v s={q(m.model_sha)} "
+            "'$2 != $4 { exit 1 } { print s, $1, $2, $3 }' >> \"$M.tmp\" || "
+            "{ echo \"md-rpc-seed answers do not match the tensor list\" >&2; exit 1; }",
+        ]
+    lines += [
+        "mv -f \"$M.tmp\" \"$M\"",
+        "rm -f \"$L\" \"$L.out\"",
+        f"for f in \"$D\"/{_HEX16_GLOB}; do [ -e \"$f\" ] || continue; "
+        "grep -q \" ${f##*/}\\$\" \"$M\" || rm -f \"$f\"; done",
+    ]
+    return "\n".join(lines)
