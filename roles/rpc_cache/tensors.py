@@ -18,7 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from gguf import GGUFReader
-from gguf.constants import GGUF_MAGIC, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from meshdeploy.roles.rpc_cache import defaults as d
 
@@ -49,39 +49,112 @@ class Tensor:
         return self.layer is None and self.name.startswith(INPUT_TENSORS)
 
 
-def _reader(gguf_path_or_header) -> GGUFReader:
-    if isinstance(gguf_path_or_header, GGUFReader):
-        return gguf_path_or_header
-    path = Path(gguf_path_or_header)
+@dataclass
+class Header:
+    """What the GGUF header says: scalar/short-array fields and (name, offset, size) per tensor.
+
+    GGUFReader builds an object per vocabulary entry (about 15 s for gemma-3's 262k tokens);
+    this reads the same header in well under a second and skips long arrays.
+    """
+
+    fields: dict
+    tensors: list  # (name, absolute data offset, bytes)
+    data_offset: int
+
+
+def parse_header(buf: bytes) -> Header | None:
+    """The header in `buf`, or None when `buf` ends before the tensor infos do."""
+    if len(buf) >= 4 and struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
+        raise GgufHeaderError("not a GGUF file (bad magic)")
+    fields: dict = {}
+    infos = []
     try:
-        return GGUFReader(path)
-    except FileNotFoundError:
-        raise GgufHeaderError(f"{path}: no such file") from None
-    except (ValueError, struct.error, IndexError) as exc:
-        raise GgufHeaderError(f"{path}: not a readable GGUF file ({exc})") from None
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise GgufHeaderError(f"GGUF version {version} is too old")
+        pos = 24
+        for _ in range(n_kv):
+            key, pos = _string(buf, pos)
+            vtype = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
+            pos += 4
+            value, pos = _value(buf, pos, vtype)
+            if value is not _SKIPPED:
+                fields[key] = value
+        for _ in range(n_tensors):
+            name, pos = _string(buf, pos)
+            n_dims = struct.unpack_from("<I", buf, pos)[0]
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, dims, ggml_type, offset))
+    except (struct.error, IndexError):
+        return None
+    except ValueError as exc:  # an unknown value or tensor type: not a GGUF this reads
+        raise GgufHeaderError(f"unreadable GGUF header: {exc}") from None
+    alignment = fields.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GgufHeaderError(f"invalid general.alignment {alignment!r}")
+    data = pos + (-pos % alignment)
+    tensors = []
+    for name, dims, ggml_type, offset in infos:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise GgufHeaderError(f"tensor {name}: unknown ggml type {ggml_type}") from None
+        n = 1
+        for dim in dims:
+            n *= dim
+        tensors.append((name, data + offset, n * type_size // block))
+    return Header(fields, tensors, data)
+
+
+def header_end(buf: bytes) -> int | None:
+    """Offset where tensor data starts (aligned), or None when `buf` ends inside the header."""
+    header = parse_header(buf)
+    return None if header is None else header.data_offset
+
+
+def read_header(source) -> Header:
+    """The header of a GGUF path (reading only its first bytes), or of a GGUFReader."""
+    if isinstance(source, Header):
+        return source
+    if isinstance(source, GGUFReader):
+        fields = {}
+        for key, f in source.fields.items():
+            if f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > _MAX_ARRAY:
+                continue
+            fields[key] = f.contents()
+        return Header(fields, [(t.name, int(t.data_offset), int(t.n_bytes)) for t in source.tensors],
+                      int(source.data_offset))
+    path = Path(source)
+    try:
+        with open(path, "rb") as f:
+            buf, want = b"", d.rpc_cache_header_first_fetch
+            while True:
+                buf += f.read(want - len(buf))
+                header = parse_header(buf)
+                if header is not None:
+                    return header
+                if len(buf) < want or want >= d.rpc_cache_header_max:
+                    raise GgufHeaderError(f"{path}: no complete GGUF header in its first "
+                                          f"{len(buf)} bytes")
+                want *= 4
+    except OSError as exc:
+        raise GgufHeaderError(f"{path}: {exc.strerror}") from None
 
 
 def weight_tensors(gguf_path_or_header) -> list[Tensor]:
     """Every tensor of the GGUF in file order.
 
-    + gguf_path_or_header: a GGUF path (a sparse header file works) or a GGUFReader
+    + gguf_path_or_header: a GGUF path (a sparse header file works), a GGUFReader or a Header
     Example: weight_tensors("gemma-3-270m-q4_k_m.gguf")[1] ==
              Tensor("token_embd.weight", 6527680, 178257920, None)   # .hashed is True
     """
-    reader = _reader(gguf_path_or_header)
     out = []
-    for t in reader.tensors:
-        m = _BLOCK.match(t.name)
-        out.append(Tensor(t.name, int(t.data_offset), int(t.n_bytes), int(m.group(1)) if m else None))
+    for name, offset, size in read_header(gguf_path_or_header).tensors:
+        m = _BLOCK.match(name)
+        out.append(Tensor(name, offset, size, int(m.group(1)) if m else None))
     return out
-
-
-def _field(reader: GGUFReader, key: str):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    value = f.contents()
-    return value
 
 
 def model_shape(reader) -> dict:
@@ -95,15 +168,16 @@ def model_shape(reader) -> dict:
     ```
     KV is f16 K and V at full context in every layer (an upper bound for sliding-window layers).
     """
-    reader = _reader(reader)
-    arch = _field(reader, "general.architecture")
+    header = read_header(reader)
+    fields = header.fields
+    arch = fields.get("general.architecture")
     if not arch:
         raise GgufHeaderError("the GGUF has no general.architecture")
-    n_layers = _field(reader, f"{arch}.block_count")
+    n_layers = fields.get(f"{arch}.block_count")
     if n_layers is None:
         raise GgufHeaderError(f"the GGUF has no {arch}.block_count")
     n_layers = int(n_layers)
-    tensors = weight_tensors(reader)
+    tensors = weight_tensors(header)
     layer_bytes = [0] * n_layers
     input_bytes = output_bytes = 0
     for t in tensors:
@@ -115,12 +189,12 @@ def model_shape(reader) -> dict:
             output_bytes += t.size
     tied = not any(t.name == "output.weight" for t in tensors)
     embd = next((t.size for t in tensors if t.name == "token_embd.weight"), 0)
-    n_embd = int(_field(reader, f"{arch}.embedding_length") or 0)
-    n_head = _per_layer(_field(reader, f"{arch}.attention.head_count"), n_layers)
-    n_head_kv = _per_layer(_field(reader, f"{arch}.attention.head_count_kv"), n_layers) \
-        if _field(reader, f"{arch}.attention.head_count_kv") is not None else n_head
-    k_len = _field(reader, f"{arch}.attention.key_length")
-    v_len = _field(reader, f"{arch}.attention.value_length")
+    n_embd = int(fields.get(f"{arch}.embedding_length") or 0)
+    n_head = _per_layer(fields.get(f"{arch}.attention.head_count"), n_layers)
+    n_head_kv = _per_layer(fields.get(f"{arch}.attention.head_count_kv"), n_layers) \
+        if fields.get(f"{arch}.attention.head_count_kv") is not None else n_head
+    k_len = fields.get(f"{arch}.attention.key_length")
+    v_len = fields.get(f"{arch}.attention.value_length")
     kv_layer = []
     for il in range(n_layers):
         # llama-hparams: n_embd_head_k defaults to n_embd / n_head when key_length is absent.
@@ -132,7 +206,7 @@ def model_shape(reader) -> dict:
         "input_bytes": input_bytes, "output_bytes": output_bytes, "tied_output": tied,
         "output_device_bytes": output_bytes + (embd if tied else 0),
         "kv_bytes_per_token": sum(kv_layer), "kv_bytes_per_token_layer": kv_layer,
-        "n_ctx_train": int(_field(reader, f"{arch}.context_length") or 0),
+        "n_ctx_train": int(fields.get(f"{arch}.context_length") or 0),
     }
 
 
@@ -146,42 +220,15 @@ def _per_layer(value, n_layers: int) -> list[int]:
     return [int(value)] * n_layers
 
 
-# ---- header over HTTP ----------------------------------------------------------------------------
+# ---- header parsing ------------------------------------------------------------------------------
 
-def header_end(buf: bytes) -> int | None:
-    """Offset where tensor data starts (aligned), or None when `buf` ends inside the header."""
-    if len(buf) >= 4 and struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
-        raise GgufHeaderError("not a GGUF file (bad magic)")
-    try:
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise GgufHeaderError(f"GGUF version {version} is too old")
-        pos, alignment = 24, 32
-        for _ in range(n_kv):
-            key, pos = _string(buf, pos)
-            vtype = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
-            pos += 4
-            if key == "general.alignment" and vtype == GGUFValueType.UINT32:
-                alignment = struct.unpack_from("<I", buf, pos)[0]
-            pos = _skip(buf, pos, vtype)
-        for _ in range(n_tensors):
-            _, pos = _string(buf, pos)
-            n_dims = struct.unpack_from("<I", buf, pos)[0]
-            pos += 4 + 8 * n_dims + 4 + 8
-            if pos > len(buf):
-                return None
-    except (struct.error, IndexError):
-        return None
-    except ValueError as exc:  # an unknown value type: the bytes are not a GGUF we know
-        raise GgufHeaderError(f"unreadable GGUF header: {exc}") from None
-    return pos + (-pos % alignment)
-
-
+_MAX_ARRAY = 4096  # longer arrays (vocabularies, merges) are skipped, not decoded
+_SKIPPED = object()
 _SCALARS = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UINT16: 2,
-    GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4,
-    GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1, GGUFValueType.UINT64: 8,
-    GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
 
 
@@ -193,23 +240,32 @@ def _string(buf: bytes, pos: int) -> tuple[str, int]:
     return buf[pos + 8:end].decode("utf-8", "replace"), end
 
 
-def _skip(buf: bytes, pos: int, vtype: GGUFValueType) -> int:
+def _value(buf: bytes, pos: int, vtype: GGUFValueType):
     if vtype == GGUFValueType.STRING:
-        return _string(buf, pos)[1]
+        return _string(buf, pos)
     if vtype == GGUFValueType.ARRAY:
         item = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
         count = struct.unpack_from("<Q", buf, pos + 4)[0]
         pos += 12
         if item in _SCALARS:
-            end = pos + count * _SCALARS[item]
+            width = struct.calcsize(_SCALARS[item])
+            end = pos + count * width
             if end > len(buf):
                 raise IndexError
-            return end
+            if count > _MAX_ARRAY:
+                return _SKIPPED, end
+            return list(struct.unpack_from(f"<{count}{_SCALARS[item][1]}", buf, pos)), end
+        values = []
         for _ in range(count):
-            pos = _skip(buf, pos, item)
-        return pos
-    return pos + _SCALARS[vtype]
+            v, pos = _value(buf, pos, item)
+            if count <= _MAX_ARRAY:
+                values.append(v)
+        return (values if count <= _MAX_ARRAY else _SKIPPED), pos
+    fmt = _SCALARS[vtype]
+    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
 
+
+# ---- header over HTTP ----------------------------------------------------------------------------
 
 class _DropAuthOnOtherHost(urllib.request.HTTPRedirectHandler):
     """The Hub redirects LFS files to a CDN with a signed URL: the token stays with the Hub."""
