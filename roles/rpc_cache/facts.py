@@ -70,3 +70,34 @@ class CacheDir(FactBase):
                 out["marker"].append((parts[0], int(parts[1]), int(parts[2]), parts[3]))
         out["temporary"].sort()
         return out
+
+
+class DeviceMemory(FactBase):
+    """Memory of the host's devices, as llama.cpp's backends report it.
+
+    ```python
+    {"cpu": {"total": 25769803776, "available": 23622320128},   # /proc/meminfo, bytes
+     "cuda": [{"total": 25769803776, "free": 25300041728}]}    # nvidia-smi, in device order
+    ```
+    None: neither /proc/meminfo nor nvidia-smi answered (macOS, Android without procfs).
+    """
+
+    def command(self):
+        return ("grep -E '^(MemTotal|MemAvailable):' /proc/meminfo 2>/dev/null; "
+                "command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi "
+                "--query-gpu=memory.total,memory.free --format=csv,noheader,nounits "
+                "2>/dev/null | sed 's/^/cuda /'; true")
+
+    def process(self, output):
+        cpu, cuda = {}, []
+        for line in output or []:
+            words = line.replace(",", " ").split()
+            if len(words) == 3 and words[0] in ("MemTotal:", "MemAvailable:") \
+                    and words[1].isdigit() and words[2] == "kB":
+                cpu["total" if words[0] == "MemTotal:" else "available"] = int(words[1]) * 1024
+            elif len(words) == 3 and words[0] == "cuda" and words[1].isdigit() \
+                    and words[2].isdigit():
+                cuda.append({"total": int(words[1]) << 20, "free": int(words[2]) << 20})
+        if not cpu and not cuda:
+            return None
+        return {"cpu": cpu or None, "cuda": cuda}

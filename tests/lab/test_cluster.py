@@ -7,6 +7,7 @@ mirror at a tag, the gemma GGUF from the lab's Hugging Face mirror. The build ru
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -179,7 +180,7 @@ GEMMA_SHA = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 def variant(cluster_file: Path, name: str, old: str, new: str) -> Path:
     """The cluster file with one edit, beside the original (so it shares the lock file)."""
     text = cluster_file.read_text()
-    assert old in text, old
+    assert old and old in text, old
     target = cluster_file.with_name(name)
     target.write_text(text.replace(old, new))
     lock = cluster_file.with_name("lab.lock.json")
@@ -241,13 +242,14 @@ def test_ollama_store_is_used_in_place(converged, cluster_file, lab):
     manifest = json.dumps({"schemaVersion": 2, "layers": [
         {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{GEMMA_SHA}",
          "size": GEMMA_SIZE}]})
+    encoded = base64.b64encode(manifest.encode()).decode()
     lab.run("node1", f"sudo sh -c 'mkdir -p {store}/blobs "
                      f"{store}/manifests/registry.ollama.ai/library/gemma3 && cp {GEMMA} {blob} && "
-                     f"chmod 644 {blob} && echo {json.dumps(manifest)!r} > "
+                     f"chmod 644 {blob} && echo {encoded} | base64 -d > "
                      f"{store}/manifests/registry.ollama.ai/library/gemma3/270m'", check=True)
     text = cluster_file.read_text()
-    start = text.index("models:")
-    end = text.index("servers:")
+    start = text.index("\nmodels:") + 1
+    end = text.index("\nservers:") + 1
     ollama = variant(cluster_file, "ollama.yaml", text[start:end],
                      "models:\n  gemma:\n    ollama: {model: \"gemma3:270m\", store: /srv/ollama/models}\n")
     applied = meshdeploy("apply", ollama, "--auto-approve")
