@@ -25,6 +25,9 @@ class Resolved:
     models: dict = field(default_factory=dict)  # model name -> roles.models.hf.HfResolved
     # "host:port" of rpc-servers (re)started by this run: their llama-servers restart after.
     restarted: set = field(default_factory=set)
+    # roles.rpc_cache.seeding.prepare: "host:port" -> SeedModel tuple, and placement layouts.
+    seeds: dict = field(default_factory=dict)
+    layouts: list = field(default_factory=list)
 
 
 @dataclass

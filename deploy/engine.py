@@ -25,6 +25,8 @@ from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.llama_cpp.facts import RemoteRef
 from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as models
+from meshdeploy.roles.rpc_cache import operations as rpc_cache
+from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import operations as services
 from meshdeploy.roles.toolchain import operations as toolchain
@@ -40,8 +42,10 @@ def slots(cluster: Cluster) -> list[tuple[str, object]]:
            ("llama_cpp.source", llama_cpp.source),
            ("llama_cpp.build", llama_cpp.build)]
     out += [(f"models.gguf[{m}]", (lambda ctx, m=m: models.gguf(ctx, m))) for m in cluster.models]
-    out.append(("services.cleanup", services.stale_units))
     ports = sorted({r.port for h in cluster.hosts for r in h.rpc_servers})
+    out.append(("rpc_cache.seed_tool", rpc_cache.seed_tool))
+    out += [(f"rpc_cache.seed[{p}]", (lambda ctx, p=p: seeding.seed(ctx, p))) for p in ports]
+    out.append(("services.cleanup", services.stale_units))
     out += [(f"services.rpc_server[{p}]", (lambda ctx, p=p: services.rpc_server(ctx, p)))
             for p in ports]
     out += [(f"services.llama_server[{s.name}]", (lambda ctx, n=s.name: services.llama_server(ctx, n)))
@@ -175,6 +179,7 @@ def probe_sections(cluster: Cluster, host, commit: str | None, first: bool):
     return (toolchain.sections(cluster, host)
             + llama_cpp.sections(cluster, host, commit, first)
             + models.sections(cluster, host)
+            + rpc_cache.sections(cluster, host)
             + services.sections(cluster, host))
 
 
@@ -264,6 +269,7 @@ def make_plan(session: Session) -> Planned:
         if any(name in models.needed(cluster, h) for h in hosts) and \
                 isinstance(model.source, models.HfSource):
             resolved.models[name] = hf.resolve(cluster, model)
+    seeding.prepare(cluster, hosts, facts, resolved)
     for h in hosts:
         toolchain.preflight(HostContext(cluster, h, facts[h.name], resolved))
     steps = evaluate(cluster, hosts, facts, resolved)
@@ -280,6 +286,8 @@ def make_plan(session: Session) -> Planned:
                 changes=changes, warnings=warnings, hosts=[h.name for h in hosts],
                 created_at=utc_now(), meshdeploy_version=__version__,
                 extra={"commit": commit, "commit_source": how, "limit": session.limit})
+    if resolved.layouts:
+        plan.extra["placement"] = seeding.table(resolved.layouts)
     return Planned(plan, resolved, facts, steps)
 
 

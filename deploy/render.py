@@ -160,6 +160,8 @@ def render_text(plan: Plan, color: bool = False) -> str:
     if rows:
         headers = ["host", "add", "change", "destroy", "unchanged"]
         out += [_table(rows, headers, numbers=True), ""]
+    if plan.extra.get("placement"):
+        out += [plan.extra["placement"], ""]
     for w in plan.warnings:
         first, *rest = w.splitlines() or [""]
         out.append(f"{paint(_YELLOW, 'Warning:')} {first}".rstrip())

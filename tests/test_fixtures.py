@@ -36,6 +36,8 @@ from meshdeploy.deploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.models.hf import HfFile, HfResolved
+from meshdeploy.roles.rpc_cache import operations as rpc_cache
+from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.roles.services import operations as services
 from meshdeploy.roles.toolchain import operations as toolchain
 
@@ -43,7 +45,7 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 FACT_DIR = TESTS / "facts"
 OP_DIR = TESTS / "operations"
-ROLES = ("toolchain", "llama_cpp", "models", "services")
+ROLES = ("toolchain", "llama_cpp", "models", "services", "rpc_cache")
 BUILD_KEY = "<<build_key>>"
 
 OPERATIONS = {
@@ -56,6 +58,8 @@ OPERATIONS = {
     "services.rpc_server": lambda ctx, arg: services.rpc_server(ctx, arg),
     "services.llama_server": lambda ctx, arg: services.llama_server(ctx, arg),
     "services.cleanup": lambda ctx, arg: services.stale_units(ctx),
+    "rpc_cache.seed_tool": lambda ctx, arg: rpc_cache.seed_tool(ctx),
+    "rpc_cache.seed": lambda ctx, arg: seeding.seed(ctx, arg),
 }
 
 
@@ -87,6 +91,8 @@ def as_decoded(key: str, value):
         return {**value, "verified": tuple(value["verified"])}
     if key.startswith("models.OllamaManifest"):
         return {**value, "blobs": {k: tuple(v) for k, v in value["blobs"].items()}}
+    if key.startswith("rpc_cache.CacheDir"):
+        return {**value, "marker": [tuple(m) for m in value["marker"]]}
     if key == "toolchain.Platform" and value.get("cmake_version") is not None:
         return {**value, "cmake_version": tuple(value["cmake_version"])}
     return value

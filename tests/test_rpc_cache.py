@@ -468,7 +468,7 @@ def test_seed_tool_steps():
     assert ops.seed_tool(ctx_for({"rpc_cache.SeedTool": {"source_sha256": want}})).noop
     assert ops.seed_tool(ctx_for({}, host="node1")).noop  # no rpc-server there
     assert [s.key for s in ops.sections(ctx_for({}).cluster, ctx_for({}).host)] == \
-        ["rpc_cache.SeedTool", "rpc_cache.CacheDir[50052]"]
+        ["rpc_cache.DeviceMemory", "rpc_cache.SeedTool", "rpc_cache.CacheDir[50052]"]
 
 
 # ---- the generated shell script, run for real -----------------------------------------------------

@@ -10,7 +10,7 @@ import struct
 
 from gguf.constants import GGUF_MAGIC, MODEL_ARCH_NAMES, GGUFValueType
 
-_SCALARS = {
+SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
     GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
     GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
@@ -35,18 +35,18 @@ def architecture(head: bytes) -> str | None:
     pos = 24
     try:
         for _ in range(n_kv):
-            key, pos = _string(head, pos)
+            key, pos = read_string(head, pos)
             vtype = GGUFValueType(struct.unpack_from("<I", head, pos)[0])
             pos += 4
             if key == "general.architecture" and vtype == GGUFValueType.STRING:
-                return _string(head, pos)[0]
+                return read_string(head, pos)[0]
             pos = _skip(head, pos, vtype)
     except (struct.error, IndexError):
         return None
     return None
 
 
-def _string(buf: bytes, pos: int) -> tuple[str, int]:
+def read_string(buf: bytes, pos: int) -> tuple[str, int]:
     n = struct.unpack_from("<Q", buf, pos)[0]
     end = pos + 8 + n
     if end > len(buf):
@@ -56,14 +56,14 @@ def _string(buf: bytes, pos: int) -> tuple[str, int]:
 
 def _skip(buf: bytes, pos: int, vtype: GGUFValueType) -> int:
     if vtype == GGUFValueType.STRING:
-        return _string(buf, pos)[1]
+        return read_string(buf, pos)[1]
     if vtype == GGUFValueType.ARRAY:
         item = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
         count = struct.unpack_from("<Q", buf, pos + 4)[0]
         pos += 12
-        if item in _SCALARS:
-            return pos + count * struct.calcsize(_SCALARS[item])
+        if item in SCALAR_FORMATS:
+            return pos + count * struct.calcsize(SCALAR_FORMATS[item])
         for _ in range(count):
             pos = _skip(buf, pos, item)
         return pos
-    return pos + struct.calcsize(_SCALARS[vtype])
+    return pos + struct.calcsize(SCALAR_FORMATS[vtype])

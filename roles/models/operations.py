@@ -19,8 +19,11 @@ OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
 
 
 def needed(cluster, host) -> list[str]:
-    """Models this host loads, in cluster order."""
+    """Models this host loads, in cluster order; a worker whose rpc-server cache is seeded
+    for a llama-server needs that server's GGUF too (seeding reads it locally)."""
     names = {s.model for s in cluster.servers if s.host == host.name}
+    names |= {s.model for s in cluster.servers
+              if any(e.host.name == host.name and e.rpc.cache for e in cluster.rpc_endpoints(s))}
     return [m for m in cluster.models if m in names]
 
 

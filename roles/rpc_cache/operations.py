@@ -18,7 +18,7 @@ from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache.facts import CacheDir, SeedTool
+from meshdeploy.roles.rpc_cache.facts import CacheDir, DeviceMemory, SeedTool
 from meshdeploy.roles.rpc_cache.placement import wire_bytes
 from meshdeploy.roles.rpc_cache.tensors import Tensor
 
@@ -48,12 +48,24 @@ def _cached_ports(host) -> list[int]:
     return sorted(r.port for r in host.rpc_servers if r.cache)
 
 
+def _in_cached_server(cluster, host) -> bool:
+    """Whether a llama-server that loads through a cached rpc-server counts this host's devices."""
+    for server in cluster.servers:
+        endpoints = cluster.rpc_endpoints(server)
+        if any(e.rpc.cache for e in endpoints) and (
+                server.host == host.name or any(e.host.name == host.name for e in endpoints)):
+            return True
+    return False
+
+
 def sections(cluster, host) -> list[Section]:
-    """Probe sections: the tool, and each cached rpc-server's cache dir."""
+    """Probe sections: device memory (for the split), the tool, each cached cache dir."""
+    out = [Section("rpc_cache.DeviceMemory", DeviceMemory)] \
+        if _in_cached_server(cluster, host) else []
     ports = _cached_ports(host)
     if not ports:
-        return []
-    out = [Section("rpc_cache.SeedTool", SeedTool, {"path": q(tool_path(cluster.llama_cpp.prefix))})]
+        return out
+    out.append(Section("rpc_cache.SeedTool", SeedTool, {"path": q(tool_path(cluster.llama_cpp.prefix))}))
     out += [Section(f"rpc_cache.CacheDir[{p}]", CacheDir, {"path": q(d.cache_dir_for(p))})
             for p in ports]
     return out
@@ -168,6 +180,9 @@ def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list) -> 
         "set -e",
         f"D={q(cache_dir)}; M={q(marker)}",
         "mkdir -p \"$D\"",
+        # rpc-server (a DynamicUser) stores what is not seeded here too: give it the dir.
+        "O=$(stat -c '%u:%g' \"$D/..\" 2>/dev/null || stat -f '%u:%g' \"$D/..\"); "
+        "chown \"$O\" \"$D\" 2>/dev/null || true",
         "L=\"$D/.meshdeploy-seed-list\"",
         f"rm -f \"$D\"/.{_HEX16_GLOB}.tmp \"$M.tmp\" \"$L\" \"$L.out\"",
         ": > \"$M.tmp\"",

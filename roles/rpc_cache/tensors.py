@@ -21,6 +21,7 @@ from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from meshdeploy.roles.rpc_cache import defaults as d
+from meshdeploy.roles.models.gguf_header import SCALAR_FORMATS, read_string  # one GGUF key/value reader
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # llama-arch.cpp: tensors of LLM_TENSOR_LAYER_INPUT; llama.cpp keeps the input layer on the CPU
@@ -74,14 +75,14 @@ def parse_header(buf: bytes) -> Header | None:
             raise GgufHeaderError(f"GGUF version {version} is too old")
         pos = 24
         for _ in range(n_kv):
-            key, pos = _string(buf, pos)
+            key, pos = read_string(buf, pos)
             vtype = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
             pos += 4
             value, pos = _value(buf, pos, vtype)
             if value is not _SKIPPED:
                 fields[key] = value
         for _ in range(n_tensors):
-            name, pos = _string(buf, pos)
+            name, pos = read_string(buf, pos)
             n_dims = struct.unpack_from("<I", buf, pos)[0]
             dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
             ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
@@ -224,44 +225,30 @@ def _per_layer(value, n_layers: int) -> list[int]:
 
 _MAX_ARRAY = 4096  # longer arrays (vocabularies, merges) are skipped, not decoded
 _SKIPPED = object()
-_SCALARS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
-
-
-def _string(buf: bytes, pos: int) -> tuple[str, int]:
-    n = struct.unpack_from("<Q", buf, pos)[0]
-    end = pos + 8 + n
-    if end > len(buf):
-        raise IndexError
-    return buf[pos + 8:end].decode("utf-8", "replace"), end
 
 
 def _value(buf: bytes, pos: int, vtype: GGUFValueType):
     if vtype == GGUFValueType.STRING:
-        return _string(buf, pos)
+        return read_string(buf, pos)
     if vtype == GGUFValueType.ARRAY:
         item = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
         count = struct.unpack_from("<Q", buf, pos + 4)[0]
         pos += 12
-        if item in _SCALARS:
-            width = struct.calcsize(_SCALARS[item])
+        if item in SCALAR_FORMATS:
+            width = struct.calcsize(SCALAR_FORMATS[item])
             end = pos + count * width
             if end > len(buf):
                 raise IndexError
             if count > _MAX_ARRAY:
                 return _SKIPPED, end
-            return list(struct.unpack_from(f"<{count}{_SCALARS[item][1]}", buf, pos)), end
+            return list(struct.unpack_from(f"<{count}{SCALAR_FORMATS[item][1]}", buf, pos)), end
         values = []
         for _ in range(count):
             v, pos = _value(buf, pos, item)
             if count <= _MAX_ARRAY:
                 values.append(v)
         return (values if count <= _MAX_ARRAY else _SKIPPED), pos
-    fmt = _SCALARS[vtype]
+    fmt = SCALAR_FORMATS[vtype]
     return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
 
 

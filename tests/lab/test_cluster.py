@@ -170,6 +170,21 @@ def test_unreachable_host_is_one_clear_error(converged, cluster_file, tmp_path, 
     assert "node9" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_sudo_refused_is_one_clear_error(converged, cluster_file, tmp_path, lab):
+    lab.run("node3", "sudo sh -c 'id nosudo >/dev/null 2>&1 || useradd -m -s /bin/sh nosudo; "
+                     "mkdir -p ~nosudo/.ssh && cp ~deploy/.ssh/authorized_keys ~nosudo/.ssh/ && "
+                     "chown -R nosudo: ~nosudo/.ssh'", check=True)
+    text = cluster_file.read_text()
+    node3 = text.index("  node3:")
+    text = text[:node3] + text[node3:].replace("user: deploy", "user: nosudo", 1)
+    bad = tmp_path / "nosudo.yaml"
+    bad.write_text(text)
+    proc = meshdeploy("plan", bad)
+    assert proc.returncode == 4, proc.stderr
+    assert "node3: sudo refused for user nosudo" in proc.stderr
+    assert "passwordless sudo" in proc.stderr and "Traceback" not in proc.stderr
+
+
 # --- roles in depth ---------------------------------------------------------------------------
 
 GEMMA = "/opt/meshdeploy/models/gemma/gemma-3-270m-q4_k_m.gguf"
