@@ -119,7 +119,8 @@ def layout(cluster, server, endpoints, tensors, shape, facts: dict) -> Layout:
         out.rows.append({
             "device": label, "layers": text, "weights": f.weights, "kv": f.kv,
             "seed": cached if seeded else 0,
-            "wire": small if seeded else cached + small,
+            # A local device reads the file itself; an RPC one receives every byte not cached.
+            "wire": 0 if endpoint is None else (small if seeded else cached + small),
             "free": avail[i], "headroom": None if avail[i] is None else avail[i] - f.needed,
             "host": host.name, "port": endpoint.rpc.port if endpoint else None,
             "cached": seeded, "tensors": mine,
