@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshdeploy import __version__
+from meshdeploy.deploy import consistency
 from meshdeploy.deploy import probe as probes
 from meshdeploy.deploy.context import HostContext, Resolved, Step
 from meshdeploy.deploy.errors import ApplyError, ConnectError, PlanError
@@ -272,8 +273,9 @@ def make_plan(session: Session) -> Planned:
     seeding.prepare(cluster, hosts, facts, resolved)
     for h in hosts:
         toolchain.preflight(HostContext(cluster, h, facts[h.name], resolved))
+    drift = consistency.check(cluster, hosts, facts, commit, session.limit)
     steps = evaluate(cluster, hosts, facts, resolved)
-    warnings = list(argvs.warnings_for(cluster))
+    warnings = list(argvs.warnings_for(cluster)) + drift
     locked = locks.locked_commit(cluster, locks.read_lock(cluster.path))
     if locked and upstream and upstream != locked:
         warnings.append(f"llama.cpp {cluster.llama_cpp.ref} now points at {upstream[:12]} upstream; "
@@ -288,6 +290,9 @@ def make_plan(session: Session) -> Planned:
                 extra={"commit": commit, "commit_source": how, "limit": session.limit})
     if resolved.layouts:
         plan.extra["placement"] = seeding.table(resolved.layouts)
+    network = consistency.network_lines(cluster, hosts, facts)
+    if network:
+        plan.extra["network"] = network
     return Planned(plan, resolved, facts, steps)
 
 

@@ -18,7 +18,7 @@ MARKER = "@@meshdeploy-section "
 
 # Facts whose values move on their own (free disk space); kept out of the drift fingerprint so
 # a saved plan is not called stale because a log file grew.
-VOLATILE = ("models.DiskFree", "rpc_cache.DeviceMemory")
+VOLATILE = ("models.DiskFree", "rpc_cache.DeviceMemory", "services.Rtt")
 
 
 @dataclass

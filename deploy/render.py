@@ -162,6 +162,8 @@ def render_text(plan: Plan, color: bool = False) -> str:
         out += [_table(rows, headers, numbers=True), ""]
     if plan.extra.get("placement"):
         out += [plan.extra["placement"], ""]
+    if plan.extra.get("network"):
+        out += list(plan.extra["network"]) + [""]
     for w in plan.warnings:
         first, *rest = w.splitlines() or [""]
         out.append(f"{paint(_YELLOW, 'Warning:')} {first}".rstrip())

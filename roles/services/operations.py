@@ -16,7 +16,7 @@ from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.models.hf import HfResolved
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
-from meshdeploy.roles.services.facts import Units
+from meshdeploy.roles.services.facts import Rtt, Units
 
 ROLE = "services"
 TEMPLATES = Path(__file__).with_name("templates")
@@ -24,7 +24,22 @@ _PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
 
 def sections(cluster, host) -> list[Section]:
-    return [Section("services.Units", Units)]
+    out = [Section("services.Units", Units)]
+    targets = rtt_targets(cluster, host)
+    if targets:
+        out.append(Section("services.Rtt", Rtt, {"targets": targets}))
+    return out
+
+
+def rtt_targets(cluster, host) -> list[str]:
+    """SSH ports of the other hosts this host's llama-servers use as workers."""
+    targets = []
+    for server in (s for s in cluster.servers if s.host == host.name):
+        for e in cluster.rpc_endpoints(server):
+            target = f"{e.address}:{e.host.ssh.port}"
+            if e.host.name != host.name and target not in targets:
+                targets.append(target)
+    return targets
 
 
 def systemd_quote(arg: str) -> str:

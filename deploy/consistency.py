@@ -1,0 +1,72 @@
+"""One llama.cpp everywhere, and what the network costs per token.
+
+The RPC handshake only compares protocol majors; op-table drift between commits goes unnoticed
+and corrupts results, so every host must run the same commit. The plan shows what each host
+runs now, refuses a partial (--limit) move of the commit, and warns about drift it will fix.
+"""
+
+from __future__ import annotations
+
+from meshdeploy.deploy.errors import PlanError
+from meshdeploy.roles.llama_cpp import operations as llama_cpp
+
+
+def running(cluster, hosts, facts) -> dict[str, tuple[str, str]]:
+    """host -> (commit, RPC protocol) of its current build, for hosts that have one."""
+    out = {}
+    for h in hosts:
+        if not llama_cpp.targets(cluster, h):
+            continue
+        builds = (facts.get(h.name) or {}).get("llama_cpp.Builds") or {}
+        current = builds.get("current")
+        manifest = (builds.get("builds") or {}).get(current) if current else None
+        if manifest and manifest.get("commit"):
+            out[h.name] = (manifest["commit"], manifest.get("proto") or "?")
+    return out
+
+
+def check(cluster, hosts, facts, commit: str | None, limit) -> list[str]:
+    """Warnings about drift; PlanError when --limit would leave hosts on different commits."""
+    now = running(cluster, hosts, facts)
+    if limit and commit:
+        moving = sorted(h for h, (c, _) in now.items() if c != commit)
+        fresh = sorted(h.name for h in hosts if llama_cpp.targets(cluster, h) and h.name not in now)
+        if moving or fresh:
+            raise PlanError(
+                f"--limit {','.join(limit)} would move {', '.join(moving + fresh)} to llama.cpp "
+                f"{commit[:12]} while the other hosts keep what they run: every host must run the "
+                "same commit (RPC breaks across versions)",
+                hint="plan and apply without --limit to move the whole cluster")
+    commits = {c for c, _ in now.values()}
+    if len(commits) > 1:
+        listing = ", ".join(f"{h} {c[:12]} (RPC {p})" for h, (c, p) in sorted(now.items()))
+        target = f" apply moves every host to {commit[:12]}" if commit else ""
+        return [f"hosts run different llama.cpp builds: {listing};{target}"]
+    return []
+
+
+def network_lines(cluster, hosts, facts) -> list[str]:
+    """Measured RTT orchestrator -> workers and the per-token cost it implies."""
+    lines = []
+    for server in cluster.servers:
+        if server.host not in {h.name for h in hosts}:
+            continue
+        rtts = (facts.get(server.host) or {}).get("services.Rtt") or {}
+        endpoints = cluster.rpc_endpoints(server)
+        measured = []
+        for e in endpoints:
+            us = rtts.get(f"{e.address}:{e.host.ssh.port}")
+            if e.host.name == server.host:
+                measured.append((e.target, 0))
+            elif us is not None:
+                measured.append((e.target, us))
+        if not measured:
+            continue
+        parts = ", ".join(f"{t} {us / 1000:.2f} ms" for t, us in measured)
+        # Inference is pipeline-serial and the orchestrator drives every remote device in turn:
+        # each token pays one round trip per remote worker (seed llamacpp-rpc-split-guide:
+        # per token ~ compute + (N-1) x latency for N nodes).
+        remote = [us for _, us in measured if us]
+        lines.append(f"Network ({server.name} on {server.host}): RTT {parts}; expected per-token "
+                     f"cost = compute + {len(remote)} x RTT (~{sum(remote) / 1000:.2f} ms)")
+    return lines

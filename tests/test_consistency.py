@@ -1,0 +1,59 @@
+"""One commit everywhere: drift warnings, --limit refusal, the network cost line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshdeploy.deploy import consistency
+from meshdeploy.deploy.config import load_cluster
+from meshdeploy.deploy.errors import PlanError
+
+LAB = Path(__file__).resolve().parent.parent / "inventories" / "lab.yaml"
+NEW = "f35b4f837ba8e08a33034faa9ba21db8713e67df"
+OLD = "ad0e45df7b3e249551b8eb1229ffdc904b7ba834"
+
+
+def facts_running(**commits):
+    facts = {}
+    for host, (commit, proto) in commits.items():
+        key = f"{commit[:12]}-cpu-x"
+        facts[host] = {"llama_cpp.Builds": {"current": key, "builds": {
+            key: {"commit": commit, "proto": proto}}}}
+    return facts
+
+
+def test_drift_is_reported_with_each_hosts_build():
+    cluster = load_cluster(LAB)
+    facts = facts_running(node1=(NEW, "7.0.0"), node2=(OLD, "5.0.0"), node3=(NEW, "7.0.0"))
+    warnings = consistency.check(cluster, cluster.hosts, facts, NEW, None)
+    assert warnings == [
+        "hosts run different llama.cpp builds: node1 f35b4f837ba8 (RPC 7.0.0), "
+        "node2 ad0e45df7b3e (RPC 5.0.0), node3 f35b4f837ba8 (RPC 7.0.0); "
+        "apply moves every host to f35b4f837ba8"]
+
+
+def test_same_commit_everywhere_is_quiet():
+    cluster = load_cluster(LAB)
+    facts = facts_running(node1=(NEW, "7.0.0"), node2=(NEW, "7.0.0"), node3=(NEW, "7.0.0"))
+    assert consistency.check(cluster, cluster.hosts, facts, NEW, None) == []
+
+
+def test_limit_cannot_move_the_commit_of_some_hosts():
+    cluster = load_cluster(LAB)
+    hosts = [cluster.host("node2")]
+    facts = facts_running(node2=(OLD, "5.0.0"))
+    with pytest.raises(PlanError, match=r"--limit node2 would move node2 to llama.cpp f35b4f837ba8"):
+        consistency.check(cluster, hosts, facts, NEW, ["node2"])
+    facts = facts_running(node2=(NEW, "7.0.0"))
+    assert consistency.check(cluster, hosts, facts, NEW, ["node2"]) == []
+
+
+def test_network_line_sums_one_round_trip_per_worker():
+    cluster = load_cluster(LAB)
+    facts = {"node1": {"services.Rtt": {"10.200.0.12:22": 150, "10.200.0.13:22": 2500}}}
+    lines = consistency.network_lines(cluster, cluster.hosts, facts)
+    assert lines == ["Network (main on node1): RTT 10.200.0.12:50052 0.15 ms, "
+                     "10.200.0.13:50052 2.50 ms; expected per-token cost = compute + 2 x RTT "
+                     "(~2.65 ms)"]
