@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from meshdeploy.deploy.context import HostContext, Resolved, Step
+from meshdeploy.deploy.context import HostContext, Resolved, Step, Upload
 from meshdeploy.deploy.engine import Planned, Session, slots
 from meshdeploy.deploy.errors import ApplyError
 from meshdeploy.roles.llama_cpp import lock as locks
@@ -63,8 +63,10 @@ class Run:
 
 
 def _operation(run: Run):
+    import io
+
     from pyinfra import host
-    from pyinfra.api import StringCommand, operation
+    from pyinfra.api import FileUploadCommand, StringCommand, operation
 
     @operation(is_idempotent=True)
     def meshdeploy_step(slot: str):
@@ -80,7 +82,10 @@ def _operation(run: Run):
         run.started[(name, slot)] = time.monotonic()
         for command in step.commands:
             kwargs = {} if step.sudo else {"_sudo": False}
-            yield StringCommand(command, **kwargs)
+            if isinstance(command, Upload):
+                yield FileUploadCommand(io.StringIO(command.content), command.path, **kwargs)
+            else:
+                yield StringCommand(command, **kwargs)
 
     return meshdeploy_step
 

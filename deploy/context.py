@@ -23,6 +23,7 @@ class Resolved:
     build_number: int | None = None
     upstream_commit: str | None = None  # what the ref points at now, when it was checked
     models: dict = field(default_factory=dict)  # model name -> roles.models.hf.HfResolved
+    hf_token: str | None = field(default=None, repr=False)  # control machine's, for downloads
     # "host:port" of rpc-servers (re)started by this run: their llama-servers restart after.
     restarted: set = field(default_factory=set)
     # roles.rpc_cache.seeding.prepare: "host:port" -> SeedModel tuple, and placement layouts.
@@ -57,11 +58,24 @@ class HostContext:
                       diffs=diffs or [], reason=reason, unit_diff=unit_diff)
 
 
+@dataclass(frozen=True)
+class Upload:
+    """A file sent over SFTP rather than written by a command: what must never appear in a
+    process's arguments or in logs (tokens) travels this way."""
+
+    content: str
+    path: str
+
+    def __str__(self) -> str:
+        return f"upload {self.path}"
+
+
 @dataclass
 class Step:
     """One resource on one host: what the plan shows and what apply runs.
 
-    commands run in order in one shell each, as root when the host uses sudo; `after` is a
+    commands run in order in one shell each (an Upload item sends a file instead), as root when
+    the host uses sudo; `after` is a
     control-machine callable run once the commands succeeded (readiness probes), given the
     pyinfra host; it raises ApplyError on failure.
     """

@@ -270,6 +270,8 @@ def make_plan(session: Session) -> Planned:
         if any(name in models.needed(cluster, h) for h in hosts) and \
                 isinstance(model.source, models.HfSource):
             resolved.models[name] = hf.resolve(cluster, model)
+    if resolved.models:
+        resolved.hf_token = hf.token(cluster)
     seeding.prepare(cluster, hosts, facts, resolved)
     for h in hosts:
         toolchain.preflight(HostContext(cluster, h, facts[h.name], resolved))

@@ -19,7 +19,8 @@ from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.services import operations as services
 
 ROOT = Path(__file__).resolve().parent.parent
-INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml"))
+INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml")) + [
+    Path(__file__).resolve().parent / "data" / "vulkan-rocm.yaml"]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "builds"
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 FLAGS = ["-m", "--model", "--host", "--port", "--rpc", "-ngl", "-ts", "-c", "-lm",
@@ -77,7 +78,8 @@ def test_build_and_units_golden(inventory):
 
 
 def test_backend_flags_reach_cmake():
-    expected = {"cuda": "-DGGML_CUDA=ON", "metal": "-DGGML_METAL=ON"}
+    expected = {"cuda": "-DGGML_CUDA=ON", "metal": "-DGGML_METAL=ON",
+                "vulkan": "-DGGML_VULKAN=ON", "rocm": "-DGGML_HIP=ON"}
     seen = set()
     for inventory in INVENTORIES:
         cluster = load_cluster(inventory)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 
-from meshdeploy.deploy.context import HostContext, Step, q
+from meshdeploy.deploy.context import HostContext, Step, Upload, q
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource
 from meshdeploy.deploy.plan import AttrDiff
@@ -132,6 +132,10 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     resource = f"gguf[{name}]"
     resolved = ctx.resolved.models[name]
     commands, diffs, missing_bytes, actions = [], [], 0, set()
+    # The token reaches the host as a file in a root-only folder (SFTP), read by curl -H @file,
+    # and is removed after the download: never in arguments, units, logs or the plan.
+    auth_dir = f"{model_dir(ctx.prefix, name)}/.auth"
+    header = f"{auth_dir}/header" if ctx.resolved.hf_token else None
     for f in resolved.files:
         path = f"{model_dir(ctx.prefix, name)}/{f.name}"
         fact = ctx.fact(f"models.ModelFile[{name}/{f.name}]")
@@ -143,7 +147,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
             actions.add("update")
             diffs.append(AttrDiff(f.name, "unverified", f"sha256 {f.sha256[:12]}"))
             commands.append(f"( {verify_script(path, f.sha256)} ) || {{ rm -f {q(path)}; ( "
-                            f"{download_script(path, f.url, f.size, f.sha256, ctx.run.get('hf_header'))}"
+                            f"{download_script(path, f.url, f.size, f.sha256, header)}"
                             " ); }")
             continue
         have = fact["size"] if fact else None
@@ -155,7 +159,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
                               forces_replacement=have is not None))
         if have is not None:
             commands.append(f"rm -f {q(path)} {q(path + d.models_verified_suffix)}")
-        commands.append(download_script(path, f.url, f.size, f.sha256, ctx.run.get("hf_header")))
+        commands.append(download_script(path, f.url, f.size, f.sha256, header))
     if not commands:
         return Step(ctx.change(ROLE, resource, "no-op", f"{name} present, sha256 verified"))
     free = ctx.fact("models.DiskFree")
@@ -164,6 +168,11 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
                         f"under {ctx.prefix}, only {free / 2**30:.2f} GiB free",
                         hint="free disk space or set llama_cpp.prefix to a larger disk")
     ctx.run["model_changed"] = True
+    if header:
+        commands = [f"install -d -m 700 {q(auth_dir)}",
+                    Upload(f"Authorization: Bearer {ctx.resolved.hf_token}\n", header),
+                    f"chmod 600 {q(header)}", *commands, f"rm -rf {q(auth_dir)}"]
+        diffs.append(AttrDiff("token", None, "(from the control machine)", sensitive=True))
     action = "replace" if "replace" in actions else ("create" if "create" in actions else "update")
     reason = f"{resolved.repo}@{resolved.commit[:12]}"
     if missing_bytes:
