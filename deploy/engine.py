@@ -89,6 +89,19 @@ def _tolerate_dead_proxy_commands() -> None:
     ProxyCommand.close = close
 
 
+class SudoPasswordRequired(Exception):
+    """sudo asked for a password; meshdeploy never prompts (it runs unattended, in CI too)."""
+
+
+def _never_prompt_for_sudo() -> None:
+    import pyinfra.connectors.util as connector_util
+
+    def refuse(prompt=""):
+        raise SudoPasswordRequired("a password is required")
+
+    connector_util.getpass = refuse
+
+
 @dataclass
 class Session:
     cluster: Cluster
@@ -105,6 +118,7 @@ class Session:
 
         logging.getLogger("pyinfra").setLevel(logging.CRITICAL)
         _tolerate_dead_proxy_commands()
+        _never_prompt_for_sudo()
         names = []
         for h in self.hosts():
             data = {"ssh_hostname": ssh_target(h), "ssh_port": h.ssh.port,
@@ -200,6 +214,9 @@ def gather(session: Session, commit: str | None) -> dict[str, dict]:
         sections = probe_sections(cluster, h, commit, h.name == first)
         try:
             ok, output = session.run(h.name, probes.compose(sections) + "true")
+        except SudoPasswordRequired as exc:
+            errors[h.name] = f"sudo refused for user {h.ssh.user or '(default)'}: {exc}"
+            return
         except Exception as exc:  # a dropped connection surfaces as paramiko/socket errors
             errors[h.name] = f"{exc.__class__.__name__}: {exc}"
             return
