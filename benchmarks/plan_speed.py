@@ -38,6 +38,10 @@ def cluster_yaml(info, n: int) -> str:
                   "    backend: cpu"]
         if i:
             hosts += ["    rpc_servers:", "      - port: 50052"]
+    # llama-server takes at most 16 rpc-servers (GGML_RPC_MAX_SERVERS): the rest of the hosts
+    # still run a converged rpc-server each, which is what the plan has to check.
+    workers = [f"{h.name}:50052" for h in info.hosts[1:n]][:15]
+    tail = tail.replace("    host: node1\n", f"    host: node1\n    rpc: [{', '.join(workers)}]\n", 1)
     return head + "\n".join(hosts) + "\n" + tail
 
 

@@ -21,6 +21,9 @@ from meshdeploy.deploy.config import (
 from meshdeploy.deploy.errors import ConfigIssue
 from meshdeploy.deploy.model import CPU_DEVICE, is_loopback
 
+# ggml-rpc.h: llama-server connects to at most this many rpc-servers.
+MAX_RPC_SERVERS = 16
+
 PRIVATE_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
     "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "127.0.0.0/8",
     "fd00::/8"))
@@ -189,6 +192,12 @@ def check_servers(doc: Document, data: dict) -> list[ConfigIssue]:
             continue
         refs = rpc_refs(data, server) or ()
         bad_ref = False
+        if len(refs) > MAX_RPC_SERVERS:
+            issues.append(doc.issue(
+                spath + ("rpc",), f"uses {len(refs)} rpc-servers; llama.cpp accepts at most "
+                f"{MAX_RPC_SERVERS} (GGML_RPC_MAX_SERVERS)",
+                "list at most 16 in servers.<name>.rpc, or put several devices behind one "
+                "rpc-server", at_key=not server["rpc"]))
         for i, ref in enumerate(refs):
             where = spath + ("rpc", i) if server["rpc"] else spath + ("rpc",)
             problem = rpc_ref_problem(data, ref, server["host"])

@@ -412,3 +412,14 @@ def test_schema_refs_have_no_siblings():
                 walk(value, f"{path}/{i}")
 
     walk(schema)
+
+
+def test_more_rpc_servers_than_llama_cpp_accepts(tmp_path):
+    hosts = "\n".join(f"  w{i}: {{address: 10.0.0.{i + 10}, rpc_servers: [{{port: 50052}}]}}"
+                      for i in range(17))
+    path = tmp_path / "big.yaml"
+    path.write_text("cluster: big\nllama_cpp: {ref: b11312}\nhosts:\n  o: {address: 10.0.0.2}\n"
+                    f"{hosts}\nmodels:\n  m: {{path: /m.gguf}}\nservers:\n  s: {{host: o, model: m}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_cluster(path)
+    assert "uses 17 rpc-servers; llama.cpp accepts at most 16 (GGML_RPC_MAX_SERVERS)" in str(err.value)
