@@ -70,13 +70,13 @@ def main() -> int:
 
     from meshdeploy.lab import Lab
 
-    lab = Lab(name="mdbench", hosts=max(sizes))
+    # One lab of the largest size; smaller clusters use its first hosts (`up` with fewer hosts
+    # would remove the others).
+    info = Lab(name="mdbench", hosts=max(sizes)).up()
     rows = []
     workdir = Path(tempfile.mkdtemp(prefix="md-bench-"))
     try:
         for n in sizes:
-            lab = Lab(name="mdbench", hosts=n)
-            info = lab.up()
             path = workdir / f"bench-{n}.yaml"
             path.write_text(cluster_yaml(info, n))
             t0 = time.monotonic()

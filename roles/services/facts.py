@@ -64,8 +64,10 @@ class Rtt(FactBase):
 
     def command(self, targets):
         eps = " ".join(targets)
-        return ("command -v bash >/dev/null || exit 0; bash -c '"
-                "ms(){ s=$(date +%s%N); (exec 3<>/dev/tcp/$1/$2) 2>/dev/null; e=$(date +%s%N); "
+        # A host that is down must not stall the probe: each connect gets 2 s at most.
+        return ("command -v bash >/dev/null && command -v timeout >/dev/null || exit 0; bash -c '"
+                "ms(){ s=$(date +%s%N); timeout 2 bash -c \"exec 3<>/dev/tcp/$1/$2\" 2>/dev/null; "
+                "e=$(date +%s%N); "
                 "echo $(( (e-s)/1000 )); }; "
                 "best(){ b=99999999; for i in 1 2 3; do t=$(ms $1 $2); [ $t -lt $b ] && b=$t; done; "
                 "echo $b; }; base=$(best 127.0.0.1 1); "
