@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from meshdeploy.deploy.context import HostContext, Resolved, Step, Upload
+from meshdeploy.deploy.context import HostContext, Step, Upload
 from meshdeploy.deploy.engine import Planned, Session, slots
 from meshdeploy.deploy.errors import ApplyError
 from meshdeploy.roles.llama_cpp import lock as locks

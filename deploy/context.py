@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
-from typing import Callable
 
 from meshdeploy.deploy.model import Cluster, Host
 from meshdeploy.deploy.plan import AttrDiff, Change
@@ -75,20 +74,17 @@ class Step:
     """One resource on one host: what the plan shows and what apply runs.
 
     commands run in order in one shell each (an Upload item sends a file instead), as root when
-    the host uses sudo; `after` is a
-    control-machine callable run once the commands succeeded (readiness probes), given the
-    pyinfra host; it raises ApplyError on failure.
+    the host uses sudo; readiness checks are commands too (TCP probes, /health waits).
     """
 
     change: Change
     commands: list[str] = field(default_factory=list)
-    after: Callable | None = None
     deferred: bool = False  # commands are computed at apply time (depend on earlier results)
     sudo: bool = True  # False for tools that refuse root (Homebrew)
 
     @property
     def noop(self) -> bool:
-        return self.change.action == "no-op" and not self.commands and self.after is None
+        return self.change.action == "no-op" and not self.commands
 
 
 def q(value) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from meshdeploy import __version__
 from meshdeploy.deploy import consistency
 from meshdeploy.deploy import probe as probes
 from meshdeploy.deploy.context import HostContext, Resolved, Step
-from meshdeploy.deploy.errors import ApplyError, ConnectError, PlanError
+from meshdeploy.deploy.errors import ConnectError, PlanError
 from meshdeploy.deploy.model import Cluster
 from meshdeploy.deploy.plan import Plan, hash_files, utc_now
 from meshdeploy.roles.llama_cpp import lock as locks

@@ -167,7 +167,6 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
         raise PlanError(f"host {ctx.host.name}: {name} needs {missing_bytes / 2**30:.2f} GiB more "
                         f"under {ctx.prefix}, only {free / 2**30:.2f} GiB free",
                         hint="free disk space or set llama_cpp.prefix to a larger disk")
-    ctx.run["model_changed"] = True
     if header:
         commands = [f"install -d -m 700 {q(auth_dir)}",
                     Upload(f"Authorization: Bearer {ctx.resolved.hf_token}\n", header),
@@ -209,9 +208,8 @@ def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:
     marker_ok = link and link.get("verified") == (blob_size, blob_mtime, sha)
     if link and link.get("link") == blob and marker_ok:
         return Step(ctx.change(ROLE, resource, "no-op", f"{src.model}:{src.tag} linked, verified"))
-    ctx.run["model_changed"] = True
     return Step(ctx.change(ROLE, resource, "create" if not link or link["size"] is None else "update",
-                           f"link the Ollama blob (no copy)", [AttrDiff("target", (link or {}).get("link"), blob)]),
+                           "link the Ollama blob (no copy)", [AttrDiff("target", (link or {}).get("link"), blob)]),
                 [f"mkdir -p {q(model_dir(ctx.prefix, name))} && ln -sfn {q(blob)} {q(path)}",
                  verify_script(path, sha)])
 

@@ -232,7 +232,6 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
     mgr = manager(ctx)
     unit = mgr.name(rpc.unit_name)
     if manifest is None:
-        ctx.run.setdefault("restarted", set()).add(unit)
         ctx.resolved.restarted.add(f"{ctx.host.name}:{port}")
         have = (ctx.fact("services.Units") or {}).get(unit)
         return Step(ctx.change(ROLE, resource, "create" if have is None else "update",
