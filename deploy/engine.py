@@ -115,7 +115,10 @@ class Session:
     def open(self) -> None:
         from pyinfra.api import Config, Inventory, State
 
-        logging.getLogger("pyinfra").setLevel(logging.CRITICAL)
+        # Both libraries log connection failures with tracebacks from their own threads; the
+        # engine reports each failure once, as one line naming the host.
+        for name in ("pyinfra", "paramiko"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         _tolerate_dead_proxy_commands()
         _never_prompt_for_sudo()
         names = []
