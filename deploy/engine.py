@@ -9,6 +9,7 @@ after an earlier step (a resolved commit, a fresh build's flags) is used as soon
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,7 +292,7 @@ def make_plan(session: Session) -> Planned:
             resolved.models[name] = hf.resolve(cluster, model)
     if resolved.models:
         resolved.hf_token = hf.token(cluster)
-    seeding.prepare(cluster, hosts, facts, resolved)
+    seeding.prepare(cluster, hosts, facts, resolved, header_cache=control_cache("gguf-headers"))
     for h in hosts:
         toolchain.preflight(HostContext(cluster, h, facts[h.name], resolved))
     drift = consistency.check(cluster, hosts, facts, commit, session.limit)
@@ -315,6 +316,12 @@ def make_plan(session: Session) -> Planned:
     if network:
         plan.extra["network"] = network
     return Planned(plan, resolved, facts, steps)
+
+
+def control_cache(name: str) -> Path:
+    """A folder of the control machine's cache (XDG_CACHE_HOME, else ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "meshdeploy" / name
 
 
 def config_hash(cluster: Cluster) -> str:

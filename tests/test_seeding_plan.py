@@ -120,3 +120,29 @@ def test_auto_split_without_memory_facts_is_refused(tmp_path):
                             tmp_path / "h")
     finally:
         mod.read_header = original
+
+
+def test_header_cache_spares_the_next_plan_a_fetch(tmp_path):
+    cluster = load_cluster(ROOT / "inventories/two-cuda-11-16.yaml")
+    fetched = []
+
+    def fetch(url, size, token=None, dest=None):
+        fetched.append(url)
+        dest.write_bytes(b"")
+        return dest
+
+    import meshdeploy.roles.rpc_cache.seeding as mod
+    original = mod.read_header
+    mod.read_header = lambda _path: gemma27_header()
+    try:
+        for _ in range(2):
+            resolved = Resolved(models={"gemma27": HfResolved(
+                "unsloth/gemma-3-27b-it-GGUF", "c" * 40,
+                (HfFile("gemma-3-27b-it-Q4_K_M.gguf", 16_546_688_000, SHA, "u"),))})
+            seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
+                            fetch=fetch, header_cache=tmp_path)
+            assert resolved.layouts
+    finally:
+        mod.read_header = original
+    assert len(fetched) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [f"{SHA}.gguf"]

@@ -10,12 +10,12 @@ text plan.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.model import HfSource
-from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
@@ -128,8 +128,38 @@ def layout(cluster, server, endpoints, tensors, shape, facts: dict) -> Layout:
     return out
 
 
-def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http) -> None:
-    """Fill resolved.seeds ("host:port" -> SeedModel tuple) and resolved.layouts."""
+def _header(cluster, model, hf_model, token, fetch, cache: Path | None, where: str):
+    url = header_url(cluster, model).format(commit=hf_model.commit)
+    file = hf_model.files[0]
+    kept = cache / f"{file.sha256}.gguf" if cache else None
+    path = None
+    try:
+        if kept is not None and kept.exists():
+            return read_header(str(kept))
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            path = fetch(url, file.size, token=token, dest=kept.with_suffix(".tmp"))
+            header = read_header(str(path))
+            os.replace(path, kept)  # only a header that parsed is kept
+            path = None
+            return header
+        path = fetch(url, file.size, token=token)
+        return read_header(str(path))
+    except GgufHeaderError as exc:
+        raise PlanError(f"{where}: cannot read the GGUF header: {exc}",
+                        hint="check huggingface.api_endpoint and the file") from None
+    finally:
+        if path is not None:
+            os.unlink(path)
+
+
+def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
+            header_cache: Path | None = None) -> None:
+    """Fill resolved.seeds ("host:port" -> SeedModel tuple) and resolved.layouts.
+
+    + header_cache: a folder keeping fetched headers by file sha256 (the content they describe
+      never changes), so a no-op plan does not fetch megabytes of header again; None: no cache
+    """
     names = {h.name for h in hosts}
     seeds: dict[str, list] = {}
     headers: dict[str, object] = {}
@@ -144,17 +174,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http) -> No
         if hf_model is None:
             continue  # no host in --limit loads it: nothing to seed in this run
         if model.name not in headers:
-            url = header_url(cluster, model).format(commit=hf_model.commit)
-            path = None
-            try:
-                path = fetch(url, hf_model.files[0].size, token=hf.token(cluster))
-                headers[model.name] = read_header(str(path))
-            except GgufHeaderError as exc:
-                raise PlanError(f"{where}: cannot read the GGUF header: {exc}",
-                                hint="check huggingface.api_endpoint and the file") from None
-            finally:
-                if path is not None:
-                    os.unlink(path)
+            headers[model.name] = _header(cluster, model, hf_model, resolved.hf_token, fetch,
+                                          header_cache, where)
         header = headers[model.name]
         layout_ = layout(cluster, server, endpoints, weight_tensors(header),
                          model_shape(header), facts)
