@@ -27,7 +27,7 @@ from meshdeploy.roles.llama_cpp.facts import RemoteRef
 from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import operations as rpc_cache
-from meshdeploy.roles.rpc_cache import seeding
+from meshdeploy.roles.rpc_cache import layout, seeding
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import operations as services
 from meshdeploy.roles.toolchain import operations as toolchain
@@ -137,6 +137,23 @@ class Session:
         self.state = State(inventory, Config(), check_for_changes=False)
         self.pyhosts = {h.name: h for h in inventory}
         self._count_commands()
+
+    def read_header(self, name: str, path: str) -> bytes:
+        """The GGUF header of `path` on host `name`, over SFTP on the plan's open connection
+        (binary-safe, and no second SSH handshake)."""
+        from meshdeploy.roles.rpc_cache.tensors import GgufHeaderError, header_bytes
+
+        try:
+            sftp = self.pyhosts[name].connector.client.open_sftp()
+        except Exception as exc:  # paramiko raises several unrelated types here
+            raise GgufHeaderError(f"{name}:{path}: no SFTP session: {exc}") from None
+        try:
+            with sftp.open(path, "rb") as f:
+                return header_bytes(f, f"{name}:{path}")
+        except OSError as exc:
+            raise GgufHeaderError(f"{name}:{path}: {exc.strerror or exc}") from None
+        finally:
+            sftp.close()
 
     def _count_commands(self) -> None:
         for name, host in self.pyhosts.items():
@@ -292,12 +309,14 @@ def make_plan(session: Session) -> Planned:
             resolved.models[name] = hf.resolve(cluster, model)
     if resolved.models:
         resolved.hf_token = hf.token(cluster)
-    seeding.prepare(cluster, hosts, facts, resolved, header_cache=control_cache("gguf-headers"))
+    placement_notes = seeding.prepare(cluster, hosts, facts, resolved,
+                                      header_cache=control_cache("gguf-headers"),
+                                      read_remote=session.read_header)
     for h in hosts:
         toolchain.preflight(HostContext(cluster, h, facts[h.name], resolved))
     drift = consistency.check(cluster, hosts, facts, commit, session.limit)
     steps = evaluate(cluster, hosts, facts, resolved)
-    warnings = list(argvs.warnings_for(cluster)) + drift
+    warnings = list(argvs.warnings_for(cluster)) + drift + placement_notes
     locked = locks.locked_commit(cluster, locks.read_lock(cluster.path))
     if locked and upstream and upstream != locked:
         warnings.append(f"llama.cpp {cluster.llama_cpp.ref} now points at {upstream[:12]} upstream; "
@@ -311,7 +330,7 @@ def make_plan(session: Session) -> Planned:
                 created_at=utc_now(), meshdeploy_version=__version__,
                 extra={"commit": commit, "commit_source": how, "limit": session.limit})
     if resolved.layouts:
-        plan.extra["placement"] = seeding.table(resolved.layouts)
+        plan.extra["placement"] = layout.table(resolved.layouts)
     network = consistency.network_lines(cluster, hosts, facts)
     if network:
         plan.extra["network"] = network

@@ -73,34 +73,37 @@ def test_bad_splits_are_refused():
         P.place(10, ["A"] * 16, [1] * 16)
 
 
-def shape(n=10, layer=1 * GB, kv_tok=1000, out=2 * GB, tied=False):
-    return {"n_layers": n, "layer_bytes": [layer] * n, "kv_bytes_per_token_layer": [kv_tok] * n,
-            "output_device_bytes": out, "tied_output": tied}
+def shape(n=10, layer=1 * GB, out=2 * GB, tied=False):
+    return {"n_layers": n, "layer_bytes": [layer] * n, "output_device_bytes": out,
+            "tied_output": tied}
+
+
+KV = [1000 * 4096] * 10  # KV bytes of each of the 10 layers
 
 
 def test_fits_reports_the_numbers_of_a_refusal():
     s = shape()
     p = P.place(10, ["RPC0", "RPC1"], [1, 1])  # act 11: RPC0 il/11 < .5 -> 0..5, RPC1 6..9 + out
-    fits = P.fits(p, s, 4096, [8 * GB, 5 * GB], headroom=GB // 2)
+    fits = P.fits(p, s, KV, [8 * GB, 5 * GB], headroom=GB // 2)
     assert [f.layers for f in fits] == [6, 4]
     assert fits[0].needed == 6 * GB + 6 * 1000 * 4096 + GB // 2 and fits[0].ok
     assert fits[1].needed == 4 * GB + 2 * GB + 4 * 1000 * 4096 + GB // 2 and not fits[1].ok
     assert P.refusal(fits) == ("the model does not fit: RPC1: 4 layers need 6.52 GB (weights "
                                "6.00, KV 0.02, compute 0.50), 5.00 GB free")
-    assert P.refusal(P.fits(p, s, 4096, [8 * GB, 7 * GB], headroom=GB // 2)) is None
+    assert P.refusal(P.fits(p, s, KV, [8 * GB, 7 * GB], headroom=GB // 2)) is None
 
 
 def test_auto_split_is_reproduced_by_llama_cpp():
     s = shape()
     free = [9 * GB, 3 * GB, 6 * GB]
-    ts = P.auto_split(free, s, 4096, headroom=GB // 2)
+    ts = P.auto_split(free, s, KV, headroom=GB // 2)
     # usable 8.5, 2.5, 5.5-2 (output) = 3.5 of 14.5 GB -> 10 layers cut at 5.9 and 7.6 -> 6, 2, 2.
     assert ts == [6, 2, 3]
     p = P.place(10, ["A", "B", "C"], ts)
     assert [len(p.layers_of(i)) for i in range(3)] == [6, 2, 2] and p.output_device == 2
-    assert P.refusal(P.fits(p, s, 4096, free, headroom=GB // 2)) is None
+    assert P.refusal(P.fits(p, s, KV, free, headroom=GB // 2)) is None
     # The last device cannot hold the output: it goes to the one before, the last gets nothing.
-    ts = P.auto_split([9 * GB, 9 * GB, 1 * GB], s, 4096, headroom=GB // 2)
+    ts = P.auto_split([9 * GB, 9 * GB, 1 * GB], s, KV, headroom=GB // 2)
     assert ts[2] == 0 and P.place(10, ["A", "B", "C"], ts).output_device == 1
 
 

@@ -213,7 +213,8 @@ def test_model_shape_synthetic(synthetic):
     assert s["input_bytes"] == 11 * MiB and s["output_bytes"] == 10 * MiB + 256 * 4
     assert not s["tied_output"] and s["output_device_bytes"] == s["output_bytes"]
     # head_dim = 256 / 8 = 32; K and V of 2 KV heads, f16: (2*32 + 2*32) * 2 bytes per layer.
-    assert s["kv_bytes_per_token_layer"] == [256] * 3 and s["kv_bytes_per_token"] == 768
+    assert s["k_elems_layer"] == s["v_elems_layer"] == [64] * 3
+    assert s["swa_layers"] == [False] * 3 and s["n_swa"] == 0  # llama: no sliding window
     assert s["n_ctx_train"] == 4096
 
 
@@ -235,8 +236,10 @@ def test_gemma_tensors_and_shape(gemma):
     assert [(t.name, t.offset, t.size) for t in hashed] == [GEMMA_EMBD[:3]]
     s = T.model_shape(gemma)
     assert (s["arch"], s["n_layers"], s["n_ctx_train"]) == ("gemma3", 18, 32768)
-    # 1 KV head, key/value length 256, f16, 18 layers: (256 + 256) * 2 * 18.
-    assert s["kv_bytes_per_token"] == 18432
+    # 1 KV head, key/value length 256; gemma3 slides a 512-token window in 5 layers of 6.
+    assert s["k_elems_layer"] == s["v_elems_layer"] == [256] * 18
+    assert s["n_swa"] == 512
+    assert [il for il in range(18) if not s["swa_layers"][il]] == [5, 11, 17]
     assert s["tied_output"] and s["output_device_bytes"] == 2560 + 178257920
     assert s["input_bytes"] + s["output_bytes"] + sum(s["layer_bytes"]) == \
         sum(t.size for t in tensors)

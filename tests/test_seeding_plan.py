@@ -1,8 +1,9 @@
-"""rpc_cache wiring: which worker seeds which tensors, and the plan's placement table (golden).
+"""rpc_cache wiring: which worker seeds which tensors from the placement.
 
 The model behind inventories/two-cuda-11-16.yaml (gemma-3-27b Q4_K_M) cannot be fetched here;
-a header with its layer count and per-tensor sizes stands in for it, so the table shows the
-seed scenario's real split (11 GB card over RPC, 16 GB card local) with realistic bytes.
+model_headers.gemma27_header stands in for it (the seed scenario's split: an 11 GB card over
+RPC, a 16 GB card local). The placement tables of every scenario are golden-tested in
+test_placement_scenarios.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
 
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import Resolved
@@ -20,31 +23,10 @@ from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.roles.rpc_cache.tensors import Header
 
+from model_headers import gemma27_header
+
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).resolve().parent / "golden_plan"
 SHA = "ab" * 32
-MB = 1_000_000
-
-
-def gemma27_header() -> Header:
-    sizes = [("attn_norm.weight", 21504), ("attn_q.weight", 12_386_304),
-             ("attn_k.weight", 6_193_152), ("attn_v.weight", 9_031_680),
-             ("attn_output.weight", 12_386_304), ("ffn_gate.weight", 65_028_096),
-             ("ffn_up.weight", 65_028_096), ("ffn_down.weight", 94_832_640),
-             ("ffn_norm.weight", 21504)]
-    tensors, offset = [], 10 * MB
-    tensors.append(("token_embd.weight", offset, 1_155_268_608))
-    offset += 1_155_268_608
-    for il in range(62):
-        for name, size in sizes:
-            tensors.append((f"blk.{il}.{name}", offset, size))
-            offset += size
-    tensors.append(("output_norm.weight", offset, 21504))
-    fields = {"general.architecture": "gemma3", "gemma3.block_count": 62,
-              "gemma3.embedding_length": 5376, "gemma3.attention.head_count": 32,
-              "gemma3.attention.head_count_kv": 16, "gemma3.attention.key_length": 128,
-              "gemma3.attention.value_length": 128, "gemma3.context_length": 131072}
-    return Header(fields, tensors, 10 * MB)
 
 
 def prepared(path: str, facts: dict, header: Header):
@@ -76,19 +58,6 @@ GPU_FACTS = {"box11": {"rpc_cache.DeviceMemory": {"cpu": None, "cuda": [
                  {"total": 17179869184, "free": 16800000000}]}}}
 
 
-def test_two_cuda_placement_table_golden():
-    _, resolved, fetched = prepared("inventories/two-cuda-11-16.yaml", GPU_FACTS, gemma27_header())
-    # The control machine's endpoint, pinned to the resolved commit, never the hosts' one.
-    assert fetched == ["https://huggingface.co/unsloth/gemma-3-27b-it-GGUF/resolve/"
-                       + "c" * 40 + "/gemma-3-27b-it-Q4_K_M.gguf"]
-    text = seeding.table(resolved.layouts) + "\n"
-    golden = GOLDEN / "placement-two-cuda-11-16.txt"
-    if os.environ.get("MESHDEPLOY_UPDATE_GOLDEN") == "1":
-        golden.write_text(text)
-    assert golden.exists(), f"missing {golden}; run with MESHDEPLOY_UPDATE_GOLDEN=1"
-    assert text == golden.read_text()
-
-
 def test_only_the_cached_worker_seeds_its_own_layers():
     cluster, resolved, _ = prepared("inventories/two-cuda-11-16.yaml", GPU_FACTS, gemma27_header())
     assert list(resolved.seeds) == ["box11:50052"]
@@ -114,7 +83,7 @@ def test_auto_split_without_memory_facts_is_refused(tmp_path):
     original = mod.read_header
     mod.read_header = lambda _path: gemma27_header()
     try:
-        with pytest.raises(PlanError, match="free memory of box11:50052/CUDA0, box16/CUDA0"):
+        with pytest.raises(PlanError, match="the free memory of box11:50052/CUDA0, box16/CUDA0 is unknown"):
             seeding.prepare(cluster, cluster.hosts, {}, resolved,
                             fetch=lambda *a, **k: tmp_path.joinpath("h").touch() or
                             tmp_path / "h")
@@ -146,3 +115,111 @@ def test_header_cache_spares_the_next_plan_a_fetch(tmp_path):
         mod.read_header = original
     assert len(fetched) == 1
     assert [p.name for p in tmp_path.iterdir()] == [f"{SHA}.gguf"]
+
+
+# ---- models that exist only on the hosts (Ollama store, path) ----------------------------------
+
+ON_HOSTS = """cluster: ollama-seed
+llama_cpp: {ref: b11312}
+hosts:
+  box16: {address: 10.0.0.6, backend: cuda}
+  box11:
+    address: 10.0.0.5
+    backend: cuda
+    rpc_servers: [{port: 50052, cache: true}]
+models:
+  gemma27: SOURCE
+servers:
+  main: {host: box16, model: gemma27, port: 8080, bind: 127.0.0.1, ctx_size: 32768,
+         tensor_split: [11, 16]}
+"""
+DIGEST = "b1" * 32
+
+
+def ollama_fact(digest=DIGEST):
+    manifest = ('{"layers": [{"mediaType": "application/vnd.ollama.image.model", '
+                f'"digest": "sha256:{digest}", "size": 17000000000}}]}}')
+    return {"manifest": manifest, "store": "/usr/share/ollama/.ollama/models",
+            "blobs": {f"sha256:{digest}": [17_000_000_000, 1718000000]}, "heads": {}}
+
+
+def on_hosts_cluster(tmp_path, source: str):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(ON_HOSTS.replace("SOURCE", source))
+    return load_cluster(path)
+
+
+def header_bytes_of(header, tmp_path) -> bytes:
+    """A real GGUF header (written by gguf) with the stand-in's fields and tensor list."""
+    out = tmp_path / "header.gguf"
+    w = GGUFWriter(str(out), "gemma3")
+    for key, value in header.fields.items():
+        if key != "general.architecture":
+            w.add_uint32(key, value)
+    for name, _offset, size in header.tensors:
+        w.add_tensor_info(name, (size,), np.dtype(np.int8), size, raw_dtype=GGMLQuantizationType.I8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return out.read_bytes()
+
+
+def test_a_worker_seeds_from_its_own_ollama_store(tmp_path):
+    cluster = on_hosts_cluster(tmp_path, "{ollama: {model: 'gemma3:27b'}}")
+    facts = {h: {**GPU_FACTS[h], "models.OllamaManifest[gemma27]": ollama_fact()}
+             for h in GPU_FACTS}
+    reads = []
+    data = header_bytes_of(gemma27_header(), tmp_path)
+
+    def read_remote(host, path):
+        reads.append((host, path))
+        return data
+
+    for _ in range(2):  # the second plan finds the header in the cache: nothing is read
+        resolved = Resolved()
+        notes = seeding.prepare(cluster, cluster.hosts, facts, resolved,
+                                header_cache=tmp_path / "headers", read_remote=read_remote)
+        assert notes == []
+        (seed,) = resolved.seeds["box11:50052"]
+        assert seed.model_sha == DIGEST  # the blob's own sha256 names the content
+        assert seed.model_path == "/opt/meshdeploy/models/gemma27/model.gguf"
+        assert {t.layer for t in seed.tensors} == set(range(26))
+        assert resolved.layouts[0].rows[0]["layers"] == "0-25"
+    # Read once, from the worker that seeds, at its blob.
+    assert reads == [("box11", f"/usr/share/ollama/.ollama/models/blobs/sha256-{DIGEST}")]
+
+
+def test_a_worker_seeds_from_a_path_named_by_size_and_mtime(tmp_path):
+    cluster = on_hosts_cluster(tmp_path, "{path: /models/gemma-27b.gguf}")
+    file = {"size": 17_000_000_000, "mtime": 1718000000, "verified": None, "partial": None,
+            "link": None}
+    facts = {h: {**GPU_FACTS[h], "models.ModelFile[gemma27]": file} for h in GPU_FACTS}
+    data = header_bytes_of(gemma27_header(), tmp_path)
+    resolved = Resolved()
+    seeding.prepare(cluster, cluster.hosts, facts, resolved, read_remote=lambda h, p: data)
+    (seed,) = resolved.seeds["box11:50052"]
+    assert (seed.model_sha, seed.model_path) == ("path-17000000000-1718000000",
+                                                 "/models/gemma-27b.gguf")
+    # The worker holds the file: models.gguf checks it there as on the orchestrator.
+    assert models.needed(cluster, cluster.host("box11")) == ["gemma27"]
+
+
+def test_a_model_not_yet_on_the_worker_waits_for_the_next_plan(tmp_path):
+    cluster = on_hosts_cluster(tmp_path, "{path: /models/gemma-27b.gguf}")
+    resolved = Resolved()
+    notes = seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
+                            read_remote=lambda h, p: pytest.fail("nothing to read"))
+    assert resolved.seeds == {} and resolved.layouts == []
+    assert notes == ["servers.main: gemma27 is not on the probed hosts yet; its placement and "
+                     "seeding are computed by the plan after it is"]
+
+
+def test_an_unreadable_header_on_a_host_is_one_error(tmp_path):
+    cluster = on_hosts_cluster(tmp_path, "{path: /models/gemma-27b.gguf}")
+    file = {"size": 5, "mtime": 1, "verified": None, "partial": None, "link": None}
+    facts = {h: {**GPU_FACTS[h], "models.ModelFile[gemma27]": file} for h in GPU_FACTS}
+    with pytest.raises(PlanError, match=r"models.gemma27: cannot read the GGUF header: "
+                                        r"not a GGUF file \(bad magic\)"):
+        seeding.prepare(cluster, cluster.hosts, facts, Resolved(),
+                        read_remote=lambda h, p: b"NOPE" * 10)

@@ -7,6 +7,7 @@ import re
 from pyinfra.api import FactBase
 
 from meshdeploy.roles.rpc_cache import defaults as d
+from meshdeploy.roles.rpc_cache.memory import metal_working_set, vulkan_devices
 
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 # What an interrupted md-rpc-seed or seeding script leaves (operations.seed removes these).
@@ -73,31 +74,103 @@ class CacheDir(FactBase):
 
 
 class DeviceMemory(FactBase):
-    """Memory of the host's devices, as llama.cpp's backends report it.
+    """Memory of the host's devices, as llama.cpp's backends report it (bytes, device order).
 
     ```python
-    {"cpu": {"total": 25769803776, "available": 23622320128},   # /proc/meminfo, bytes
-     "cuda": [{"total": 25769803776, "free": 25300041728}]}    # nvidia-smi, in device order
+    {"cpu": {"total": 25769803776, "available": 23622320128,       # ggml-cpu offers "total"
+             "source": "/proc/meminfo"},                          # or "sysctl hw.memsize"
+     "cuda": [{"total": 25769803776, "free": 25300041728}],       # nvidia-smi
+     "rocm": [{"total": 25753026560, "free": 25726590976}],       # rocm-smi: total - used
+     "vulkan": [{"total": 25769803776, "free": 25012305920,       # vulkaninfo, the devices
+                 "budget": True, "type": "discrete"}],            # ggml-vulkan numbers
+     "metal": {"total": 11453246122, "free": 11453246122, "estimated": True}}   # sysctl
     ```
-    None: neither /proc/meminfo nor nvidia-smi answered (macOS, Android without procfs).
+    A GPU list holds None where a device's row was unreadable, so later indices keep their
+    device. Formats relied on, after the host-side filters below:
+    - nvidia-smi --query-gpu=memory.total,memory.free --format=csv,noheader,nounits:
+      "24564, 23940" (MiB), one row per GPU in nvidia-smi order.
+    - rocm-smi --showmeminfo vram --csv: a header "device,VRAM Total Memory (B),VRAM Total Used
+      Memory (B)" then "card0,25753026560,26435584" (bytes), one row per GPU in rocm-smi order;
+      the columns are found by header name.
+    - vulkaninfo (text): per "GPU<n>:" section, "deviceType = PHYSICAL_DEVICE_TYPE_...",
+      "deviceUUID = ...", then under VkPhysicalDeviceMemoryProperties each "memoryHeaps[i]:"
+      with "size = N (0x..) (..)", "budget = ..." and "usage = ..." (only with
+      VK_EXT_memory_budget) and its flags (MEMORY_HEAP_DEVICE_LOCAL_BIT), up to "memoryTypes".
+    - macOS: sysctl -n hw.memsize, hw.optional.arm64, iogpu.wired_limit_mb (macOS 14+),
+      debug.iogpu.wired_limit (bytes, macOS 13); vm_stat "(page size of N bytes)",
+      "Pages free:" and "Pages inactive:" (free + inactive is what is available, as psutil counts).
+    None: nothing answered at all.
     """
 
+    _TIMEOUT = "t=; command -v timeout >/dev/null 2>&1 && t='timeout 5'"
+    _MEMINFO = "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo 2>/dev/null"
+    _NVIDIA = ("command -v nvidia-smi >/dev/null 2>&1 && $t nvidia-smi "
+               "--query-gpu=memory.total,memory.free --format=csv,noheader,nounits "
+               "2>/dev/null | sed 's/^/cuda /'")
+    _ROCM = ("command -v rocm-smi >/dev/null 2>&1 && $t rocm-smi --showmeminfo vram --csv "
+             "2>/dev/null | awk -F, '$1 == \"device\" { for (i = 2; i <= NF; i++) { "
+             "if ($i == \"VRAM Total Memory (B)\") c = i; "
+             "if ($i == \"VRAM Total Used Memory (B)\") u = i } next } "
+             "c && u && $1 ~ /^card[0-9]+$/ { print \"rocm\", $1, $c, $u }'")
+    # Only the few heap lines travel: a full vulkaninfo dump is thousands of lines per GPU.
+    _VULKAN = ("command -v vulkaninfo >/dev/null 2>&1 && $t vulkaninfo 2>/dev/null | awk '"
+               "NF == 1 && $1 ~ /^GPU[0-9]+:?$/ { g = $1; sub(/:/, \"\", g); "
+               "print \"vk gpu\", substr(g, 4); h = 0; next } "
+               "$1 == \"deviceType\" || $1 == \"deviceUUID\" { "
+               "print \"vk\", ($1 == \"deviceType\" ? \"type\" : \"uuid\"), $3 } "
+               "$1 ~ /^memoryHeaps\\[[0-9]+\\]/ { h = 1; print \"vk heap\"; next } "
+               "$1 ~ /^memoryType/ { h = 0 } "
+               "h && $2 == \"=\" && ($1 == \"size\" || $1 == \"budget\" || $1 == \"usage\") "
+               "{ print \"vk\", $1, $3 } "
+               "h && /MEMORY_HEAP_DEVICE_LOCAL_BIT/ { print \"vk local\" }'")
+    _MACOS = ("[ \"$(uname -s 2>/dev/null)\" = Darwin ] && { "
+              "for k in hw.memsize hw.optional.arm64 iogpu.wired_limit_mb debug.iogpu.wired_limit; "
+              "do sysctl -n $k 2>/dev/null | sed \"s/^/mac $k /\"; done; "
+              "vm_stat 2>/dev/null | awk '/page size of/ { for (i = 1; i < NF; i++) "
+              "if ($i == \"of\") print \"mac page\", $(i + 1) } "
+              "$1 == \"Pages\" && ($2 == \"free:\" || $2 == \"inactive:\") "
+              "{ sub(/:/, \"\", $2); sub(/\\./, \"\", $3); print \"mac\", $2, $3 }'; }")
+
     def command(self):
-        return ("grep -E '^(MemTotal|MemAvailable):' /proc/meminfo 2>/dev/null; "
-                "command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi "
-                "--query-gpu=memory.total,memory.free --format=csv,noheader,nounits "
-                "2>/dev/null | sed 's/^/cuda /'; true")
+        return "; ".join((self._TIMEOUT, self._MEMINFO, self._NVIDIA, self._ROCM, self._VULKAN,
+                          self._MACOS, "true"))
 
     def process(self, output):
-        cpu, cuda = {}, []
+        cpu, cuda, rocm, vk, mac = {}, [], [], [], {}
         for line in output or []:
             words = line.replace(",", " ").split()
             if len(words) == 3 and words[0] in ("MemTotal:", "MemAvailable:") \
                     and words[1].isdigit() and words[2] == "kB":
                 cpu["total" if words[0] == "MemTotal:" else "available"] = int(words[1]) * 1024
-            elif len(words) == 3 and words[0] == "cuda" and words[1].isdigit() \
-                    and words[2].isdigit():
-                cuda.append({"total": int(words[1]) << 20, "free": int(words[2]) << 20})
-        if not cpu and not cuda:
+            elif len(words) == 3 and words[0] == "cuda":
+                # "[N/A]" rows keep their place: CUDA1 must not take CUDA0's numbers.
+                cuda.append({"total": int(words[1]) << 20, "free": int(words[2]) << 20}
+                            if words[1].isdigit() and words[2].isdigit() else None)
+            elif len(words) == 4 and words[0] == "rocm":
+                ok = words[2].isdigit() and words[3].isdigit() and int(words[3]) <= int(words[2])
+                rocm.append({"total": int(words[2]), "free": int(words[2]) - int(words[3])}
+                            if ok else None)
+            elif words and words[0] == "vk":
+                vk.append(words[1:])
+            elif len(words) == 3 and words[0] == "mac" and words[2].isdigit():
+                mac[words[1]] = int(words[2])
+        if cpu:
+            cpu["source"] = "/proc/meminfo"
+        elif mac.get("hw.memsize"):
+            cpu = {"total": mac["hw.memsize"], "source": "sysctl hw.memsize"}
+            if "page" in mac and "free" in mac and "inactive" in mac:
+                cpu["available"] = (mac["free"] + mac["inactive"]) * mac["page"]
+                cpu["source"] = "sysctl hw.memsize, vm_stat"
+        vulkan = vulkan_devices(vk)
+        metal = None
+        # Intel Macs run Metal on a discrete GPU whose working set no sysctl tells.
+        if mac.get("hw.optional.arm64") == 1:
+            wired = (mac.get("iogpu.wired_limit_mb") or 0) << 20 \
+                or mac.get("debug.iogpu.wired_limit") or 0
+            working_set = metal_working_set(mac.get("hw.memsize"), wired)
+            if working_set:
+                metal = {"total": working_set[0], "free": working_set[0],
+                         "estimated": working_set[1]}
+        if not cpu and not any(cuda) and not any(rocm) and not any(vulkan) and metal is None:
             return None
-        return {"cpu": cpu or None, "cuda": cuda}
+        return {"cpu": cpu or None, "cuda": cuda, "rocm": rocm, "vulkan": vulkan, "metal": metal}

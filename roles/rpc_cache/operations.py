@@ -48,12 +48,11 @@ def _cached_ports(host) -> list[int]:
     return sorted(r.port for r in host.rpc_servers if r.cache)
 
 
-def _in_cached_server(cluster, host) -> bool:
-    """Whether a llama-server that loads through a cached rpc-server counts this host's devices."""
+def _in_server(cluster, host) -> bool:
+    """Whether some llama-server counts this host's devices (its placement needs their memory)."""
     for server in cluster.servers:
-        endpoints = cluster.rpc_endpoints(server)
-        if any(e.rpc.cache for e in endpoints) and (
-                server.host == host.name or any(e.host.name == host.name for e in endpoints)):
+        if server.host == host.name or \
+                any(e.host.name == host.name for e in cluster.rpc_endpoints(server)):
             return True
     return False
 
@@ -61,7 +60,7 @@ def _in_cached_server(cluster, host) -> bool:
 def sections(cluster, host) -> list[Section]:
     """Probe sections: device memory (for the split), the tool, each cached cache dir."""
     out = [Section("rpc_cache.DeviceMemory", DeviceMemory)] \
-        if _in_cached_server(cluster, host) else []
+        if _in_server(cluster, host) else []
     ports = _cached_ports(host)
     if not ports:
         return out

@@ -158,11 +158,11 @@ class DeviceFit:
                 f"{self.headroom / 1e9:.2f}), {self.free / 1e9:.2f} GB free")
 
 
-def fits(placement: Placement, shape: dict, ctx: int, free_bytes,
+def fits(placement: Placement, shape: dict, kv_layer: list[int], free_bytes,
          headroom: int = d.rpc_cache_compute_headroom_bytes) -> list[DeviceFit]:
     """Per device: what the placement puts there against what it has free.
 
-    + shape: tensors.model_shape(); ctx: llama-server's -c (KV for every slot of the context)
+    + shape: tensors.model_shape(); kv_layer: KV bytes per layer (kvcache.layer_bytes)
     """
     if len(free_bytes) != len(placement.devices):
         raise ValueError(f"free_bytes has {len(free_bytes)} values for "
@@ -173,7 +173,7 @@ def fits(placement: Placement, shape: dict, ctx: int, free_bytes,
         weights = sum(shape["layer_bytes"][il] for il in layers)
         if placement.output_device == i:
             weights += shape["output_device_bytes"]
-        kv = sum(shape["kv_bytes_per_token_layer"][il] for il in layers) * ctx
+        kv = sum(kv_layer[il] for il in layers)
         used = bool(layers) or placement.output_device == i
         out.append(DeviceFit(name, len(layers), weights, kv, headroom if used else 0,
                              int(free_bytes[i])))
@@ -188,12 +188,12 @@ def refusal(device_fits: list[DeviceFit]) -> str | None:
     return "the model does not fit: " + "; ".join(f.line() for f in short)
 
 
-def auto_split(free_bytes, shape: dict, ctx: int,
+def auto_split(free_bytes, shape: dict, kv_layer: list[int],
                headroom: int = d.rpc_cache_compute_headroom_bytes) -> list[int]:
     """-ts values that share the layers in proportion to each device's usable memory.
 
     Usable = free - compute headroom (- the output layer on the device that takes it); a layer
-    costs its weights plus its KV at `ctx`, so shares are cut by cumulative cost, not by count.
+    costs its weights plus its KV (kv_layer[il]), so shares are cut by cumulative cost, not by count.
     The values are layer counts (the output's slot included), which llama.cpp's float split
     reproduces exactly: place(n, devices, auto_split(...)) lands every layer where computed.
     Check the result with fits(); this never promises that the model fits.
@@ -210,7 +210,7 @@ def auto_split(free_bytes, shape: dict, ctx: int,
     usable[out_dev] = max(usable[out_dev] - shape["output_device_bytes"], 0)
     if sum(usable) == 0:
         usable = [1 if i <= out_dev else 0 for i in range(n_dev)]
-    cost = [shape["layer_bytes"][il] + shape["kv_bytes_per_token_layer"][il] * ctx
+    cost = [shape["layer_bytes"][il] + kv_layer[il]
             for il in range(n)]
     prefix = [0]
     for c in cost:

@@ -1,37 +1,29 @@
-"""From the cluster file to what each cached rpc-server must hold, and the plan's placement table.
+"""From the cluster file to each llama-server's placement and what each cached rpc-server holds.
 
 Computed once per plan on the control machine: the GGUF header is read with Range requests from
 the control machine's view of the hub (huggingface.api_endpoint), never from a host, and
-llama.cpp's layer split is reproduced for every llama-server that loads through a cached
-rpc-server. The result (Resolved.seeds, Resolved.layouts) feeds rpc_cache.seed[port] and the
-text plan.
+llama.cpp's layer split is reproduced for every llama-server whose model is a one-file Hub
+model (layout.py), refusing one that cannot fit. The result (Resolved.layouts, Resolved.seeds)
+feeds the plan's placement table and rpc_cache.seed[port].
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import tempfile
 from pathlib import Path
-from dataclasses import dataclass, field
 
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfSource
+from meshdeploy.deploy.model import HfSource, OllamaSource
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
-from meshdeploy.roles.rpc_cache.placement import device_tensors, fits, place, wire_bytes
+from meshdeploy.roles.rpc_cache import layout
 from meshdeploy.roles.rpc_cache.tensors import (GgufHeaderError, header_from_http, model_shape,
                                                 read_header, weight_tensors)
-
-
-@dataclass
-class Layout:
-    """Where one llama-server's layers land, and what that costs each device."""
-
-    server: str
-    model: str
-    placement: object  # placement.Placement
-    rows: list = field(default_factory=list)  # one dict per device (see table())
 
 
 def header_url(cluster, model) -> str:
@@ -41,151 +33,172 @@ def header_url(cluster, model) -> str:
     return f"{api}/{src.repo}/resolve/{{commit}}/{src.files[0]}"
 
 
-def cached_servers(cluster):
-    """(server, endpoints) for every llama-server that loads through a cached rpc-server."""
-    out = []
-    for server in cluster.servers:
-        endpoints = cluster.rpc_endpoints(server)
-        if any(e.rpc.cache for e in endpoints):
-            out.append((server, endpoints))
-    return out
-
-
-def _device_memory(facts: dict | None, host, device: str) -> tuple[int | None, int | None]:
-    """(free as llama.cpp reports it for the split, free for the headroom check) of one device.
-
-    The CPU backend reports physical memory as free (ggml-cpu.cpp: "assume that all of it is
-    free"), so the split follows MemTotal while the headroom uses MemAvailable.
-    """
-    mem = (facts or {}).get("rpc_cache.DeviceMemory")
-    if not mem:
-        return None, None
-    if device == "CPU" or (host.backend == "cpu" and device.startswith("CPU")):
-        cpu = mem.get("cpu") or {}
-        return cpu.get("total"), cpu.get("available")
-    if device.startswith("CUDA") and device[4:].isdigit():
-        gpus = mem.get("cuda") or []
-        i = int(device[4:])
-        if i < len(gpus):
-            return gpus[i]["free"], gpus[i]["free"]
-    return None, None
-
-
-def _devices(cluster, server, endpoints):
-    """[(label, host, device, endpoint or None)] in -ts order."""
-    out = []
-    for e in endpoints:
-        out += [(f"{e.host.name}:{e.rpc.port}/{dev}", e.host, dev, e) for dev in e.devices]
-    local = cluster.host(server.host)
-    out += [(f"{server.host}/{dev}", local, dev, None) for dev in local.devices]
-    return out
-
-
-def layout(cluster, server, endpoints, tensors, shape, facts: dict) -> Layout:
-    """Placement of one server plus per-device bytes; raises PlanError when it cannot be known."""
-    devs = _devices(cluster, server, endpoints)
-    labels = [label for label, *_ in devs]
-    memory = [_device_memory(facts.get(h.name), h, dev) for _, h, dev, _ in devs]
-    where = f"servers.{server.name}"
-    try:
-        if server.tensor_split == "auto":
-            unknown = [labels[i] for i, (split, _) in enumerate(memory) if split is None]
-            if unknown:
-                raise PlanError(f"{where}: the rpc cache needs to know which layers each worker "
-                                f"gets, and the free memory of {', '.join(unknown)} is unknown "
-                                "(host not probed, or a backend meshdeploy cannot query)",
-                                hint=f"set {where}.tensor_split, or plan without --limit")
-            placement = place(shape["n_layers"], labels, None, [m[0] for m in memory],
-                              server.n_gpu_layers)
-        else:
-            placement = place(shape["n_layers"], labels, list(server.tensor_split), None,
-                              server.n_gpu_layers)
-    except ValueError as exc:
-        raise PlanError(f"{where}: {exc}", hint=f"fix {where}.tensor_split") from None
-    ctx = server.ctx_size or shape["n_ctx_train"]
-    avail = [m[1] for m in memory]
-    fit = fits(placement, shape, ctx, [a or 0 for a in avail])
-    out = Layout(server.name, server.model, placement)
-    for i, (label, host, dev, endpoint) in enumerate(devs):
-        mine = device_tensors(placement, tensors, i)
-        cached, small = wire_bytes(mine)
-        seeded = endpoint is not None and endpoint.rpc.cache
-        layers = placement.layers_of(i)
-        text = (f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else
-                (str(layers[0]) if layers else "-"))
-        if placement.output_device == i:
-            text += " + output"
-        f = fit[i]
-        out.rows.append({
-            "device": label, "layers": text, "weights": f.weights, "kv": f.kv,
-            "seed": cached if seeded else 0,
-            # A local device reads the file itself; an RPC one receives every byte not cached.
-            "wire": 0 if endpoint is None else (small if seeded else cached + small),
-            "free": avail[i], "headroom": None if avail[i] is None else avail[i] - f.needed,
-            "host": host.name, "port": endpoint.rpc.port if endpoint else None,
-            "cached": seeded, "tensors": mine,
-        })
-    return out
-
-
-def _header(cluster, model, hf_model, token, fetch, cache: Path | None, where: str):
-    url = header_url(cluster, model).format(commit=hf_model.commit)
-    file = hf_model.files[0]
-    kept = cache / f"{file.sha256}.gguf" if cache else None
+def _kept(cache: Path | None, key: str, produce, where: str, hint: str):
+    """A parsed header, from `cache`/<key>.gguf or from produce(dest) (which writes the header
+    bytes to dest and returns the path it wrote); only a header that parsed is kept."""
+    kept = cache / f"{key}.gguf" if cache else None
     path = None
     try:
         if kept is not None and kept.exists():
             return read_header(str(kept))
         if kept is not None:
             kept.parent.mkdir(parents=True, exist_ok=True)
-            path = fetch(url, file.size, token=token, dest=kept.with_suffix(".tmp"))
-            header = read_header(str(path))
-            os.replace(path, kept)  # only a header that parsed is kept
+        path = produce(kept.with_suffix(".tmp") if kept is not None else None)
+        header = read_header(str(path))
+        if kept is not None:
+            os.replace(path, kept)
             path = None
-            return header
-        path = fetch(url, file.size, token=token)
-        return read_header(str(path))
+        return header
     except GgufHeaderError as exc:
-        raise PlanError(f"{where}: cannot read the GGUF header: {exc}",
-                        hint="check huggingface.api_endpoint and the file") from None
+        raise PlanError(f"{where}: cannot read the GGUF header: {exc}", hint=hint) from None
     finally:
         if path is not None:
             os.unlink(path)
 
 
-def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
-            header_cache: Path | None = None) -> None:
-    """Fill resolved.seeds ("host:port" -> SeedModel tuple) and resolved.layouts.
+def _hub_header(cluster, model, hf_model, token, fetch, cache, where):
+    url = header_url(cluster, model).format(commit=hf_model.commit)
+    file = hf_model.files[0]
 
-    + header_cache: a folder keeping fetched headers by file sha256 (the content they describe
-      never changes), so a no-op plan does not fetch megabytes of header again; None: no cache
+    def produce(dest):
+        return fetch(url, file.size, token=token, dest=dest) if dest is not None \
+            else fetch(url, file.size, token=token)
+    return _kept(cache, file.sha256, produce, where,
+                 "check huggingface.api_endpoint and the file")
+
+
+def _host_header(read_remote, host: str, path: str, key: str, cache, where):
+    def produce(dest):
+        if read_remote is None:
+            raise GgufHeaderError(f"{host}:{path}: no connection to read it over")
+        data = read_remote(host, path)
+        if dest is None:
+            fd, name = tempfile.mkstemp(prefix="meshdeploy-gguf-header-", suffix=".gguf")
+            os.close(fd)
+            dest = Path(name)
+        dest.write_bytes(data)
+        return dest
+    return _kept(cache, key, produce, where, f"check the file on {host}")
+
+
+def _on_host(cluster, model, facts: dict, host: str):
+    """(content id, path to read) of a model that exists only on the hosts, or None.
+
+    An Ollama blob is named by its sha256. A file given by path has no hash meshdeploy knows,
+    so size and mtime name its content: a changed file is seeded again. Either way a worker whose
+    bytes differ from the orchestrator's only misses the cache, never serves wrong data: entries
+    are named by the hash of the bytes they hold.
+    """
+    src = model.source
+    mine = facts.get(host) or {}
+    if isinstance(src, OllamaSource):
+        fact = mine.get(f"models.OllamaManifest[{model.name}]")
+        if not fact:
+            return None
+        try:
+            layers = json.loads(fact["manifest"]).get("layers", [])
+        except ValueError:
+            return None
+        layer = next((x for x in layers if x.get("mediaType") == models.OLLAMA_MODEL_MEDIA), None)
+        if layer is None or layer["digest"] not in fact["blobs"]:
+            return None
+        sha = layer["digest"].split(":", 1)[1]
+        return sha, f"{fact['store']}/blobs/sha256-{sha}"
+    fact = mine.get(f"models.ModelFile[{model.name}]")
+    if not fact or fact.get("size") is None:
+        return None
+    return f"path-{fact['size']}-{fact['mtime']}", src.path
+
+
+def _source(cluster, server, model, resolved, facts, names, fetch, cache, read_remote, cached):
+    """(header or None, {host: content id}, note or None) of the model `server` loads."""
+    where = f"models.{model.name}"
+    src = model.source
+    if isinstance(src, HfSource):
+        if len(src.files) != 1:
+            if cached:
+                raise PlanError(f"{where}: rpc-server cache seeding (cache: true on a worker of "
+                                f"servers.{server.name}) needs a one-file GGUF; this one is split",
+                                hint="use a single-file GGUF of the model, or set cache: false")
+            return None, {}, (f"servers.{server.name}: {model.name} is a split GGUF; its "
+                              "placement is not computed")
+        hf_model = resolved.models.get(model.name)
+        if hf_model is None:
+            return None, {}, None  # no host in --limit loads it
+        header = _hub_header(cluster, model, hf_model, resolved.hf_token, fetch, cache, where)
+        sha = hf_model.files[0].sha256
+        return header, {h.name: sha for h in cluster.hosts}, None
+    # Ollama store or a path: the bytes are only on the hosts. Read the header from a worker
+    # that seeds (what it seeds from), else from the orchestrator.
+    readers = [e.host.name for e in cluster.rpc_endpoints(server) if e.rpc.cache] + [server.host]
+    ids = {}
+    for host in dict.fromkeys(readers):
+        found = _on_host(cluster, model, facts, host)
+        if found is not None:
+            ids[host] = found
+    usable = [h for h in dict.fromkeys(readers) if h in ids and h in names]
+    if not usable:
+        return None, {}, (None if not cached else
+                          f"servers.{server.name}: {model.name} is not on the probed hosts yet; "
+                          "its placement and seeding are computed by the plan after it is")
+    host = usable[0]
+    content, path = ids[host]
+    key = content if isinstance(src, OllamaSource) else \
+        hashlib.sha256(f"{host}:{path}:{content}".encode()).hexdigest()
+    header = _host_header(read_remote, host, path, key, cache, where)
+    return header, {h: c for h, (c, _) in ids.items()}, None
+
+
+def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
+            header_cache: Path | None = None, read_remote=None) -> list[str]:
+    """Fill resolved.layouts (every llama-server whose placement can be known) and resolved.seeds
+    ("host:port" -> SeedModel tuple); return the plan's warnings about placement.
+
+    Raises PlanError when a placement llama.cpp would refuse, or one that cannot fit, is asked for.
+    + fetch: reads a Hub model's header over HTTP Range (tensors.header_from_http)
+    + header_cache: a folder keeping headers by content id (the content they describe never
+      changes), so a no-op plan reads no header again; None: no cache
+    + read_remote(host, path) -> header bytes: reads the header of a model that is only on a
+      host (Ollama store, path) over the plan's SSH connection; None: such models get no layout
     """
     names = {h.name for h in hosts}
     seeds: dict[str, list] = {}
-    headers: dict[str, object] = {}
-    for server, endpoints in cached_servers(cluster):
+    notes: list[str] = []
+    for server in cluster.servers:
+        endpoints = cluster.rpc_endpoints(server)
+        involved = {server.host} | {e.host.name for e in endpoints}
+        if not involved & names:
+            continue  # outside --limit
+        cached = any(e.rpc.cache for e in endpoints)
         model = cluster.models[server.model]
-        where = f"models.{model.name}"
-        if not isinstance(model.source, HfSource) or len(model.source.files) != 1:
-            raise PlanError(f"{where}: rpc-server cache seeding (cache: true on a worker of "
-                            f"servers.{server.name}) needs a one-file Hugging Face model",
-                            hint="use a single-file huggingface model, or set cache: false")
-        hf_model = resolved.models.get(model.name)
-        if hf_model is None:
-            continue  # no host in --limit loads it: nothing to seed in this run
-        if model.name not in headers:
-            headers[model.name] = _header(cluster, model, hf_model, resolved.hf_token, fetch,
-                                          header_cache, where)
-        header = headers[model.name]
-        layout_ = layout(cluster, server, endpoints, weight_tensors(header),
-                         model_shape(header), facts)
-        resolved.layouts.append(layout_)
-        for row in layout_.rows:
-            if not row["cached"] or row["host"] not in names:
+        if server.tensor_split == "auto" and not cached:
+            unknown = layout.unknown_memory(cluster, server, facts)
+            if unknown:
+                notes.append(f"servers.{server.name}: free memory of {', '.join(unknown)} is "
+                             "unknown, so llama.cpp's auto split cannot be predicted; placement "
+                             "not checked")
+                continue
+        try:
+            header, content, note = _source(cluster, server, model, resolved, facts, names, fetch,
+                                             header_cache, read_remote, cached)
+        except PlanError as exc:
+            if cached:
+                raise
+            header, content, note = None, {}, f"servers.{server.name}: placement not checked: " \
+                                              f"{exc.message}"
+        if note:
+            notes.append(note)
+        if header is None:
+            continue
+        lay = layout.build(cluster, server, weight_tensors(header), model_shape(header), facts)
+        resolved.layouts.append(lay)
+        notes += layout.warnings(lay)
+        for row in lay.rows:
+            if not row["cached"] or row["host"] not in names or row["host"] not in content:
                 continue
             key = f"{row['host']}:{row['port']}"
-            seed = ops.SeedModel(models.model_path(cluster, model.name),
-                                 hf_model.files[0].sha256, tuple(row["tensors"]))
+            seed = ops.SeedModel(models.model_path(cluster, model.name), content[row["host"]],
+                                 tuple(row["tensors"]))
             merged = seeds.setdefault(key, [])
             # One rpc-server may expose several devices: one entry per model, tensors united.
             for i, have in enumerate(merged):
@@ -197,6 +210,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
             else:
                 merged.append(seed)
     resolved.seeds = {k: tuple(v) for k, v in seeds.items()}
+    return notes
 
 
 def seed(ctx: HostContext, port: int) -> Step:
@@ -211,25 +225,3 @@ def seed(ctx: HostContext, port: int) -> Step:
     first, *also = wanted
     return ops.seed(ctx, port, first.model_path, list(first.tensors), d.cache_dir_for(port),
                     first.model_sha, tuple(also))
-
-
-def _gb(n) -> str:
-    return "?" if n is None else f"{n / 1e9:.2f}"
-
-
-def table(layouts: list[Layout]) -> str:
-    """The placement section of the text plan: one block per llama-server."""
-    from tabulate import tabulate
-
-    blocks = []
-    for lay in layouts:
-        rows = [[r["device"], r["layers"], _gb(r["weights"]), _gb(r["kv"]),
-                 _gb(r["seed"]) if r["cached"] else "-", f"{r['wire'] / 1e6:.1f}",
-                 _gb(r["free"]), _gb(r["headroom"])] for r in lay.rows]
-        head = ["device", "layers", "weights GB", "KV GB", "seeded GB", "wire MB/load",
-                "free GB", "headroom GB"]
-        body = tabulate(rows, headers=head, tablefmt="simple", disable_numparse=True)
-        text = "\n".join(line.rstrip() for line in body.splitlines())
-        blocks.append(f"Placement of {lay.model} for llama-server {lay.server} "
-                      f"(as llama.cpp splits it):\n{text}")
-    return "\n\n".join(blocks)

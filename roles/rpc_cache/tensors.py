@@ -21,6 +21,7 @@ from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from meshdeploy.roles.rpc_cache import defaults as d
+from meshdeploy.roles.rpc_cache.kvcache import swa_layers
 from meshdeploy.roles.models.gguf_header import SCALAR_FORMATS, read_string  # one GGUF key/value reader
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -130,18 +131,28 @@ def read_header(source) -> Header:
     path = Path(source)
     try:
         with open(path, "rb") as f:
-            buf, want = b"", d.rpc_cache_header_first_fetch
-            while True:
-                buf += f.read(want - len(buf))
-                header = parse_header(buf)
-                if header is not None:
-                    return header
-                if len(buf) < want or want >= d.rpc_cache_header_max:
-                    raise GgufHeaderError(f"{path}: no complete GGUF header in its first "
-                                          f"{len(buf)} bytes")
-                want *= 4
+            return parse_header(header_bytes(f, str(path)))
     except OSError as exc:
         raise GgufHeaderError(f"{path}: {exc.strerror}") from None
+
+
+def header_bytes(f, name: str) -> bytes:
+    """The header of an open binary file (local, or an SFTP file on a host), read only as far
+    as the tensor infos go: 1 MiB, then four times more until they are complete."""
+    buf, want = b"", d.rpc_cache_header_first_fetch
+    while True:
+        while len(buf) < want:
+            chunk = f.read(want - len(buf))
+            if not chunk:
+                break
+            buf += chunk
+        header = parse_header(buf)
+        if header is not None:
+            return buf[:header.data_offset]
+        if len(buf) < want or want >= d.rpc_cache_header_max:
+            raise GgufHeaderError(f"{name}: no complete GGUF header in its first "
+                                  f"{len(buf)} bytes")
+        want *= 4
 
 
 def weight_tensors(gguf_path_or_header) -> list[Tensor]:
@@ -165,9 +176,10 @@ def model_shape(reader) -> dict:
     {"arch": "gemma3", "n_layers": 18, "layer_bytes": [bytes of blk.0, ...],
      "input_bytes": 178257920, "output_bytes": 2560, "tied_output": True,
      "output_device_bytes": 178260480,   # what the output device holds (tied: + token_embd)
-     "kv_bytes_per_token": 18432, "kv_bytes_per_token_layer": [1024, ...], "n_ctx_train": 32768}
+     "k_elems_layer": [256, ...], "v_elems_layer": [256, ...],   # KV elements per token
+     "swa_layers": [True, ...], "n_swa": 512, "n_ctx_train": 32768}
     ```
-    KV is f16 K and V at full context in every layer (an upper bound for sliding-window layers).
+    kvcache.layer_bytes() turns the KV fields into bytes at a server's settings.
     """
     header = read_header(reader)
     fields = header.fields
@@ -196,17 +208,21 @@ def model_shape(reader) -> dict:
         if fields.get(f"{arch}.attention.head_count_kv") is not None else n_head
     k_len = fields.get(f"{arch}.attention.key_length")
     v_len = fields.get(f"{arch}.attention.value_length")
-    kv_layer = []
+    # Multi-head latent attention (deepseek2 and kin): the cache holds the compressed K only.
+    mla = fields.get(f"{arch}.attention.key_length_mla") is not None
+    k_elems, v_elems = [], []
     for il in range(n_layers):
         # llama-hparams: n_embd_head_k defaults to n_embd / n_head when key_length is absent.
         head_k = int(k_len) if k_len is not None else (n_embd // n_head[il] if n_head[il] else 0)
         head_v = int(v_len) if v_len is not None else head_k
-        kv_layer.append((n_head_kv[il] * head_k + n_head_kv[il] * head_v) * 2)
+        k_elems.append(n_head_kv[il] * head_k)
+        v_elems.append(0 if mla else n_head_kv[il] * head_v)
+    swa, n_swa = swa_layers(fields, arch, n_layers)
     return {
         "arch": arch, "n_layers": n_layers, "layer_bytes": layer_bytes,
         "input_bytes": input_bytes, "output_bytes": output_bytes, "tied_output": tied,
         "output_device_bytes": output_bytes + (embd if tied else 0),
-        "kv_bytes_per_token": sum(kv_layer), "kv_bytes_per_token_layer": kv_layer,
+        "k_elems_layer": k_elems, "v_elems_layer": v_elems, "swa_layers": swa, "n_swa": n_swa,
         "n_ctx_train": int(fields.get(f"{arch}.context_length") or 0),
     }
 

@@ -1,0 +1,177 @@
+"""Where one llama-server's layers land, what that costs each device, and whether it fits.
+
+Computed on the control machine from the GGUF header (tensors.model_shape), the server's
+settings (tensor_split, n_gpu_layers, ctx_size, extra_args) and the DeviceMemory fact of every
+host involved. The plan prints the table; a placement that cannot fit is refused with the
+numbers that prove it, before anything is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshdeploy.deploy.errors import PlanError
+from meshdeploy.roles.rpc_cache import kvcache
+from meshdeploy.roles.rpc_cache import defaults as d
+from meshdeploy.roles.rpc_cache.memory import device_free
+from meshdeploy.roles.rpc_cache.placement import device_tensors, fits, place, wire_bytes
+
+
+@dataclass
+class Layout:
+    server: str
+    model: str
+    placement: object  # placement.Placement
+    kv: kvcache.KvSettings
+    rows: list = field(default_factory=list)  # one dict per device (see build())
+    unknown: list = field(default_factory=list)  # devices whose free memory is not known
+
+
+def devices(cluster, server) -> list[tuple]:
+    """[(label, host, device, endpoint or None)] in llama-server's -ts order."""
+    out = []
+    for e in cluster.rpc_endpoints(server):
+        out += [(f"{e.host.name}:{e.rpc.port}/{dev}", e.host, dev, e) for dev in e.devices]
+    local = cluster.host(server.host)
+    out += [(f"{server.host}/{dev}", local, dev, None) for dev in local.devices]
+    return out
+
+
+def _memory(facts: dict, host, device: str):
+    return device_free((facts.get(host.name) or {}).get("rpc_cache.DeviceMemory"),
+                       host.backend, device)
+
+
+def unknown_memory(cluster, server, facts: dict) -> list[str]:
+    """Labels of the server's devices whose free memory the facts do not give."""
+    return [label for label, h, dev, _ in devices(cluster, server) if _memory(facts, h, dev) is None]
+
+
+def _shares_ram(device: str) -> bool:
+    """CPU buffers and Apple's unified memory come out of the same host RAM."""
+    return device == "CPU" or device.startswith(("CPU", "MTL"))
+
+
+def build(cluster, server, tensors, shape, facts: dict) -> Layout:
+    """The layout of `server`; PlanError for a split llama.cpp would refuse or one that cannot fit.
+
+    + tensors: tensors.weight_tensors(header); shape: tensors.model_shape(header)
+    + facts: host name -> decoded facts (rpc_cache.DeviceMemory is read)
+    Example: build(...).rows[0] == {"device": "box11:50052/CUDA0", "layers": "0-25", ...}
+    """
+    devs = devices(cluster, server)
+    labels = [label for label, *_ in devs]
+    memory = [_memory(facts, h, dev) for _, h, dev, _ in devs]
+    where = f"servers.{server.name}"
+    unknown = [labels[i] for i, m in enumerate(memory) if m is None]
+    try:
+        if server.tensor_split == "auto":
+            if unknown:
+                raise PlanError(f"{where}: with tensor_split auto, llama.cpp splits the layers by "
+                                f"free memory, and the free memory of {', '.join(unknown)} is "
+                                "unknown (host not probed, or a backend meshdeploy cannot query)",
+                                hint=f"set {where}.tensor_split, or plan without --limit")
+            placement = place(shape["n_layers"], labels, None, [m.split for m in memory],
+                              server.n_gpu_layers)
+        else:
+            placement = place(shape["n_layers"], labels, list(server.tensor_split), None,
+                              server.n_gpu_layers)
+    except ValueError as exc:
+        raise PlanError(f"{where}: {exc}", hint=f"fix {where}.tensor_split") from None
+    try:
+        kv = kvcache.settings(server.ctx_size, shape["n_ctx_train"], server.extra_args)
+        kv_layer = kvcache.layer_bytes(shape, kv)
+    except ValueError as exc:
+        raise PlanError(f"{where}: {exc}", hint=f"fix {where}.extra_args") from None
+    usable = [m.usable if m else 0 for m in memory]
+    fit = fits(placement, shape, kv_layer, usable)
+    out = Layout(server.name, server.model, placement, kv, unknown=unknown)
+    for i, (label, host, dev, endpoint) in enumerate(devs):
+        mine = device_tensors(placement, tensors, i)
+        cached, small = wire_bytes(mine)
+        seeded = endpoint is not None and endpoint.rpc.cache
+        layers = placement.layers_of(i)
+        text = (f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else
+                (str(layers[0]) if layers else "-"))
+        if placement.output_device == i:
+            text += " + output"
+        m = memory[i]
+        out.rows.append({
+            "device": label, "layers": text, "weights": fit[i].weights, "kv": fit[i].kv,
+            "needed": fit[i].needed, "seed": cached if seeded else 0,
+            # A local device reads the file itself; an RPC one receives every byte not cached.
+            "wire": 0 if endpoint is None else (small if seeded else cached + small),
+            "free": m.usable if m else None, "estimated": bool(m and m.estimated),
+            "headroom": None if m is None else m.usable - fit[i].needed,
+            "host": host.name, "port": endpoint.rpc.port if endpoint else None,
+            "cached": seeded, "tensors": mine, "pool": _shares_ram(dev),
+            "used": bool(layers) or placement.output_device == i,
+        })
+    _refuse_if_short(out, where, facts, cluster)
+    return out
+
+
+def _refuse_if_short(lay: Layout, where: str, facts: dict, cluster) -> None:
+    short = [r for r in lay.rows if r["headroom"] is not None and r["headroom"] < 0]
+    lines = [f"{r['device']}: layers {r['layers']} need {_gb(r['needed'])} GB (weights "
+             f"{_gb(r['weights'])}, KV {_gb(r['kv'])}, compute "
+             f"{_gb(d.rpc_cache_compute_headroom_bytes)}), {_gb(r['free'])} GB "
+             f"{'free (estimated)' if r['estimated'] else 'free'}" for r in short]
+    # Several devices of one host that draw on its RAM (CPU, Metal) share it.
+    hosts = {}
+    for r in lay.rows:
+        if r["pool"] and r["used"]:
+            hosts.setdefault(r["host"], []).append(r)
+    for name, rows in hosts.items():
+        if len(rows) < 2:
+            continue
+        ram = device_free((facts.get(name) or {}).get("rpc_cache.DeviceMemory"),
+                          cluster.host(name).backend, "CPU")
+        needed = sum(r["needed"] for r in rows)
+        if ram is not None and needed > ram.usable:
+            lines.append(f"{name}: {', '.join(r['device'] for r in rows)} share its RAM and "
+                         f"need {_gb(needed)} GB together, {_gb(ram.usable)} GB available")
+    if lines:
+        raise PlanError(f"{where}: {lay.model} does not fit at ctx_size {lay.kv.n_ctx}: "
+                        + "; ".join(lines),
+                        hint=f"lower {where}.ctx_size, move layers with {where}.tensor_split, "
+                             "or add a device")
+
+
+def warnings(lay: Layout) -> list[str]:
+    """What the plan should say about a layout that is not refused."""
+    out = []
+    where = f"servers.{lay.server}"
+    idle = [r["device"] for r in lay.rows if r["port"] is not None and not r["used"]]
+    if idle:
+        out.append(f"{where}: the tensor split gives {', '.join(idle)} no layers; llama-server "
+                   "still connects to it, but it holds nothing")
+    if lay.unknown:
+        out.append(f"{where}: free memory of {', '.join(lay.unknown)} is unknown: the placement "
+                   "is not checked against it")
+    return out
+
+
+def _gb(n) -> str:
+    return "?" if n is None else f"{n / 1e9:.2f}"
+
+
+def table(layouts: list[Layout]) -> str:
+    """The placement section of the text plan: one block per llama-server."""
+    from tabulate import tabulate
+
+    blocks = []
+    for lay in layouts:
+        rows = [[r["device"], r["layers"], _gb(r["weights"]), _gb(r["kv"]),
+                 _gb(r["seed"]) if r["cached"] else "-", f"{r['wire'] / 1e6:.1f}",
+                 ("~" if r["estimated"] else "") + _gb(r["free"]), _gb(r["headroom"])]
+                for r in lay.rows]
+        head = ["device", "layers", "weights GB", "KV GB", "seeded GB", "wire MB/load",
+                "free GB", "headroom GB"]
+        body = tabulate(rows, headers=head, tablefmt="simple", disable_numparse=True)
+        text = "\n".join(line.rstrip() for line in body.splitlines())
+        kv = lay.kv
+        blocks.append(f"Placement of {lay.model} for llama-server {lay.server} (as llama.cpp "
+                      f"splits it; KV at {kv.n_ctx} tokens, {kv.n_seq} slots, "
+                      f"{kv.type_k}/{kv.type_v}):\n{text}")
+    return "\n\n".join(blocks)
