@@ -76,3 +76,14 @@ def test_settings_ignore_what_they_cannot_read():
     st = K.settings(0, 4096, ["-np", "many", "-ub"])
     assert st == K.KvSettings(n_ctx=4096)
     assert K.settings(0, 4096, ["-np", "-1"]).unified  # -1 is llama-server's auto
+
+
+def test_unset_context_and_what_fit_keeps():
+    # Not unified: the training context per stream (common/fit.cpp), here 2 x 32768.
+    assert K.settings(0, 32768, ["-np", "2"]).n_ctx == 65536
+    s = K.settings(0, 32768)
+    # The largest multiple of 256 that passes, never below the 4096-token floor.
+    assert K.fitted_ctx(s, 32768, lambda n: n <= 10_000) == 9984
+    assert K.fitted_ctx(s, 32768, lambda n: True) == 32768
+    assert K.fitted_ctx(s, 32768, lambda n: n < 4096) is None
+    assert K.fitted_ctx(s, 2048, lambda n: True) == 32768  # a 2K model's floor is its context

@@ -173,3 +173,30 @@ def test_auto_split_follows_the_reported_memory(tmp_path, headers):
     resolved, _ = plan_placement(path, SCENARIOS["two-cuda-11-16"])
     # Free 11.5 and 16.8 GB: s0 = 11.5 / 28.3 = 0.406; il / 63 < 0.406 for il <= 25.
     assert resolved.layouts[0].rows[0]["layers"] == "0-25"
+
+
+def test_an_unset_context_is_shrunk_as_llama_cpp_fits_it(headers):
+    # An 8 GiB mini: config a's 9 GLM layers hold 2.9 GB of weights, but their KV at the full
+    # 202752-token context (2.1 GB) leaves less than llama.cpp's 1 GiB margin. -fit shrinks an
+    # unset context instead of failing; the plan shows the context it will end near.
+    facts = dict(SCENARIOS["two-macs-config-a"], macmini=mac(8 * GiB, 5_726_623_061, True,
+                                                             6 * GB))
+    resolved, notes = plan_placement(ROOT / "inventories/two-macs-config-a.yaml", facts)
+    lay = resolved.layouts[0]
+    assert lay.fitted_from == 202752 and 4096 <= lay.kv.n_ctx < 202752
+    assert lay.kv.n_ctx % 256 == 0
+    mini = lay.rows[0]
+    assert mini["headroom"] >= 2**30  # the margin llama.cpp keeps
+    assert notes == [f"servers.main: ctx_size 0 asks for 202752 tokens, which do not fit; "
+                     f"llama.cpp shrinks the context to fit memory (about {lay.kv.n_ctx} "
+                     "tokens). Set servers.main.ctx_size to choose it"]
+    assert f"KV at ~{lay.kv.n_ctx} tokens as llama.cpp fits ctx_size 0" in \
+        layout.table(resolved.layouts)
+
+
+def test_an_unset_context_cannot_save_weights_that_do_not_fit(headers):
+    facts = dict(SCENARIOS["two-macs-config-a"], macmini=mac(4 * GiB, 2_863_311_530, True,
+                                                             3 * GB))
+    with pytest.raises(PlanError, match=r"glm does not fit at ctx_size 4096: macmini:50052/MTL0: "
+                                        r"layers 0-8 need 3\.\d\d GB"):
+        plan_placement(ROOT / "inventories/two-macs-config-a.yaml", facts)

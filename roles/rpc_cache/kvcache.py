@@ -122,8 +122,40 @@ def settings(ctx_size: int, n_ctx_train: int, extra_args=()) -> KvSettings:
     if unified is None:
         # server.cpp: only the automatic slot count turns on the unified cache.
         unified = not explicit_np
-    n_ctx = ctx_size if ctx_size > 0 else n_ctx_train
-    return KvSettings(n_ctx=n_ctx, n_seq=max(n_seq, 1), unified=unified, **values)
+    n_seq = max(n_seq, 1)
+    # common/fit.cpp: an unset context is the training context per stream (one stream when
+    # the cache is unified); llama.cpp may then shrink it to fit memory (see fitted_ctx).
+    n_ctx = ctx_size if ctx_size > 0 else n_ctx_train * (1 if unified else n_seq)
+    return KvSettings(n_ctx=n_ctx, n_seq=n_seq, unified=unified, **values)
+
+
+# common/fit.cpp (-fit, on by default): with ctx_size 0, a context that does not fit is shrunk
+# until every device keeps this margin free, but not below FIT_MIN_CTX tokens per stream.
+FIT_MARGIN = 1024 * 1024 * 1024
+FIT_MIN_CTX = 4096
+
+
+def fit_floor(s: KvSettings, n_ctx_train: int) -> int:
+    """The smallest context -fit shrinks to."""
+    streams = 1 if s.unified else s.n_seq
+    return _pad(min(FIT_MIN_CTX, n_ctx_train or FIT_MIN_CTX) * streams)
+
+
+def fitted_ctx(s: KvSettings, n_ctx_train: int, fits_at) -> int | None:
+    """The largest context (a multiple of 256) at which fits_at(n_ctx) holds, between llama.cpp's
+    minimum and s.n_ctx; None when even the minimum does not fit."""
+    low = fit_floor(s, n_ctx_train)
+    if not fits_at(low):
+        return None
+    high = max(_pad(s.n_ctx), low)
+    while high - low > PAD:
+        mid = _pad((low + high) // 2)
+        mid = mid if mid < high else high - PAD
+        if fits_at(mid):
+            low = mid
+        else:
+            high = mid
+    return high if fits_at(high) else low
 
 
 def _pad(n: int) -> int:

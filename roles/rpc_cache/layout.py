@@ -8,7 +8,7 @@ numbers that prove it, before anything is installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import kvcache
@@ -25,6 +25,7 @@ class Layout:
     kv: kvcache.KvSettings
     rows: list = field(default_factory=list)  # one dict per device (see build())
     unknown: list = field(default_factory=list)  # devices whose free memory is not known
+    fitted_from: int | None = None  # ctx_size 0 that llama.cpp shrinks: the context it wanted
 
 
 def devices(cluster, server) -> list[tuple]:
@@ -40,6 +41,11 @@ def devices(cluster, server) -> list[tuple]:
 def _memory(facts: dict, host, device: str):
     return device_free((facts.get(host.name) or {}).get("rpc_cache.DeviceMemory"),
                        host.backend, device)
+
+
+def _short(fit, memory, margin: int) -> bool:
+    """Whether a device of known memory keeps less than `margin` bytes free."""
+    return any(m is not None and m.usable - f.needed < margin for f, m in zip(fit, memory))
 
 
 def unknown_memory(cluster, server, facts: dict) -> list[str]:
@@ -85,7 +91,20 @@ def build(cluster, server, tensors, shape, facts: dict) -> Layout:
         raise PlanError(f"{where}: {exc}", hint=f"fix {where}.extra_args") from None
     usable = [m.usable if m else 0 for m in memory]
     fit = fits(placement, shape, kv_layer, usable)
-    out = Layout(server.name, server.model, placement, kv, unknown=unknown)
+    fitted_from = None
+    if server.ctx_size == 0 and _short(fit, memory, kvcache.FIT_MARGIN):
+        # llama.cpp's -fit shrinks an unset context to what memory holds: predict where it stops.
+        def fits_at(n_ctx, margin=kvcache.FIT_MARGIN):
+            trial = fits(placement, shape, kvcache.layer_bytes(shape, replace(kv, n_ctx=n_ctx)),
+                         usable)
+            return not _short(trial, memory, margin)
+        n_ctx = kvcache.fitted_ctx(kv, shape["n_ctx_train"], fits_at) or \
+            kvcache.fit_floor(kv, shape["n_ctx_train"])
+        fitted_from, kv = (kv.n_ctx, replace(kv, n_ctx=n_ctx)) if n_ctx < kv.n_ctx else (None, kv)
+        kv_layer = kvcache.layer_bytes(shape, kv)
+        fit = fits(placement, shape, kv_layer, usable)
+    out = Layout(server.name, server.model, placement, kv, unknown=unknown,
+                 fitted_from=fitted_from)
     for i, (label, host, dev, endpoint) in enumerate(devs):
         mine = device_tensors(placement, tensors, i)
         cached, small = wire_bytes(mine)
@@ -146,6 +165,10 @@ def warnings(lay: Layout) -> list[str]:
     if idle:
         out.append(f"{where}: the tensor split gives {', '.join(idle)} no layers; llama-server "
                    "still connects to it, but it holds nothing")
+    if lay.fitted_from is not None:
+        out.append(f"{where}: ctx_size 0 asks for {lay.fitted_from} tokens, which do not fit; "
+                   f"llama.cpp shrinks the context to fit memory (about {lay.kv.n_ctx} tokens). "
+                   f"Set {where}.ctx_size to choose it")
     if lay.unknown:
         out.append(f"{where}: free memory of {', '.join(lay.unknown)} is unknown: the placement "
                    "is not checked against it")
@@ -171,7 +194,9 @@ def table(layouts: list[Layout]) -> str:
         body = tabulate(rows, headers=head, tablefmt="simple", disable_numparse=True)
         text = "\n".join(line.rstrip() for line in body.splitlines())
         kv = lay.kv
+        tokens = f"{kv.n_ctx} tokens" if lay.fitted_from is None else \
+            f"~{kv.n_ctx} tokens as llama.cpp fits ctx_size 0"
         blocks.append(f"Placement of {lay.model} for llama-server {lay.server} (as llama.cpp "
-                      f"splits it; KV at {kv.n_ctx} tokens, {kv.n_seq} slots, "
+                      f"splits it; KV at {tokens}, {kv.n_seq} slots, "
                       f"{kv.type_k}/{kv.type_v}):\n{text}")
     return "\n\n".join(blocks)

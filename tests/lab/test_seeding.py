@@ -9,6 +9,7 @@ Runs after test_cluster.py and puts the gemma cluster back when done.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 SLACK = 4 * 1024 * 1024  # RPC commands, graph uploads, TCP/IP headers: far below one tensor
 
 
-def meshdeploy(*args):
+def meshdeploy(*args, env: dict | None = None):
     proc = subprocess.run([sys.executable, "-m", "meshdeploy", *map(str, args)],
-                          capture_output=True, text=True, timeout=3600, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=3600, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **(env or {})})
     print(f"$ meshdeploy {' '.join(map(str, args))} -> {proc.returncode}\n{proc.stdout[-4000:]}")
     print(proc.stderr[-3000:], file=sys.stderr)
     return proc
@@ -82,3 +84,48 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
         assert results[True]["sent"][host] <= small + SLACK, (host, results[True]["sent"], small)
     assert results[True]["text"] == results[False]["text"]
     assert results[True]["text"].strip()
+
+
+def test_seeding_from_a_file_already_on_the_hosts(lab, tmp_path):
+    """A `path:` model (the same file on every host, as when copied by hand): the plan reads its
+    header over SFTP from the worker, seeds from the worker's copy, and the load sends only the
+    small tensors."""
+    model = write_llama(tmp_path / "synthetic.gguf", SMALL)
+    served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-llama",
+                               "synthetic.gguf", model)
+    where = "/srv/models/synthetic.gguf"
+    url = f"http://10.200.0.1:8080/{served['repo']}/resolve/main/{served['file']}"
+    for host in ("node1", "node2", "node3"):
+        got = lab.run(host, f"sudo mkdir -p /srv/models && sudo curl -sf -o {where} {url} && "
+                            f"sha256sum {where}")
+        assert got.stdout.split()[0] == served["sha256"], got.stderr
+    text = wire.cluster_yaml(lab, served["repo"], served["file"], served["sha256"], True)
+    head, _, tail = text.partition("\nmodels:\n")
+    _, _, servers = tail.partition("\nservers:\n")
+    cluster = tmp_path / "path.yaml"
+    cluster.write_text(f"{head}\nmodels:\n  synthetic:\n    path: {where}\nservers:\n{servers}")
+    cache = tmp_path / "xdg"
+    env_cache = {"XDG_CACHE_HOME": str(cache)}
+    try:
+        applied = meshdeploy("apply", cluster, "--auto-approve", env=env_cache)
+        assert applied.returncode == 0, applied.stderr
+        assert "Placement of synthetic for llama-server main" in applied.stdout
+        # Read once over SFTP from node2 (the first worker that seeds), then kept by content.
+        assert len(list((cache / "meshdeploy" / "gguf-headers").glob("*.gguf"))) == 1
+        marker = lab.run("node2", "sudo cat /var/cache/meshdeploy-rpc-50052/rpc/.meshdeploy-seeded")
+        size_mtime = lab.run("node2", f"stat -c 'path-%s-%Y' {where}").stdout.strip()
+        assert marker.stdout.split()[0] == size_mtime
+        tensors = weight_tensors(model)
+        mine = device_tensors(place(SMALL.n_layers, ["node2", "node3"], [1, 1]), tensors, 0)
+        hashed, small = wire_bytes(mine)
+        before = wire.tx_bytes(lab.name, "node2")
+        wire.restart_server(lab)
+        sent = wire.tx_bytes(lab.name, "node2") - before
+        assert sent <= small + SLACK, (sent, small, hashed)
+        assert wire.complete(lab).strip()
+        again = meshdeploy("plan", cluster, "--detailed-exitcode", env=env_cache)
+        assert again.returncode == 0, again.stdout
+    finally:
+        _restore(lab, tmp_path)
+        for host in ("node1", "node2", "node3"):
+            lab.run(host, "sudo rm -rf /srv/models")
