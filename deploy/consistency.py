@@ -53,20 +53,20 @@ def network_lines(cluster, hosts, facts) -> list[str]:
             continue
         rtts = (facts.get(server.host) or {}).get("services.Rtt") or {}
         endpoints = cluster.rpc_endpoints(server)
-        measured = []
+        measured, remote = [], []
         for e in endpoints:
             us = rtts.get(f"{e.address}:{e.host.ssh.port}")
             if e.host.name == server.host:
                 measured.append((e.target, 0))
             elif us is not None:
                 measured.append((e.target, us))
+                remote.append(us)  # a fast link measures 0 after the probe's own cost: still a hop
         if not measured:
             continue
         parts = ", ".join(f"{t} {us / 1000:.2f} ms" for t, us in measured)
         # Inference is pipeline-serial and the orchestrator drives every remote device in turn:
         # each token pays one round trip per remote worker (seed llamacpp-rpc-split-guide:
         # per token ~ compute + (N-1) x latency for N nodes).
-        remote = [us for _, us in measured if us]
         lines.append(f"Network ({server.name} on {server.host}): RTT {parts}; expected per-token "
                      f"cost = compute + {len(remote)} x RTT (~{sum(remote) / 1000:.2f} ms)")
     return lines

@@ -57,3 +57,10 @@ def test_network_line_sums_one_round_trip_per_worker():
     assert lines == ["Network (main on node1): RTT 10.200.0.12:50052 0.15 ms, "
                      "10.200.0.13:50052 2.50 ms; expected per-token cost = compute + 2 x RTT "
                      "(~2.65 ms)"]
+
+
+def test_a_worker_faster_than_the_probe_still_counts_as_a_hop():
+    cluster = load_cluster(LAB)
+    facts = {"node1": {"services.Rtt": {"10.200.0.12:22": 0, "10.200.0.13:22": 530}}}
+    (line,) = consistency.network_lines(cluster, cluster.hosts, facts)
+    assert line.endswith("expected per-token cost = compute + 2 x RTT (~0.53 ms)")
