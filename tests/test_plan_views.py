@@ -88,7 +88,8 @@ def built_plan(scenario: str) -> Plan:
     for server in cluster.servers:  # RTT as the orchestrator's probe reports it (microseconds)
         rtt = facts.setdefault(server.host, {}).setdefault("services.Rtt", {})
         for i, e in enumerate(cluster.rpc_endpoints(server)):
-            rtt[f"{e.address}:{e.host.ssh.port}"] = 0 if scenario.endswith("zero") else 1234 * i + 87
+            us = 0 if scenario.endswith("zero") else 1234 * i + 87
+            rtt[f"{e.address}:{e.host.ssh.port}"] = us
     hosts = [h.name for h in cluster.hosts]
     changes = [Change(hosts[0], "llama_cpp", "build", "create",
                       [AttrDiff("ref", None, "b11312"), AttrDiff("commit", None,
