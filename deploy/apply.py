@@ -92,7 +92,7 @@ def _operation(run: Run):
 
 def record_lock(cluster, planned: Planned) -> None:
     """A ref this plan resolved is recorded before any host builds it."""
-    if planned.resolved.commit and planned.plan.extra.get("commit_source", "").startswith("ls-remote"):
+    if planned.resolved.commit and planned.plan.commit_source.startswith("ls-remote"):
         locks.write_lock(cluster.path, cluster.llama_cpp.repo, cluster.llama_cpp.ref,
                          planned.resolved.commit)
 

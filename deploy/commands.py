@@ -44,8 +44,8 @@ def plan(args) -> int:
         session.close()
     elapsed = time.monotonic() - started
     p = planned.plan
-    p.extra["remote_commands"] = dict(session.commands_run)
-    p.extra["seconds"] = round(elapsed, 3)
+    p.remote_commands = dict(session.commands_run)
+    p.seconds = round(elapsed, 3)
     if args.json:
         print(render_json(p))
     else:
@@ -77,7 +77,7 @@ def apply(args) -> int:
     if _is_plan_file(args.file):
         saved = load_plan(args.file)
         cluster = load_cluster(saved.cluster_path)
-        limit = saved.extra.get("limit") or args.limit
+        limit = saved.limit or args.limit
     else:
         cluster = load_cluster(args.file)
         limit = args.limit

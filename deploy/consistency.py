@@ -8,6 +8,7 @@ runs now, refuses a partial (--limit) move of the commit, and warns about drift 
 from __future__ import annotations
 
 from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.plan import Network, RttEndpoint
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 
 
@@ -45,28 +46,26 @@ def check(cluster, hosts, facts, commit: str | None, limit) -> list[str]:
     return []
 
 
-def network_lines(cluster, hosts, facts) -> list[str]:
+def network(cluster, hosts, facts) -> list[Network]:
     """Measured RTT orchestrator -> workers and the per-token cost it implies."""
-    lines = []
+    out = []
     for server in cluster.servers:
         if server.host not in {h.name for h in hosts}:
             continue
         rtts = (facts.get(server.host) or {}).get("services.Rtt") or {}
-        endpoints = cluster.rpc_endpoints(server)
         measured, remote = [], []
-        for e in endpoints:
+        for e in cluster.rpc_endpoints(server):
             us = rtts.get(f"{e.address}:{e.host.ssh.port}")
             if e.host.name == server.host:
-                measured.append((e.target, 0))
+                measured.append(RttEndpoint(e.target, e.host.name, 0.0, remote=False))
             elif us is not None:
-                measured.append((e.target, us))
+                measured.append(RttEndpoint(e.target, e.host.name, us / 1000, remote=True))
                 remote.append(us)  # a fast link measures 0 after the probe's own cost: still a hop
         if not measured:
             continue
-        parts = ", ".join(f"{t} {us / 1000:.2f} ms" for t, us in measured)
         # Inference is pipeline-serial and the orchestrator drives every remote device in turn:
         # each token pays one round trip per remote worker (seed llamacpp-rpc-split-guide:
         # per token ~ compute + (N-1) x latency for N nodes).
-        lines.append(f"Network ({server.name} on {server.host}): RTT {parts}; expected per-token "
-                     f"cost = compute + {len(remote)} x RTT (~{sum(remote) / 1000:.2f} ms)")
-    return lines
+        out.append(Network(server.name, server.host, measured, round_trips=len(remote),
+                           per_token_ms=sum(remote) / 1000))
+    return out

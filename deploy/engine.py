@@ -328,12 +328,9 @@ def make_plan(session: Session) -> Planned:
                 fingerprints={h: probes.fingerprint(f) for h, f in facts.items()},
                 changes=changes, warnings=warnings, hosts=[h.name for h in hosts],
                 created_at=utc_now(), meshdeploy_version=__version__,
-                extra={"commit": commit, "commit_source": how, "limit": session.limit})
-    if resolved.layouts:
-        plan.extra["placement"] = layout.table(resolved.layouts)
-    network = consistency.network_lines(cluster, hosts, facts)
-    if network:
-        plan.extra["network"] = network
+                commit=commit, commit_source=how, limit=list(session.limit or []),
+                placement=layout.sections(resolved.layouts),
+                network=consistency.network(cluster, hosts, facts))
     return Planned(plan, resolved, facts, steps)
 
 

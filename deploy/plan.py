@@ -1,8 +1,9 @@
 """The plan as data: what would change on which host, and why.
 
 Computing a plan and printing it are separate (as in Terraform): the engine builds `Change`
-records, `meshdeploy.deploy.render` turns them into text or JSON, and `save_plan`/`load_plan`
-carry them from `plan -out FILE` to `apply FILE`. A saved plan records what it was computed from
+records and typed sections (placement, network, warnings), `meshdeploy.deploy.render` turns the
+one structure into text or JSON (docs/plan-json.md), and `save_plan`/`load_plan` carry it from
+`plan -out FILE` to `apply FILE`. A saved plan records what it was computed from
 (the cluster file's hash and each host's facts fingerprint) so `apply` can refuse a stale one.
 """
 
@@ -12,7 +13,9 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ from typing import Any
 from meshdeploy.deploy.errors import PlanError, StalePlanError
 
 ACTIONS = ("create", "update", "replace", "delete", "no-op")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: typed placement/network/run fields replace `extra`
 
 _REPLAN_HINT = "run `meshdeploy plan` again to make a fresh plan"
 
@@ -62,6 +65,63 @@ class Change:
         return f"{self.host}/{self.role}.{self.resource}"
 
 
+# --- typed sections ------------------------------------------------------------------------
+# Numbers stay numbers (bytes, milliseconds); the views decide how to print them.
+
+
+@dataclass
+class PlacementRow:
+    """One device of a llama-server, in llama-server's -ts order (RPC devices first)."""
+
+    device: str  # "node2:50052/CPU" (RPC) or "box16/CUDA0" (the orchestrator's own)
+    host: str
+    port: int | None  # the rpc-server's port; None for the orchestrator's own device
+    first_layer: int | None  # None: the split gives this device no layer
+    last_layer: int | None
+    output: bool  # holds the output layer
+    weights_bytes: int
+    kv_bytes: int
+    needed_bytes: int  # weights + KV + llama.cpp's compute buffer
+    seeded_bytes: int | None  # pre-seeded into rpc-server's cache; None: no cache on the device
+    wire_bytes: int  # what one model load sends to the device over RPC
+    free_bytes: int | None  # usable memory; None: unknown
+    free_estimated: bool  # free memory is an estimate (e.g. Metal on a Mac mini)
+    headroom_bytes: int | None  # free - needed; None: free memory unknown
+
+
+@dataclass
+class Placement:
+    """Where one llama-server's layers land, as llama.cpp splits them."""
+
+    server: str
+    model: str
+    ctx_tokens: int  # the KV cache's context
+    ctx_fitted_from: int | None  # ctx_size 0 asked for this many; ctx_tokens is -fit's guess
+    slots: int
+    cache_type_k: str
+    cache_type_v: str
+    rows: list[PlacementRow] = field(default_factory=list)
+
+
+@dataclass
+class RttEndpoint:
+    endpoint: str  # "10.200.0.12:50052", as llama-server's --rpc names it
+    host: str
+    rtt_ms: float  # measured from the orchestrator; 0 for its own rpc-servers
+    remote: bool  # another host: each token pays one round trip to it
+
+
+@dataclass
+class Network:
+    """Measured RTT orchestrator -> workers and the per-token cost it implies."""
+
+    server: str
+    host: str  # the orchestrator
+    endpoints: list[RttEndpoint] = field(default_factory=list)
+    round_trips: int = 0  # per token: one per remote endpoint
+    per_token_ms: float = 0.0  # the sum of their RTTs, on top of compute
+
+
 def _count(changes: list[Change]) -> dict:
     n = {a: 0 for a in ACTIONS}
     for c in changes:
@@ -85,7 +145,13 @@ class Plan:
     hosts: list[str] = field(default_factory=list)  # hosts covered, in cluster order
     created_at: str = ""  # ISO 8601 UTC
     meshdeploy_version: str = ""
-    extra: dict = field(default_factory=dict)  # engine data needed to apply a saved plan
+    commit: str | None = None  # the llama.cpp commit every host runs after apply
+    commit_source: str = ""  # how it was resolved: "lock file", "ls-remote on HOST", ...
+    limit: list[str] = field(default_factory=list)  # --limit hosts; apply FILE keeps them
+    placement: list[Placement] = field(default_factory=list)
+    network: list[Network] = field(default_factory=list)
+    remote_commands: dict[str, int] = field(default_factory=dict)  # host -> commands to plan
+    seconds: float | None = None  # how long planning took
 
     def counts(self) -> dict:
         return _count(self.changes)
@@ -175,8 +241,10 @@ _PLAN_FIELDS = {
     "hosts": list,
     "created_at": str,
     "meshdeploy_version": str,
-    "extra": dict,
 }
+# Typed fields read by _typed, against Plan's own annotations.
+_TYPED_PLAN_FIELDS = ("commit", "commit_source", "limit", "placement", "network",
+                      "remote_commands", "seconds")
 _REQUIRED_PLAN = ("cluster_name", "cluster_path", "config_hash", "fingerprints", "changes")
 _REQUIRED_CHANGE = ("host", "role", "resource", "action")
 _REQUIRED_ATTR = ("name",)
@@ -203,6 +271,37 @@ def _fields(d: Any, spec: dict, required: tuple, where: str, ignore=()) -> dict:
     return out
 
 
+def _typed(hint: Any, value: Any, where: str) -> Any:
+    """`value` read as `hint` (a dataclass, list[...], dict[str, ...], X | None, or a scalar)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _typed(inner, value, where)
+    if is_dataclass(hint):
+        names = {f.name for f in fields(hint)}
+        required = tuple(f.name for f in fields(hint)
+                         if f.default is MISSING and f.default_factory is MISSING)
+        raw = _fields(value, dict.fromkeys(names, object), required, where)
+        inner = typing.get_type_hints(hint)
+        return hint(**{k: _typed(inner[k], v, f"{where}.{k}") for k, v in raw.items()})
+    if origin is list:
+        if not isinstance(value, list):
+            raise PlanError(f"{where}: expected a list", hint=_REPLAN_HINT)
+        return [_typed(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise PlanError(f"{where}: expected an object", hint=_REPLAN_HINT)
+        return {k: _typed(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    # JSON has one number type: an integral float such as 2.0 may come back as 2.
+    ok = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[hint]
+    if not isinstance(value, ok) or (hint is not bool and isinstance(value, bool)):
+        want = {int: "an integer", float: "a number"}.get(hint) or _TYPE_NAMES[hint]
+        raise PlanError(f"{where}: expected {want}", hint=_REPLAN_HINT)
+    return float(value) if hint is float else value
+
+
 def _plan_from_dict(d: Any) -> Plan:
     if not isinstance(d, dict) or "format_version" not in d:
         raise PlanError("not a meshdeploy plan (no format_version)", hint=_REPLAN_HINT)
@@ -213,7 +312,12 @@ def _plan_from_dict(d: Any) -> Plan:
             f"{FORMAT_VERSION})",
             hint=_REPLAN_HINT,
         )
-    top = _fields(d, _PLAN_FIELDS, _REQUIRED_PLAN, "plan", ignore=("format_version",))
+    spec = dict(_PLAN_FIELDS, **{k: object for k in _TYPED_PLAN_FIELDS})
+    top = _fields(d, spec, _REQUIRED_PLAN, "plan", ignore=("format_version",))
+    hints = typing.get_type_hints(Plan)
+    for key in _TYPED_PLAN_FIELDS:
+        if key in top:
+            top[key] = _typed(hints[key], top[key], f"plan.{key}")
     changes = []
     for i, raw in enumerate(top["changes"]):
         where = f"changes[{i}]"

@@ -1,18 +1,29 @@
 """Plans and apply results as text (Terraform-style) and JSON.
 
-Renderers only read `meshdeploy.deploy.plan` records; they never decide what changes. Returned
-strings carry no trailing newline: callers print() them.
+Renderers only read `meshdeploy.deploy.plan` records; they never decide what changes. Text and
+JSON come from the same records, so the JSON carries every fact the text shows (placement,
+network, warnings, per-host counts; docs/plan-json.md). Returned strings carry no trailing
+newline: callers print() them.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import asdict
 from typing import Any
 
 from tabulate import tabulate
 
-from meshdeploy.deploy.plan import FORMAT_VERSION, AttrDiff, Change, Plan
+from meshdeploy.deploy.plan import (
+    FORMAT_VERSION,
+    AttrDiff,
+    Change,
+    Network,
+    Placement,
+    PlacementRow,
+    Plan,
+)
 
 # Symbols are right-aligned to the width of "-/+" so resource lines line up, as in Terraform.
 _SYMBOL = {"create": "  +", "update": "  ~", "delete": "  -", "replace": "-/+"}
@@ -142,6 +153,54 @@ def _table(rows: list[dict], headers: list[str], numbers: bool = False) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.2f}"
+
+
+def _layers(r: PlacementRow) -> str:
+    if r.first_layer is None:
+        text = "-"
+    elif r.first_layer == r.last_layer:
+        text = str(r.first_layer)
+    else:
+        text = f"{r.first_layer}-{r.last_layer}"
+    return text + (" + output" if r.output else "")
+
+
+_PLACEMENT_HEADERS = ["device", "layers", "weights GB", "KV GB", "seeded GB", "wire MB/load",
+                      "free GB", "headroom GB"]
+
+
+def render_placement(placements: list[Placement]) -> str:
+    """The placement section of the text plan: one table per llama-server."""
+    blocks = []
+    for p in placements:
+        rows = [[r.device, _layers(r), _gb(r.weights_bytes), _gb(r.kv_bytes),
+                 "-" if r.seeded_bytes is None else _gb(r.seeded_bytes),
+                 f"{r.wire_bytes / 1e6:.1f}",
+                 ("~" if r.free_estimated else "") + _gb(r.free_bytes), _gb(r.headroom_bytes)]
+                for r in p.rows]
+        body = tabulate(rows, headers=_PLACEMENT_HEADERS, tablefmt="simple",
+                        disable_numparse=True)
+        text = "\n".join(line.rstrip() for line in body.splitlines())
+        tokens = f"{p.ctx_tokens} tokens" if p.ctx_fitted_from is None else \
+            f"~{p.ctx_tokens} tokens as llama.cpp fits ctx_size 0"
+        blocks.append(f"Placement of {p.model} for llama-server {p.server} (as llama.cpp "
+                      f"splits it; KV at {tokens}, {p.slots} slots, "
+                      f"{p.cache_type_k}/{p.cache_type_v}):\n{text}")
+    return "\n\n".join(blocks)
+
+
+def render_network(network: list[Network]) -> list[str]:
+    """One line per llama-server: RTT to each endpoint and what it adds to every token."""
+    lines = []
+    for n in network:
+        parts = ", ".join(f"{e.endpoint} {e.rtt_ms:.2f} ms" for e in n.endpoints)
+        lines.append(f"Network ({n.server} on {n.host}): RTT {parts}; expected per-token cost = "
+                     f"compute + {n.round_trips} x RTT (~{n.per_token_ms:.2f} ms)")
+    return lines
+
+
 def render_text(plan: Plan, color: bool = False) -> str:
     paint = _Paint(color)
     visible = [c for c in plan.changes if c.action != "no-op"]
@@ -160,10 +219,10 @@ def render_text(plan: Plan, color: bool = False) -> str:
     if rows:
         headers = ["host", "add", "change", "destroy", "unchanged"]
         out += [_table(rows, headers, numbers=True), ""]
-    if plan.extra.get("placement"):
-        out += [plan.extra["placement"], ""]
-    if plan.extra.get("network"):
-        out += list(plan.extra["network"]) + [""]
+    if plan.placement:
+        out += [render_placement(plan.placement), ""]
+    if plan.network:
+        out += render_network(plan.network) + [""]
     for w in plan.warnings:
         first, *rest = w.splitlines() or [""]
         out.append(f"{paint(_YELLOW, 'Warning:')} {first}".rstrip())
@@ -209,6 +268,13 @@ def render_json(plan: Plan) -> str:
         "counts": plan.counts(),
         "host_counts": plan.host_counts(),
         "warnings": list(plan.warnings),
+        "placement": [asdict(p) for p in plan.placement],
+        "network": [asdict(n) for n in plan.network],
+        "commit": plan.commit,
+        "commit_source": plan.commit_source,
+        "limit": list(plan.limit),
+        "remote_commands": dict(plan.remote_commands),
+        "seconds": plan.seconds,
         "changes": [
             {
                 "address": c.address,

@@ -9,6 +9,7 @@ import pytest
 from meshdeploy.deploy import consistency
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.render import render_network
 
 LAB = Path(__file__).resolve().parent.parent / "inventories" / "lab.yaml"
 NEW = "f35b4f837ba8e08a33034faa9ba21db8713e67df"
@@ -53,8 +54,11 @@ def test_limit_cannot_move_the_commit_of_some_hosts():
 def test_network_line_sums_one_round_trip_per_worker():
     cluster = load_cluster(LAB)
     facts = {"node1": {"services.Rtt": {"10.200.0.12:22": 150, "10.200.0.13:22": 2500}}}
-    lines = consistency.network_lines(cluster, cluster.hosts, facts)
-    assert lines == ["Network (main on node1): RTT 10.200.0.12:50052 0.15 ms, "
+    network = consistency.network(cluster, cluster.hosts, facts)
+    assert [(e.endpoint, e.rtt_ms, e.remote) for e in network[0].endpoints] == [
+        ("10.200.0.12:50052", 0.15, True), ("10.200.0.13:50052", 2.5, True)]
+    assert (network[0].round_trips, network[0].per_token_ms) == (2, 2.65)
+    assert render_network(network) == ["Network (main on node1): RTT 10.200.0.12:50052 0.15 ms, "
                      "10.200.0.13:50052 2.50 ms; expected per-token cost = compute + 2 x RTT "
                      "(~2.65 ms)"]
 
@@ -62,5 +66,5 @@ def test_network_line_sums_one_round_trip_per_worker():
 def test_a_worker_faster_than_the_probe_still_counts_as_a_hop():
     cluster = load_cluster(LAB)
     facts = {"node1": {"services.Rtt": {"10.200.0.12:22": 0, "10.200.0.13:22": 530}}}
-    (line,) = consistency.network_lines(cluster, cluster.hosts, facts)
+    (line,) = render_network(consistency.network(cluster, cluster.hosts, facts))
     assert line.endswith("expected per-token cost = compute + 2 x RTT (~0.53 ms)")

@@ -17,6 +17,7 @@ import pytest
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import Resolved
 from meshdeploy.deploy.errors import ConfigError, PlanError
+from meshdeploy.deploy.render import render_placement
 from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.rpc_cache import layout, seeding
 from meshdeploy.roles.rpc_cache.tensors import read_header
@@ -81,12 +82,17 @@ def plan_placement(path: Path, facts: dict) -> tuple[Resolved, list[str]]:
     return resolved, notes
 
 
+def table(resolved: Resolved) -> str:
+    """The placement section as the text plan prints it."""
+    return render_placement(layout.sections(resolved.layouts))
+
+
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_placement_table_golden(name, headers):
     resolved, notes = plan_placement(ROOT / "inventories" / f"{name}.yaml", SCENARIOS[name])
     assert [lay.server for lay in resolved.layouts] == ["main"]
     assert notes == []
-    text = layout.table(resolved.layouts) + "\n"
+    text = table(resolved) + "\n"
     golden = GOLDEN / f"placement-{name}.txt"
     if os.environ.get("MESHDEPLOY_UPDATE_GOLDEN") == "1":
         golden.write_text(text)
@@ -164,7 +170,7 @@ def test_unknown_memory_is_said_not_guessed(headers):
     assert (row["device"], row["free"], row["headroom"]) == ("macmini:50052/MTL0", None, None)
     assert notes == ["servers.main: free memory of macmini:50052/MTL0 is unknown: the "
                      "placement is not checked against it"]
-    assert "?" in layout.table(resolved.layouts)
+    assert "?" in table(resolved)
 
 
 def test_auto_split_follows_the_reported_memory(tmp_path, headers):
@@ -189,8 +195,7 @@ def test_an_unset_context_is_shrunk_as_llama_cpp_fits_it(headers):
     assert notes == [f"servers.main: ctx_size 0 asks for 202752 tokens, which do not fit; "
                      f"llama.cpp shrinks the context to fit memory (about {lay.kv.n_ctx} "
                      "tokens). Set servers.main.ctx_size to choose it"]
-    assert f"KV at ~{lay.kv.n_ctx} tokens as llama.cpp fits ctx_size 0" in \
-        layout.table(resolved.layouts)
+    assert f"KV at ~{lay.kv.n_ctx} tokens as llama.cpp fits ctx_size 0" in table(resolved)
 
 
 def test_an_unset_context_cannot_save_weights_that_do_not_fit(headers):

@@ -282,7 +282,7 @@ def test_unknown_action_is_rejected():
 
 def test_render_json_content_and_redaction():
     doc = json.loads(render_json(realistic_plan()))
-    assert doc["format_version"] == 1
+    assert doc["format_version"] == 2
     assert doc["counts"] == {"add": 4, "change": 1, "destroy": 2}
     assert doc["hosts"] == ["node1", "node2", "node3"]
     assert doc["warnings"] and doc["has_changes"] is True
@@ -303,9 +303,10 @@ def test_render_json_is_stable():
 
 def test_to_dict_from_dict_identity():
     p = realistic_plan()
-    p.extra = {"order": ["node1", "node2"], "nested": {"k": [1, 2.5, None, True]}}
+    p.commit, p.commit_source, p.limit = "f" * 40, "lock file", ["node1", "node2"]
+    p.remote_commands, p.seconds = {"node1": 1, "node2": 1}, 2.5
     d = p.to_dict()
-    assert d["format_version"] == 1
+    assert d["format_version"] == 2
     again = Plan.from_dict(json.loads(json.dumps(d)))
     assert again == p
     assert again.to_dict() == d
@@ -359,7 +360,8 @@ def test_save_replaces_existing_file(tmp_path):
         (b"cluster: lab\nhosts: {}\n", "not a meshdeploy plan file (not JSON)"),
         (b'{"cluster": "lab"}', "not a meshdeploy plan (no format_version)"),
         (b'{"format_version": 99}', "plan format 99 is not supported"),
-        (b'{"format_version": 1, "cluster_name": "lab"}', "plan: missing key 'cluster_path'"),
+        (b'{"format_version": 1, "extra": {}}', "plan format 1 is not supported"),
+        (b'{"format_version": 2, "cluster_name": "lab"}', "plan: missing key 'cluster_path'"),
     ],
 )
 def test_load_bad_file_gives_one_clear_error(tmp_path, content, message):

@@ -2,8 +2,8 @@
 
 Computed on the control machine from the GGUF header (tensors.model_shape), the server's
 settings (tensor_split, n_gpu_layers, ctx_size, extra_args) and the DeviceMemory fact of every
-host involved. The plan prints the table; a placement that cannot fit is refused with the
-numbers that prove it, before anything is installed.
+host involved. The plan carries it as typed sections (sections()) that the views print; a
+placement that cannot fit is refused with the numbers that prove it, before anything is installed.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.plan import Placement, PlacementRow
 from meshdeploy.roles.rpc_cache import kvcache
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.memory import device_free
@@ -110,13 +111,16 @@ def build(cluster, server, tensors, shape, facts: dict) -> Layout:
         cached, small = wire_bytes(mine)
         seeded = endpoint is not None and endpoint.rpc.cache
         layers = placement.layers_of(i)
+        # "layers" words the refusal message; the plan's views print first/last/output.
         text = (f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else
                 (str(layers[0]) if layers else "-"))
         if placement.output_device == i:
             text += " + output"
         m = memory[i]
         out.rows.append({
-            "device": label, "layers": text, "weights": fit[i].weights, "kv": fit[i].kv,
+            "device": label, "layers": text, "first": layers[0] if layers else None,
+            "last": layers[-1] if layers else None, "output": placement.output_device == i,
+            "weights": fit[i].weights, "kv": fit[i].kv,
             "needed": fit[i].needed, "seed": cached if seeded else 0,
             # A local device reads the file itself; an RPC one receives every byte not cached.
             "wire": 0 if endpoint is None else (small if seeded else cached + small),
@@ -179,24 +183,17 @@ def _gb(n) -> str:
     return "?" if n is None else f"{n / 1e9:.2f}"
 
 
-def table(layouts: list[Layout]) -> str:
-    """The placement section of the text plan: one block per llama-server."""
-    from tabulate import tabulate
-
-    blocks = []
-    for lay in layouts:
-        rows = [[r["device"], r["layers"], _gb(r["weights"]), _gb(r["kv"]),
-                 _gb(r["seed"]) if r["cached"] else "-", f"{r['wire'] / 1e6:.1f}",
-                 ("~" if r["estimated"] else "") + _gb(r["free"]), _gb(r["headroom"])]
-                for r in lay.rows]
-        head = ["device", "layers", "weights GB", "KV GB", "seeded GB", "wire MB/load",
-                "free GB", "headroom GB"]
-        body = tabulate(rows, headers=head, tablefmt="simple", disable_numparse=True)
-        text = "\n".join(line.rstrip() for line in body.splitlines())
-        kv = lay.kv
-        tokens = f"{kv.n_ctx} tokens" if lay.fitted_from is None else \
-            f"~{kv.n_ctx} tokens as llama.cpp fits ctx_size 0"
-        blocks.append(f"Placement of {lay.model} for llama-server {lay.server} (as llama.cpp "
-                      f"splits it; KV at {tokens}, {kv.n_seq} slots, "
-                      f"{kv.type_k}/{kv.type_v}):\n{text}")
-    return "\n\n".join(blocks)
+def sections(layouts: list[Layout]) -> list[Placement]:
+    """The plan's placement section (the views print it): one Placement per llama-server."""
+    return [Placement(
+        server=lay.server, model=lay.model, ctx_tokens=lay.kv.n_ctx,
+        ctx_fitted_from=lay.fitted_from, slots=lay.kv.n_seq,
+        cache_type_k=lay.kv.type_k, cache_type_v=lay.kv.type_v,
+        rows=[PlacementRow(
+            device=r["device"], host=r["host"], port=r["port"], first_layer=r["first"],
+            last_layer=r["last"], output=r["output"], weights_bytes=r["weights"],
+            kv_bytes=r["kv"], needed_bytes=r["needed"],
+            seeded_bytes=r["seed"] if r["cached"] else None, wire_bytes=r["wire"],
+            free_bytes=r["free"], free_estimated=r["estimated"], headroom_bytes=r["headroom"],
+        ) for r in lay.rows],
+    ) for lay in layouts]
