@@ -115,6 +115,10 @@ def test_plan_json_counts_remote_commands(converged, cluster_file):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["counts"] == {"add": 0, "change": 0, "destroy": 0}
+    # The headline figure: one batched probe per host on a no-op plan.
+    assert data["remote_commands"] == {"node1": 1, "node2": 1, "node3": 1}
+    assert [p["server"] for p in data["placement"]] == ["main"]
+    assert {e["host"] for n in data["network"] for e in n["endpoints"]} == {"node2", "node3"}
 
 
 def test_status_all_healthy(converged, cluster_file):
