@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import ipaddress
 import json
+import math
 import os
 from functools import lru_cache
 from importlib import resources
@@ -18,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import jsonschema.validators
 from jsonschema.exceptions import best_match, relevance
-from ruamel.yaml import YAML
-from ruamel.yaml.error import MarkedYAMLError, YAMLError
-from ruamel.yaml.nodes import MappingNode, SequenceNode
+from ruamel.yaml.scalarbool import ScalarBoolean
 
+from meshdeploy.deploy import yaml_doc
 from meshdeploy.deploy.errors import ConfigError, ConfigIssue
 from meshdeploy.deploy.model import (
     DEFAULT_DEVICES,
@@ -42,6 +43,7 @@ from meshdeploy.deploy.model import (
     Server,
     Toolchain,
 )
+from meshdeploy.deploy.yaml_doc import printable, render_path
 
 
 @lru_cache(maxsize=1)
@@ -77,36 +79,14 @@ class Document:
     @classmethod
     def read(cls, path: str | Path) -> Document:
         display = str(path)
-        file = Path(path)
-        try:
-            raw = file.read_bytes()
-        except OSError as exc:
-            raise ConfigError([ConfigIssue(display, 0, 0, "", f"cannot read: {exc.strerror}",
-                                           "check the path of the cluster file")]) from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            line = raw[: exc.start].count(b"\n") + 1
-            raise ConfigError([ConfigIssue(display, line, 1, "", "file is not valid UTF-8",
-                                           "save the file as UTF-8")]) from None
-        yaml = YAML(typ="rt")
-        try:
-            node = yaml.compose(text)
-        except MarkedYAMLError as exc:
-            raise ConfigError([yaml_issue(display, exc)]) from None
-        except YAMLError as exc:
-            raise ConfigError([ConfigIssue(display, 0, 0, "", f"YAML error: {exc}")]) from None
-        duplicates = duplicate_keys(display, node)
-        if duplicates:
-            raise ConfigError(duplicates)
-        root = YAML(typ="rt").load(text)
+        raw, root = yaml_doc.parse(display, Path(path))
         if not isinstance(root, dict):
             what = "empty" if root is None else f"a {yaml_type(root)}"
             raise ConfigError([ConfigIssue(
                 display, 1, 1, "", f"the cluster file is {what}; expected a mapping",
                 "start from inventories/lab.yaml: it needs at least cluster, llama_cpp.ref "
                 "and hosts")])
-        return cls(display, file.resolve(), raw, root)
+        return cls(display, Path(path).resolve(), raw, root)
 
     def position(self, path: tuple, at_key: bool = False) -> tuple[int, int]:
         """1-based line/col of the value at `path`; of its key when at_key or a collection."""
@@ -141,54 +121,10 @@ class Document:
         return ConfigIssue(self.display, line, col, render_path(path), message, hint)
 
 
-def yaml_issue(display: str, exc: MarkedYAMLError) -> ConfigIssue:
-    mark = exc.problem_mark or exc.context_mark
-    line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
-    problem = exc.problem or "malformed YAML"
-    message = f"YAML syntax error: {problem}"
-    if exc.context and exc.context_mark:
-        message += f" ({exc.context} started at line {exc.context_mark.line + 1})"
-    return ConfigIssue(display, line, col, "", message,
-                       "check indentation, colons and quotes around this line")
-
-
-def duplicate_keys(display: str, node: Any, path: tuple = ()) -> list[ConfigIssue]:
-    """Duplicate keys, found on the node graph because the loaded data keeps only one copy."""
-    issues = []
-    if isinstance(node, MappingNode):
-        seen: dict[str, Any] = {}
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            if key in seen and key != "<<":
-                first = seen[key].start_mark
-                mark = key_node.start_mark
-                issues.append(ConfigIssue(
-                    display, mark.line + 1, mark.column + 1, render_path(path + (key,)),
-                    f"duplicate key '{key}' (first defined at line {first.line + 1})",
-                    "keep one of the two; YAML would silently use only the last"))
-            else:
-                seen[key] = key_node
-            issues += duplicate_keys(display, value_node, path + (key,))
-    elif isinstance(node, SequenceNode):
-        for index, item in enumerate(node.value):
-            issues += duplicate_keys(display, item, path + (index,))
-    return issues
-
-
-def render_path(path: tuple) -> str:
-    out = ""
-    for step in path:
-        if isinstance(step, int):
-            out += f"[{step}]"
-        else:
-            out += f".{step}" if out else str(step)
-    return out
-
-
 def yaml_type(value: Any) -> str:
     if value is None:
         return "null"
-    if isinstance(value, bool):
+    if isinstance(value, (bool, ScalarBoolean)):
         return "boolean"
     if isinstance(value, int):
         return "integer"
@@ -205,25 +141,50 @@ def yaml_type(value: Any) -> str:
 
 # -- JSON Schema errors rewritten for people -------------------------------------------------
 
-# Why a value failed a `pattern`, by the name of the field (or of the list holding it).
+# Why a value failed a `pattern`, by field: its path with names as `*` and list items as `[]`
+# (see field_key), or its bare name where that is unambiguous.
+PATH_MEANING = "is not an absolute, normalized path (no '//', '.' or '..' parts, no trailing '/')"
 PATTERN_MEANING = {
     "cluster": "is not a valid name (letters, digits, '_', '.', '-'; starts with a letter or digit)",
-    "ref": "is not a git tag, branch or commit",
+    "llama_cpp.repo": "is not a git URL (https, http, git, ssh or file), user@host:path or an "
+                      "absolute path, without spaces, quotes or a leading '-'",
+    "llama_cpp.ref": "is not a git tag, branch or commit (git check-ref-format: no '..', '@{', "
+                     "spaces or ~^:?*[\\, no leading '-', no trailing '/', '.' or '.lock')",
+    "models.*.huggingface.revision": "is not a git branch, tag or commit",
     "cmake_flags": "is not a cmake -DNAME=VALUE flag",
-    "prefix": "is not an absolute path",
-    "apt_proxy": "is not an http:// or https:// proxy URL",
-    "endpoint": "is not an http:// or https:// URL",
-    "api_endpoint": "is not an http:// or https:// URL",
+    "prefix": PATH_MEANING,
+    "ccache_dir": PATH_MEANING,
+    "store": PATH_MEANING,
+    "path": PATH_MEANING,
+    "api_key_file": PATH_MEANING + " on the host",
+    "apt_proxy": "is not an http:// or https:// proxy URL (scheme://host[:port][/])",
+    "endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
+    "api_endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
     "address": "is not an IPv4 address or DNS name",
     "devices": "is not a device name like CUDA0, MTL0 or Vulkan0",
     "device": "is not a device name like CUDA1, MTL0 or CPU",
-    "repo": "is not a Hugging Face repository id (owner/name)",
+    "models.*.huggingface.repo": "is not a Hugging Face repository id (owner/name)",
+    "file": "is not a file in the repository (a relative path without '..' parts, not starting "
+            "with '-' or '/')",
+    "files": "is not a file in the repository (a relative path without '..' parts, not starting "
+             "with '-' or '/')",
     "sha256": "is not 64 lowercase hex digits",
     "model": "is not an Ollama model name like qwen3-coder:30b",
-    "path": "is not an absolute path",
-    "api_key_file": "is not an absolute path on the host",
     "rpc": "is not host:port (a host name from hosts, then the rpc-server's port)",
-    "bind": "is not an IPv4 address",
+    "hosts.*.rpc_servers[].bind": "is not an IPv4 address",
+    "servers.*.bind": "is not an IPv4 address or host name",
+}
+
+PATTERN_HINT = {
+    "rpc": "write the host's name from hosts, e.g. node2:50052",
+    "sha256": "sha256sum prints it; leave \"\" to trust the hub's hash",
+    "llama_cpp.repo": "e.g. https://github.com/ggml-org/llama.cpp.git",
+    "llama_cpp.ref": "e.g. b11312, master, or a full 40-hex commit",
+    "apt_proxy": "e.g. http://10.200.0.1:3142",
+    "prefix": "e.g. /opt/meshdeploy (spaces are fine)",
+    "file": "e.g. gemma-3-270m-q4_k_m.gguf, or a folder/file.gguf path in the repository",
+    "files": "e.g. Q4_K_M/model-00001-of-00002.gguf",
+    "servers.*.bind": "e.g. 127.0.0.1, or the host's cluster address",
 }
 
 # What an either/or field accepts, for values that match neither branch.
@@ -233,18 +194,77 @@ ALTERNATIVES = {
     "bind": "an IPv4 address such as 10.0.0.5, or \"\" for the network.rpc_bind rule",
 }
 
+# Names under these keys are the user's (hosts.gpu-01); field_key writes them as `*`.
+NAMED = ("hosts", "models", "servers")
+
+
+def field_key(path: tuple) -> str:
+    """`servers.main.rpc[0]` -> `servers.*.rpc[]`: the field, whatever the names and indexes."""
+    generic = tuple("*" if i == 1 and path[0] in NAMED else "[]" if isinstance(step, int)
+                    else step for i, step in enumerate(path))
+    return "".join(s if s == "[]" else f".{s}" for s in generic).lstrip(".")
+
+
+def field_lookup(table: dict, path: tuple) -> Any:
+    name = next((s for s in reversed(path) if isinstance(s, str)), "")
+    return table.get(field_key(path), table.get(name))
+
+
+# JSON Schema's own types are too lenient for a file whose values reach command lines: 50052.0
+# is an "integer" and NaN a "number" there. ruamel's anchored booleans are ints, not bools.
+def is_boolean(_checker: Any, value: Any) -> bool:
+    return isinstance(value, (bool, ScalarBoolean))
+
+
+def is_integer(_checker: Any, value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, (bool, ScalarBoolean))
+
+
+def is_number(checker: Any, value: Any) -> bool:
+    return is_integer(checker, value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def unique_strings(validator: Any, unique: bool, instance: Any, schema: dict):
+    """uniqueItems in linear time: every such list here holds strings, and any other item
+    already fails `items` (jsonschema's own check is quadratic on unhashable items)."""
+    if not unique or not validator.is_type(instance, "array"):
+        return
+    if first_repeat(instance) is not None:
+        yield jsonschema.ValidationError(f"{instance!r} has non-unique elements")
+
+
+def first_repeat(values: list) -> str | None:
+    seen: set[str] = set()
+    for value in values:
+        if isinstance(value, str):
+            if value in seen:
+                return value
+            seen.add(value)
+    return None
+
+
+@lru_cache(maxsize=1)
+def schema_validator() -> Any:
+    strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many(
+        {"boolean": is_boolean, "integer": is_integer, "number": is_number})
+    cls = jsonschema.validators.extend(jsonschema.Draft202012Validator,
+                                       validators={"uniqueItems": unique_strings},
+                                       type_checker=strict)
+    return cls(load_schema())
+
 
 def schema_issues(doc: Document) -> list[ConfigIssue]:
-    validator = jsonschema.Draft202012Validator(load_schema())
-    errors = list(validator.iter_errors(doc.root))
+    errors = list(schema_validator().iter_errors(doc.root))
     if not errors:
         return []
     first = max(errors, key=relevance)  # best_match would descend into oneOf branches
     errors.sort(key=lambda e: (e is not first, doc.position(tuple(e.absolute_path))))
     issues: list[ConfigIssue] = []
+    seen: set[ConfigIssue] = set()
     for error in errors:
         for issue in error_issues(doc, error):
-            if issue not in issues:
+            if issue not in seen:
+                seen.add(issue)
                 issues.append(issue)
     return issues
 
@@ -273,7 +293,7 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
     if kind == "additionalProperties":
         allowed = sorted(schema.get("properties", {}))
         unknown = [k for k in value if k not in allowed]
-        return [doc.issue(path + (key,), f"unknown key '{key}'",
+        return [doc.issue(path + (key,), f"unknown key '{printable(str(key))}'",
                           suggest(str(key), allowed, "allowed keys"), at_key=True)
                 for key in unknown]
     if kind == "required":
@@ -290,15 +310,21 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
     if kind == "type":
         wanted = error.validator_value
         hint = None
-        if wanted == "string" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            hint = f"quote it: '{value}'"
+        if isinstance(value, float) and not math.isfinite(value):
+            return [doc.issue(path, f"{show(value)} is not a finite number",
+                              "write a number such as 1 or 0.5")]
+        if wanted == "integer" and isinstance(value, float) and value.is_integer():
+            hint = f"write it without the fraction: {int(value)}"
+        elif wanted == "string" and value is not None and not isinstance(value, (dict, list)):
+            hint = f"quote it: '{show(value)}'"
         article = "an" if str(wanted)[0] in "aeiou" else "a"
         label = {"object": "mapping", "array": "list"}.get(wanted, wanted)
         return [doc.issue(path, f"expected {article} {label}, got {yaml_type(value)} "
                                 f"{show(value)}", hint)]
     if kind == "pattern":
-        meaning = PATTERN_MEANING.get(name, f"does not match {error.validator_value}")
-        return [doc.issue(path, f"{show(value)} {meaning}", schema_hint(name))]
+        meaning = field_lookup(PATTERN_MEANING, path) or \
+            f"does not match {error.validator_value}"
+        return [doc.issue(path, f"{show(value)} {meaning}", field_lookup(PATTERN_HINT, path))]
     if kind in ("minimum", "exclusiveMinimum", "maximum"):
         bound = error.validator_value
         relation = {"minimum": f"at least {bound}", "exclusiveMinimum": f"more than {bound}",
@@ -316,7 +342,7 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
     if kind == "minItems":
         return [doc.issue(path, "needs at least one value")]
     if kind == "uniqueItems":
-        dup = next(v for i, v in enumerate(value) if v in value[:i])
+        dup = first_repeat(value)
         return [doc.issue(path, f"lists {show(dup)} more than once")]
     if kind == "const":
         return [doc.issue(path, f"{show(value)} is not {show(error.validator_value)}")]
@@ -325,12 +351,14 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
 
 def show(value: Any) -> str:
     if isinstance(value, str):
-        return repr(str(value))
-    if isinstance(value, bool):
+        return f"'{printable(str(value))}'"
+    if isinstance(value, (bool, ScalarBoolean)):
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
         return f"a {yaml_type(value)}"
-    return str(value)
+    if value is None:
+        return "null"
+    return printable(str(value))
 
 
 def show_option(option: Any) -> str:
@@ -342,14 +370,6 @@ def suggest(word: str, options: list[str], label: str = "allowed") -> str:
     if close:
         return f"did you mean '{close[0]}'?"
     return f"{label}: {', '.join(options)}"
-
-
-def schema_hint(name: str) -> str | None:
-    if name in ("rpc",):
-        return "write the host's name from hosts, e.g. node2:50052"
-    if name == "sha256":
-        return "sha256sum prints it; leave \"\" to trust the hub's hash"
-    return None
 
 
 # -- defaults and the typed model ------------------------------------------------------------
@@ -381,7 +401,7 @@ def fill_defaults(instance: Any, schema: dict, root: dict | None = None) -> Any:
     if isinstance(instance, list):
         items = schema.get("items", {})
         return [fill_defaults(v, items, root) for v in instance]
-    if isinstance(instance, bool):
+    if isinstance(instance, (bool, ScalarBoolean)):
         return bool(instance)
     if isinstance(instance, int):
         return int(instance)
