@@ -317,8 +317,8 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
             hint = f"write it without the fraction: {int(value)}"
         elif wanted == "string" and value is not None and not isinstance(value, (dict, list)):
             hint = f"quote it: '{show(value)}'"
-        article = "an" if str(wanted)[0] in "aeiou" else "a"
         label = {"object": "mapping", "array": "list"}.get(wanted, wanted)
+        article = "an" if str(label)[0] in "aeiou" else "a"
         return [doc.issue(path, f"expected {article} {label}, got {yaml_type(value)} "
                                 f"{show(value)}", hint)]
     if kind == "pattern":

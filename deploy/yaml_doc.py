@@ -292,13 +292,22 @@ class GuardedComposer(Composer):
         event = self.parser.peek_event()
         tag = event.ctag
         if tag is not None and str(tag) != "!" and str(tag) not in SCALAR_TAGS:
+            if str(tag) in ALLOWED_TAGS:
+                raise Refused(event.start_mark, self.where(),
+                              f"tag {short_tag(str(tag))} does not fit a single value",
+                              "remove the tag")
             raise self.bad_tag(event, str(tag))
         return super().compose_scalar_node(anchor)
 
     def check_collection_tag(self, event: Any, wanted: str) -> None:
         tag = event.ctag
-        if tag is not None and str(tag) not in ("!", wanted):
-            raise self.bad_tag(event, str(tag))
+        if tag is None or str(tag) in ("!", wanted):
+            return
+        if str(tag) in ALLOWED_TAGS:
+            kind = "a list" if wanted == CORE + "seq" else "a mapping"
+            raise Refused(event.start_mark, self.where(),
+                          f"tag {short_tag(str(tag))} does not fit {kind}", "remove the tag")
+        raise self.bad_tag(event, str(tag))
 
     def bad_tag(self, event: Any, tag: str) -> Refused:
         return Refused(event.start_mark, self.where(), f"tag {short_tag(tag)} is not supported",
