@@ -50,6 +50,10 @@ NOT_YAML = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U0001
 # command line, a systemd unit or a file name.
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 LONG_COMMENT = re.compile(f"(?:^|[ \t])#[^\n]{{{MAX_COMMENT},}}", re.MULTILINE)
+# ruamel's scanner checks every open flow level for each token it reads ahead (up to 1,024
+# characters) to resolve a possible simple key: `[[[[...` costs ~0.6 s before the composer
+# ever sees a node. Refused on sight, like the depth the composer refuses.
+DEEP_FLOW = re.compile(f"(?:[\\[{{][ \t]*){{{MAX_DEPTH + 1}}}")
 
 
 class Refused(Exception):
@@ -147,6 +151,12 @@ def decode(display: str, raw: bytes) -> str:
             f"control character U+{ord(char):04X}, which YAML does not allow"
         raise ConfigError([ConfigIssue(display, line, col, "", f"file contains {what}",
                                        "a cluster file is plain UTF-8 text: remove it")])
+    deep = DEEP_FLOW.search(text)
+    if deep:
+        line, col = line_col(text, deep.start())
+        raise ConfigError([ConfigIssue(display, line, col, "",
+                                       f"values nested deeper than {MAX_DEPTH} levels",
+                                       "a cluster file is a few levels deep; check the brackets")])
     long = LONG_COMMENT.search(text)
     if long:
         line, col = line_col(text, long.start() + (long.group()[0] != "#"))
