@@ -135,6 +135,13 @@ def read_capped(display: str, path: Path) -> bytes:
 
 def decode(display: str, raw: bytes) -> str:
     """UTF-8 text that ruamel can read without an unlocated error or a quadratic scan."""
+    nul = raw.find(b"\0")
+    if nul >= 0:  # binary junk is rarely UTF-8: say what it is rather than "byte 0x80"
+        before = raw[:nul].decode("utf-8", "replace")
+        line, col = line_col(before, len(before))
+        raise ConfigError([ConfigIssue(display, line, col, "",
+                                       "file contains a NUL byte: this looks like a binary file",
+                                       "a cluster file is plain UTF-8 text")])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -147,8 +154,7 @@ def decode(display: str, raw: bytes) -> str:
     if bad:
         line, col = line_col(text, bad.start())
         char = bad.group()
-        what = "a NUL byte: this looks like a binary file" if char == "\0" else \
-            f"control character U+{ord(char):04X}, which YAML does not allow"
+        what = f"control character U+{ord(char):04X}, which YAML does not allow"
         raise ConfigError([ConfigIssue(display, line, col, "", f"file contains {what}",
                                        "a cluster file is plain UTF-8 text: remove it")])
     deep = DEEP_FLOW.search(text)
