@@ -77,7 +77,7 @@ PATTERN_MEANING = {
     "files": "is not a file in the repository (a relative path without '..' parts, not starting "
              "with '-' or '/')",
     "sha256": "is not 64 lowercase hex digits",
-    "model": "is not an Ollama model name like qwen3-coder:30b",
+    "model": "is not an Ollama model name like qwen3-coder:30b (no '..' or '//')",
     "rpc": "is not host:port (a host name from hosts, then the rpc-server's port)",
     "hosts.*.rpc_servers[].bind": "is not an IPv4 address",
     "servers.*.bind": "is not an IPv4 address or host name",

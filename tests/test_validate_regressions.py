@@ -335,3 +335,9 @@ def test_real_repos_stay_valid(tmp_path, repo):
     path = tmp_path / "c.yaml"
     path.write_text(HEAD.replace("{ref: b1}", f"{{ref: release/b1, repo: '{repo}'}}"))
     assert load_cluster(path).llama_cpp.repo == repo
+
+
+def test_ollama_model_name_cannot_leave_the_store(tmp_path):
+    issue = refused(tmp_path, "models: {m: {ollama: {model: 'library/../../../etc/passwd'}}}\n")
+    assert at(issue) == (4, 30, "models.m.ollama.model")
+    assert "is not an Ollama model name" in issue.message
