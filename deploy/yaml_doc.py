@@ -87,7 +87,8 @@ def parse(display: str, path: Path) -> tuple[bytes, Any]:
             raise ConfigError([ConfigIssue(display, line, col, "", f"YAML error: {exc.reason}",
                                            "remove the character")]) from None
         except YAMLError as exc:  # no position known: say so plainly
-            raise ConfigError([ConfigIssue(display, 0, 0, "", f"YAML error: {exc}")]) from None
+            raise ConfigError([ConfigIssue(display, 0, 0, "",
+                                           f"YAML error: {printable(str(exc), 200)}")]) from None
         if node is None:
             return raw, None
         issues = node_issues(display, node)
@@ -103,7 +104,7 @@ def parse(display: str, path: Path) -> tuple[bytes, Any]:
             mark = constructor.current.start_mark
             raise ConfigError([ConfigIssue(
                 display, mark.line + 1, mark.column + 1, "",
-                f"cannot read this value: {type(exc).__name__}: {exc}",
+                f"cannot read this value: {printable(str(exc), 200)}",
                 "write a plain string, number, boolean, list or mapping")]) from None
 
 
