@@ -35,12 +35,10 @@ from meshdeploy.deploy.model import (
     Server,
     Toolchain,
 )
-# Re-exported: config_checks, tests and tools know these as meshdeploy.deploy.config.*.
-from meshdeploy.deploy.schema_errors import (  # noqa: F401
+from meshdeploy.deploy.schema_errors import (  # noqa: F401 (PATTERN_MEANING: re-exported)
     PATTERN_MEANING,
     load_schema,
     schema_issues,
-    suggest,
     yaml_type,
 )
 from meshdeploy.deploy.yaml_doc import render_path

@@ -305,7 +305,8 @@ def test_server_bind_injection(tmp_path):
 @pytest.mark.parametrize("field, value", [
     ("prefix", "/opt/../etc"), ("prefix", "opt"), ("prefix", "/opt/"), ("prefix", "//opt")])
 def test_paths_are_absolute_and_normalized(tmp_path, field, value):
-    issue = refused(tmp_path, "", head=HEAD.replace("{ref: b1}", f"{{ref: b1, {field}: '{value}'}}"))
+    head = HEAD.replace("{ref: b1}", f"{{ref: b1, {field}: '{value}'}}")
+    issue = refused(tmp_path, "", head=head)
     assert issue.path == f"llama_cpp.{field}"
     assert "is not an absolute, normalized path" in issue.message
 

@@ -94,7 +94,8 @@ def alias_bomb(levels: int, width: int) -> str:
 
 def replace_value(text: str, rnd: random.Random) -> str:
     lines = text.split("\n")
-    spots = [i for i, line in enumerate(lines) if ": " in line and not line.lstrip().startswith("#")]
+    spots = [i for i, line in enumerate(lines)
+             if ": " in line and not line.lstrip().startswith("#")]
     if not spots:
         return text
     i = rnd.choice(spots)
