@@ -7,22 +7,15 @@ guessing; the checks the schema cannot express live in meshdeploy.deploy.config_
 from __future__ import annotations
 
 import copy
-import difflib
 import hashlib
 import ipaddress
-import json
 import os
-from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-from jsonschema.exceptions import best_match, relevance
-from ruamel.yaml import YAML
-from ruamel.yaml.error import MarkedYAMLError, YAMLError
-from ruamel.yaml.nodes import MappingNode, SequenceNode
+from ruamel.yaml.scalarbool import ScalarBoolean
 
+from meshdeploy.deploy import yaml_doc
 from meshdeploy.deploy.errors import ConfigError, ConfigIssue
 from meshdeploy.deploy.model import (
     DEFAULT_DEVICES,
@@ -42,12 +35,13 @@ from meshdeploy.deploy.model import (
     Server,
     Toolchain,
 )
-
-
-@lru_cache(maxsize=1)
-def load_schema() -> dict:
-    text = resources.files("meshdeploy.schemas").joinpath("cluster.schema.json").read_text()
-    return json.loads(text)
+from meshdeploy.deploy.schema_errors import (  # noqa: F401 (PATTERN_MEANING: re-exported)
+    PATTERN_MEANING,
+    load_schema,
+    schema_issues,
+    yaml_type,
+)
+from meshdeploy.deploy.yaml_doc import render_path
 
 
 def load_cluster(path: str | Path) -> Cluster:
@@ -77,36 +71,14 @@ class Document:
     @classmethod
     def read(cls, path: str | Path) -> Document:
         display = str(path)
-        file = Path(path)
-        try:
-            raw = file.read_bytes()
-        except OSError as exc:
-            raise ConfigError([ConfigIssue(display, 0, 0, "", f"cannot read: {exc.strerror}",
-                                           "check the path of the cluster file")]) from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            line = raw[: exc.start].count(b"\n") + 1
-            raise ConfigError([ConfigIssue(display, line, 1, "", "file is not valid UTF-8",
-                                           "save the file as UTF-8")]) from None
-        yaml = YAML(typ="rt")
-        try:
-            node = yaml.compose(text)
-        except MarkedYAMLError as exc:
-            raise ConfigError([yaml_issue(display, exc)]) from None
-        except YAMLError as exc:
-            raise ConfigError([ConfigIssue(display, 0, 0, "", f"YAML error: {exc}")]) from None
-        duplicates = duplicate_keys(display, node)
-        if duplicates:
-            raise ConfigError(duplicates)
-        root = YAML(typ="rt").load(text)
+        raw, root = yaml_doc.parse(display, Path(path))
         if not isinstance(root, dict):
             what = "empty" if root is None else f"a {yaml_type(root)}"
             raise ConfigError([ConfigIssue(
                 display, 1, 1, "", f"the cluster file is {what}; expected a mapping",
                 "start from inventories/lab.yaml: it needs at least cluster, llama_cpp.ref "
                 "and hosts")])
-        return cls(display, file.resolve(), raw, root)
+        return cls(display, Path(path).resolve(), raw, root)
 
     def position(self, path: tuple, at_key: bool = False) -> tuple[int, int]:
         """1-based line/col of the value at `path`; of its key when at_key or a collection."""
@@ -141,217 +113,6 @@ class Document:
         return ConfigIssue(self.display, line, col, render_path(path), message, hint)
 
 
-def yaml_issue(display: str, exc: MarkedYAMLError) -> ConfigIssue:
-    mark = exc.problem_mark or exc.context_mark
-    line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
-    problem = exc.problem or "malformed YAML"
-    message = f"YAML syntax error: {problem}"
-    if exc.context and exc.context_mark:
-        message += f" ({exc.context} started at line {exc.context_mark.line + 1})"
-    return ConfigIssue(display, line, col, "", message,
-                       "check indentation, colons and quotes around this line")
-
-
-def duplicate_keys(display: str, node: Any, path: tuple = ()) -> list[ConfigIssue]:
-    """Duplicate keys, found on the node graph because the loaded data keeps only one copy."""
-    issues = []
-    if isinstance(node, MappingNode):
-        seen: dict[str, Any] = {}
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            if key in seen and key != "<<":
-                first = seen[key].start_mark
-                mark = key_node.start_mark
-                issues.append(ConfigIssue(
-                    display, mark.line + 1, mark.column + 1, render_path(path + (key,)),
-                    f"duplicate key '{key}' (first defined at line {first.line + 1})",
-                    "keep one of the two; YAML would silently use only the last"))
-            else:
-                seen[key] = key_node
-            issues += duplicate_keys(display, value_node, path + (key,))
-    elif isinstance(node, SequenceNode):
-        for index, item in enumerate(node.value):
-            issues += duplicate_keys(display, item, path + (index,))
-    return issues
-
-
-def render_path(path: tuple) -> str:
-    out = ""
-    for step in path:
-        if isinstance(step, int):
-            out += f"[{step}]"
-        else:
-            out += f".{step}" if out else str(step)
-    return out
-
-
-def yaml_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, dict):
-        return "mapping"
-    if isinstance(value, list):
-        return "list"
-    return type(value).__name__
-
-
-# -- JSON Schema errors rewritten for people -------------------------------------------------
-
-# Why a value failed a `pattern`, by the name of the field (or of the list holding it).
-PATTERN_MEANING = {
-    "cluster": "is not a valid name (letters, digits, '_', '.', '-'; starts with a letter or digit)",
-    "ref": "is not a git tag, branch or commit",
-    "cmake_flags": "is not a cmake -DNAME=VALUE flag",
-    "prefix": "is not an absolute path",
-    "apt_proxy": "is not an http:// or https:// proxy URL",
-    "endpoint": "is not an http:// or https:// URL",
-    "api_endpoint": "is not an http:// or https:// URL",
-    "address": "is not an IPv4 address or DNS name",
-    "devices": "is not a device name like CUDA0, MTL0 or Vulkan0",
-    "device": "is not a device name like CUDA1, MTL0 or CPU",
-    "repo": "is not a Hugging Face repository id (owner/name)",
-    "sha256": "is not 64 lowercase hex digits",
-    "model": "is not an Ollama model name like qwen3-coder:30b",
-    "path": "is not an absolute path",
-    "api_key_file": "is not an absolute path on the host",
-    "rpc": "is not host:port (a host name from hosts, then the rpc-server's port)",
-    "bind": "is not an IPv4 address",
-}
-
-# What an either/or field accepts, for values that match neither branch.
-ALTERNATIVES = {
-    "tensor_split": "'auto' or a list of numbers, one per device",
-    "rpc": "'none' or a list of host:port entries",
-    "bind": "an IPv4 address such as 10.0.0.5, or \"\" for the network.rpc_bind rule",
-}
-
-
-def schema_issues(doc: Document) -> list[ConfigIssue]:
-    validator = jsonschema.Draft202012Validator(load_schema())
-    errors = list(validator.iter_errors(doc.root))
-    if not errors:
-        return []
-    first = max(errors, key=relevance)  # best_match would descend into oneOf branches
-    errors.sort(key=lambda e: (e is not first, doc.position(tuple(e.absolute_path))))
-    issues: list[ConfigIssue] = []
-    for error in errors:
-        for issue in error_issues(doc, error):
-            if issue not in issues:
-                issues.append(issue)
-    return issues
-
-
-def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[ConfigIssue]:
-    path = tuple(error.absolute_path)
-    name = next((s for s in reversed(path) if isinstance(s, str)), "")
-    value = error.instance
-    kind = error.validator
-    schema = error.schema if isinstance(error.schema, dict) else {}
-
-    if "propertyNames" in error.schema_path:
-        # jsonschema reports the offending name itself as the instance, at its mapping's path.
-        return [doc.issue(path + (value,), f"{show(value)} is not a valid name",
-                          "use letters, digits, '_', '.', '-' (no ':' or spaces)", at_key=True)]
-    if kind in ("oneOf", "anyOf"):
-        # Errors from the branch whose type matched (a bad list item, too many values) say
-        # more than "is not 'auto'"; type/const failures only say the branch did not apply.
-        specific = [e for e in error.context or ()
-                    if len(e.absolute_path) > len(error.absolute_path)
-                    or e.validator not in ("type", "const", "enum")]
-        if specific:
-            return error_issues(doc, best_match(specific, key=relevance))
-        wanted = ALTERNATIVES.get(name, "one of the documented forms")
-        return [doc.issue(path, f"{show(value)} is not {wanted}")]
-    if kind == "additionalProperties":
-        allowed = sorted(schema.get("properties", {}))
-        unknown = [k for k in value if k not in allowed]
-        return [doc.issue(path + (key,), f"unknown key '{key}'",
-                          suggest(str(key), allowed, "allowed keys"), at_key=True)
-                for key in unknown]
-    if kind == "required":
-        missing = [k for k in error.validator_value if k not in value]
-        where = render_path(path) or "the top level"
-        return [doc.issue(path, f"missing required key '{key}'",
-                          f"add '{key}:' under {where}", at_key=True) for key in missing]
-    if kind == "enum":
-        options = [show_option(o) for o in error.validator_value]
-        hint = suggest(str(value), [str(o) for o in error.validator_value if o])
-        if name == "load_mode":
-            hint += " ('none' loads without mmap, the old --no-mmap)"
-        return [doc.issue(path, f"{show(value)} is not one of {', '.join(options)}", hint)]
-    if kind == "type":
-        wanted = error.validator_value
-        hint = None
-        if wanted == "string" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            hint = f"quote it: '{value}'"
-        article = "an" if str(wanted)[0] in "aeiou" else "a"
-        label = {"object": "mapping", "array": "list"}.get(wanted, wanted)
-        return [doc.issue(path, f"expected {article} {label}, got {yaml_type(value)} "
-                                f"{show(value)}", hint)]
-    if kind == "pattern":
-        meaning = PATTERN_MEANING.get(name, f"does not match {error.validator_value}")
-        return [doc.issue(path, f"{show(value)} {meaning}", schema_hint(name))]
-    if kind in ("minimum", "exclusiveMinimum", "maximum"):
-        bound = error.validator_value
-        relation = {"minimum": f"at least {bound}", "exclusiveMinimum": f"more than {bound}",
-                    "maximum": f"at most {bound}"}[kind]
-        return [doc.issue(path, f"{show(value)} is out of range: must be {relation}")]
-    if kind == "minProperties":
-        if name == "hosts":
-            return [doc.issue(path, "needs at least one host", "add a host with an address")]
-        return [doc.issue(path, "needs exactly one source: huggingface, ollama or path")]
-    if kind == "maxProperties":
-        return [doc.issue(path, f"has several sources ({', '.join(value)}); keep exactly one")]
-    if kind == "maxItems":
-        return [doc.issue(path, f"has {len(value)} values; llama.cpp accepts at most "
-                                f"{error.validator_value}")]
-    if kind == "minItems":
-        return [doc.issue(path, "needs at least one value")]
-    if kind == "uniqueItems":
-        dup = next(v for i, v in enumerate(value) if v in value[:i])
-        return [doc.issue(path, f"lists {show(dup)} more than once")]
-    if kind == "const":
-        return [doc.issue(path, f"{show(value)} is not {show(error.validator_value)}")]
-    return [doc.issue(path, error.message)]
-
-
-def show(value: Any) -> str:
-    if isinstance(value, str):
-        return repr(str(value))
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (dict, list)):
-        return f"a {yaml_type(value)}"
-    return str(value)
-
-
-def show_option(option: Any) -> str:
-    return '""' if option == "" else str(option)
-
-
-def suggest(word: str, options: list[str], label: str = "allowed") -> str:
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    if close:
-        return f"did you mean '{close[0]}'?"
-    return f"{label}: {', '.join(options)}"
-
-
-def schema_hint(name: str) -> str | None:
-    if name in ("rpc",):
-        return "write the host's name from hosts, e.g. node2:50052"
-    if name == "sha256":
-        return "sha256sum prints it; leave \"\" to trust the hub's hash"
-    return None
-
-
 # -- defaults and the typed model ------------------------------------------------------------
 
 def fill_defaults(instance: Any, schema: dict, root: dict | None = None) -> Any:
@@ -381,7 +142,7 @@ def fill_defaults(instance: Any, schema: dict, root: dict | None = None) -> Any:
     if isinstance(instance, list):
         items = schema.get("items", {})
         return [fill_defaults(v, items, root) for v in instance]
-    if isinstance(instance, bool):
+    if isinstance(instance, (bool, ScalarBoolean)):
         return bool(instance)
     if isinstance(instance, int):
         return int(instance)

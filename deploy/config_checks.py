@@ -16,10 +16,10 @@ from meshdeploy.deploy.config import (
     render_path,
     resolve_bind,
     rpc_refs,
-    suggest,
 )
 from meshdeploy.deploy.errors import ConfigIssue
 from meshdeploy.deploy.model import CPU_DEVICE, is_loopback
+from meshdeploy.deploy.schema_errors import suggest
 
 # ggml-rpc.h: llama-server connects to at most this many rpc-servers.
 MAX_RPC_SERVERS = 16

@@ -423,3 +423,35 @@ def test_more_rpc_servers_than_llama_cpp_accepts(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_cluster(path)
     assert "uses 17 rpc-servers; llama.cpp accepts at most 16 (GGML_RPC_MAX_SERVERS)" in str(err.value)
+
+
+def pattern_fields(node, path=(), root=None):
+    """(data path with `*` for names and `[]` for items, pattern) for every pattern in the schema."""
+    root = root or node
+    if "$ref" in node:
+        target = root
+        for part in node["$ref"].lstrip("#/").split("/"):
+            target = target[part]
+        node = target
+    if "pattern" in node:
+        yield path, node["pattern"]
+    for name, sub in node.get("properties", {}).items():
+        yield from pattern_fields(sub, path + (name,), root)
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from pattern_fields(node["additionalProperties"], path + ("*",), root)
+    if isinstance(node.get("items"), dict):
+        yield from pattern_fields(node["items"], path + (0,), root)
+    for branch in node.get("anyOf", []) + node.get("oneOf", []):
+        yield from pattern_fields(branch, path, root)
+
+
+def test_every_pattern_has_a_human_meaning():
+    import json
+
+    from meshdeploy.deploy.schema_errors import PATTERN_MEANING, field_lookup
+
+    schema = json.loads((ROOT / "schemas" / "cluster.schema.json").read_text())
+    fields = list(pattern_fields(schema))
+    assert len(fields) > 20
+    for path, pattern in fields:
+        assert field_lookup(PATTERN_MEANING, path), (path, pattern)
