@@ -17,7 +17,7 @@ from gguf import GGUFReader, GGUFWriter
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import HostContext, Resolved
 from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.probe import Probe, compose, decode
+from meshdeploy.deploy.probe import compose, decode, marker, split
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import tensors as T
@@ -311,11 +311,11 @@ def test_gemma_header_from_http(gemma, tmp_path):
 # ---- facts ----------------------------------------------------------------------------------------
 
 def decoded(key, fact, kwargs, lines):
-    from meshdeploy.deploy.probe import MARKER, Section
+    from meshdeploy.deploy.probe import Section
 
     section = Section(key, fact, kwargs)
-    assert isinstance(compose([section]), str)
-    return decode([section], Probe().process([f"{MARKER}{key}", *lines]))[key]
+    assert isinstance(compose([section], "n0nce"), str)
+    return decode([section], split([marker("n0nce", 0), *lines], [section], "n0nce"))[key]
 
 
 def test_cache_dir_fact_runs_against_a_real_dir(tmp_path):
