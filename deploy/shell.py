@@ -62,7 +62,12 @@ def quote(value, what: str = "a value") -> str:
 
 def join(argv) -> str:
     """A command line: every item a quoted word, except Raw items (fixed shell text)."""
-    return " ".join(a if isinstance(a, Raw) else quote(a) for a in argv)
+    out = ""
+    for a in argv:
+        word = a if isinstance(a, Raw) else quote(a)
+        # A separator sits on the word before it, as people write it: `a 2>/dev/null; b`.
+        out += word if (not out or word == THEN) else " " + word
+    return out
 
 
 def command(*argv) -> str:
