@@ -10,7 +10,7 @@ from meshdeploy.deploy.engine import Planned, Session, slots
 from meshdeploy.deploy.errors import ApplyError
 from meshdeploy.roles.llama_cpp import lock as locks
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
-from meshdeploy.roles.llama_cpp.facts import Builds, pick_ls_remote
+from meshdeploy.roles.llama_cpp.facts import Builds, ls_remote, pick_ls_remote
 
 RESOLVE_SLOT = "llama_cpp.resolve"
 # Slots whose steps read the build's manifest: re-read it once the build changed.
@@ -52,7 +52,8 @@ class Run:
         if self.resolved.commit is not None or ctx.host.name != first:
             return Step(change)
         ref, repo = self.cluster.llama_cpp.ref, self.cluster.llama_cpp.repo
-        ok, output = self.session.run(first, f"git ls-remote {repo} {ref} '{ref}^{{}}'")
+        # As the login user: resolving a ref needs no root, and the repository is a value.
+        ok, output = self.session.run(first, ls_remote(repo, ref), sudo=False)
         commit = pick_ls_remote(output.stdout_lines) if ok else None
         if not commit:
             raise ApplyError(f"{first}: llama_cpp.ref {ref!r} does not exist in {repo}",

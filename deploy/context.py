@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 
 from meshdeploy.deploy.model import Cluster, Host
@@ -85,18 +84,3 @@ class Step:
     @property
     def noop(self) -> bool:
         return self.change.action == "no-op" and not self.commands
-
-
-def q(value) -> str:
-    return shlex.quote(str(value))
-
-
-def write_file_command(path: str, content: str, mode: str = "0644") -> str:
-    """Atomic write through a temporary name; content travels in a quoted heredoc."""
-    tag = "MESHDEPLOY_EOF"
-    while tag in content:
-        tag += "_"
-    tmp = f"{path}.meshdeploy-tmp"
-    return (f"mkdir -p {q(path.rsplit('/', 1)[0] or '/')} && cat > {q(tmp)} <<'{tag}'\n"
-            f"{content}{'' if content.endswith(chr(10)) else chr(10)}{tag}\n"
-            f"chmod {mode} {q(tmp)} && mv -f {q(tmp)} {q(path)}")

@@ -211,18 +211,27 @@ class Session:
 
 
 def probe_sections(cluster: Cluster, host, commit: str | None, first: bool):
-    return (toolchain.sections(cluster, host)
+    """Every fact this host's plan reads; a SudoCheck first where apply will need root."""
+    sudo = [probes.Section("probe.SudoCheck", probes.SudoCheck)] if host.ssh.sudo else []
+    return (sudo + toolchain.sections(cluster, host)
             + llama_cpp.sections(cluster, host, commit, first)
             + models.sections(cluster, host)
             + rpc_cache.sections(cluster, host)
             + services.sections(cluster, host))
 
 
+def probe_command(cluster: Cluster, host, commit: str | None, first: bool,
+                  nonce: str) -> tuple[list, str]:
+    """(sections, the one remote command that gathers them all as the login user)."""
+    sections = probe_sections(cluster, host, commit, first)
+    return sections, probes.compose(sections, nonce, sudo=host.ssh.sudo) + "true"
+
+
 SUDO_REFUSED = re.compile(r"sudo: (a password is required|.*not in the sudoers|.*not allowed)")
 
 
 def gather(session: Session, commit: str | None) -> dict[str, dict]:
-    """One probe command per host, all hosts at once."""
+    """One probe command per host, all hosts at once, run unprivileged (Section.privileged)."""
     import gevent
 
     cluster = session.cluster
@@ -231,11 +240,13 @@ def gather(session: Session, commit: str | None) -> dict[str, dict]:
     errors: dict[str, str] = {}
 
     def one(h):
-        sections = probe_sections(cluster, h, commit, h.name == first)
+        nonce = probes.new_nonce()
+        sections, script = probe_command(cluster, h, commit, h.name == first, nonce)
+        user = h.ssh.user or "(default)"
         try:
-            ok, output = session.run(h.name, probes.compose(sections) + "true")
+            ok, output = session.run(h.name, script, sudo=False)
         except SudoPasswordRequired as exc:
-            errors[h.name] = f"sudo refused for user {h.ssh.user or '(default)'}: {exc}"
+            errors[h.name] = f"sudo refused for user {user}: {exc}"
             return
         except Exception as exc:  # a dropped connection surfaces as paramiko/socket errors
             errors[h.name] = f"{exc.__class__.__name__}: {exc}"
@@ -243,13 +254,17 @@ def gather(session: Session, commit: str | None) -> dict[str, dict]:
         if not ok:
             text = "\n".join(output.stderr_lines[-5:]) if hasattr(output, "stderr_lines") else ""
             if SUDO_REFUSED.search(text):
-                errors[h.name] = (f"sudo refused for user {h.ssh.user or '(default)'}: "
+                errors[h.name] = (f"sudo refused for user {user}: "
                                   f"{text.strip().splitlines()[-1]}")
             else:
                 errors[h.name] = text.strip() or "the probe failed"
             return
-        raw = probes.Probe().process(output.stdout_lines)
-        results[h.name] = probes.decode(sections, raw)
+        facts = probes.decode(sections, probes.split(output.stdout_lines, sections, nonce))
+        check = facts.pop("probe.SudoCheck", None)
+        if check is not None and not check["ok"]:
+            errors[h.name] = f"sudo refused for user {user}: {check['message']}"
+            return
+        results[h.name] = facts
 
     gevent.joinall([gevent.spawn(one, h) for h in session.hosts()])
     if errors:
@@ -277,7 +292,7 @@ def resolve_commit(cluster: Cluster, facts: dict | None,
             raise PlanError(f"llama_cpp.ref {ref!r} does not exist in {cluster.llama_cpp.repo} "
                             f"(ls-remote on {first})",
                             hint="use a tag, branch or full commit of that repository")
-    if locks.FULL_COMMIT.match(ref):
+    if locks.FULL_COMMIT.fullmatch(ref):
         return ref, upstream, "pinned commit"
     locked = locks.locked_commit(cluster, locks.read_lock(cluster.path))
     if locked:

@@ -3,16 +3,20 @@
 pyinfra runs one remote command per fact; a plan touching a dozen resources on 24 hosts would
 pay for hundreds of round trips. Each role still declares small FactBase classes (pure command()
 and process()); this module concatenates their commands into one script with section markers
-and hands each fact back only its own lines.
+and hands each fact back only its own lines. The probe runs as the login user; only sections
+marked privileged go through `sudo -n`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
+
+from meshdeploy.deploy import shell
 
 MARKER = "@@meshdeploy-section "
 
@@ -21,47 +25,75 @@ MARKER = "@@meshdeploy-section "
 VOLATILE = ("models.DiskFree", "rpc_cache.DeviceMemory", "services.Rtt")
 
 
+def new_nonce() -> str:
+    """A per-probe secret in every section marker: no fact's output (a file name, an Ollama
+    manifest, a hostile host) can forge a section it does not know the nonce of."""
+    return secrets.token_hex(16)
+
+
 @dataclass
 class Section:
     key: str  # unique within a probe, e.g. "models.GgufFile[gemma]"
     fact: type[FactBase]
     kwargs: dict = field(default_factory=dict)
+    # Reads what only root may read (DynamicUser cache dirs under /var/cache/private): runs
+    # through `sudo -n` on hosts with ssh.sudo, as the login user elsewhere.
+    privileged: bool = False
 
-    def script(self) -> str:
+    def script(self, nonce: str, index: int, sudo: bool) -> str:
         command = self.fact().command(**self.kwargs)
-        # A subshell keeps one failing fact (missing binary, absent file) from ending the probe.
-        return f"echo '{MARKER}{self.key}'\n( {command}\n) 2>/dev/null\n"
+        if self.privileged and sudo:
+            command = shell.sudo(command)
+        # The marker carries the section's position, never its key (keys hold model and file
+        # names); a subshell keeps one failing fact (missing binary, absent file) from ending
+        # the probe.
+        return (shell.command("printf", "%s\\n", marker(nonce, index)) + "\n"
+                + shell.subshell(command) + " 2>/dev/null\n")
 
 
-class Probe(FactBase):
-    """Runs a composed script; returns {section key: [lines]}.
+def marker(nonce: str, index: int) -> str:
+    return f"{MARKER}{nonce} {index}"
 
-    ```python
-    {"toolchain.Tools": ["cmake", "git"], "llama_cpp.Source": ["<sha>", "<url>"]}
-    ```
+
+class SudoCheck(FactBase):
+    """Whether `sudo -n` works for the login user: {"ok": True} or {"ok": False, "message": ...}.
+
+    Checked in the probe of every host with ssh.sudo, since apply needs root there.
     """
 
-    def command(self, script: str) -> str:  # type: ignore[override]
-        return script
+    def command(self):
+        return "sudo -n true 2>&1 && echo ok"
 
     def process(self, output):
-        sections: dict[str, list[str]] = {}
-        current = None
-        for line in output:
-            if line.startswith(MARKER):
-                current = line[len(MARKER):].strip()
-                sections[current] = []
-            elif current is not None:
-                sections[current].append(line)
-        return sections
+        lines = [line.strip() for line in output if line.strip()]
+        if lines and lines[-1] == "ok":
+            return {"ok": True}
+        return {"ok": False, "message": lines[-1] if lines else "sudo gave no answer"}
 
     @staticmethod
     def default():
-        return {}
+        return {"ok": False, "message": "sudo gave no answer (is it installed?)"}
 
 
-def compose(sections: list[Section]) -> str:
-    return "".join(section.script() for section in sections)
+def compose(sections: list[Section], nonce: str, sudo: bool = False) -> str:
+    """One script for the whole probe; run it as the login user (see Section.privileged)."""
+    return "".join(section.script(nonce, i, sudo) for i, section in enumerate(sections))
+
+
+def split(output, sections: list[Section], nonce: str) -> dict[str, list[str]]:
+    """{section key: its lines}. Only the exact marker of the next section starts it; any other
+    line, one that looks like a marker included, belongs to the section it appears in."""
+    raw: dict[str, list[str]] = {}
+    current = None
+    index = 0
+    for line in output:
+        if index < len(sections) and line.rstrip("\r") == marker(nonce, index):
+            current = sections[index].key
+            raw[current] = []
+            index += 1
+        elif current is not None:
+            raw[current].append(line)
+    return raw
 
 
 def decode(sections: list[Section], raw: dict[str, list[str]]) -> dict[str, object]:

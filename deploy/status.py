@@ -6,6 +6,7 @@ import json
 
 from tabulate import tabulate
 
+from meshdeploy.deploy import shell
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 
 # rpc-server serves one client at a time: while llama-server holds the connection, a HELLO
@@ -36,18 +37,27 @@ except (OSError, EOFError):
 """
 
 
+# One line per service; every value arrives as a positional parameter, never as shell text.
+_RPC = ('printf \'rpc %s %s %s\\n\' "$2" "$(systemctl is-active "$3" 2>/dev/null)" '
+        '"$(python3 -c "$HELLO" "$1" "$2" 2>/dev/null || echo n/a)"')
+_SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/dev/null)" '
+           '"$(curl -s -o /dev/null -w \'%{http_code}\' --max-time 5 "$3/health")"; '
+           'printf \'models %s %s\\n\' "$1" "$(curl -s --max-time 5 "$3/v1/models" | tr -d \'\\n\')"')
+
+
 def host_script(cluster, host) -> str:
+    """The status probe of one host: runs as the login user (nothing here needs root)."""
     p = llama_cpp.paths(cluster.llama_cpp.prefix)
-    lines = [f"echo \"proto $(sed -n 's/^proto=//p' {p['current']}/manifest 2>/dev/null)\""]
+    lines = [shell.script('printf \'proto %s\\n\' "$(sed -n \'s/^proto=//p\' "$CURRENT/manifest" '
+                          '2>/dev/null)"', CURRENT=p["current"])]
     for rpc in host.rpc_servers:
-        lines.append(f"echo \"rpc {rpc.port} $(systemctl is-active {rpc.unit_name}) "
-                     f"$(python3 -c '{HELLO}' {rpc.bind} {rpc.port} 2>/dev/null || echo n/a)\"")
+        lines.append(shell.subshell(shell.script(_RPC, args=[rpc.bind, rpc.port, rpc.unit_name],
+                                                 HELLO=HELLO)))
     for server in (s for s in cluster.servers if s.host == host.name):
         addr = "127.0.0.1" if server.bind in ("0.0.0.0", "127.0.0.1") else server.bind
         base = f"http://{addr}:{server.port}"
-        lines.append(f"echo \"server {server.name} $(systemctl is-active {server.unit_name}) "
-                     f"$(curl -s -o /dev/null -w '%{{http_code}}' --max-time 5 {base}/health)\"")
-        lines.append(f"echo \"models {server.name} $(curl -s --max-time 5 {base}/v1/models | tr -d '\\n')\"")
+        lines.append(shell.subshell(shell.script(_SERVER,
+                                                 args=[server.name, server.unit_name, base])))
     return "\n".join(lines) + "\ntrue"
 
 
@@ -58,7 +68,7 @@ def collect(session) -> list[dict]:
     rows: list[dict] = []
 
     def one(host):
-        ok, output = session.run(host.name, host_script(cluster, host))
+        ok, output = session.run(host.name, host_script(cluster, host), sudo=False)
         proto = ""
         for line in output.stdout_lines if ok else []:
             kind, _, rest = line.partition(" ")

@@ -30,7 +30,7 @@ def test_token_travels_as_an_upload_and_is_removed():
     assert len(uploads) == 1 and TOKEN in uploads[0].content
     shell = [c for c in step.commands if isinstance(c, str)]
     assert not any(TOKEN in c for c in shell)
-    assert any(f"-H @{uploads[0].path}" in c for c in shell)
+    assert any(f"AUTH={uploads[0].path}\n" in c and '-H "@$AUTH"' in c for c in shell)
     assert shell[0].startswith("install -d -m 700 ") and shell[-1].startswith("rm -rf ")
     plan = Plan(cluster_name="lab", cluster_path=str(LAB), config_hash="x", fingerprints={},
                 changes=[step.change], hosts=["node1"])
@@ -41,4 +41,4 @@ def test_token_travels_as_an_upload_and_is_removed():
 def test_no_token_no_upload():
     step = step_with(None)
     assert not any(isinstance(c, Upload) for c in step.commands)
-    assert not any("-H @" in c for c in step.commands)
+    assert all("AUTH=''\n" in c for c in step.commands if "curl" in c)

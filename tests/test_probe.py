@@ -33,10 +33,10 @@ def test_probe_splits_sections_and_decodes_each():
                 probe.Section("models.ModelFile[m]", ModelFile, {"path": "/m.gguf"}),
                 probe.Section("llama_cpp.Builds", Builds,
                               {"builds_dir": "/b", "current_link": "/c"})]
-    lines = [f"{probe.MARKER}toolchain.Platform", "Linux", "x86_64", "debian 12", "git ",
-             f"{probe.MARKER}models.ModelFile[m]", "file 10 1700000000", "marker ", "part ", "link ",
+    lines = [probe.marker("n", 0), "Linux", "x86_64", "debian 12", "git ",
+             probe.marker("n", 1), "file 10 1700000000", "marker ", "part ", "link ",
              "stray output after the sections is kept in the last section"]
-    raw = probe.Probe().process(lines)
+    raw = probe.split(lines, sections, "n")
     assert list(raw) == ["toolchain.Platform", "models.ModelFile[m]"]
     facts = probe.decode(sections, raw)
     assert facts["toolchain.Platform"]["tools"] == ["git"]
@@ -80,8 +80,8 @@ servers:
     sections = probe_sections(cluster, host, head, first=False)
     keys = [s.key for s in sections]
     assert len(keys) == len(set(keys)), keys
-    lines = run_sh(probe.compose(sections) + "true")
-    facts = probe.decode(sections, probe.Probe().process(lines))
+    lines = run_sh(probe.compose(sections, "n0nce") + "true")
+    facts = probe.decode(sections, probe.split(lines, sections, "n0nce"))
 
     platform = facts["toolchain.Platform"]
     assert platform["kernel"] == "Linux" and "git" in platform["tools"]
@@ -100,7 +100,7 @@ servers:
     # The node without the model probes no ModelFile; an unknown commit reads as "missing".
     other = probe_sections(cluster, cluster.host("node2"), "f" * 40, first=False)
     assert not [s for s in other if s.key.startswith("models.ModelFile")]
-    decoded = probe.decode(other, probe.Probe().process(run_sh(probe.compose(other))))
+    decoded = probe.decode(other, probe.split(run_sh(probe.compose(other, "n")), other, "n"))
     assert decoded["llama_cpp.Source"]["has_commit"] is False
 
 
@@ -108,7 +108,7 @@ def test_one_failing_fact_does_not_end_the_probe(tmp_path):
     sections = [probe.Section("llama_cpp.Source", Source, {"path": str(tmp_path / "nothing")}),
                 probe.Section("models.ModelFile[m]", ModelFile, {"path": str(tmp_path / "no.gguf")}),
                 probe.Section("toolchain.Platform", Platform)]
-    facts = probe.decode(sections, probe.Probe().process(run_sh(probe.compose(sections))))
+    facts = probe.decode(sections, probe.split(run_sh(probe.compose(sections, "n")), sections, "n"))
     assert facts["llama_cpp.Source"] is None
     assert facts["models.ModelFile[m]"]["size"] is None
     assert facts["toolchain.Platform"]["kernel"] == "Linux"

@@ -17,7 +17,7 @@ from gguf import GGUFReader, GGUFWriter
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import HostContext, Resolved
 from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.probe import Probe, compose, decode
+from meshdeploy.deploy.probe import compose, decode, marker, split
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import tensors as T
@@ -311,11 +311,11 @@ def test_gemma_header_from_http(gemma, tmp_path):
 # ---- facts ----------------------------------------------------------------------------------------
 
 def decoded(key, fact, kwargs, lines):
-    from meshdeploy.deploy.probe import MARKER, Section
+    from meshdeploy.deploy.probe import Section
 
     section = Section(key, fact, kwargs)
-    assert isinstance(compose([section]), str)
-    return decode([section], Probe().process([f"{MARKER}{key}", *lines]))[key]
+    assert isinstance(compose([section], "n0nce"), str)
+    return decode([section], split([marker("n0nce", 0), *lines], [section], "n0nce"))[key]
 
 
 def test_cache_dir_fact_runs_against_a_real_dir(tmp_path):
@@ -385,7 +385,8 @@ def test_seed_empty_cache_creates():
     (script,) = step.commands
     assert f"1000 {20 * MiB}\n{1000 + 20 * MiB} {20 * MiB}\n" in script
     assert f"{1000 + 40 * MiB} " not in script  # the 4 MiB tensor is not cached by rpc-server
-    assert f"/opt/meshdeploy/tools/md-rpc-seed {MODEL} \"$D\"" in script
+    assert f"seed_one /opt/meshdeploy/tools/md-rpc-seed {MODEL} {SHA} <<" in script
+    assert '"$1" "$2" "$D" < "$L" > "$L.out"' in script
 
 
 def test_seed_marker_covers_all_noop():
@@ -442,7 +443,8 @@ def test_seed_tool_steps():
     want = ops.source_sha256()
     fresh = ops.seed_tool(ctx_for({"rpc_cache.SeedTool": None}))
     assert fresh.change.action == "create" and len(fresh.commands) == 2
-    assert "cc -O2 -o /opt/meshdeploy/tools/md-rpc-seed.tmp" in fresh.commands[1]
+    assert "CC='cc -O2'\nBIN=/opt/meshdeploy/tools/md-rpc-seed\n" in fresh.commands[1]
+    assert '$CC -o "$BIN.tmp" "$SRC"' in fresh.commands[1]
     assert want in fresh.commands[1]
     stale = ops.seed_tool(ctx_for({"rpc_cache.SeedTool": {"source_sha256": "0" * 64}}))
     assert stale.change.action == "update" and stale.change.diffs[0].before == "0" * 12

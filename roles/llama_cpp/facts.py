@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 from pyinfra.api import FactBase
+
+from meshdeploy.deploy import shell
+
+COMMIT = re.compile(r"[0-9a-f]{40}")
+# git options that keep a repository URL or ref from ever being a command: the ext:: transport
+# runs programs, and `--` ends option parsing before the positional repository.
+GIT_SAFE = ("-c", "protocol.ext.allow=never")
 
 
 class Source(FactBase):
@@ -14,11 +23,17 @@ class Source(FactBase):
     None: no clone there.
     """
 
+    # safe.directory: the probe runs as the login user and the clone belongs to root; reading
+    # HEAD, the origin URL and an object runs nothing from the repository's config.
+    _BODY = ('[ -d "$SRC/.git" ] || exit 0\n'
+             'g() { git -c safe.directory="$SRC" -C "$SRC" "$@"; }\n'
+             'g rev-parse HEAD; g remote get-url origin\n')
+    _HAS = 'g cat-file -e "$COMMIT^{commit}" 2>/dev/null && echo has || echo missing'
+
     def command(self, path, commit=None):
-        has = (f"git -C {path} cat-file -e {commit}^{{commit}} 2>/dev/null && echo has || echo missing"
-               if commit else "echo unknown")
-        return (f"[ -d {path}/.git ] || exit 0; git -C {path} rev-parse HEAD; "
-                f"git -C {path} remote get-url origin; {has}")
+        if commit is None:
+            return shell.script(self._BODY + "echo unknown", SRC=path)
+        return shell.script(self._BODY + self._HAS, SRC=path, COMMIT=commit)
 
     def process(self, output):
         if len(output) < 3:
@@ -38,12 +53,14 @@ class Builds(FactBase):
     ```
     """
 
+    _BODY = ('for m in "$BUILDS"/*/manifest; do [ -f "$m" ] || continue; '
+             'd=${m%/manifest}; echo "== ${d##*/}"; cat "$m"; '
+             "printf 'flags='; grep -oE -- '(^|[ ,])--?[a-zA-Z][a-zA-Z0-9-]*' \"$d/llama-server.help\" "
+             "2>/dev/null | tr -d ' ,' | sort -u | tr '\\n' ' '; echo; done\n"
+             'echo "current=$(readlink "$CURRENT")"')
+
     def command(self, builds_dir, current_link):
-        return (f"for m in {builds_dir}/*/manifest; do [ -f \"$m\" ] || continue; "
-                "d=${m%/manifest}; echo \"== ${d##*/}\"; cat \"$m\"; "
-                "printf 'flags='; grep -oE -- '(^|[ ,])--?[a-zA-Z][a-zA-Z0-9-]*' \"$d/llama-server.help\" "
-                "2>/dev/null | tr -d ' ,' | sort -u | tr '\\n' ' '; echo; done; "
-                f"echo \"current=$(readlink {current_link})\"")
+        return shell.script(self._BODY, BUILDS=builds_dir, CURRENT=current_link)
 
     def process(self, output):
         builds: dict[str, dict] = {}
@@ -74,10 +91,13 @@ class RemoteRef(FactBase):
 
     MISSING = "missing"
 
+    _BODY = ("command -v git >/dev/null || { echo nogit; exit 0; }\n"
+             'out=$(GIT_TERMINAL_PROMPT=0 timeout 20 ' + shell.join(["git", *GIT_SAFE]) + ' ls-remote '
+             '-- "$REPO" "$REF" "$REF^{}") || { echo unreachable; exit 0; }\n'
+             'echo "$out"; echo answered')
+
     def command(self, repo, ref):
-        return ("command -v git >/dev/null || { echo nogit; exit 0; }; "
-                f"out=$(GIT_TERMINAL_PROMPT=0 timeout 20 git ls-remote {repo} {ref} {ref}^{{}}) "
-                "|| { echo unreachable; exit 0; }; echo \"$out\"; echo answered")
+        return shell.script(self._BODY, REPO=repo, REF=ref)
 
     def process(self, output):
         if "answered" not in [line.strip() for line in output]:
@@ -90,9 +110,15 @@ def pick_ls_remote(lines) -> str | None:
     best = None
     for line in lines:
         parts = line.split()
-        if len(parts) != 2 or len(parts[0]) != 40:
+        if len(parts) != 2 or not COMMIT.fullmatch(parts[0]):
             continue
         if parts[1].endswith("^{}"):
             return parts[0]
         best = best or parts[0]
     return best
+
+
+def ls_remote(repo: str, ref: str) -> str:
+    """The command apply runs to resolve `ref` (the same query as RemoteRef, without timeouts)."""
+    return shell.command("env", "GIT_TERMINAL_PROMPT=0", "git", *GIT_SAFE, "ls-remote", "--",
+                         repo, ref, f"{ref}^{{}}")

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
-from meshdeploy.deploy.context import HostContext, Step, q
+from meshdeploy.deploy import shell
+from meshdeploy.deploy.context import HostContext, Step
+from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d
-from meshdeploy.roles.llama_cpp.facts import Builds, RemoteRef, Source
+from meshdeploy.roles.llama_cpp.facts import COMMIT, GIT_SAFE, Builds, RemoteRef, Source
 
 ROLE = "llama_cpp"
+TEMPLATES = Path(__file__).with_name("templates")
 
 
 def paths(prefix: str) -> dict[str, str]:
@@ -22,14 +26,23 @@ def paths(prefix: str) -> dict[str, str]:
 
 def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
     p = paths(cluster.llama_cpp.prefix)
-    # Fact commands take shell words: the prefix may hold spaces.
-    out = [Section("llama_cpp.Source", Source, {"path": q(p["src"]), "commit": commit}),
+    # Facts take raw values and quote them themselves (deploy.shell).
+    out = [Section("llama_cpp.Source", Source, {"path": p["src"], "commit": commit}),
            Section("llama_cpp.Builds", Builds,
-                   {"builds_dir": q(p["builds"]), "current_link": q(p["current"])})]
+                   {"builds_dir": p["builds"], "current_link": p["current"]})]
     if first:
         out.append(Section("llama_cpp.RemoteRef", RemoteRef,
-                           {"repo": q(cluster.llama_cpp.repo), "ref": q(cluster.llama_cpp.ref)}))
+                           {"repo": cluster.llama_cpp.repo, "ref": cluster.llama_cpp.ref}))
     return out
+
+
+def checked_commit(commit: str) -> str:
+    """A commit goes to git only as 40 lowercase hex, whatever produced it."""
+    if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
+        raise PlanError(f"llama.cpp commit {commit!r} is not 40 lowercase hex digits",
+                        hint="pin llama_cpp.ref to a tag, branch or full commit, and delete a "
+                             "hand-edited lock file entry")
+    return commit
 
 
 def targets(cluster, host) -> list[str]:
@@ -74,90 +87,63 @@ def source(ctx: HostContext) -> Step:
                              AttrDiff("commit", None, short, known_after_apply=commit is None)])
         if commit is None:
             return Step(change, deferred=True)
-        return Step(change, [
-            f"rm -rf {q(src)}.tmp && git clone --quiet --no-checkout {q(repo)} {q(src)}.tmp && "
-            f"git -C {q(src)}.tmp -c advice.detachedHead=false checkout --quiet --detach {commit} && "
-            f"mkdir -p {q(src.rsplit('/', 1)[0])} && mv {q(src)}.tmp {q(src)}"])
+        return Step(change, [clone_script(src, repo, checked_commit(commit))])
     if commit is not None and have["head"] == commit and have["url"] == repo:
         return Step(ctx.change(ROLE, "source", "no-op", f"at {short}"))
     diffs = [AttrDiff("commit", have["head"][:12], short, known_after_apply=commit is None)]
     cmds = []
     if have["url"] != repo:
         diffs.insert(0, AttrDiff("repo", have["url"], repo))
-        cmds.append(f"git -C {q(src)} remote set-url origin {q(repo)}")
+        cmds.append(shell.command("git", "-C", src, "remote", "set-url", "--", "origin", repo))
     change = ctx.change(ROLE, "source", "update", "pin moved" if have["head"] != commit
                         else "origin changed", diffs)
     if commit is None:
         return Step(change, deferred=True)
     if not have.get("has_commit") or have["url"] != repo:
-        cmds.append(f"git -C {q(src)} fetch --quiet --tags origin")
-    cmds.append(f"git -C {q(src)} -c advice.detachedHead=false checkout --quiet --force --detach {commit}")
+        cmds.append(shell.command("git", *GIT_SAFE, "-C", src, "fetch", "--quiet", "--tags",
+                                  "origin"))
+    cmds.append(shell.command("git", "-C", src, "-c", "advice.detachedHead=false", "checkout",
+                              "--quiet", "--force", "--detach", checked_commit(commit)))
     return Step(change, cmds)
+
+
+_CLONE = ('rm -rf "$SRC.tmp" && git -c protocol.ext.allow=never clone --quiet --no-checkout '
+          '-- "$REPO" "$SRC.tmp" && '
+          'git -C "$SRC.tmp" -c advice.detachedHead=false checkout --quiet --detach "$COMMIT" && '
+          'mkdir -p "$(dirname "$SRC")" && mv "$SRC.tmp" "$SRC"')
+
+
+def clone_script(src: str, repo: str, commit: str) -> str:
+    return shell.script(_CLONE, SRC=src, REPO=repo, COMMIT=commit)
 
 
 def build_script(ctx: HostContext, key: str) -> str:
     cluster, host = ctx.cluster, ctx.host
     p = paths(ctx.prefix)
     b = cluster.llama_cpp.build
-    commit = ctx.resolved.commit
-    number = ctx.resolved.build_number
-    tree = f"{p['build']}/{host.backend}-{flavour(cluster, host)}"
-    out = f"{p['builds']}/{key}"
     wanted = targets(cluster, host)
-    jobs = str(b.jobs) if b.jobs else "$(getconf _NPROCESSORS_ONLN 2>/dev/null || sysctl -n hw.ncpu)"
-    env = f"export CCACHE_DIR={q(b.ccache_dir)}; " if (b.ccache and b.ccache_dir) else ""
-    number_expr = str(number) if number is not None else f"$(git -C {q(p['src'])} rev-list --count HEAD)"
-    flags = " ".join(q(f) for f in cmake_flags(cluster, host))
-    rpc_pick = " ".join(d.llama_cpp_rpc_targets)
-    lines = [
-        "set -e", env.strip() or ":",
-        f"SRC={q(p['src'])}; TREE={q(tree)}; OUT={q(out)}",
-        'mkdir -p "$TREE" "${OUT%/*}"',
-        f'[ "$(git -C "$SRC" rev-parse HEAD)" = {commit} ] || '
-        f'{{ echo "source is not at {commit[:12]}" >&2; exit 1; }}',
-        # The worker's target name changed upstream; ask the tree which one it has.
-        "RPC=''; for t in " + rpc_pick + "; do "
-        "grep -rqs --include=CMakeLists.txt \"set(TARGET $t)\" \"$SRC/tools/rpc\" \"$SRC/examples/rpc\" "
-        "&& { RPC=$t; break; }; done",
-        "TARGETS=''",
-    ]
-    if d.llama_cpp_server_target in wanted:
-        lines.append(f"TARGETS={d.llama_cpp_server_target}")
-    if "rpc" in wanted:
-        lines.append('[ -n "$RPC" ] || { echo "no RPC worker target in this llama.cpp tree" >&2; exit 1; }')
-        lines.append('TARGETS="$TARGETS $RPC"')
-    lines += [
-        f"cmake -S \"$SRC\" -B \"$TREE\" -G Ninja {flags} -DLLAMA_BUILD_NUMBER={number_expr} "
-        f"-DLLAMA_BUILD_COMMIT={commit[:7]} > \"$TREE.configure.log\" 2>&1 || "
-        "{ tail -n 30 \"$TREE.configure.log\" >&2; exit 1; }",
-        f"cmake --build \"$TREE\" --target $TARGETS -j {jobs} > \"$TREE.build.log\" 2>&1 || "
-        "{ tail -n 40 \"$TREE.build.log\" >&2; exit 1; }",
-        'rm -rf "$OUT.tmp"; mkdir -p "$OUT.tmp/bin"',
-        'for t in $TARGETS; do cp "$TREE/bin/$t" "$OUT.tmp/bin/"; done',
-        # Binaries must run before they can become current.
-        f'if [ -x "$OUT.tmp/bin/{d.llama_cpp_server_target}" ]; then '
-        f'"$OUT.tmp/bin/{d.llama_cpp_server_target}" --help > "$OUT.tmp/llama-server.help" 2>&1; fi',
-        'if [ -n "$RPC" ] && [ -x "$OUT.tmp/bin/$RPC" ]; then "$OUT.tmp/bin/$RPC" --help > "$OUT.tmp/rpc-server.help" 2>&1; fi',
-        'PROTO=$(awk \'/define RPC_PROTO_(MAJOR|MINOR|PATCH)_VERSION/ {printf "%s%s", s, $3; s="."}\' '
-        '"$SRC/ggml/include/ggml-rpc.h" 2>/dev/null)',
-        f"printf 'commit=%s\\nbackend=%s\\nkey=%s\\nrpc_binary=%s\\ntargets=%s\\nproto=%s\\n' "
-        f"{commit} {host.backend} {key} \"$RPC\" \"$TARGETS\" \"$PROTO\" > \"$OUT.tmp/manifest\"",
-        'rm -rf "$OUT" && mv "$OUT.tmp" "$OUT"',
-    ]
-    return "\n".join(lines)
+    number = ctx.resolved.build_number
+    return shell.template(
+        TEMPLATES / "build.sh", args=cmake_flags(cluster, host),
+        SRC=p["src"], TREE=f"{p['build']}/{host.backend}-{flavour(cluster, host)}",
+        OUT=f"{p['builds']}/{key}", COMMIT=checked_commit(ctx.resolved.commit),
+        NUMBER="" if number is None else int(number), JOBS=int(b.jobs) if b.jobs else "",
+        CCACHE=b.ccache_dir if (b.ccache and b.ccache_dir) else "",
+        WANT_SERVER=int(d.llama_cpp_server_target in wanted), WANT_RPC=int("rpc" in wanted),
+        RPC_TARGETS=" ".join(d.llama_cpp_rpc_targets), KEY=key, BACKEND=host.backend)
+
+
+_ACTIVATE = ('set -e\n'
+             'ln -sfn "$TARGET" "$CURRENT.tmp" && mv -Tf "$CURRENT.tmp" "$CURRENT"\n'
+             'cd "$BUILDS" && ls -1t | grep -vxF -- "$KEY" | grep -v \'\\.tmp$\' | '
+             'tail -n +"$((KEEP + 1))" | while read -r old; do rm -rf -- "$old"; done')
 
 
 def activate_script(ctx: HostContext, key: str) -> str:
     """Flip `current` atomically and prune old builds beyond keep_builds (never the current)."""
     p = paths(ctx.prefix)
-    keep = ctx.cluster.llama_cpp.keep_builds
-    return "\n".join([
-        "set -e",
-        f"ln -sfn {d.llama_cpp_builds_dir}/{key} {q(p['current'])}.tmp && "
-        f"mv -Tf {q(p['current'])}.tmp {q(p['current'])}",
-        f"cd {q(p['builds'])} && ls -1t | grep -vx {q(key)} | grep -v '\\.tmp$' | "
-        f"tail -n +{keep + 1} | while read -r old; do rm -rf \"$old\"; done",
-    ])
+    return shell.script(_ACTIVATE, TARGET=f"{d.llama_cpp_builds_dir}/{key}", CURRENT=p["current"],
+                        BUILDS=p["builds"], KEY=key, KEEP=int(ctx.cluster.llama_cpp.keep_builds))
 
 
 def build(ctx: HostContext) -> Step:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pyinfra.api import FactBase
 
+from meshdeploy.deploy import shell
 from meshdeploy.roles.models import defaults as d
 
-_STAT = "stat -c '%s %Y' {p} 2>/dev/null || stat -f '%z %m' {p} 2>/dev/null"
+# GNU stat, then BSD stat, of "$1": "<size> <mtime>".
+_STAT = "st() { stat -c '%s %Y' \"$1\" 2>/dev/null || stat -f '%z %m' \"$1\" 2>/dev/null; }\n"
 
 
 class ModelFile(FactBase):
@@ -19,11 +21,12 @@ class ModelFile(FactBase):
     None: the file does not exist.
     """
 
+    _BODY = (_STAT + 'echo "file $(st "$F")"; echo "marker $(cat "$M" 2>/dev/null)"\n'
+             'echo "part $(st "$P")"; echo "link $(readlink "$F")"')
+
     def command(self, path):
-        marker = f"{path}{d.models_verified_suffix}"
-        part = f"{path}{d.models_partial_suffix}"
-        return (f"echo \"file $({_STAT.format(p=path)})\"; echo \"marker $(cat {marker} 2>/dev/null)\"; "
-                f"echo \"part $({_STAT.format(p=part)})\"; echo \"link $(readlink {path})\"")
+        return shell.script(self._BODY, F=path, M=f"{path}{d.models_verified_suffix}",
+                            P=f"{path}{d.models_partial_suffix}")
 
     def process(self, output):
         values = {}
@@ -47,9 +50,11 @@ class ModelFile(FactBase):
 class DiskFree(FactBase):
     """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
 
+    _BODY = ('while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname -- "$p"); done\n'
+             'df -Pk -- "$p" | tail -n 1')
+
     def command(self, path):
-        return (f"p={path}; while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=$(dirname \"$p\"); done; "
-                "df -Pk \"$p\" | tail -n 1")
+        return shell.script(self._BODY, p=path)
 
     def process(self, output):
         try:
@@ -69,17 +74,21 @@ class OllamaManifest(FactBase):
     None: no such manifest in the store.
     """
 
+    _DEFAULT_STORE = "S=${OLLAMA_MODELS:-$HOME/.ollama/models}\n"
+    _BODY = (_STAT + 'M="$S/manifests/$R"\n'
+             '[ -f "$M" ] || exit 0; echo "store $S"; echo "manifest $(tr -d \'\\n\' < "$M")"\n'
+             "for dg in $(grep -o 'sha256:[0-9a-f]\\{64\\}' \"$M\" | sort -u); do "
+             'f="$S/blobs/sha256-${dg#sha256:}"; echo "blob $dg $(st "$f")"; '
+             # The model blob's header: enough for its architecture string, not its weights.
+             '[ "$(head -c 4 "$f" 2>/dev/null)" = GGUF ] && '
+             'echo "gguf $dg $(head -c 65536 "$f" | base64 | tr -d \'\\n\')"; done')
+
     def command(self, store, registry_path):
-        blob_stat = _STAT.format(p='"$f"')
-        s = store or '${OLLAMA_MODELS:-$HOME/.ollama/models}'
-        return (f"S={s}; M=\"$S/manifests/{registry_path}\"; [ -f \"$M\" ] || exit 0; "
-                "echo \"store $S\"; echo \"manifest $(tr -d '\\n' < \"$M\")\"; "
-                "for dg in $(grep -o 'sha256:[0-9a-f]\\{64\\}' \"$M\" | sort -u); do "
-                "f=\"$S/blobs/sha256-${dg#sha256:}\"; "
-                f"echo \"blob $dg $({blob_stat})\"; "
-                # The model blob's header: enough for its architecture string, not its weights.
-                "[ \"$(head -c 4 \"$f\" 2>/dev/null)\" = GGUF ] && "
-                "echo \"gguf $dg $(head -c 65536 \"$f\" | base64 | tr -d '\\n')\"; done")
+        # No store: the login user's ($OLLAMA_MODELS, else ~/.ollama/models); the probe is not
+        # root, so this is the store of the user meshdeploy logs in as.
+        if store:
+            return shell.script(self._BODY, S=store, R=registry_path)
+        return shell.script(self._DEFAULT_STORE + self._BODY, R=registry_path)
 
     def process(self, output):
         out = {"manifest": None, "blobs": {}, "heads": {}, "store": None}

@@ -8,10 +8,33 @@ stored token) and only ever travels to hosts inside an uploaded header file.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote as url_quote
 
 from meshdeploy.deploy.errors import PlanError
+
+
+# The Hub's answers are untrusted input: a hostile or compromised mirror must not reach a shell,
+# a path on a host or a file name on the control machine through them.
+SHA256 = re.compile(r"[0-9a-f]{64}")
+COMMIT = re.compile(r"[0-9a-f]{40}")
+_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=@,-]*")
+
+
+def safe_relative_path(name) -> bool:
+    """A relative path of plain segments: no '..', no absolute path, no empty segment."""
+    return isinstance(name, str) and len(name) <= 1024 and \
+        all(_SEGMENT.fullmatch(part) for part in name.split("/"))
+
+
+def _checked(where: str, endpoint: str, what: str, value, ok: bool):
+    if not ok:
+        raise PlanError(f"{where}: {endpoint} answered {what} {value!r}, which is not valid",
+                        hint="the endpoint is not a Hugging Face API, or it is compromised; "
+                             "check huggingface.api_endpoint")
+    return value
 
 
 @dataclass(frozen=True)
@@ -69,22 +92,34 @@ def resolve(cluster, model) -> HfResolved:
                         f"{str(exc).splitlines()[0] if str(exc) else ''}",
                         hint="check network access to the endpoint, or set "
                              "huggingface.api_endpoint to a mirror the control machine reaches") from None
+    commit = _checked(where, api_endpoint, "commit", info.sha,
+                      isinstance(info.sha, str) and bool(COMMIT.fullmatch(info.sha)))
     siblings = {s.rfilename: s for s in (info.siblings or [])}
     files = []
     for name in src.files:
+        _checked(where, api_endpoint, "file name", name, safe_relative_path(name))
         s = siblings.get(name)
         if s is None:
-            near = [n for n in siblings if n.endswith(".gguf")][:5]
-            raise PlanError(f"{where}: file {name!r} is not in {src.repo}@{info.sha[:12]}",
+            near = [n for n in siblings if isinstance(n, str) and n.endswith(".gguf")][:5]
+            raise PlanError(f"{where}: file {name!r} is not in {src.repo}@{commit[:12]}",
                             hint=f"GGUF files there: {', '.join(near) or 'none'}")
         sha = s.lfs.sha256 if s.lfs else None
         if not sha:
             raise PlanError(f"{where}: the hub gives no sha256 for {name}",
                             hint="set models.<name>.huggingface.sha256 to pin it")
-        files.append(HfFile(name, int(s.size or s.lfs.size), sha,
-                            f"{host_endpoint}/{src.repo}/resolve/{info.sha}/{name}"))
+        _checked(where, api_endpoint, f"sha256 of {name}", sha,
+                 isinstance(sha, str) and bool(SHA256.fullmatch(sha)))
+        size = s.size or (s.lfs.size if s.lfs else None)
+        _checked(where, api_endpoint, f"size of {name}", size,
+                 isinstance(size, int) and not isinstance(size, bool) and size >= 0)
+        url = f"{host_endpoint}/{url_quote(src.repo, safe='/')}/resolve/{commit}/" \
+              f"{url_quote(name, safe='/')}"
+        if not url.startswith(("http://", "https://")):
+            raise PlanError(f"{where}: download URL {url!r} is not http(s)",
+                            hint="set huggingface.endpoint to an http(s) URL")
+        files.append(HfFile(name, size, sha, url))
     if src.sha256 and len(files) == 1 and files[0].sha256 != src.sha256:
         raise PlanError(f"{where}: the hub's sha256 of {files[0].name} is {files[0].sha256}, "
                         f"the cluster file pins {src.sha256}",
                         hint="the file changed upstream: check it, then update the pin")
-    return HfResolved(src.repo, info.sha, tuple(files))
+    return HfResolved(src.repo, commit, tuple(files))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 import json
 
-from meshdeploy.deploy.context import HostContext, Step, Upload, q
+from meshdeploy.deploy import shell
+from meshdeploy.deploy.context import HostContext, Step, Upload
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource
 from meshdeploy.deploy.plan import AttrDiff
@@ -58,50 +59,54 @@ def model_path(cluster, name: str) -> str:
 
 
 def sections(cluster, host) -> list[Section]:
-    out = [Section("models.DiskFree", DiskFree, {"path": q(f"{cluster.llama_cpp.prefix}/{d.models_dir}")})]
+    out = [Section("models.DiskFree", DiskFree, {"path": f"{cluster.llama_cpp.prefix}/{d.models_dir}"})]
     for name in needed(cluster, host):
         src = cluster.models[name].source
         if isinstance(src, PathSource):
-            out.append(Section(f"models.ModelFile[{name}]", ModelFile, {"path": q(src.path)}))
+            out.append(Section(f"models.ModelFile[{name}]", ModelFile, {"path": src.path}))
             continue
         if isinstance(src, OllamaSource):
             out.append(Section(f"models.OllamaManifest[{name}]", OllamaManifest,
-                               {"store": q(src.store) if src.store else None,
-                                "registry_path": q(ollama_registry_path(src))}))
+                               {"store": src.store, "registry_path": ollama_registry_path(src)}))
         for f in files_of(cluster, name):
             path = f"{model_dir(cluster.llama_cpp.prefix, name)}/{f}"
-            out.append(Section(f"models.ModelFile[{name}/{f}]", ModelFile, {"path": q(path)}))
+            out.append(Section(f"models.ModelFile[{name}/{f}]", ModelFile, {"path": path}))
     return out
+
+
+# Inputs: F (the file), SHA (its sha256), MARKER; hash once, and on a match leave a marker
+# "<size> <mtime> <sha>" that later plans trust.
+_VERIFY = ('H=$( (sha256sum "$F" 2>/dev/null || shasum -a 256 "$F") | cut -d\' \' -f1)\n'
+           'if [ "$H" != "$SHA" ]; then echo "$F: sha256 $H, expected $SHA" >&2; exit 1; fi\n'
+           'S=$(stat -Lc \'%s %Y\' "$F" 2>/dev/null || stat -Lf \'%z %m\' "$F")\n'
+           'echo "$S $SHA" > "$MARKER.tmp" && mv -f "$MARKER.tmp" "$MARKER"')
+
+# Inputs: F, P (the partial), SIZE, SHA, URL, AUTH (a header file for curl -H @file, or empty),
+# RETRIES, MARKER. A partial longer than the file, or a finished one with the wrong bytes,
+# starts over.
+_DOWNLOAD = ('mkdir -p "$(dirname "$F")"\n'
+             'S=$(stat -c %s "$P" 2>/dev/null || echo 0); [ "$S" -le "$SIZE" ] || rm -f "$P"\n'
+             'if [ -n "$AUTH" ]; then set -- -H "@$AUTH"; else set --; fi\n'
+             'if [ "$(stat -c %s "$P" 2>/dev/null || echo 0)" -lt "$SIZE" ]; then '
+             'curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL"; fi\n'
+             'S=$(stat -c %s "$P"); [ "$S" = "$SIZE" ] || '
+             '{ echo "$F: downloaded $S bytes, expected $SIZE" >&2; exit 1; }\n'
+             'H=$(sha256sum "$P" | cut -d\' \' -f1); [ "$H" = "$SHA" ] || '
+             '{ rm -f "$P"; echo "$F: sha256 $H, expected $SHA; partial removed" >&2; exit 1; }\n'
+             'mv -f "$P" "$F"\n')
 
 
 def verify_script(path: str, sha: str) -> str:
     """Hash once; on a match leave a marker (size mtime sha) that later plans trust."""
-    marker = f"{path}{d.models_verified_suffix}"
-    return (f"set -e; F={q(path)}; "
-            f"H=$( (sha256sum \"$F\" 2>/dev/null || shasum -a 256 \"$F\") | cut -d' ' -f1); "
-            f"if [ \"$H\" != {sha} ]; then echo \"$F: sha256 $H, expected {sha}\" >&2; exit 1; fi; "
-            f"S=$(stat -Lc '%s %Y' \"$F\" 2>/dev/null || stat -Lf '%z %m' \"$F\"); "
-            f"echo \"$S {sha}\" > {q(marker)}.tmp && mv -f {q(marker)}.tmp {q(marker)}")
+    return shell.script("set -e\n" + _VERIFY, F=path, SHA=sha,
+                        MARKER=f"{path}{d.models_verified_suffix}")
 
 
 def download_script(path: str, url: str, size: int, sha: str, header_file: str | None) -> str:
-    part = f"{path}{d.models_partial_suffix}"
-    auth = f"-H @{q(header_file)} " if header_file else ""
-    return "\n".join([
-        "set -e",
-        f"mkdir -p {q(path.rsplit('/', 1)[0])}",
-        f"P={q(part)}",
-        # A partial longer than the file, or a finished one with the wrong bytes, starts over.
-        f"S=$(stat -c %s \"$P\" 2>/dev/null || echo 0); [ \"$S\" -le {size} ] || rm -f \"$P\"",
-        f"if [ \"$(stat -c %s \"$P\" 2>/dev/null || echo 0)\" -lt {size} ]; then "
-        f"curl -fsSL --retry {d.models_curl_retries} --retry-delay 2 -C - {auth}-o \"$P\" {q(url)}; fi",
-        f"S=$(stat -c %s \"$P\"); [ \"$S\" = {size} ] || "
-        f"{{ echo \"{path}: downloaded $S bytes, expected {size}\" >&2; exit 1; }}",
-        f"H=$(sha256sum \"$P\" | cut -d' ' -f1); [ \"$H\" = {sha} ] || "
-        f"{{ rm -f \"$P\"; echo \"{path}: sha256 $H, expected {sha}; partial removed\" >&2; exit 1; }}",
-        f"mv -f \"$P\" {q(path)}",
-        verify_script(path, sha).replace("set -e; ", ""),
-    ])
+    return shell.script("set -e\n" + _DOWNLOAD + _VERIFY, F=path,
+                        P=f"{path}{d.models_partial_suffix}", SIZE=int(size), SHA=sha, URL=url,
+                        AUTH=header_file, RETRIES=int(d.models_curl_retries),
+                        MARKER=f"{path}{d.models_verified_suffix}")
 
 
 def _trusted(fact: dict | None, sha: str) -> bool:
@@ -146,9 +151,10 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
             # bytes are wrong. The subshell keeps the verify's exit from ending the command.
             actions.add("update")
             diffs.append(AttrDiff(f.name, "unverified", f"sha256 {f.sha256[:12]}"))
-            commands.append(f"( {verify_script(path, f.sha256)} ) || {{ rm -f {q(path)}; ( "
-                            f"{download_script(path, f.url, f.size, f.sha256, header)}"
-                            " ); }")
+            commands.append(shell.subshell(verify_script(path, f.sha256)) + " || { "
+                            + shell.command("rm", "-f", path) + "; "
+                            + shell.subshell(download_script(path, f.url, f.size, f.sha256, header))
+                            + "; }")
             continue
         have = fact["size"] if fact else None
         actions.add("create" if have is None else "replace")
@@ -158,7 +164,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
                               f"{f.size} bytes, sha256 {f.sha256[:12]}",
                               forces_replacement=have is not None))
         if have is not None:
-            commands.append(f"rm -f {q(path)} {q(path + d.models_verified_suffix)}")
+            commands.append(shell.command("rm", "-f", path, path + d.models_verified_suffix))
         commands.append(download_script(path, f.url, f.size, f.sha256, header))
     if not commands:
         return Step(ctx.change(ROLE, resource, "no-op", f"{name} present, sha256 verified"))
@@ -168,9 +174,10 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
                         f"under {ctx.prefix}, only {free / 2**30:.2f} GiB free",
                         hint="free disk space or set llama_cpp.prefix to a larger disk")
     if header:
-        commands = [f"install -d -m 700 {q(auth_dir)}",
+        commands = [shell.command("install", "-d", "-m", "700", auth_dir),
                     Upload(f"Authorization: Bearer {ctx.resolved.hf_token}\n", header),
-                    f"chmod 600 {q(header)}", *commands, f"rm -rf {q(auth_dir)}"]
+                    shell.command("chmod", "600", header), *commands,
+                    shell.command("rm", "-rf", auth_dir)]
         diffs.append(AttrDiff("token", None, "(from the control machine)", sensitive=True))
     action = "replace" if "replace" in actions else ("create" if "create" in actions else "update")
     reason = f"{resolved.repo}@{resolved.commit[:12]}"
@@ -219,7 +226,8 @@ def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:
         return Step(ctx.change(ROLE, resource, "no-op", f"{src.model}:{src.tag} linked, verified"))
     return Step(ctx.change(ROLE, resource, "create" if not link or link["size"] is None else "update",
                            "link the Ollama blob (no copy)", [AttrDiff("target", (link or {}).get("link"), blob)]),
-                [f"mkdir -p {q(model_dir(ctx.prefix, name))} && ln -sfn {q(blob)} {q(path)}",
+                [shell.command("mkdir", "-p", model_dir(ctx.prefix, name), shell.AND,
+                               "ln", "-sfn", blob, path),
                  verify_script(path, sha)])
 
 

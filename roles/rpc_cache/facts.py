@@ -6,13 +6,14 @@ import re
 
 from pyinfra.api import FactBase
 
+from meshdeploy.deploy import shell
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.memory import metal_working_set, vulkan_devices
 
-HEX16 = re.compile(r"^[0-9a-f]{16}$")
+HEX16 = re.compile(r"\A[0-9a-f]{16}\Z")
 # What an interrupted md-rpc-seed or seeding script leaves (operations.seed removes these).
-LEFTOVER = re.compile(r"^\.([0-9a-f]{16}\.tmp|meshdeploy-seeded\.tmp|meshdeploy-seed-list(\.out)?)$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+LEFTOVER = re.compile(r"\A\.([0-9a-f]{16}\.tmp|meshdeploy-seeded\.tmp|meshdeploy-seed-list(\.out)?)\Z")
+_SHA256 = re.compile(r"\A[0-9a-f]{64}\Z")
 
 
 class SeedTool(FactBase):
@@ -25,8 +26,8 @@ class SeedTool(FactBase):
     """
 
     def command(self, path):
-        return (f"[ -x {path} ] && echo ok && "
-                f"cat {path}{d.rpc_cache_tool_source_suffix} 2>/dev/null; true")
+        return shell.script('[ -x "$T" ] && echo ok && cat "$STAMP" 2>/dev/null; true',
+                            T=path, STAMP=f"{path}{d.rpc_cache_tool_source_suffix}")
 
     def process(self, output):
         if not output or output[0].strip() != "ok":
@@ -48,10 +49,12 @@ class CacheDir(FactBase):
 
     def command(self, path):
         # One stat for every file (a cache holds hundreds of entries); GNU stat, then BSD stat.
-        return (f"cd {path} 2>/dev/null || exit 0; echo dir; "
-                "set -- $(ls -A); [ $# -gt 0 ] && "
-                "{ stat -c 'file %s %n' -- \"$@\" 2>/dev/null || stat -f 'file %z %N' -- \"$@\"; }; "
-                f"sed 's/^/marker /' {d.rpc_cache_marker} 2>/dev/null; true")
+        return shell.script(
+            'cd "$D" 2>/dev/null || exit 0; echo dir\n'
+            'set -- $(ls -A); [ $# -gt 0 ] && '
+            "{ stat -c 'file %s %n' -- \"$@\" 2>/dev/null || stat -f 'file %z %N' -- \"$@\"; }\n"
+            "sed 's/^/marker /' \"$MARKER\" 2>/dev/null; true",
+            D=path, MARKER=d.rpc_cache_marker)
 
     def process(self, output):
         if not output or output[0].strip() != "dir":

@@ -10,10 +10,12 @@ wanted (offset, size) of the model is listed and each listed entry exists with i
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshdeploy.deploy.context import HostContext, Step, q, write_file_command
+from meshdeploy.deploy import shell
+from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
@@ -25,6 +27,12 @@ from meshdeploy.roles.rpc_cache.tensors import Tensor
 ROLE = "rpc_cache"
 SOURCE = Path(__file__).with_name("templates") / "md-rpc-seed.c"
 _HEX16_GLOB = "[0-9a-f]" * 16
+# A model's content id goes into the marker file and md-rpc-seed's answers (awk -v): a sha256,
+# or "path-<size>-<mtime>".
+_CONTENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# GPU backends whose device nodes only root or the render group may open (vulkaninfo and
+# rocm-smi see no device as an ordinary login user).
+_PRIVILEGED_MEMORY = ("vulkan", "rocm")
 
 
 @dataclass(frozen=True)
@@ -59,13 +67,16 @@ def _in_server(cluster, host) -> bool:
 
 def sections(cluster, host) -> list[Section]:
     """Probe sections: device memory (for the split), the tool, each cached cache dir."""
-    out = [Section("rpc_cache.DeviceMemory", DeviceMemory)] \
+    out = [Section("rpc_cache.DeviceMemory", DeviceMemory,
+                   privileged=host.backend in _PRIVILEGED_MEMORY)] \
         if _in_server(cluster, host) else []
     ports = _cached_ports(host)
     if not ports:
         return out
-    out.append(Section("rpc_cache.SeedTool", SeedTool, {"path": q(tool_path(cluster.llama_cpp.prefix))}))
-    out += [Section(f"rpc_cache.CacheDir[{p}]", CacheDir, {"path": q(d.cache_dir_for(p))})
+    out.append(Section("rpc_cache.SeedTool", SeedTool, {"path": tool_path(cluster.llama_cpp.prefix)}))
+    # A DynamicUser's CacheDirectory lives under /var/cache/private (0700 root): only root reads it.
+    out += [Section(f"rpc_cache.CacheDir[{p}]", CacheDir, {"path": d.cache_dir_for(p)},
+                    privileged=True)
             for p in ports]
     return out
 
@@ -85,17 +96,21 @@ def seed_tool(ctx: HostContext) -> Step:
     binary = tool_path(ctx.prefix)
     src = f"{binary}.c"
     stamp = f"{binary}{d.rpc_cache_tool_source_suffix}"
-    build = (f"command -v cc >/dev/null 2>&1 || {{ echo \"{ctx.host.name}: no C compiler (cc) to "
-             f"build md-rpc-seed; the toolchain role installs one\" >&2; exit 1; }}; "
-             f"{d.rpc_cache_tool_cc} -o {q(binary + '.tmp')} {q(src)} && "
-             f"mv -f {q(binary + '.tmp')} {q(binary)} && "
-             f"echo {want} > {q(stamp + '.tmp')} && mv -f {q(stamp + '.tmp')} {q(stamp)}")
+    build = shell.script(_BUILD_TOOL, HOST=ctx.host.name, CC=d.rpc_cache_tool_cc, BIN=binary,
+                         SRC=src, SHA=want, STAMP=stamp)
     ctx.run["seed_tool_changed"] = True
     before = None if have is None else ((have.get("source_sha256") or "unknown")[:12])
     return Step(ctx.change(ROLE, "seed_tool", "create" if have is None else "update",
                            "build md-rpc-seed" if have is None else "source changed; rebuild",
                            [AttrDiff("source_sha256", before, want[:12])]),
-                [write_file_command(src, SOURCE.read_text()), build])
+                [shell.write_file(src, SOURCE.read_text()), build])
+
+
+# $CC is a fixed default ("cc -O2"): split on purpose.
+_BUILD_TOOL = ('command -v cc >/dev/null 2>&1 || { echo "$HOST: no C compiler (cc) to build '
+               'md-rpc-seed; the toolchain role installs one" >&2; exit 1; }\n'
+               '$CC -o "$BIN.tmp" "$SRC" && mv -f "$BIN.tmp" "$BIN" && '
+               'echo "$SHA" > "$STAMP.tmp" && mv -f "$STAMP.tmp" "$STAMP"')
 
 
 def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], cache_dir: str,
@@ -171,40 +186,49 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
                 [_seed_script(tool_path(ctx.prefix), cache_dir, marker_want, to_seed)])
 
 
+# Inputs: D (the cache dir), M (its marker), HEX16 (a glob of entry names); seed_one's
+# arguments: the tool, the GGUF, its content id; the tensor list "<offset> <size>" on stdin.
+_SEED = ('set -e\n'
+         'mkdir -p "$D"\n'
+         # rpc-server (a DynamicUser) stores what is not seeded here too: give it the dir.
+         'O=$(stat -c \'%u:%g\' "$D/.." 2>/dev/null || stat -f \'%u:%g\' "$D/.."); '
+         'chown "$O" "$D" 2>/dev/null || true\n'
+         'L="$D/.meshdeploy-seed-list"\n'
+         'rm -f "$D"/.$HEX16.tmp "$M.tmp" "$L" "$L.out"\n'
+         ': > "$M.tmp"\n'
+         'seed_one() {\n'
+         '  cat > "$L"\n'
+         '  "$1" "$2" "$D" < "$L" > "$L.out"\n'
+         # md-rpc-seed answers line by line, in order: pair each answer with its request.
+         '  [ "$(wc -l < "$L")" = "$(wc -l < "$L.out")" ] || '
+         '{ echo "md-rpc-seed answered for fewer tensors than asked" >&2; exit 1; }\n'
+         '  paste -d \' \' "$L" "$L.out" | awk -v s="$3" \'$2 != $4 { exit 1 } { print s, $1, $2, $3 }\' '
+         '>> "$M.tmp" || { echo "md-rpc-seed answers do not match the tensor list" >&2; exit 1; }\n'
+         '}')
+_SEED_END = ('mv -f "$M.tmp" "$M"\n'
+             'rm -f "$L" "$L.out"\n'
+             'for f in "$D"/$HEX16; do [ -e "$f" ] || continue; '
+             'grep -q " ${f##*/}\\$" "$M" || rm -f "$f"; done')
+
+
+def content_id(model_sha: str) -> str:
+    if not isinstance(model_sha, str) or not _CONTENT_ID.fullmatch(model_sha):
+        raise PlanError(f"model content id {model_sha!r} is not a plain word (a sha256)",
+                        hint="report this: meshdeploy names seeded models by their sha256")
+    return model_sha
+
+
 def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list) -> str:
     """Seed, then write the marker, then delete entries it does not name, in that order: an
     entry rpc-server wrote itself for a wanted tensor is kept by md-rpc-seed, not rewritten."""
-    marker = f"{cache_dir}/{d.rpc_cache_marker}"
-    lines = [
-        "set -e",
-        f"D={q(cache_dir)}; M={q(marker)}",
-        "mkdir -p \"$D\"",
-        # rpc-server (a DynamicUser) stores what is not seeded here too: give it the dir.
-        "O=$(stat -c '%u:%g' \"$D/..\" 2>/dev/null || stat -f '%u:%g' \"$D/..\"); "
-        "chown \"$O\" \"$D\" 2>/dev/null || true",
-        "L=\"$D/.meshdeploy-seed-list\"",
-        f"rm -f \"$D\"/.{_HEX16_GLOB}.tmp \"$M.tmp\" \"$L\" \"$L.out\"",
-        ": > \"$M.tmp\"",
-    ]
+    lines = []
     if keep_lines:
-        body = "".join(f"{sha} {off} {size} {name}\n" for sha, off, size, name in keep_lines)
-        lines.append(f"cat >> \"$M.tmp\" <<'MESHDEPLOY_MARKER'\n{body}MESHDEPLOY_MARKER")
+        tag, body = shell.heredoc("".join(f"{content_id(sha)} {int(off)} {int(size)} {name}\n"
+                                          for sha, off, size, name in keep_lines))
+        lines.append(f"cat >> \"$M.tmp\" <<'{tag}'\n{body}{tag}")
     for m, missing in to_seed:
-        listing = "".join(f"{off} {size}\n" for off, size in missing)
-        lines += [
-            f"cat > \"$L\" <<'MESHDEPLOY_LIST'\n{listing}MESHDEPLOY_LIST",
-            f"{q(tool)} {q(m.model_path)} \"$D\" < \"$L\" > \"$L.out\"",
-            # md-rpc-seed answers line by line, in order: pair each answer with its request.
-            "[ \"$(wc -l < \"$L\")\" = \"$(wc -l < \"$L.out\")\" ] || "
-            "{ echo \"md-rpc-seed answered for fewer tensors than asked\" >&2; exit 1; }",
-            f"paste -d ' ' \"$L\" \"$L.out\" | awk -v s={q(m.model_sha)} "
-            "'$2 != $4 { exit 1 } { print s, $1, $2, $3 }' >> \"$M.tmp\" || "
-            "{ echo \"md-rpc-seed answers do not match the tensor list\" >&2; exit 1; }",
-        ]
-    lines += [
-        "mv -f \"$M.tmp\" \"$M\"",
-        "rm -f \"$L\" \"$L.out\"",
-        f"for f in \"$D\"/{_HEX16_GLOB}; do [ -e \"$f\" ] || continue; "
-        "grep -q \" ${f##*/}\\$\" \"$M\" || rm -f \"$f\"; done",
-    ]
-    return "\n".join(lines)
+        tag, listing = shell.heredoc("".join(f"{int(off)} {int(size)}\n" for off, size in missing))
+        lines.append(shell.command("seed_one", tool, m.model_path, content_id(m.model_sha))
+                     + f" <<'{tag}'\n{listing}{tag}")
+    return shell.script("\n".join([_SEED, *lines, _SEED_END]), D=cache_dir,
+                        M=f"{cache_dir}/{d.rpc_cache_marker}", HEX16=_HEX16_GLOB)

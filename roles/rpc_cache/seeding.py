@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -32,10 +33,25 @@ def header_url(cluster, model) -> str:
     return f"{api}/{src.repo}/resolve/{{commit}}/{src.files[0]}"
 
 
+_CACHE_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def cache_file(cache: Path, key: str, where: str) -> Path:
+    """cache/<key>.gguf for a sha256 key; the key comes from a Hub answer or a host's manifest,
+    so anything else (a '../../x' path) is refused and the result must stay inside `cache`."""
+    if not isinstance(key, str) or not _CACHE_KEY.fullmatch(key):
+        raise PlanError(f"{where}: content id {key!r} is not a sha256; refusing to name a cache "
+                        "file after it", hint="check the model's source (endpoint or Ollama store)")
+    path = (cache / f"{key}.gguf").resolve()
+    if path.parent != cache.resolve():
+        raise PlanError(f"{where}: cache file {path} is outside {cache}")
+    return path
+
+
 def _kept(cache: Path | None, key: str, produce, where: str, hint: str):
     """A parsed header, from `cache`/<key>.gguf or from produce(dest) (which writes the header
     bytes to dest and returns the path it wrote); only a header that parsed is kept."""
-    kept = cache / f"{key}.gguf" if cache else None
+    kept = cache_file(cache, key, where) if cache else None
     path = None
     try:
         if kept is not None and kept.exists():

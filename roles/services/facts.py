@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pyinfra.api import FactBase
 
+from meshdeploy.deploy import shell
 from meshdeploy.roles.services import defaults as d
 
 
@@ -62,17 +63,18 @@ class Rtt(FactBase):
     ```
     """
 
+    # "$@": the "address:port" targets, as arguments of a fixed bash script.
+    _BODY = ('ms(){ s=$(date +%s%N); timeout 2 bash -c \'exec 3<>"/dev/tcp/$1/$2"\' rtt "$1" "$2" '
+             '2>/dev/null; e=$(date +%s%N); echo $(( (e-s)/1000 )); }; '
+             'best(){ b=99999999; for i in 1 2 3; do t=$(ms "$1" "$2"); [ "$t" -lt "$b" ] && b=$t; '
+             'done; echo "$b"; }; base=$(best 127.0.0.1 1); '
+             'for ep in "$@"; do t=$(best "${ep%:*}" "${ep##*:}"); '
+             'echo "$ep $(( t > base ? t - base : 0 ))"; done')
+
     def command(self, targets):
-        eps = " ".join(targets)
         # A host that is down must not stall the probe: each connect gets 2 s at most.
-        return ("command -v bash >/dev/null && command -v timeout >/dev/null || exit 0; bash -c '"
-                "ms(){ s=$(date +%s%N); timeout 2 bash -c \"exec 3<>/dev/tcp/$1/$2\" 2>/dev/null; "
-                "e=$(date +%s%N); "
-                "echo $(( (e-s)/1000 )); }; "
-                "best(){ b=99999999; for i in 1 2 3; do t=$(ms $1 $2); [ $t -lt $b ] && b=$t; done; "
-                "echo $b; }; base=$(best 127.0.0.1 1); "
-                f"for ep in {eps}; do t=$(best ${{ep%:*}} ${{ep#*:}}); "
-                "echo \"$ep $(( t > base ? t - base : 0 ))\"; done'")
+        return ("command -v bash >/dev/null && command -v timeout >/dev/null || exit 0; "
+                + shell.command("bash", "-c", self._BODY, "rtt", *targets))
 
     def process(self, output):
         out = {}

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import plistlib
-import re
 from pathlib import Path
 from string import Template
 
-from meshdeploy.deploy.context import HostContext, Step, q, write_file_command
+from meshdeploy.deploy import shell
+from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
@@ -17,10 +16,11 @@ from meshdeploy.roles.models.hf import HfResolved
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
 from meshdeploy.roles.services.facts import Rtt, Units
+from meshdeploy.roles.services.units import (SystemdExpr, comment_value, env_line, exec_line,
+                                             line_value, plist, unit_name)
 
 ROLE = "services"
 TEMPLATES = Path(__file__).with_name("templates")
-_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
 
 def sections(cluster, host) -> list[Section]:
@@ -42,22 +42,12 @@ def rtt_targets(cluster, host) -> list[str]:
     return targets
 
 
-def systemd_quote(arg: str) -> str:
-    if _PLAIN.match(arg):
-        return arg
-    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def exec_line(argv: list[str]) -> str:
-    return " ".join(systemd_quote(a) for a in argv)
-
-
 def _render(template: str, **values) -> str:
     return Template((TEMPLATES / template).read_text()).substitute(values)
 
 
-def _env_lines(env: dict) -> str:
-    return "".join(f"Environment={systemd_quote(f'{k}={v}')}\n" for k, v in sorted(env.items()))
+def _env_lines(env: dict, setting: str) -> str:
+    return "".join(env_line(k, v, setting) for k, v in sorted(env.items()))
 
 
 def _groups(host) -> str:
@@ -66,7 +56,8 @@ def _groups(host) -> str:
 
 
 def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
-    cache_name = f"meshdeploy-rpc-{rpc.port}"
+    where = f"hosts.{host.name}.rpc_servers[{rpc.port}]"
+    cache_name = unit_name(f"meshdeploy-rpc-{int(rpc.port)}", where)
     argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{rpc_binary}", host, rpc,
                                       f"/var/cache/{cache_name}")
     warning = ""
@@ -74,25 +65,32 @@ def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
         # Said in the journal at every start, not only at plan time (seed ernos, section 13.4).
         warning = ("ExecStartPre=/bin/echo \"meshdeploy: WARNING: RPC on this port is "
                    "unauthenticated and unencrypted\"\n")
-    return _render("rpc-server.service", cluster=cluster.name, bind=rpc.bind, port=rpc.port,
-                   exec_start=exec_line(argv), environment=_env_lines(env),
-                   cache_name=cache_name, groups=_groups(host), warning=warning)
+    return _render("rpc-server.service", cluster=comment_value(cluster.name, "cluster"),
+                   bind=line_value(rpc.bind, f"{where}.bind"), port=int(rpc.port),
+                   exec_start=exec_line(argv, f"{where} (ExecStart)"),
+                   environment=_env_lines(env, f"{where} (Environment)"),
+                   cache_name=line_value(cache_name, where), groups=_groups(host),
+                   warning=warning)
 
 
 def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | None) -> str:
+    where = f"servers.{server.name}"
     api_key = server.api_key_file
     credentials = ""
     if api_key:
         # The service user cannot read the operator's file; systemd hands it a private copy.
-        credentials = f"LoadCredential=api-key:{api_key}\n"
-        server = _with_key_path(server, "${CREDENTIALS_DIRECTORY}/api-key")
+        credentials = f"LoadCredential=api-key:{line_value(api_key, f'{where}.api_key_file')}\n"
+        server = _with_key_path(server, SystemdExpr("${CREDENTIALS_DIRECTORY}/api-key"))
     argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", cluster, server,
                                    models.model_path(cluster, server.model),
                                    frozenset(flags) if flags else None)
     env = {"MESHDEPLOY_MODEL_SHA256": model_sha} if model_sha else {}
-    return _render("llama-server.service", cluster=cluster.name, name=server.name,
-                   bind=server.bind, port=server.port, exec_start=exec_line(argv),
-                   environment=_env_lines(env), credentials=credentials, groups=_groups(host))
+    return _render("llama-server.service", cluster=comment_value(cluster.name, "cluster"),
+                   name=line_value(unit_name(server.name, where), where),
+                   bind=line_value(server.bind, f"{where}.bind"), port=int(server.port),
+                   exec_start=exec_line(argv, f"{where} (ExecStart)"),
+                   environment=_env_lines(env, f"{where} (Environment)"),
+                   credentials=credentials, groups=_groups(host))
 
 
 def is_macos(ctx) -> bool:
@@ -106,7 +104,7 @@ def launchd_plist(label: str, argv: list[str], env: dict, log_dir: str) -> str:
            "StandardOutPath": f"{log_dir}/{label}.log", "StandardErrorPath": f"{log_dir}/{label}.log"}
     if env:
         doc["EnvironmentVariables"] = dict(sorted(env.items()))
-    return plistlib.dumps(doc, sort_keys=True).decode()
+    return plist(doc, label)
 
 
 def _with_key_path(server, path):
@@ -119,49 +117,57 @@ class Systemd:
     """Where units live and how they are (re)started on systemd hosts."""
 
     def name(self, unit: str) -> str:
-        return unit
+        return unit_name(unit, "service name")
 
     def path(self, unit: str) -> str:
         return f"{d.services_unit_dir}/{unit}.service"
 
     def install(self, unit: str) -> str:
-        return f"systemctl daemon-reload && systemctl enable --quiet {unit} && systemctl restart {unit}"
+        return shell.command("systemctl", "daemon-reload", shell.AND, "systemctl", "enable",
+                             "--quiet", unit, shell.AND, "systemctl", "restart", unit)
 
     def restart(self, unit: str) -> str:
-        return f"systemctl enable --quiet {unit} && systemctl restart {unit}"
+        return shell.command("systemctl", "enable", "--quiet", unit, shell.AND,
+                             "systemctl", "restart", unit)
 
     def remove(self, unit: str) -> str:
-        return f"systemctl disable --now {unit} 2>/dev/null; rm -f {q(self.path(unit))}"
+        return shell.command("systemctl", "disable", "--now", unit, shell.QUIET,
+                             shell.THEN, "rm", "-f", self.path(unit))
 
     def journal(self, unit: str) -> str:
-        return (f"journalctl -u {unit} -n {d.services_journal_lines} --no-pager -o cat >&2 "
-                "2>/dev/null || true")
+        return shell.command("journalctl", "-u", unit, "-n", d.services_journal_lines,
+                             "--no-pager", "-o", "cat", shell.TO_STDERR, shell.QUIET,
+                             shell.OR, "true")
 
 
 class Launchd(Systemd):
     """The same on macOS: LaunchDaemon plists, launchctl bootstrap/kickstart."""
 
     def name(self, unit: str) -> str:
-        return d.services_launchd_prefix + unit.removeprefix(d.services_unit_prefix)
+        return unit_name(d.services_launchd_prefix + unit.removeprefix(d.services_unit_prefix),
+                         "service name")
 
     def path(self, unit: str) -> str:
         return f"{d.services_launchd_dir}/{unit}.plist"
 
     def install(self, unit: str) -> str:
-        return (f"mkdir -p {d.services_launchd_log_dir} && "
-                f"(launchctl bootout system/{unit} 2>/dev/null; true) && "
-                f"launchctl bootstrap system {q(self.path(unit))}")
+        return (shell.command("mkdir", "-p", d.services_launchd_log_dir) + " && ("
+                + shell.command("launchctl", "bootout", f"system/{unit}", shell.QUIET,
+                                shell.THEN, "true")
+                + ") && " + shell.command("launchctl", "bootstrap", "system", self.path(unit)))
 
     def restart(self, unit: str) -> str:
-        return (f"launchctl kickstart -k system/{unit} 2>/dev/null || "
-                f"launchctl bootstrap system {q(self.path(unit))}")
+        return shell.command("launchctl", "kickstart", "-k", f"system/{unit}", shell.QUIET,
+                             shell.OR, "launchctl", "bootstrap", "system", self.path(unit))
 
     def remove(self, unit: str) -> str:
-        return f"launchctl bootout system/{unit} 2>/dev/null; rm -f {q(self.path(unit))}"
+        return shell.command("launchctl", "bootout", f"system/{unit}", shell.QUIET, shell.THEN,
+                             "rm", "-f", self.path(unit))
 
     def journal(self, unit: str) -> str:
-        return (f"tail -n {d.services_journal_lines} {d.services_launchd_log_dir}/{unit}.log >&2 "
-                "2>/dev/null || true")
+        return shell.command("tail", "-n", d.services_journal_lines,
+                             f"{d.services_launchd_log_dir}/{unit}.log", shell.TO_STDERR,
+                             shell.QUIET, shell.OR, "true")
 
 
 def manager(ctx) -> Systemd:
@@ -181,7 +187,7 @@ def _unit_step(ctx, resource, unit, want, reason_restart=None):
     mgr = manager(ctx)
     units = ctx.fact("services.Units") or {}
     have = units.get(unit)
-    write = [write_file_command(mgr.path(unit), want), mgr.install(unit)]
+    write = [shell.write_file(mgr.path(unit), want), mgr.install(unit)]
     if have is None:
         return Step(ctx.change(ROLE, resource, "create", "new service",
                                unit_diff=_diff(None, want, unit)), write), True
@@ -214,12 +220,18 @@ def _build_info(ctx) -> tuple[str | None, dict | None]:
     return f"{ctx.prefix}/{llama_cpp.d.llama_cpp_builds_dir}/{key}", llama_cpp.manifest_for(ctx)
 
 
+# "$1" seconds, "$2" address, "$3" port: values arrive as arguments of a fixed bash script.
+_TCP_WAIT = ('for i in $(seq "$1"); do (exec 3<>"/dev/tcp/$2/$3") 2>/dev/null && exit 0; '
+             'sleep 1; done; exit 1')
+
+
 def tcp_wait(address: str, port: int, seconds: int, journal: str | None, who: str) -> str:
     """Readiness by TCP connect: rpc-server exits 0 even when it could not bind (LAB_NOTES)."""
-    fail = (f"echo \"{who}: nothing accepts TCP on {address}:{port} after {seconds} s\" >&2; "
-            + (journal + "; " if journal else "") + "exit 1")
-    return (f"bash -c 'for i in $(seq {seconds}); do (exec 3<>/dev/tcp/{address}/{port}) "
-            f"2>/dev/null && exit 0; sleep 1; done; exit 1' || {{ {fail}; }}")
+    fail = (shell.command("echo", f"{who}: nothing accepts TCP on {address}:{port} after "
+                                  f"{seconds} s", shell.TO_STDERR)
+            + "; " + (journal + "; " if journal else "") + "exit 1")
+    return (shell.command("bash", "-c", _TCP_WAIT, "tcp-wait", int(seconds), address, int(port))
+            + f" || {{ {fail}; }}")
 
 
 def rpc_server(ctx: HostContext, port: int) -> Step:
@@ -275,15 +287,19 @@ def model_sha(ctx: HostContext, name: str) -> str | None:
     return None
 
 
+_HEALTH = ('for i in $(seq "$RETRIES"); do c=$(curl -s -o /dev/null -w \'%{http_code}\' '
+           '--max-time 5 "$URL"); [ "$c" = 200 ] && exit 0; sleep "$INTERVAL"; done\n'
+           'echo "$UNIT: /health not 200 after $BUDGET s (last: $c)" >&2')
+
+
 def health_wait(server, journal: str | None = None) -> str:
     """llama-server answers 503 while loading; 200 on /health means ready."""
     h = server.health
     host = "127.0.0.1" if server.bind in ("0.0.0.0", "127.0.0.1") else server.bind
-    url = f"http://{host}:{server.port}/health"
-    return (f"for i in $(seq {h.retries}); do c=$(curl -s -o /dev/null -w '%{{http_code}}' "
-            f"--max-time 5 {url}); [ \"$c\" = 200 ] && exit 0; sleep {h.interval:g}; done; "
-            f"echo \"{server.unit_name}: /health not 200 after {h.budget:g} s (last: $c)\" >&2; "
-            f"{journal or journal_tail(server.unit_name)}; exit 1")
+    return (shell.script(_HEALTH, RETRIES=int(h.retries), INTERVAL=f"{h.interval:g}",
+                         URL=f"http://{host}:{int(server.port)}/health", UNIT=server.unit_name,
+                         BUDGET=f"{h.budget:g}")
+            + "\n" + (journal or journal_tail(server.unit_name)) + "; exit 1")
 
 
 def llama_server(ctx: HostContext, name: str) -> Step:

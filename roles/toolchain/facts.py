@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pyinfra.api import FactBase
 
+from meshdeploy.deploy import shell
 from meshdeploy.roles.toolchain import defaults as d
 
 _TOOLS = ("cmake", "cc", "c++", "g++", "git", "curl", "ninja", "ccache", "nvcc", "nvidia-smi",
@@ -43,8 +44,8 @@ class DebPackages(FactBase):
     """Installed state of the given Debian packages: {name: True|False}."""
 
     def command(self, packages):
-        names = " ".join(packages)
-        return f"dpkg-query -W -f '${{Package}} ${{db:Status-Abbrev}}\\n' {names} 2>/dev/null; true"
+        return shell.command("dpkg-query", "-W", "-f", "${Package} ${db:Status-Abbrev}\\n",
+                             *packages, shell.QUIET, shell.THEN, "true")
 
     def process(self, output):
         found = {}
@@ -63,7 +64,7 @@ class AptProxy(FactBase):
     """Content of meshdeploy's apt proxy snippet, or None when absent."""
 
     def command(self):
-        return f"cat {d.toolchain_apt_proxy_file}"
+        return shell.command("cat", d.toolchain_apt_proxy_file)
 
     def process(self, output):
         return "\n".join(output) + "\n"

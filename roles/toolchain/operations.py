@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from meshdeploy.deploy.context import HostContext, Step, q, write_file_command
+import re
+
+from meshdeploy.deploy import shell
+from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
@@ -78,15 +81,30 @@ def apt_proxy(ctx: HostContext) -> Step:
     if want_url is None:
         return Step(ctx.change(ROLE, "apt_proxy", "delete", "apt proxy removed from the file",
                                [AttrDiff("path", path, None)]),
-                    [f"rm -f {q(path)}"])
-    want = f'Acquire::http::Proxy "{want_url}";\nAcquire::https::Proxy "{want_url}";\n'
+                    [shell.command("rm", "-f", path)])
+    want = apt_proxy_conf(want_url)
     if have == want:
         return Step(ctx.change(ROLE, "apt_proxy", "no-op", f"apt uses {want_url}"))
     action = "create" if have is None else "update"
     before = None if have is None else have.split('"')[1] if '"' in have else have.strip()
     return Step(ctx.change(ROLE, "apt_proxy", action, f"apt must go through {want_url}",
                            [AttrDiff("proxy", before, want_url)]),
-                [write_file_command(path, want)])
+                [shell.write_file(path, want)])
+
+
+# An apt.conf string ends at '"'; ';', '{' and '}' end or open statements: a proxy URL holding any
+# of them (or whitespace, a backslash, a control character) could write further apt options,
+# such as an APT::Update::Pre-Invoke hook that runs as root.
+_APT_UNSAFE = re.compile(r'["\\;{}\s\x00-\x1f\x7f]')
+
+
+def apt_proxy_conf(url: str) -> str:
+    """The apt.conf snippet for `url`; PlanError for a value apt would read as more than a URL."""
+    if not url or _APT_UNSAFE.search(url):
+        raise PlanError(f"toolchain.apt_proxy {url!r} cannot be written into apt.conf: it holds a "
+                        "quote, ';', '{', '}', a backslash, whitespace or a control character",
+                        hint="use a plain URL such as http://10.0.0.1:3142")
+    return f'Acquire::http::Proxy "{url}";\nAcquire::https::Proxy "{url}";\n'
 
 
 def packages(ctx: HostContext) -> Step:
@@ -99,8 +117,9 @@ def packages(ctx: HostContext) -> Step:
     if manager == "apt":
         installed = ctx.fact("toolchain.DebPackages") or {}
         missing = [p for p in wanted if not installed.get(p)]
-        command = ("export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && "
-                   "apt-get install -y -qq --no-install-recommends " + " ".join(missing))
+        command = ("export DEBIAN_FRONTEND=noninteractive; "
+                   + shell.command("apt-get", "update", "-qq", shell.AND, "apt-get", "install",
+                                   "-y", "-qq", "--no-install-recommends", *missing))
     else:
         # dnf/brew hosts: tools on PATH stand for their packages.
         by_tool = {"cmake": "cmake", "git": "git", "curl": "curl", "ninja": "ninja",
@@ -112,9 +131,9 @@ def packages(ctx: HostContext) -> Step:
             missing.append("gcc-c++")
         if manager == "brew":
             # Homebrew refuses to run as root: never sudo for brew.
-            command = "brew install " + " ".join(missing)
+            command = shell.command("brew", "install", *missing)
         else:
-            command = "dnf install -y " + " ".join(missing)
+            command = shell.command("dnf", "install", "-y", *missing)
     if not missing:
         return Step(ctx.change(ROLE, "packages", "no-op", f"{', '.join(wanted)} installed"))
     return Step(ctx.change(ROLE, "packages", "create", f"install with {manager}",

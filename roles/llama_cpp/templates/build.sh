@@ -1,0 +1,28 @@
+# Build llama-server and/or the RPC worker of one (commit, backend, flags) and install it under
+# $OUT. Inputs (assigned above by deploy.shell.template): SRC TREE OUT COMMIT NUMBER JOBS CCACHE
+# WANT_SERVER WANT_RPC RPC_TARGETS KEY BACKEND; "$@" = the cmake flags.
+set -e
+if [ -n "$CCACHE" ]; then export CCACHE_DIR="$CCACHE"; fi
+[ -n "$JOBS" ] || JOBS=$(getconf _NPROCESSORS_ONLN 2>/dev/null || sysctl -n hw.ncpu)
+[ -n "$NUMBER" ] || NUMBER=$(git -C "$SRC" rev-list --count HEAD)
+mkdir -p "$TREE" "${OUT%/*}"
+[ "$(git -C "$SRC" rev-parse HEAD)" = "$COMMIT" ] || { echo "source is not at $COMMIT" >&2; exit 1; }
+# The worker's target name changed upstream; ask the tree which one it has.
+RPC=''; for t in $RPC_TARGETS; do grep -rqs --include=CMakeLists.txt "set(TARGET $t)" "$SRC/tools/rpc" "$SRC/examples/rpc" && { RPC=$t; break; }; done
+TARGETS=''
+if [ "$WANT_SERVER" = 1 ]; then TARGETS=llama-server; fi
+if [ "$WANT_RPC" = 1 ]; then
+  [ -n "$RPC" ] || { echo "no RPC worker target in this llama.cpp tree" >&2; exit 1; }
+  TARGETS="$TARGETS $RPC"
+fi
+SHORT=$(printf '%.7s' "$COMMIT")
+cmake -S "$SRC" -B "$TREE" -G Ninja "$@" "-DLLAMA_BUILD_NUMBER=$NUMBER" "-DLLAMA_BUILD_COMMIT=$SHORT" > "$TREE.configure.log" 2>&1 || { tail -n 30 "$TREE.configure.log" >&2; exit 1; }
+cmake --build "$TREE" --target $TARGETS -j "$JOBS" > "$TREE.build.log" 2>&1 || { tail -n 40 "$TREE.build.log" >&2; exit 1; }
+rm -rf "$OUT.tmp"; mkdir -p "$OUT.tmp/bin"
+for t in $TARGETS; do cp "$TREE/bin/$t" "$OUT.tmp/bin/"; done
+# Binaries must run before they can become current.
+if [ -x "$OUT.tmp/bin/llama-server" ]; then "$OUT.tmp/bin/llama-server" --help > "$OUT.tmp/llama-server.help" 2>&1; fi
+if [ -n "$RPC" ] && [ -x "$OUT.tmp/bin/$RPC" ]; then "$OUT.tmp/bin/$RPC" --help > "$OUT.tmp/rpc-server.help" 2>&1; fi
+PROTO=$(awk '/define RPC_PROTO_(MAJOR|MINOR|PATCH)_VERSION/ {printf "%s%s", s, $3; s="."}' "$SRC/ggml/include/ggml-rpc.h" 2>/dev/null)
+printf 'commit=%s\nbackend=%s\nkey=%s\nrpc_binary=%s\ntargets=%s\nproto=%s\n' "$COMMIT" "$BACKEND" "$KEY" "$RPC" "$TARGETS" "$PROTO" > "$OUT.tmp/manifest"
+rm -rf "$OUT" && mv "$OUT.tmp" "$OUT"
