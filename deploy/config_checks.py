@@ -41,7 +41,12 @@ def check(doc: Document, data: dict) -> list[ConfigIssue]:
 
 
 def is_private(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
+    """Whether `address` is a private or loopback IP literal; a host name counts as public
+    (what it resolves to is not known here)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
     return any(ip in net for net in PRIVATE_NETWORKS if net.version == ip.version)
 
 

@@ -100,21 +100,13 @@ def load_mode_args(server: Server, known: frozenset[str], binary: str) -> list[s
         "remove servers.{0}.load_mode or build a llama.cpp that supports it".format(server.name))
 
 
-def _private(address: str) -> bool:
-    """Whether an address is private; anything that is not an IP literal counts as public."""
-    try:
-        return is_private(address)
-    except ValueError:
-        return False
-
-
 def warnings_for(cluster: Cluster) -> list[str]:
     """Risks that are allowed but must be said every time (plan and apply print them)."""
     warnings = []
     for host, rpc in cluster.rpc_servers():
         if not is_loopback(rpc.bind):
             scope = "every interface" if rpc.bind == "0.0.0.0" else rpc.bind
-            public = rpc.bind == "0.0.0.0" or not _private(rpc.bind)
+            public = rpc.bind == "0.0.0.0" or not is_private(rpc.bind)
             if public:
                 warnings.append(
                     f"rpc-server on {host.name} binds {scope} (port {rpc.port}): RPC is "
