@@ -226,6 +226,27 @@ def test_only_what_changed_restarts(converged, cluster_file, lab):
     assert back.returncode == 0, back.stderr
 
 
+def test_a_value_with_spaces_percent_dollar_and_quotes_arrives_intact(converged, cluster_file,
+                                                                     lab):
+    """A legitimate value is not refused and not mangled: it reaches llama-server's argv as one
+    word, through the unit's quoting, %%-specifier and $$-variable escaping."""
+    alias = """gemma 50% $HOME ${USER} 'single' "double" `tick` $(id) ; | &"""
+    quoted = json.dumps(alias)
+    odd = variant(cluster_file, "alias.yaml", "ctx_size: 2048",
+                  f"ctx_size: 2048\n    extra_args: [--alias, {quoted}]")
+    proc = meshdeploy("apply", odd, "--auto-approve")
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        served = lab.run("node1", "curl -sf http://127.0.0.1:8080/v1/models")
+        assert served.returncode == 0, served.stderr
+        assert alias in [m["id"] for m in json.loads(served.stdout)["data"]], served.stdout
+        again = meshdeploy("plan", odd, "--detailed-exitcode")
+        assert again.returncode == 0, again.stdout + again.stderr
+    finally:
+        back = meshdeploy("apply", cluster_file, "--auto-approve")
+        assert back.returncode == 0, back.stderr
+
+
 def test_cut_download_resumes_and_ends_verified(converged, cluster_file, lab):
     half = GEMMA_SIZE // 2
     lab.run("node1", f"sudo sh -c 'mv {GEMMA} {GEMMA}.part && truncate -s {half} {GEMMA}.part "
