@@ -161,7 +161,13 @@ def check_units(cluster, units):
                "Environment", "LoadCredential", "DynamicUser", "Restart", "RestartSec",
                "NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp",
                "ProtectKernelTunables", "ProtectKernelModules", "ProtectControlGroups",
-               "RestrictAddressFamilies", "LockPersonality", "WantedBy"}
+               "RestrictAddressFamilies", "LockPersonality", "WantedBy",
+               "CapabilityBoundingSet", "AmbientCapabilities", "SystemCallArchitectures",
+               "SystemCallFilter", "SystemCallErrorNumber", "RestrictNamespaces",
+               "RestrictRealtime", "RestrictSUIDSGID", "ProtectClock", "ProtectKernelLogs",
+               "ProtectHostname", "ProtectProc", "RemoveIPC", "UMask", "PrivateDevices",
+               "DevicePolicy", "DeviceAllow", "MemoryDenyWriteExecute", "IPAddressDeny",
+               "IPAddressAllow", "SupplementaryGroups"}
     for server, unit in units:
         if unit is None:
             continue

@@ -5,6 +5,21 @@ services_unit_dir = "/etc/systemd/system"
 services_unit_prefix = "meshdeploy-"
 # GPU device nodes that are group-owned (ROCm's /dev/kfd, render nodes) need these groups.
 services_gpu_groups = {"rocm": "render video", "vulkan": "render video"}
+# DevicePolicy=closed leaves only /dev/null, zero, full, random, urandom, tty and ptmx; each
+# backend names the device groups (/proc/devices names, systemd.resource-control DeviceAllow=)
+# it opens. A backend missing here gets PrivateDevices=yes (no device nodes at all).
+services_device_allow = {
+    # /dev/nvidia0..N and /dev/nvidiactl share the "nvidia-frontend" major; the CUDA runtime
+    # maps memory through /dev/nvidia-uvm(-tools); /dev/nvidia-caps/* gate MIG instances.
+    "cuda": ("char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps r"),
+    # Vulkan opens render nodes /dev/dri/renderD* (and card* for some drivers).
+    "vulkan": ("char-drm rw",),
+    # ROCm: the compute queue device /dev/kfd plus the render nodes.
+    "rocm": ("char-kfd rw", "char-drm rw"),
+}
+# CPU ggml generates no code at run time; GPU drivers do (CUDA JIT-compiles PTX, Mesa's
+# llvmpipe/lavapipe and ROCm's comgr too), so W^X memory is denied only for these backends.
+services_deny_write_execute = ("cpu",)
 
 # --- launchd (macOS) ----------------------------------------------------------------------------
 services_launchd_dir = "/Library/LaunchDaemons"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import ipaddress
 from pathlib import Path
 from string import Template
 
@@ -17,7 +18,7 @@ from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
 from meshdeploy.roles.services.facts import Rtt, Units
 from meshdeploy.roles.services.units import (SystemdExpr, comment_value, env_line, exec_line,
-                                             line_value, plist, unit_name)
+                                             ip_literals, line_value, plist, unit_name)
 
 ROLE = "services"
 TEMPLATES = Path(__file__).with_name("templates")
@@ -55,6 +56,40 @@ def _groups(host) -> str:
     return f"SupplementaryGroups={groups}\n" if groups else ""
 
 
+def _sandbox(host) -> str:
+    """Per-backend lines: the device nodes it opens, and W^X memory where nothing JITs."""
+    devices = d.services_device_allow.get(host.backend)
+    lines = (["DevicePolicy=closed"] + [f"DeviceAllow={a}" for a in devices] if devices
+             else ["PrivateDevices=yes"])
+    if host.backend in d.services_deny_write_execute:
+        lines.append("MemoryDenyWriteExecute=yes")
+    return "".join(line + "\n" for line in lines)
+
+
+def _firewall(peers: list[str], setting: str, why_not: str | None = None) -> str:
+    """IPAddressDeny=any plus the peers (enforced by cgroup BPF where the kernel and systemd
+    allow it; elsewhere systemd says so in the journal and starts the unit unrestricted)."""
+    allow = None if why_not else ip_literals(["localhost", *peers], setting)
+    if allow is None:
+        why_not = why_not or ("a peer address is a DNS name, which IPAddressAllow= cannot hold: "
+                              f"{' '.join(comment_value(p, setting) for p in peers)}")
+        return f"# Not IP-restricted: {why_not}.\n"
+    return f"IPAddressDeny=any\nIPAddressAllow={allow}\n"
+
+
+def _rpc_peers(cluster, host, rpc) -> list[str]:
+    """Addresses an rpc-server hears from: the hosts whose llama-servers use it, and its own
+    bind (the local TCP probe and a llama-server on the same host come from it)."""
+    peers = []
+    for server in cluster.servers:
+        if any(e.host.name == host.name and e.rpc.port == rpc.port
+               for e in cluster.rpc_endpoints(server)):
+            peers.append(cluster.host(server.host).address)
+    if not peers:
+        return []
+    return peers + ([] if rpc.bind == "0.0.0.0" else [rpc.bind])
+
+
 def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
     where = f"hosts.{host.name}.rpc_servers[{rpc.port}]"
     cache_name = unit_name(f"meshdeploy-rpc-{int(rpc.port)}", where)
@@ -70,7 +105,26 @@ def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
                    exec_start=exec_line(argv, f"{where} (ExecStart)"),
                    environment=_env_lines(env, f"{where} (Environment)"),
                    cache_name=line_value(cache_name, where), groups=_groups(host),
-                   warning=warning)
+                   warning=warning, sandbox=_sandbox(host), firewall=_rpc_firewall(
+                       cluster, host, rpc, f"{where} (IPAddressAllow)"))
+
+
+def _rpc_firewall(cluster, host, rpc, setting: str) -> str:
+    peers = _rpc_peers(cluster, host, rpc)
+    if not peers:
+        return _firewall(peers, setting, "no llama-server in this cluster file uses it")
+    return _firewall(peers, setting)
+
+
+def _server_firewall(cluster, server, setting: str) -> str:
+    """llama-server dials its workers; a non-loopback bind serves clients nobody listed."""
+    try:
+        loopback = ipaddress.ip_address(server.bind).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        return _firewall([], setting, f"it serves clients on {comment_value(server.bind, setting)}")
+    return _firewall([e.address for e in cluster.rpc_endpoints(server)], setting)
 
 
 def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | None) -> str:
@@ -90,7 +144,8 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
                    bind=line_value(server.bind, f"{where}.bind"), port=int(server.port),
                    exec_start=exec_line(argv, f"{where} (ExecStart)"),
                    environment=_env_lines(env, f"{where} (Environment)"),
-                   credentials=credentials, groups=_groups(host))
+                   credentials=credentials, groups=_groups(host), sandbox=_sandbox(host),
+                   firewall=_server_firewall(cluster, server, f"{where} (IPAddressAllow)"))
 
 
 def is_macos(ctx) -> bool:

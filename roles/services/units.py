@@ -15,6 +15,7 @@ most control characters (and normalises CR), so those are refused too.
 
 from __future__ import annotations
 
+import ipaddress
 import plistlib
 import re
 
@@ -94,6 +95,22 @@ def line_value(value, setting: str) -> str:
         raise PlanError(f"{setting}: {text!r} begins or ends with whitespace or a backslash, "
                         "which a unit file line cannot carry", hint=_HINT)
     return text.replace("%", "%%")
+
+
+def ip_literals(addresses, setting: str) -> str | None:
+    """IPAddressAllow= value: IP literals (and `localhost`, a systemd keyword) separated by
+    spaces; None when one is a DNS name, which systemd cannot put in the cgroup's allow list."""
+    out = []
+    for address in addresses:
+        text = checked(address, setting)
+        if text != "localhost":
+            try:
+                text = str(ipaddress.ip_address(text))
+            except ValueError:
+                return None
+        if text not in out:
+            out.append(text)
+    return " ".join(out)
 
 
 def comment_value(value, setting: str) -> str:
