@@ -111,3 +111,13 @@ def test_unit_with_injected_argument_is_caught(lab):
     assert rc.check_units(lab, [(server, unit)]) == []
     bad = unit.replace("ExecStart=", "ExecStart=/bin/sh -c x ", 1)
     assert rc.check_units(lab, [(server, bad)])
+
+
+def test_systemd_parse_semicolons():
+    # fuzz_render seed 392: a prefix "/var/lib/my ; touch PWNED/x" is one quoted word in
+    # ExecStart, not a command separator; only an unquoted lone ";" separates.
+    assert rc.sd.exec_argv('/bin/x "/a ; b" c') == ["/bin/x", "/a ; b", "c"]
+    assert rc.sd.exec_argv("/bin/x a; b") == ["/bin/x", "a;", "b"]
+    for value in ("/bin/x ; /bin/y", "/bin/x a ;"):
+        with pytest.raises(ValueError, match="lone ;"):
+            rc.sd.exec_argv(value)
