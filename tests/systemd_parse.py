@@ -28,15 +28,18 @@ def _unescape(text: str, i: int) -> tuple[str, int]:
     raise ValueError(f"bad escape \\{c}")
 
 
-def split_words(value: str) -> list[str]:
+def split_words(value: str, starts: list[int] | None = None) -> list[str]:
     """extract_first_word(EXTRACT_UNQUOTE | EXTRACT_CUNESCAPE) repeated: quotes may start and
-    end anywhere in a word; escapes work inside and outside quotes."""
+    end anywhere in a word; escapes work inside and outside quotes. `starts` collects where
+    each word begins in `value`."""
     words, i, n = [], 0, len(value)
     while True:
         while i < n and value[i] in WHITESPACE:
             i += 1
         if i >= n:
             return words
+        if starts is not None:
+            starts.append(i)
         word, quote, started = "", None, False
         while i < n:
             c = value[i]
@@ -90,11 +93,15 @@ def environment(word: str) -> str:
 
 def exec_argv(value: str) -> list[str]:
     """ExecStart= value -> argv as the process receives it (a lone ; is refused here)."""
-    words = split_words(value)
+    starts: list[int] = []
+    words = split_words(value, starts)
     if words and words[0][:1] in "-@:+!":
         raise ValueError(f"program with a prefix: {words[0]!r}")
-    raw = [w for w in value.split() if w == ";"]
-    if raw:
+    # config_parse_exec (src/core/load-fragment.c) looks at the raw text where a word starts:
+    # an unquoted ";" followed by whitespace or the end separates commands. A ";" inside a
+    # quoted word ("/a ; b") is an ordinary character.
+    if any(value[s] == ";" and (s + 1 == len(value) or value[s + 1] in WHITESPACE)
+           for s in starts):
         raise ValueError("a lone ; separates commands")
     return [environment(specifiers(w)) for w in words]
 
