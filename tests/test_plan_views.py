@@ -26,27 +26,10 @@ from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.rpc_cache import layout, seeding
 from meshdeploy.roles.rpc_cache.tensors import read_header
 
+from device_facts import GB, GiB, cpu, cuda, mac
 from model_headers import gemma27_header, glm47_flash_header
 
 ROOT = Path(__file__).resolve().parents[1]
-GB = 10**9
-GiB = 1 << 30
-
-
-def cpu(total, available):
-    return {"rpc_cache.DeviceMemory": {"cpu": {"total": total, "available": available,
-                                               "source": "/proc/meminfo"}}}
-
-
-def mac(memsize, metal_free, estimated, available):
-    return {"rpc_cache.DeviceMemory": {
-        "cpu": {"total": memsize, "available": available, "source": "sysctl hw.memsize"},
-        "metal": {"total": metal_free, "free": metal_free, "estimated": estimated}}}
-
-
-def cuda(free):
-    return {"rpc_cache.DeviceMemory": {"cpu": None, "cuda": [{"total": free + GB // 2,
-                                                              "free": free}]}}
 
 
 LAB_HOST = cpu(25_183_293_440, 22_800_000_000)
