@@ -1,7 +1,7 @@
 """Weight bytes on the wire and time to first /health 200: stock vs pre-seeded rpc caches.
 
 Usage (root, on a machine that can run the lab; takes ~10 minutes, ~9 GB of disk):
-    /work/venv/bin/python benchmarks/weight_transfer.py [--lab mdzero] [--rates 100mbit,1gbit]
+    .venv/bin/python benchmarks/weight_transfer.py [--lab mdzero] [--rates 100mbit,1gbit]
             [--runs 1] [--keep-lab]
 
 Brings lab `--lab` up (3 hosts), writes a ~2.1 GB synthetic llama GGUF, deploys it through
@@ -20,8 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshdeploy.lab import Lab, LabInfo, base, hfmirror, wire
-from meshdeploy.lab.synthetic import LARGE, write_llama
+from meshdeploy.lab import Lab, LabInfo, base, hfmirror
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support import wire  # noqa: E402
+from support.synthetic import LARGE, write_llama  # noqa: E402
 
 WORKERS = ("node2", "node3")
 

@@ -76,11 +76,13 @@ def test_sudo_wraps_the_script_as_one_word():
 def test_only_deploy_shell_quotes_for_the_shell():
     """One shell layer: no shlex, no private quoting helper anywhere else in the package."""
     offenders = []
-    for folder in ("deploy", "roles", "meshdeploy"):
-        for path in (ROOT / folder).rglob("*.py"):
-            if path == ROOT / "deploy" / "shell.py":
-                continue
-            text = path.read_text()
-            if re.search(r"\bshlex\b|\bdef q\(|\bpipes\.quote", text):
-                offenders.append(str(path.relative_to(ROOT)))
+    package = ROOT / "meshdeploy"
+    paths = [*(package / "deploy").rglob("*.py"), *(package / "roles").rglob("*.py"),
+             *package.glob("*.py")]
+    for path in paths:
+        if path == package / "deploy" / "shell.py":
+            continue
+        text = path.read_text()
+        if re.search(r"\bshlex\b|\bdef q\(|\bpipes\.quote", text):
+            offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.lab import base, hfmirror, wire
-from meshdeploy.lab.synthetic import SMALL, write_llama
+from meshdeploy.lab import base, hfmirror
+from support import wire
+from support.synthetic import SMALL, write_llama
 from meshdeploy.roles.rpc_cache.placement import device_tensors, place, wire_bytes
 from meshdeploy.roles.rpc_cache.tensors import weight_tensors
 

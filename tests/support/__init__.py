@@ -1,0 +1,1 @@
+"""Test and benchmark support: lab helpers that users never run."""
