@@ -47,7 +47,8 @@ def cluster_yaml(info, n: int) -> str:
 
 def plan_once(path: Path) -> tuple[float, dict, bool]:
     from meshdeploy.deploy.config import load_cluster
-    from meshdeploy.deploy.engine import Session, make_plan
+    from meshdeploy.deploy.engine import make_plan
+    from meshdeploy.deploy.session import Session
 
     started = time.monotonic()
     session = Session(load_cluster(path))

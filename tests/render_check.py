@@ -25,6 +25,7 @@ from pathlib import Path
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import HostContext, Resolved
 from meshdeploy.deploy.engine import probe_command
+from support.steps import decided
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.model import HfSource
 from meshdeploy.deploy.status import host_script
@@ -120,7 +121,7 @@ def contexts(cluster, extras: Extras):
                 for f in res.files:
                     facts[f"models.ModelFile[{name}/{f.name}]"] = {
                         "size": 10, "mtime": 1, "verified": None, "partial": None, "link": None}
-        yield HostContext(cluster, host, facts, resolved, run={"build_key": key})
+        yield decided(HostContext(cluster, host, facts, resolved), build_key=key)
 
 
 def _attempt(fn, *args):
@@ -138,7 +139,7 @@ def render_all(cluster, extras: Extras | None = None) -> Rendered:
     with recorded_quotes() as words:
         out.commands.append(ls_remote(cluster.llama_cpp.repo, cluster.llama_cpp.ref))
         for i, host in enumerate(cluster.hosts):
-            got = _attempt(probe_command, cluster, host, COMMIT, i == 0, "n0nce")
+            got = _attempt(probe_command, cluster, host, i == 0, "n0nce")
             if got:
                 out.commands.append(got[1])
             out.commands.append(_attempt(host_script, cluster, host))
@@ -153,8 +154,8 @@ def _render_host(ctx, cluster, extras, prefix, out):
     steps = [_attempt(toolchain.apt_proxy, ctx), _attempt(llama_cpp.source, ctx),
              _attempt(rpc_cache.seed_tool, ctx), _attempt(services.stale_units, ctx)]
     steps += [_attempt(models.gguf, ctx, name) for name in cluster.models]
-    out.commands += [_attempt(llama_cpp.build_script, ctx, ctx.run["build_key"]),
-                     _attempt(llama_cpp.activate_script, ctx, ctx.run["build_key"])]
+    out.commands += [_attempt(llama_cpp.build_script, ctx, ctx.build.key),
+                     _attempt(llama_cpp.activate_script, ctx, ctx.build.key)]
     for rpc in ctx.host.rpc_servers:
         steps.append(_attempt(services.rpc_server, ctx, rpc.port))
         seed_model = extras.seed_model or next(

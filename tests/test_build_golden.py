@@ -17,6 +17,7 @@ from meshdeploy.deploy.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.services import operations as services
+from support.steps import decided
 
 ROOT = Path(__file__).resolve().parent.parent
 INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml")) + [
@@ -52,7 +53,7 @@ def render(inventory: Path) -> str:
         if not llama_cpp.targets(cluster, host):
             continue
         key = llama_cpp.build_key(cluster, host, COMMIT)
-        ctx.run["build_key"] = key
+        decided(ctx, build_key=key)
         out.append(f"\n## {host.name} ({host.backend}) build {key}")
         out.append(llama_cpp.build_script(ctx, key))
         for rpc in host.rpc_servers:
@@ -95,7 +96,7 @@ def test_backend_flags_reach_cmake():
 def test_macos_hosts_get_launchd_plists_without_sudo_brew():
     cluster = load_cluster(ROOT / "inventories" / "one-mac-mtl0-cpu.yaml")
     ctx = next(c for c in contexts(cluster) if c.host.backend == "metal")
-    ctx.run["build_key"] = llama_cpp.build_key(cluster, ctx.host, COMMIT)
+    decided(ctx, build_key=llama_cpp.build_key(cluster, ctx.host, COMMIT))
     step = services.rpc_server(ctx, ctx.host.rpc_servers[0].port)
     assert "/Library/LaunchDaemons/com.meshdeploy.rpc-" in step.commands[0]
     assert "<key>KeepAlive</key>" in step.commands[0]

@@ -9,11 +9,14 @@ tests/facts/<role>.<Fact>/<case>.json
 tests/operations/<role>.<op>/<case>.json
     {"cluster": "inventories/lab.yaml" or inline YAML, "host": "node2", "arg": model/port/server,
      "facts": {section key: decoded value}, "resolved": {"commit", "build_number", "models",
-     "restarted"}, "run": {...}, "expected": {...}}
+     "restarted"}, "run": {"build_key", "build_changed"}, "expected": {...}}
+    "run" and "restarted" are what earlier steps decided (ctx.steps): llama_cpp.build's outcome
+    on this host, and the rpc-servers (re)started anywhere.
     expected: "error" (message start, with optional "hint_contains"), or any of "action",
     "noop" (reason of a no-op step), "reason", "commands" (exact), "commands_contain",
-    "commands_lack", "command_count", "sudo", "deferred", "diffs", "unit_diff_contain", "run"
-    (subset of the run dict afterwards), "restarted" (rpc-servers restarted afterwards),
+    "commands_lack", "command_count", "sudo", "deferred" (known after apply: no commands
+    yet, not a no-op), "diffs", "unit_diff_contain", "run" (the build outcome this step
+    decides), "restarted" (rpc-servers restarted, earlier steps and this one),
     "returns" (for preflight: null when the host passes).
     "<<build_key>>" anywhere in facts, run or expected stands for the build key of (cluster,
     host, resolved commit): it embeds a hash of the cmake flags, which fixtures should not pin.
@@ -29,44 +32,39 @@ from pathlib import Path
 import pytest
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import probe
+from meshdeploy.deploy import probe, registry
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import HostContext, Resolved, Step
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
-from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.models.hf import HfFile, HfResolved
-from meshdeploy.roles.rpc_cache import operations as rpc_cache
-from meshdeploy.roles.rpc_cache import seeding
-from meshdeploy.roles.services import operations as services
-from meshdeploy.roles.toolchain import operations as toolchain
+from support.steps import decided
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 FACT_DIR = TESTS / "facts"
 OP_DIR = TESTS / "operations"
-ROLES = ("toolchain", "llama_cpp", "models", "services", "rpc_cache")
 BUILD_KEY = "<<build_key>>"
 
-OPERATIONS = {
-    "toolchain.apt_proxy": lambda ctx, arg: toolchain.apt_proxy(ctx),
-    "toolchain.packages": lambda ctx, arg: toolchain.packages(ctx),
-    "toolchain.preflight": lambda ctx, arg: toolchain.preflight(ctx),
-    "llama_cpp.source": lambda ctx, arg: llama_cpp.source(ctx),
-    "llama_cpp.build": lambda ctx, arg: llama_cpp.build(ctx),
-    "models.gguf": lambda ctx, arg: models.gguf(ctx, arg),
-    "services.rpc_server": lambda ctx, arg: services.rpc_server(ctx, arg),
-    "services.llama_server": lambda ctx, arg: services.llama_server(ctx, arg),
-    "services.cleanup": lambda ctx, arg: services.stale_units(ctx),
-    "rpc_cache.seed_tool": lambda ctx, arg: rpc_cache.seed_tool(ctx),
-    "rpc_cache.seed": lambda ctx, arg: seeding.seed(ctx, arg),
-}
+
+def operations() -> dict:
+    """Every resource of the registry, and each role's preflight, by "<role>.<name>". Apply-only
+    resources act on what earlier operations did on live hosts: the lab covers them."""
+    out = {r.qualified: (lambda ctx, arg, r=r: r.plan(ctx, arg))
+           for r in registry.resources() if not r.apply_only}
+    for role in registry.roles():
+        if role.preflight is not None:
+            out[f"{role.name}.preflight"] = lambda ctx, arg, role=role: role.preflight(ctx)
+    return out
+
+
+OPERATIONS = operations()
 
 
 def fact_classes() -> dict[str, type[FactBase]]:
     """Every FactBase subclass defined in roles/*/facts.py, by "<role>.<Class>"."""
     found = {}
-    for role in ROLES:
+    for role in (r.name for r in registry.roles()):
         module = importlib.import_module(f"meshdeploy.roles.{role}.facts")
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and issubclass(obj, FactBase) and obj is not FactBase \
@@ -160,13 +158,16 @@ def load_case(path: Path, tmp_path: Path):
     resolved = Resolved(
         commit=r.get("commit"), build_number=r.get("build_number"),
         models={name: HfResolved(m["repo"], m["commit"], tuple(HfFile(**f) for f in m["files"]))
-                for name, m in r.get("models", {}).items()},
-        restarted=set(r.get("restarted", [])))
+                for name, m in r.get("models", {}).items()})
     table = {}
     if resolved.commit:
         table[BUILD_KEY] = llama_cpp.build_key(cluster, host, resolved.commit)
     facts = {k: as_decoded(k, v) for k, v in substitute(data.get("facts", {}), table).items()}
-    ctx = HostContext(cluster, host, facts, resolved, run=substitute(data.get("run", {}), table))
+    run = substitute(data.get("run", {}), table)
+    assert set(run) <= {"build_key", "build_changed"}, f"{path}: unknown run keys {set(run)}"
+    ctx = decided(HostContext(cluster, host, facts, resolved), build_key=run.get("build_key"),
+                  build_changed=bool(run.get("build_changed")),
+                  restarted=r.get("restarted", []))
     return ctx, data.get("arg"), substitute(data["expected"], table)
 
 
@@ -174,12 +175,10 @@ def test_every_operation_has_fixtures():
     present = {p.parent.name for p in cases(OP_DIR)}
     assert set(OPERATIONS) <= present, f"no fixtures for {set(OPERATIONS) - present}"
     assert present <= set(OPERATIONS), f"fixtures for unknown operations {present - set(OPERATIONS)}"
-    # Every resource kind the engine schedules is covered by some fixture folder.
+    # Every resource the engine schedules is covered by some fixture folder.
     for inventory in sorted((ROOT / "inventories").glob("*.yaml")):
-        from meshdeploy.deploy.engine import slots
-
-        for slot, _ in slots(load_cluster(inventory)):
-            assert slot.split("[")[0] in OPERATIONS, slot
+        for slot in registry.slots(load_cluster(inventory)):
+            assert slot.resource.qualified in OPERATIONS, slot.name
 
 
 @pytest.mark.parametrize("path", cases(OP_DIR), ids=case_id)
@@ -222,14 +221,17 @@ def check_step(step: Step, ctx: HostContext, expected: dict) -> None:
         assert len(step.commands) == expected["command_count"], step.commands
     if "sudo" in expected:
         assert step.sudo is expected["sudo"]
-    assert step.deferred is expected.get("deferred", False)
+    if expected.get("deferred"):  # known after apply: nothing to run yet, yet not a no-op
+        assert not step.commands and change.action != "no-op", (change.action, step.commands)
     if "diffs" in expected:
         got = [{k: getattr(d, k) for k in want} for d, want in zip(change.diffs, expected["diffs"])]
         assert len(change.diffs) == len(expected["diffs"]), change.diffs
         assert got == expected["diffs"]
     for needle in expected.get("unit_diff_contain", []):
         assert needle in (change.unit_diff or ""), change.unit_diff
+    decided_now = {"build_key": step.build.key if step.build else None,
+                   "build_changed": (step.build.changed or None) if step.build else None}
     for key, value in expected.get("run", {}).items():
-        assert ctx.run.get(key) == value, f"run[{key!r}] = {ctx.run.get(key)!r}"
+        assert decided_now[key] == value, f"{key} = {decided_now[key]!r}"
     if "restarted" in expected:
-        assert sorted(ctx.resolved.restarted) == sorted(expected["restarted"])
+        assert sorted(ctx.steps.restarted() | set(step.restarts)) == sorted(expected["restarted"])

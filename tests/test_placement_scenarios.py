@@ -55,17 +55,17 @@ def headers(gemma, monkeypatch):
     return by_repo
 
 
-def plan_placement(path: Path, facts: dict) -> tuple[Resolved, list[str]]:
+def plan_placement(path: Path, facts: dict) -> tuple[seeding.SeedPlan, list[str]]:
     cluster = load_cluster(path)
     resolved = Resolved(models={
         name: HfResolved(m.source.repo, "c" * 40,
                          (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),))
         for i, (name, m) in enumerate(cluster.models.items())})
-    notes = seeding.prepare(cluster, cluster.hosts, facts, resolved)
-    return resolved, notes
+    planned = seeding.prepare(cluster, cluster.hosts, facts, resolved)
+    return planned, list(planned.notes)
 
 
-def table(resolved: Resolved) -> str:
+def table(resolved: seeding.SeedPlan) -> str:
     """The placement section as the text plan prints it."""
     return render_placement(layout.sections(resolved.layouts))
 

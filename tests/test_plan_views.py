@@ -67,7 +67,7 @@ def built_plan(scenario: str) -> Plan:
     resolved = Resolved(models={
         name: HfResolved(m.source.repo, "c" * 40, (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),))
         for i, (name, m) in enumerate(cluster.models.items())})
-    notes = seeding.prepare(cluster, cluster.hosts, facts, resolved)
+    seed_plan = seeding.prepare(cluster, cluster.hosts, facts, resolved)
     for server in cluster.servers:  # RTT as the orchestrator's probe reports it (microseconds)
         rtt = facts.setdefault(server.host, {}).setdefault("services.Rtt", {})
         for i, e in enumerate(cluster.rpc_endpoints(server)):
@@ -82,10 +82,10 @@ def built_plan(scenario: str) -> Plan:
                       [AttrDiff("port", 50051, 50052)], reason="port moved")]
     return Plan(cluster_name=cluster.name, cluster_path=str(cluster.path), config_hash="c" * 64,
                 fingerprints={h: f"{i:064x}" for i, h in enumerate(hosts)}, changes=changes,
-                warnings=notes + ["hosts run different llama.cpp builds\nsecond line of it"],
+                warnings=list(seed_plan.notes) + ["hosts run different llama.cpp builds\nsecond line of it"],
                 hosts=hosts, created_at="2025-01-01T00:00:00Z", meshdeploy_version="0.1.0",
                 commit="f" * 40, commit_source="lock file",
-                placement=layout.sections(resolved.layouts),
+                placement=layout.sections(seed_plan.layouts),
                 network=consistency.network(cluster, cluster.hosts, facts),
                 remote_commands={h: 1 for h in hosts}, seconds=1.5)
 

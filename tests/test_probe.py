@@ -8,7 +8,9 @@ from pathlib import Path
 
 from meshdeploy.deploy import probe
 from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.engine import probe_sections, slots
+from meshdeploy.deploy import registry
+from meshdeploy.deploy.engine import probe_sections
+from meshdeploy.roles.llama_cpp import lock as locks
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.llama_cpp.facts import Builds, Source
 from meshdeploy.roles.models.facts import ModelFile
@@ -77,7 +79,8 @@ servers:
     (prefix / "builds" / key / "llama-server.help").write_text("-m, --model FNAME\n  --rpc SERVERS\n")
     os.symlink(f"builds/{key}", prefix / "current")
 
-    sections = probe_sections(cluster, host, head, first=False)
+    locks.write_lock(cluster_file, cluster.llama_cpp.repo, "b11312", head)
+    sections = probe_sections(cluster, host, first=False)
     keys = [s.key for s in sections]
     assert len(keys) == len(set(keys)), keys
     lines = run_sh(probe.compose(sections, "n0nce") + "true")
@@ -98,7 +101,8 @@ servers:
     assert facts["services.Units"] == {}
 
     # The node without the model probes no ModelFile; an unknown commit reads as "missing".
-    other = probe_sections(cluster, cluster.host("node2"), "f" * 40, first=False)
+    locks.write_lock(cluster_file, cluster.llama_cpp.repo, "b11312", "f" * 40)
+    other = probe_sections(cluster, cluster.host("node2"), first=False)
     assert not [s for s in other if s.key.startswith("models.ModelFile")]
     decoded = probe.decode(other, probe.split(run_sh(probe.compose(other, "n")), other, "n"))
     assert decoded["llama_cpp.Source"]["has_commit"] is False
@@ -116,8 +120,12 @@ def test_one_failing_fact_does_not_end_the_probe(tmp_path):
 
 def test_fingerprint_ignores_free_disk_space_only():
     base = {"models.DiskFree": 1000, "toolchain.AptProxy": None}
-    assert probe.fingerprint(base) == probe.fingerprint({**base, "models.DiskFree": 2000})
-    assert probe.fingerprint(base) != probe.fingerprint({**base, "toolchain.AptProxy": "x\n"})
+    volatile = registry.volatile()
+    assert "models.DiskFree" in volatile
+    assert probe.fingerprint(base, volatile) == probe.fingerprint({**base, "models.DiskFree": 2000},
+                                                                  volatile)
+    assert probe.fingerprint(base, volatile) != probe.fingerprint(
+        {**base, "toolchain.AptProxy": "x\n"}, volatile)
 
 
 def test_every_host_gets_the_same_slot_sequence():
@@ -125,7 +133,7 @@ def test_every_host_gets_the_same_slot_sequence():
 
     for inventory in INVENTORIES:
         cluster = load_cluster(inventory)
-        names = [slot for slot, _ in slots(cluster)]
+        names = [slot.name for slot in registry.slots(cluster)]
         assert len(names) == len(set(names)), inventory.name
         assert names[:4] == ["toolchain.apt_proxy", "toolchain.packages", "llama_cpp.source",
                              "llama_cpp.build"], inventory.name
@@ -136,9 +144,9 @@ def test_every_host_gets_the_same_slot_sequence():
             ctx = HostContext(cluster, host, {"toolchain.Platform": platform,
                                               "toolchain.DebPackages": {}}, resolved)
             seen = []
-            for slot, fn in slots(cluster):
-                if slot.startswith("models.gguf"):
+            for slot in registry.slots(cluster):
+                if slot.name.startswith("models.gguf"):
                     continue  # needs a resolved model; covered by tests/operations
-                seen.append((slot, fn(ctx).change.host))
+                seen.append((slot.name, slot.resource.plan(ctx, slot.key).change.host))
             assert [s for s, _ in seen] == [n for n in names if not n.startswith("models.gguf")]
             assert {h for _, h in seen} == {host.name}

@@ -46,10 +46,10 @@ def prepared(path: str, facts: dict, header: Header):
     original = mod.read_header
     mod.read_header = lambda _path: header
     try:
-        seeding.prepare(cluster, cluster.hosts, facts, resolved, fetch=fetch)
+        planned = seeding.prepare(cluster, cluster.hosts, facts, resolved, fetch=fetch)
     finally:
         mod.read_header = original
-    return cluster, resolved, fetched
+    return cluster, planned, fetched
 
 
 GPU_FACTS = {"box11": {"rpc_cache.DeviceMemory": {"cpu": None, "cuda": [
@@ -59,12 +59,12 @@ GPU_FACTS = {"box11": {"rpc_cache.DeviceMemory": {"cpu": None, "cuda": [
 
 
 def test_only_the_cached_worker_seeds_its_own_layers():
-    cluster, resolved, _ = prepared("inventories/two-cuda-11-16.yaml", GPU_FACTS, gemma27_header())
-    assert list(resolved.seeds) == ["box11:50052"]
-    (seed,) = resolved.seeds["box11:50052"]
+    cluster, planned, _ = prepared("inventories/two-cuda-11-16.yaml", GPU_FACTS, gemma27_header())
+    assert list(planned.seeds) == ["box11:50052"]
+    (seed,) = planned.seeds["box11:50052"]
     assert seed.model_sha == SHA
     assert seed.model_path == "/opt/meshdeploy/models/gemma27/gemma-3-27b-it-Q4_K_M.gguf"
-    rpc_row = resolved.layouts[0].rows[0]
+    rpc_row = planned.layouts[0].rows[0]
     # -ts 11,16 over 62 layers + output: llama.cpp gives the RPC card layers 0..25.
     assert rpc_row["layers"] == "0-25"
     assert {t.layer for t in seed.tensors} == set(range(26))
@@ -84,7 +84,7 @@ def test_auto_split_without_memory_facts_is_refused(tmp_path):
     mod.read_header = lambda _path: gemma27_header()
     try:
         with pytest.raises(PlanError, match="the free memory of box11:50052/CUDA0, box16/CUDA0 is unknown"):
-            seeding.prepare(cluster, cluster.hosts, {}, resolved,
+            planned = seeding.prepare(cluster, cluster.hosts, {}, resolved,
                             fetch=lambda *a, **k: tmp_path.joinpath("h").touch() or
                             tmp_path / "h")
     finally:
@@ -108,9 +108,9 @@ def test_header_cache_spares_the_next_plan_a_fetch(tmp_path):
             resolved = Resolved(models={"gemma27": HfResolved(
                 "unsloth/gemma-3-27b-it-GGUF", "c" * 40,
                 (HfFile("gemma-3-27b-it-Q4_K_M.gguf", 16_546_688_000, SHA, "u"),))})
-            seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
+            planned = seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
                             fetch=fetch, header_cache=tmp_path)
-            assert resolved.layouts
+            assert planned.layouts
     finally:
         mod.read_header = original
     assert len(fetched) == 1
@@ -178,14 +178,14 @@ def test_a_worker_seeds_from_its_own_ollama_store(tmp_path):
 
     for _ in range(2):  # the second plan finds the header in the cache: nothing is read
         resolved = Resolved()
-        notes = seeding.prepare(cluster, cluster.hosts, facts, resolved,
+        planned = seeding.prepare(cluster, cluster.hosts, facts, resolved,
                                 header_cache=tmp_path / "headers", read_remote=read_remote)
-        assert notes == []
-        (seed,) = resolved.seeds["box11:50052"]
+        assert planned.notes == ()
+        (seed,) = planned.seeds["box11:50052"]
         assert seed.model_sha == DIGEST  # the blob's own sha256 names the content
         assert seed.model_path == "/opt/meshdeploy/models/gemma27/model.gguf"
         assert {t.layer for t in seed.tensors} == set(range(26))
-        assert resolved.layouts[0].rows[0]["layers"] == "0-25"
+        assert planned.layouts[0].rows[0]["layers"] == "0-25"
     # Read once, from the worker that seeds, at its blob.
     assert reads == [("box11", f"/usr/share/ollama/.ollama/models/blobs/sha256-{DIGEST}")]
 
@@ -197,8 +197,8 @@ def test_a_worker_seeds_from_a_path_named_by_size_and_mtime(tmp_path):
     facts = {h: {**GPU_FACTS[h], "models.ModelFile[gemma27]": file} for h in GPU_FACTS}
     data = header_bytes_of(gemma27_header(), tmp_path)
     resolved = Resolved()
-    seeding.prepare(cluster, cluster.hosts, facts, resolved, read_remote=lambda h, p: data)
-    (seed,) = resolved.seeds["box11:50052"]
+    planned = seeding.prepare(cluster, cluster.hosts, facts, resolved, read_remote=lambda h, p: data)
+    (seed,) = planned.seeds["box11:50052"]
     assert (seed.model_sha, seed.model_path) == ("path-17000000000-1718000000",
                                                  "/models/gemma-27b.gguf")
     # The worker holds the file: models.gguf checks it there as on the orchestrator.
@@ -208,10 +208,10 @@ def test_a_worker_seeds_from_a_path_named_by_size_and_mtime(tmp_path):
 def test_a_model_not_yet_on_the_worker_waits_for_the_next_plan(tmp_path):
     cluster = on_hosts_cluster(tmp_path, "{path: /models/gemma-27b.gguf}")
     resolved = Resolved()
-    notes = seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
+    planned = seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
                             read_remote=lambda h, p: pytest.fail("nothing to read"))
-    assert resolved.seeds == {} and resolved.layouts == []
-    assert notes == ["servers.main: gemma27 is not on the probed hosts yet; its placement and "
+    assert planned.seeds == {} and planned.layouts == ()
+    assert list(planned.notes) == ["servers.main: gemma27 is not on the probed hosts yet; its placement and "
                      "seeding are computed by the plan after it is"]
 
 
@@ -221,5 +221,5 @@ def test_an_unreadable_header_on_a_host_is_one_error(tmp_path):
     facts = {h: {**GPU_FACTS[h], "models.ModelFile[gemma27]": file} for h in GPU_FACTS}
     with pytest.raises(PlanError, match=r"models.gemma27: cannot read the GGUF header: "
                                         r"not a GGUF file \(bad magic\)"):
-        seeding.prepare(cluster, cluster.hosts, facts, Resolved(),
+        planned = seeding.prepare(cluster, cluster.hosts, facts, Resolved(),
                         read_remote=lambda h, p: b"NOPE" * 10)

@@ -178,7 +178,7 @@ def test_probe_runs_unprivileged_except_privileged_sections(lab):
     host = dataclasses.replace(lab.host("node2"), rpc_servers=(
         dataclasses.replace(lab.host("node2").rpc_servers[0], cache=True),))
     cluster = dataclasses.replace(lab, hosts=(lab.hosts[0], host, lab.hosts[2]))
-    sections, script = probe_command(cluster, host, COMMIT, False, "n")
+    sections, script = probe_command(cluster, host, False, "n")
     privileged = [s.key for s in sections if s.privileged]
     assert privileged == ["rpc_cache.CacheDir[50052]"]
     blocks = script.split("printf '%s\\n' ")[1:]
@@ -189,7 +189,7 @@ def test_probe_runs_unprivileged_except_privileged_sections(lab):
         assert wrapped == (key in privileged), key
     # Without ssh.sudo nothing is wrapped (and no sudo check is made).
     plain = dataclasses.replace(host, ssh=dataclasses.replace(host.ssh, sudo=False))
-    _, script = probe_command(cluster, plain, COMMIT, False, "n")
+    _, script = probe_command(cluster, plain, False, "n")
     assert "sudo" not in script
 
 
@@ -212,7 +212,7 @@ def test_gather_runs_one_unprivileged_command_and_reports_refused_sudo(lab, tmp_
 
     from meshdeploy.deploy.errors import ConnectError
     with pytest.raises(ConnectError, match="node2: sudo refused for user deploy: sudo: a password"):
-        gather(Session(), COMMIT)
+        gather(Session())
     assert calls == [False]
 
 

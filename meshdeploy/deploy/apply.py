@@ -1,101 +1,79 @@
-"""Apply: the planned steps as pyinfra operations, in order, with readiness checks and a summary."""
+"""Apply: every registered resource as its named pyinfra operation, in order, with readiness
+checks and a summary."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
 
-from meshdeploy.deploy.context import HostContext, Step, Upload
-from meshdeploy.deploy.engine import Planned, Session, slots
+from meshdeploy.deploy import operations, registry
+from meshdeploy.deploy.context import HostContext, Step, Steps
+from meshdeploy.deploy.engine import Planned
 from meshdeploy.deploy.errors import ApplyError
-from meshdeploy.roles.llama_cpp import lock as locks
-from meshdeploy.roles.llama_cpp import operations as llama_cpp
-from meshdeploy.roles.llama_cpp.facts import Builds, ls_remote, pick_ls_remote
-
-RESOLVE_SLOT = "llama_cpp.resolve"
-# Slots whose steps read the build's manifest: re-read it once the build changed.
-_NEEDS_MANIFEST = ("services.rpc_server", "services.llama_server")
+from meshdeploy.deploy.session import Session
 
 
 class Run:
-    """What apply shares between the operations of all hosts while they execute."""
+    """What apply shares between the operations of all hosts while they execute: the facts
+    (re-read where an earlier step changed them), the steps decided so far, the resolved values
+    (a step may fix one, e.g. the commit), timings and the first failure."""
 
     def __init__(self, session: Session, planned: Planned, progress):
         self.session = session
         self.cluster = session.cluster
-        self.resolved = replace(planned.resolved, restarted=set(), models=dict(planned.resolved.models))
-        self.contexts = {h.name: HostContext(self.cluster, h, dict(planned.facts[h.name]), self.resolved)
-                         for h in session.hosts()}
-        self.functions = dict(slots(self.cluster))
+        self.resolved = planned.resolved
+        self.facts = {h.name: dict(planned.facts[h.name]) for h in session.hosts()}
+        self.first = session.hosts()[0].name
+        self.steps = Steps()
+        self.reread: set[tuple[str, str]] = set()
         self.results: list[dict] = []
         self.failure: dict | None = None
         self.progress = progress
         self.started: dict = {}
 
-    def step(self, host_name: str, slot: str) -> Step:
-        ctx = self.contexts[host_name]
-        if slot == RESOLVE_SLOT:
-            return self.resolve_step(ctx)
-        if slot.startswith(_NEEDS_MANIFEST) and ctx.run.get("build_changed") and \
-                not ctx.run.get("manifest_refreshed"):
-            p = llama_cpp.paths(ctx.prefix)
-            host = self.session.pyhosts[host_name]
-            ctx.facts["llama_cpp.Builds"] = host.get_fact(
-                Builds, builds_dir=p["builds"], current_link=p["current"])
-            ctx.run["manifest_refreshed"] = True
-        return self.functions[slot](ctx)
-
-    def resolve_step(self, ctx: HostContext) -> Step:
-        """Resolve the ref on the first host once git is there; record it in the lock file."""
-        first = self.session.hosts()[0].name
-        change = ctx.change("llama_cpp", "resolve", "no-op", "ref already resolved")
-        if self.resolved.commit is not None or ctx.host.name != first:
-            return Step(change)
-        ref, repo = self.cluster.llama_cpp.ref, self.cluster.llama_cpp.repo
-        # As the login user: resolving a ref needs no root, and the repository is a value.
-        ok, output = self.session.run(first, ls_remote(repo, ref), sudo=False)
-        commit = pick_ls_remote(output.stdout_lines) if ok else None
-        if not commit:
-            raise ApplyError(f"{first}: llama_cpp.ref {ref!r} does not exist in {repo}",
-                             hint="use a tag, branch or full commit of that repository")
-        self.resolved.commit = commit
-        locks.write_lock(self.cluster.path, repo, ref, commit)
-        return Step(ctx.change("llama_cpp", "resolve", "no-op", f"{ref} -> {commit[:12]}"))
-
-
-def _operation(run: Run):
-    import io
-
-    from pyinfra import host
-    from pyinfra.api import FileUploadCommand, StringCommand, operation
-
-    @operation(is_idempotent=True)
-    def meshdeploy_step(slot: str):
-        name = host.name
+    def step(self, host_name: str, resource: registry.Resource, key) -> Step:
+        slot = resource.slot(key)
         try:
-            step = run.step(name, slot)
+            self._reread(host_name, resource)
+            host = self.cluster.host(host_name)
+            ctx = HostContext(self.cluster, host, self.facts[host_name], self.resolved,
+                              self.steps, first=host_name == self.first,
+                              run_command=lambda command: self._run(host_name, command))
+            step = resource.plan(ctx, key)
         except Exception as exc:
-            run.failure = {"host": name, "step": slot, "error": exc}
+            self.failure = {"host": host_name, "step": slot, "error": exc}
             raise
-        if step.noop:
-            host.noop(step.change.reason)
-            return
-        run.started[(name, slot)] = time.monotonic()
-        for command in step.commands:
-            kwargs = {} if step.sudo else {"_sudo": False}
-            if isinstance(command, Upload):
-                yield FileUploadCommand(io.StringIO(command.content), command.path, **kwargs)
-            else:
-                yield StringCommand(command, **kwargs)
+        self.steps.add(host_name, slot, step)
+        if step.resolves:
+            self.resolved = replace(self.resolved, **step.resolves)
+        return step
 
-    return meshdeploy_step
+    def begin(self, host_name: str, slot: str) -> None:
+        self.started[(host_name, slot)] = time.monotonic()
+
+    def _run(self, host_name: str, command: str) -> tuple[bool, list[str]]:
+        ok, output = self.session.run(host_name, command, sudo=False)
+        return ok, list(output.stdout_lines) if ok else []
+
+    def _reread(self, host_name: str, resource: registry.Resource) -> None:
+        """Facts the resource declares it re-reads once an earlier resource ran on the host."""
+        for earlier, key in resource.rereads:
+            if (host_name, key) in self.reread or not self.steps.ran(host_name, earlier):
+                continue
+            request = registry.FactRequest(self.cluster, self.cluster.host(host_name),
+                                           host_name == self.first)
+            section = next(s for s in registry.sections(request) if s.key == key)
+            pyhost = self.session.pyhosts[host_name]
+            self.facts[host_name][key] = pyhost.get_fact(section.fact, **section.kwargs)
+            self.reread.add((host_name, key))
 
 
-def record_lock(cluster, planned: Planned) -> None:
-    """A ref this plan resolved is recorded before any host builds it."""
-    if planned.resolved.commit and planned.plan.commit_source.startswith("ls-remote"):
-        locks.write_lock(cluster.path, cluster.llama_cpp.repo, cluster.llama_cpp.ref,
-                         planned.resolved.commit)
+def begin(cluster, planned: Planned) -> None:
+    """Each role's apply_started hook, once the plan is made and before any host changes
+    (llama_cpp records a ref the plan resolved in the lock file)."""
+    for role in registry.roles():
+        if role.apply_started is not None:
+            role.apply_started(cluster, planned.resolved)
 
 
 def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
@@ -104,12 +82,9 @@ def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
     from pyinfra.api.operations import run_ops
     from pyinfra.api.state import StateStage
 
+    cluster = session.cluster
     run = Run(session, planned, progress)
     state = session.state
-    op = _operation(run)
-    order = [slot for slot, _ in slots(session.cluster)]
-    if planned.resolved.commit is None:
-        order.insert(order.index("llama_cpp.source"), RESOLVE_SLOT)
 
     class Progress(BaseStateCallback):
         @staticmethod
@@ -123,14 +98,15 @@ def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
     state.add_callback_handler(Progress())
     state.set_stage(StateStage.Prepare)
     metas = {}
-    for slot in order:
-        kwargs = {"name": slot}
-        if slot == "llama_cpp.build" and session.cluster.llama_cpp.build.serial:
+    for slot in registry.slots(cluster, apply=True):
+        kwargs = {"name": slot.name}
+        if slot.resource.serial is not None and slot.resource.serial(cluster):
             kwargs["_serial"] = True
-        metas[slot] = add_op(state, op, slot, **kwargs)
+        metas[slot.name] = add_op(state, _operation(slot.resource), slot.key, **kwargs)
     state.set_stage(StateStage.Execute)
     try:
-        run_ops(state)
+        with operations.running(run):
+            run_ops(state)
     except Exception as exc:  # pyinfra raises once too many hosts failed
         if run.failure is None and not _failed(metas):
             raise ApplyError(f"apply stopped: {exc}") from None
@@ -148,6 +124,10 @@ def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
                          hint="fix the cause shown above, then run apply again: finished steps "
                               "are not repeated")
     return run.results
+
+
+def _operation(resource: registry.Resource):
+    return registry.role(resource.role).operation(resource.name)
 
 
 def _failed(metas):

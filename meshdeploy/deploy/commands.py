@@ -12,7 +12,8 @@ import time  # noqa: E402
 
 from meshdeploy.deploy import errors  # noqa: E402
 from meshdeploy.deploy.config import load_cluster  # noqa: E402
-from meshdeploy.deploy.engine import Session, config_hash, make_plan  # noqa: E402
+from meshdeploy.deploy.engine import config_hash, make_plan  # noqa: E402
+from meshdeploy.deploy.session import Session  # noqa: E402
 from meshdeploy.deploy.errors import AbortedError, PlanError  # noqa: E402
 from meshdeploy.deploy.plan import check_fresh, load_plan, save_plan  # noqa: E402
 from meshdeploy.deploy.render import render_apply_summary, render_json, render_text  # noqa: E402
@@ -71,7 +72,7 @@ def _is_plan_file(path: str) -> bool:
 
 def apply(args) -> int:
     from meshdeploy.deploy.apply import apply as run_apply
-    from meshdeploy.deploy.apply import record_lock
+    from meshdeploy.deploy.apply import begin
 
     saved = None
     if _is_plan_file(args.file):
@@ -89,7 +90,7 @@ def apply(args) -> int:
             check_fresh(saved, config_hash(cluster), planned.plan.fingerprints)
         else:
             print(render_text(planned.plan, color=_color()))
-        record_lock(cluster, planned)
+        begin(cluster, planned)
         if not planned.plan.has_changes():
             if saved is not None:
                 print("No changes. The cluster matches the configuration.")

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshdeploy.deploy.model import Cluster, Host
 from meshdeploy.deploy.plan import AttrDiff, Change
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resolved:
-    """Values fixed once for the whole cluster before any host changes.
+    """Values fixed once for the whole cluster before any host changes (roles' Prepared values).
 
     commit is None when the ref could not be resolved yet (no host has git and the control
     machine cannot reach the repository): the plan then says "(known after apply)" and apply
@@ -18,15 +19,54 @@ class Resolved:
     """
 
     commit: str | None = None
+    commit_source: str = "unresolved"  # "pinned commit", "lock file", "ls-remote on <host>"
     build_number: int | None = None
     upstream_commit: str | None = None  # what the ref points at now, when it was checked
     models: dict = field(default_factory=dict)  # model name -> roles.models.hf.HfResolved
     hf_token: str | None = field(default=None, repr=False)  # control machine's, for downloads
-    # "host:port" of rpc-servers (re)started by this run: their llama-servers restart after.
-    restarted: set = field(default_factory=set)
-    # roles.rpc_cache.seeding.prepare: "host:port" -> SeedModel tuple, and placement layouts.
+    # roles.rpc_cache: "host:port" -> SeedModel tuple, and placement layouts.
     seeds: dict = field(default_factory=dict)
-    layouts: list = field(default_factory=list)
+    layouts: tuple = ()
+
+
+@dataclass(frozen=True)
+class BuildOutcome:
+    """What llama_cpp.build decided for one host: the build its services run."""
+
+    key: str | None  # None: known after apply (the ref is not resolved yet)
+    changed: bool  # a different build becomes current in this run
+
+
+class Steps:
+    """The steps decided so far in this run, in the order plan and apply evaluate them (every
+    host's slot N before any host's slot N+1). What a step did is read from here: a later step
+    never looks at a flag an earlier one set."""
+
+    def __init__(self):
+        self._by_host: dict[str, dict[str, Step]] = {}
+
+    def add(self, host: str, slot: str, step: Step) -> None:
+        self._by_host.setdefault(host, {})[slot] = step
+
+    def on(self, host: str) -> dict[str, Step]:
+        return dict(self._by_host.get(host, {}))
+
+    def build(self, host: str) -> BuildOutcome | None:
+        """The build the host's services run, as decided by its llama_cpp.build step."""
+        outcome = None
+        for step in self._by_host.get(host, {}).values():
+            if step.build is not None:
+                outcome = step.build
+        return outcome
+
+    def restarted(self) -> set[str]:
+        """"host:port" of every rpc-server whose step (re)starts it."""
+        return {e for steps in self._by_host.values() for s in steps.values() for e in s.restarts}
+
+    def ran(self, host: str, resource: str) -> bool:
+        """Whether a step of `resource` ("llama_cpp.build") runs commands on the host."""
+        return any(slot.split("[")[0] == resource and step.commands
+                   for slot, step in self._by_host.get(host, {}).items())
 
 
 @dataclass
@@ -35,13 +75,20 @@ class HostContext:
     host: Host
     facts: dict[str, object]
     resolved: Resolved
-    # Filled during apply by earlier steps of this host (e.g. "build_changed": True); the plan
-    # fills it with what the steps *would* do, so downstream resources show known-after-apply.
-    run: dict = field(default_factory=dict)
+    # What earlier steps of this run decide; the plan fills it with what they *would* do, so
+    # downstream resources show known-after-apply.
+    steps: Steps = field(default_factory=Steps)
+    first: bool = False  # the host that resolves cluster-wide values (the first of the run)
+    # apply only: runs a command on this host as the login user -> (ok, stdout lines)
+    run_command: Callable[[str], tuple[bool, list[str]]] | None = None
 
     @property
     def prefix(self) -> str:
         return self.cluster.llama_cpp.prefix
+
+    @property
+    def build(self) -> BuildOutcome | None:
+        return self.steps.build(self.host.name)
 
     def fact(self, key: str):
         return self.facts.get(key)
@@ -78,8 +125,10 @@ class Step:
 
     change: Change
     commands: list[str] = field(default_factory=list)
-    deferred: bool = False  # commands are computed at apply time (depend on earlier results)
     sudo: bool = True  # False for tools that refuse root (Homebrew)
+    build: BuildOutcome | None = None  # llama_cpp.build's decision (Steps.build)
+    restarts: tuple[str, ...] = ()  # "host:port" of rpc-servers this step (re)starts
+    resolves: dict = field(default_factory=dict)  # Resolved fields fixed for later steps
 
     @property
     def noop(self) -> bool:

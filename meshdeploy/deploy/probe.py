@@ -20,11 +20,6 @@ from meshdeploy.deploy import shell
 
 MARKER = "@@meshdeploy-section "
 
-# Facts whose values move on their own (free disk space); kept out of the drift fingerprint so
-# a saved plan is not called stale because a log file grew.
-VOLATILE = ("models.DiskFree", "rpc_cache.DeviceMemory", "services.Rtt")
-
-
 def new_nonce() -> str:
     """A per-probe secret in every section marker: no fact's output (a file name, an Ollama
     manifest, a hostile host) can forge a section it does not know the nonce of."""
@@ -106,7 +101,10 @@ def decode(sections: list[Section], raw: dict[str, list[str]]) -> dict[str, obje
     return facts
 
 
-def fingerprint(facts: dict[str, object]) -> str:
-    stable = {k: v for k, v in facts.items() if not k.startswith(VOLATILE)}
+def fingerprint(facts: dict[str, object], volatile: tuple[str, ...] = ()) -> str:
+    """A digest of the facts a saved plan was made from; volatile facts (free disk, memory,
+    round trips: each role's Role.volatile) are left out, so a growing log file does not make
+    a plan stale."""
+    stable = {k: v for k, v in facts.items() if not k.startswith(volatile)}
     blob = json.dumps(stable, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()

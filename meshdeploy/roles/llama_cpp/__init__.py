@@ -1,0 +1,44 @@
+"""llama_cpp: one commit everywhere (lock file), the clone, and per-backend builds."""
+
+from meshdeploy.deploy.registry import FactRequest, Prepare, Prepared, Resource, Role
+from meshdeploy.roles.llama_cpp import lock
+from meshdeploy.roles.llama_cpp import operations as ops
+
+
+def _facts(req: FactRequest):
+    return ops.sections(req.cluster, req.host, lock.known_commit(req.cluster), req.first)
+
+
+def _prepare(p: Prepare) -> Prepared:
+    first = p.hosts[0].name if p.hosts else None
+    upstream = (p.facts.get(first) or {}).get("llama_cpp.RemoteRef") if first else None
+    commit, how = lock.resolve(p.cluster, upstream, first)
+    if upstream == ops.RemoteRef.MISSING:
+        upstream = None
+    return Prepared(values={"commit": commit, "commit_source": how, "upstream_commit": upstream,
+                            "build_number": lock.build_number(p.cluster.llama_cpp.ref)},
+                    warnings=tuple(lock.moved_warning(p.cluster, upstream)))
+
+
+ROLE = Role(
+    name="llama_cpp",
+    doc=__doc__,
+    facts=_facts,
+    prepare=_prepare,
+    inputs=lambda cluster: [lock.lock_path(cluster.path)],
+    apply_started=lambda cluster, resolved: lock.record(cluster, resolved.commit,
+                                                        resolved.commit_source),
+    after=("toolchain",),
+    resources=(
+        Resource("resolve", lambda ctx, key: ops.resolve(ctx),
+                 "the ref resolved on the first host when the plan could not", apply_only=True),
+        Resource("source", lambda ctx, key: ops.source(ctx),
+                 "the clone at the pinned commit"),
+        Resource("build", lambda ctx, key: ops.build(ctx),
+                 "llama-server and the RPC worker for the host's backend",
+                 serial=lambda cluster: cluster.llama_cpp.build.serial),
+    ),
+)
+
+source = ROLE.operation("source")
+build = ROLE.operation("build")

@@ -1,4 +1,5 @@
-"""The lock file: the commit a tag or branch was resolved to, recorded next to the cluster file.
+"""The one place of commit and lock logic: which llama.cpp commit every host builds, and the lock
+file recording the commit a tag or branch was resolved to, next to the cluster file.
 
 Like a Terraform or npm lock it makes every host, and every later run, build the same commit
 even when the ref moves upstream; the plan only warns that it moved.
@@ -11,11 +12,12 @@ import os
 import re
 from pathlib import Path
 
-from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.errors import ApplyError, PlanError
 from meshdeploy.roles.llama_cpp import defaults as d
+from meshdeploy.roles.llama_cpp.facts import COMMIT, RemoteRef, ls_remote, pick_ls_remote
 
 # Use with fullmatch: `$` also matches before a final newline.
-FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
+FULL_COMMIT = COMMIT
 BUILD_TAG = re.compile(r"b(\d+)")
 
 
@@ -66,3 +68,75 @@ def build_number(ref: str) -> int | None:
     """Upstream tags builds as bNNNN; for other refs the build counts commits at build time."""
     match = BUILD_TAG.fullmatch(ref)
     return int(match.group(1)) if match else None
+
+
+# -- the commit every host builds -------------------------------------------------------------------
+
+def checked_commit(commit: str) -> str:
+    """A commit goes to git only as 40 lowercase hex, whatever produced it."""
+    if not isinstance(commit, str) or not FULL_COMMIT.fullmatch(commit):
+        raise PlanError(f"llama.cpp commit {commit!r} is not 40 lowercase hex digits",
+                        hint="pin llama_cpp.ref to a tag, branch or full commit, and delete a "
+                             "hand-edited lock file entry")
+    return commit
+
+
+def known_commit(cluster) -> str | None:
+    """The commit before any host is asked: a pinned full commit, else the lock file's."""
+    if FULL_COMMIT.fullmatch(cluster.llama_cpp.ref):
+        return cluster.llama_cpp.ref
+    return locked_commit(cluster, read_lock(cluster.path))
+
+
+def resolve(cluster, upstream: str | None, first: str | None) -> tuple[str | None, str]:
+    """(commit to build, how it was decided), given where the first host's ls-remote says the
+    ref points (RemoteRef: a commit, MISSING, or None when unknown).
+
+    The repository URL is the hosts' view of it (a mirror on their network may be unreachable
+    from here), so refs are resolved on the first host, never from the control machine.
+    """
+    ref = cluster.llama_cpp.ref
+    if upstream == RemoteRef.MISSING:
+        raise PlanError(f"llama_cpp.ref {ref!r} does not exist in {cluster.llama_cpp.repo} "
+                        f"(ls-remote on {first})",
+                        hint="use a tag, branch or full commit of that repository")
+    if FULL_COMMIT.fullmatch(ref):
+        return ref, "pinned commit"
+    locked = locked_commit(cluster, read_lock(cluster.path))
+    if locked:
+        return locked, "lock file"
+    if upstream:
+        return upstream, f"ls-remote on {first}"
+    return None, "unresolved"
+
+
+def moved_warning(cluster, upstream: str | None) -> list[str]:
+    """The plan's note when the ref moved upstream since the lock recorded it."""
+    locked = locked_commit(cluster, read_lock(cluster.path))
+    if locked and upstream and upstream != locked:
+        return [f"llama.cpp {cluster.llama_cpp.ref} now points at {upstream[:12]} upstream; "
+                f"the lock keeps {locked[:12]}. To move, delete the llama_cpp entry of "
+                f"{lock_path(cluster.path).name} and plan again."]
+    return []
+
+
+def record(cluster, commit: str | None, source: str) -> None:
+    """A ref the plan resolved by ls-remote is recorded before any host builds it."""
+    if commit and source.startswith("ls-remote"):
+        write_lock(cluster.path, cluster.llama_cpp.repo, cluster.llama_cpp.ref, commit)
+
+
+def resolve_on_host(ctx) -> dict:
+    """At apply, when the plan could not resolve the ref (no git anywhere yet): ls-remote on the
+    first host once the toolchain is there, recorded in the lock file before anything builds.
+    Returns the Resolved fields this fixes."""
+    cluster = ctx.cluster
+    ref, repo = cluster.llama_cpp.ref, cluster.llama_cpp.repo
+    # As the login user: resolving a ref needs no root, and the repository is a value.
+    ok, lines = ctx.run_command(ls_remote(repo, ref))
+    commit = pick_ls_remote(lines) if ok else None
+    if not commit:
+        raise ApplyError(f"{ctx.host.name}: llama_cpp.ref {ref!r} does not exist in {repo}",
+                        hint="use a tag, branch or full commit of that repository")
+    write_lock(cluster.path, repo, ref, commit)
+    return {"commit": commit}

@@ -6,12 +6,14 @@ import hashlib
 from pathlib import Path
 
 from meshdeploy.deploy import shell
-from meshdeploy.deploy.context import HostContext, Step
+from meshdeploy.deploy.context import BuildOutcome, HostContext, Step
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d
-from meshdeploy.roles.llama_cpp.facts import COMMIT, GIT_SAFE, Builds, RemoteRef, Source
+from meshdeploy.roles.llama_cpp.facts import GIT_SAFE, Builds, RemoteRef, Source
+from meshdeploy.roles.llama_cpp import lock
+from meshdeploy.roles.llama_cpp.lock import checked_commit
 
 ROLE = "llama_cpp"
 TEMPLATES = Path(__file__).with_name("templates")
@@ -34,15 +36,6 @@ def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
         out.append(Section("llama_cpp.RemoteRef", RemoteRef,
                            {"repo": cluster.llama_cpp.repo, "ref": cluster.llama_cpp.ref}))
     return out
-
-
-def checked_commit(commit: str) -> str:
-    """A commit goes to git only as 40 lowercase hex, whatever produced it."""
-    if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
-        raise PlanError(f"llama.cpp commit {commit!r} is not 40 lowercase hex digits",
-                        hint="pin llama_cpp.ref to a tag, branch or full commit, and delete a "
-                             "hand-edited lock file entry")
-    return commit
 
 
 def targets(cluster, host) -> list[str]:
@@ -86,7 +79,7 @@ def source(ctx: HostContext) -> Step:
                             [AttrDiff("repo", None, repo),
                              AttrDiff("commit", None, short, known_after_apply=commit is None)])
         if commit is None:
-            return Step(change, deferred=True)
+            return Step(change)  # commands known after apply
         return Step(change, [clone_script(src, repo, checked_commit(commit))])
     if commit is not None and have["head"] == commit and have["url"] == repo:
         return Step(ctx.change(ROLE, "source", "no-op", f"at {short}"))
@@ -98,7 +91,7 @@ def source(ctx: HostContext) -> Step:
     change = ctx.change(ROLE, "source", "update", "pin moved" if have["head"] != commit
                         else "origin changed", diffs)
     if commit is None:
-        return Step(change, deferred=True)
+        return Step(change)  # commands known after apply
     if not have.get("has_commit") or have["url"] != repo:
         cmds.append(shell.command("git", *GIT_SAFE, "-C", src, "fetch", "--quiet", "--tags",
                                   "origin"))
@@ -155,33 +148,42 @@ def build(ctx: HostContext) -> Step:
     current = have.get("current")
     current_commit = (have["builds"].get(current) or {}).get("commit") if current else None
     if commit is None:
-        ctx.run["build_changed"] = True
         return Step(ctx.change(ROLE, "build", "replace" if current else "create",
                                "ref not resolved yet",
                                [AttrDiff("commit", current_commit and current_commit[:12], None,
                                          forces_replacement=bool(current), known_after_apply=True)]),
-                    deferred=True)
+                    build=BuildOutcome(None, changed=True))
     key = build_key(cluster, host, commit)
-    ctx.run["build_key"] = key
     if key in have["builds"]:
         if current == key:
-            return Step(ctx.change(ROLE, "build", "no-op", f"{key} built and current"))
-        ctx.run["build_changed"] = True
+            return Step(ctx.change(ROLE, "build", "no-op", f"{key} built and current"),
+                        build=BuildOutcome(key, changed=False))
         return Step(ctx.change(ROLE, "build", "update", "switch to an existing build (no compile)",
                                [AttrDiff("current", current, key)]),
-                    [activate_script(ctx, key)])
-    ctx.run["build_changed"] = True
+                    [activate_script(ctx, key)], build=BuildOutcome(key, changed=True))
     diffs = [AttrDiff("commit", current_commit and current_commit[:12], commit[:12],
                       forces_replacement=bool(current)),
              AttrDiff("backend", None if current else None, host.backend),
              AttrDiff("targets", None, " ".join(targets(cluster, host)))]
     return Step(ctx.change(ROLE, "build", "replace" if current else "create",
                            f"no build of {commit[:12]} for {host.backend} with these flags", diffs),
-                [build_script(ctx, key), activate_script(ctx, key)])
+                [build_script(ctx, key), activate_script(ctx, key)],
+                build=BuildOutcome(key, changed=True))
 
 
 def manifest_for(ctx: HostContext) -> dict | None:
     """The manifest of the build this host will run, when it is already installed."""
-    key = ctx.run.get("build_key")
+    key = ctx.build.key if ctx.build else None
     builds = (ctx.fact("llama_cpp.Builds") or {}).get("builds", {})
     return builds.get(key) if key else None
+
+
+def resolve(ctx: HostContext) -> Step:
+    """llama_cpp.resolve (apply only): the ref resolved on the first host, when the plan could
+    not (no git anywhere yet); a no-op everywhere else."""
+    if ctx.resolved.commit is not None or not ctx.first:
+        return Step(ctx.change(ROLE, "resolve", "no-op", "ref already resolved"))
+    fixed = lock.resolve_on_host(ctx)
+    return Step(ctx.change(ROLE, "resolve", "no-op",
+                           f"{ctx.cluster.llama_cpp.ref} -> {fixed['commit'][:12]}"),
+                resolves=fixed)

@@ -1,0 +1,43 @@
+"""rpc_cache: device memory and placement, and rpc-server caches seeded from the worker's GGUF."""
+
+from meshdeploy.deploy.registry import Prepare, Prepared, Resource, Role
+from meshdeploy.roles.rpc_cache import layout, seeding
+from meshdeploy.roles.rpc_cache import operations as ops
+from meshdeploy.roles.rpc_cache.tensors import GgufHeaderError, header_bytes
+
+
+def _ports(cluster) -> list[int]:
+    return sorted({r.port for h in cluster.hosts for r in h.rpc_servers})
+
+
+def _prepare(p: Prepare) -> Prepared:
+    read = None
+    if p.read_remote is not None:
+        def read(host, path):
+            try:
+                return p.read_remote(host, path, header_bytes)
+            except ValueError as exc:  # the session's read errors and the header's own
+                raise GgufHeaderError(str(exc)) from None
+    planned = seeding.prepare(p.cluster, p.hosts, p.facts, p.resolved,
+                              header_cache=p.header_cache, read_remote=read)
+    return Prepared(values={"seeds": planned.seeds, "layouts": planned.layouts},
+                    warnings=planned.notes, placement=layout.sections(planned.layouts))
+
+
+ROLE = Role(
+    name="rpc_cache",
+    doc=__doc__,
+    facts=lambda req: ops.sections(req.cluster, req.host),
+    volatile=("rpc_cache.DeviceMemory",),
+    prepare=_prepare,
+    after=("models",),
+    resources=(
+        Resource("seed_tool", lambda ctx, key: ops.seed_tool(ctx),
+                 "md-rpc-seed, compiled on the worker from the shipped source"),
+        Resource("seed", seeding.seed, "a cached rpc-server's entries for what its placement holds",
+                 keys=_ports, cluster_wide=True),
+    ),
+)
+
+seed_tool = ROLE.operation("seed_tool")
+seed = ROLE.operation("seed")

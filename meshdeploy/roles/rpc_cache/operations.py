@@ -98,7 +98,6 @@ def seed_tool(ctx: HostContext) -> Step:
     stamp = f"{binary}{d.rpc_cache_tool_source_suffix}"
     build = shell.script(_BUILD_TOOL, HOST=ctx.host.name, CC=d.rpc_cache_tool_cc, BIN=binary,
                          SRC=src, SHA=want, STAMP=stamp)
-    ctx.run["seed_tool_changed"] = True
     before = None if have is None else ((have.get("source_sha256") or "unknown")[:12])
     return Step(ctx.change(ROLE, "seed_tool", "create" if have is None else "update",
                            "build md-rpc-seed" if have is None else "source changed; rebuild",
@@ -181,7 +180,6 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
     else:
         action = "delete" if stale else "update"
         reason = "remove what no deployed model uses" if stale else "rewrite the seeding marker"
-    ctx.run.setdefault("seeded_ports", set()).add(port)
     return Step(ctx.change(ROLE, resource, action, reason, diffs),
                 [_seed_script(tool_path(ctx.prefix), cache_dir, marker_want, to_seed)])
 

@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshdeploy.deploy.context import HostContext, Step
@@ -160,10 +161,19 @@ def _source(cluster, server, model, resolved, facts, names, fetch, cache, read_r
     return header, {h: c for h, (c, _) in ids.items()}, None
 
 
+@dataclass(frozen=True)
+class SeedPlan:
+    """What prepare() decides: the placement of every llama-server whose placement can be
+    known, what each cached rpc-server should hold, and the plan's notes about placement."""
+
+    seeds: dict  # "host:port" -> tuple[SeedModel, ...]
+    layouts: tuple
+    notes: tuple[str, ...]
+
+
 def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
-            header_cache: Path | None = None, read_remote=None) -> list[str]:
-    """Fill resolved.layouts (every llama-server whose placement can be known) and resolved.seeds
-    ("host:port" -> SeedModel tuple); return the plan's warnings about placement.
+            header_cache: Path | None = None, read_remote=None) -> SeedPlan:
+    """The layouts, seeds and placement notes of the cluster (SeedPlan), from the probe's facts.
 
     Raises PlanError when a placement llama.cpp would refuse, or one that cannot fit, is asked for.
     + fetch: reads a Hub model's header over HTTP Range (tensors.header_from_http)
@@ -175,6 +185,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
     names = {h.name for h in hosts}
     seeds: dict[str, list] = {}
     notes: list[str] = []
+    layouts = []
     for server in cluster.servers:
         endpoints = cluster.rpc_endpoints(server)
         involved = {server.host} | {e.host.name for e in endpoints}
@@ -202,7 +213,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         if header is None:
             continue
         lay = layout.build(cluster, server, weight_tensors(header), model_shape(header), facts)
-        resolved.layouts.append(lay)
+        layouts.append(lay)
         notes += layout.warnings(lay)
         for row in lay.rows:
             if not row["cached"] or row["host"] not in names or row["host"] not in content:
@@ -220,8 +231,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
                     break
             else:
                 merged.append(seed)
-    resolved.seeds = {k: tuple(v) for k, v in seeds.items()}
-    return notes
+    return SeedPlan({k: tuple(v) for k, v in seeds.items()}, tuple(layouts), tuple(notes))
 
 
 def seed(ctx: HostContext, port: int) -> Step:

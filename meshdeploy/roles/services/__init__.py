@@ -1,0 +1,39 @@
+"""services: rpc-server and llama-server units (systemd, launchd), restarted when they change."""
+
+from meshdeploy.deploy.registry import Prepare, Prepared, Resource, Role
+from meshdeploy.roles.services import argv
+from meshdeploy.roles.services import operations as ops
+
+
+def _ports(cluster) -> list[int]:
+    return sorted({r.port for h in cluster.hosts for r in h.rpc_servers})
+
+
+def _prepare(p: Prepare) -> Prepared:
+    return Prepared(warnings=tuple(argv.warnings_for(p.cluster)))
+
+
+# A new build's manifest (binary names, flags) is read again before the units are written.
+_MANIFEST = (("llama_cpp.build", "llama_cpp.Builds"),)
+
+ROLE = Role(
+    name="services",
+    doc=__doc__,
+    facts=lambda req: ops.sections(req.cluster, req.host),
+    volatile=("services.Rtt",),
+    prepare=_prepare,
+    after=("llama_cpp", "models", "rpc_cache"),
+    resources=(
+        Resource("cleanup", lambda ctx, key: ops.stale_units(ctx),
+                 "meshdeploy units the cluster file no longer describes"),
+        Resource("rpc_server", ops.rpc_server, "one rpc-server, proven listening",
+                 keys=_ports, rereads=_MANIFEST),
+        Resource("llama_server", ops.llama_server,
+                 "the orchestrator, restarted after its workers, then healthy",
+                 keys=lambda cluster: [s.name for s in cluster.servers], rereads=_MANIFEST),
+    ),
+)
+
+cleanup = ROLE.operation("cleanup")
+rpc_server = ROLE.operation("rpc_server")
+llama_server = ROLE.operation("llama_server")

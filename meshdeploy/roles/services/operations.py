@@ -269,7 +269,7 @@ def _diff(before, after, unit) -> str:
 
 
 def _build_info(ctx) -> tuple[str | None, dict | None]:
-    key = ctx.run.get("build_key")
+    key = ctx.build.key if ctx.build else None
     if key is None:
         return None, None
     return f"{ctx.prefix}/{llama_cpp.d.llama_cpp_builds_dir}/{key}", llama_cpp.manifest_for(ctx)
@@ -299,12 +299,11 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
     mgr = manager(ctx)
     unit = mgr.name(rpc.unit_name)
     if manifest is None:
-        ctx.resolved.restarted.add(f"{ctx.host.name}:{port}")
         have = (ctx.fact("services.Units") or {}).get(unit)
         return Step(ctx.change(ROLE, resource, "create" if have is None else "update",
                                "runs the new build",
                                [AttrDiff("exec_start", None, None, known_after_apply=True)]),
-                    deferred=True)
+                    restarts=(f"{ctx.host.name}:{port}",))
     if isinstance(mgr, Launchd):
         argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{manifest['rpc_binary']}", ctx.host,
                                           rpc, f"/var/cache/{rpc.unit_name}")
@@ -313,7 +312,7 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
         want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
     step, restarted = _unit_step(ctx, resource, unit, want)
     if restarted:
-        ctx.resolved.restarted.add(f"{ctx.host.name}:{port}")
+        step.restarts = (f"{ctx.host.name}:{port}",)
         step.commands.append(tcp_wait(rpc.bind, port, d.services_rpc_probe_seconds,
                                       mgr.journal(unit), f"{ctx.host.name}/{unit}"))
     return step
@@ -365,7 +364,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
         return Step(ctx.change(ROLE, resource, "no-op", "not served from this host"))
     endpoints = ctx.cluster.rpc_endpoints(server)
     moved = [e.target for e in endpoints
-             if f"{e.host.name}:{e.rpc.port}" in ctx.resolved.restarted]
+             if f"{e.host.name}:{e.rpc.port}" in ctx.steps.restarted()]
     reason = f"workers restart ({', '.join(moved)})" if moved else None
     build_dir, manifest = _build_info(ctx)
     mgr = manager(ctx)
@@ -374,8 +373,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
         have = (ctx.fact("services.Units") or {}).get(unit)
         return Step(ctx.change(ROLE, resource, "create" if have is None else "update",
                                "runs the new build",
-                               [AttrDiff("exec_start", None, None, known_after_apply=True)]),
-                    deferred=True)
+                               [AttrDiff("exec_start", None, None, known_after_apply=True)]))
     sha = model_sha(ctx, server.model)
     if isinstance(mgr, Launchd):
         flags = manifest.get("flags")

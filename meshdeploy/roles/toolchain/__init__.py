@@ -1,0 +1,20 @@
+"""toolchain: build tools (cmake, compiler, git, curl, ninja, ccache) and the apt proxy."""
+
+from meshdeploy.deploy.registry import Resource, Role
+from meshdeploy.roles.toolchain import operations as ops
+
+ROLE = Role(
+    name="toolchain",
+    doc=__doc__,
+    facts=lambda req: ops.sections(req.cluster, req.host),
+    preflight=ops.preflight,
+    resources=(
+        Resource("apt_proxy", lambda ctx, key: ops.apt_proxy(ctx),
+                 "the apt proxy from the cluster file, or none"),
+        Resource("packages", lambda ctx, key: ops.packages(ctx),
+                 "the packages that build llama.cpp and md-rpc-seed"),
+    ),
+)
+
+apt_proxy = ROLE.operation("apt_proxy")
+packages = ROLE.operation("packages")
