@@ -3,10 +3,12 @@ commands it runs per host, at 3 and at 24 lab hosts (ratio of the two is the fig
 matters: the machine is shared and noisy).
 
     sudo .venv/bin/python benchmarks/plan_speed.py [--sizes 3,24] [--runs 5] [--keep-lab]
+            [--baseline OTHER_CHECKOUT]
 
 Brings up the lab (name `mdbench`), writes a cluster file (node1 orchestrator, every other
 host one CPU rpc-server), converges it with `meshdeploy apply`, then times `plan` in-process
-through the same code the CLI runs. Prints one row per size.
+through the same code the CLI runs (benchmarks/plan_once.py); with --baseline, another
+checkout's plan alternates with this tree's. Prints one row per size and code.
 """
 
 from gevent import monkey
@@ -14,6 +16,8 @@ from gevent import monkey
 monkey.patch_all()
 
 import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -45,20 +49,27 @@ def cluster_yaml(info, n: int) -> str:
     return head + "\n".join(hosts) + "\n" + tail
 
 
-def plan_once(path: Path) -> tuple[float, dict, bool]:
-    from meshdeploy.deploy.config import load_cluster
-    from meshdeploy.deploy.engine import make_plan
-    from meshdeploy.deploy.session import Session
+def plan_once(path: Path, root: Path) -> tuple[float, dict, bool]:
+    """One no-op plan by the meshdeploy importable from `root`, timed inside its process."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plan_once.py"), str(path)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    if proc.returncode != 0:
+        raise SystemExit(f"plan failed ({root}):\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["seconds"], out["commands"], out["changed"]
 
-    started = time.monotonic()
-    session = Session(load_cluster(path))
-    session.open()
-    session.connect()
-    try:
-        planned = make_plan(session)
-    finally:
-        session.close()
-    return time.monotonic() - started, dict(session.commands_run), planned.plan.has_changes()
+
+def importable(checkout: Path, into: Path) -> Path:
+    """A folder from which `import meshdeploy` gets `checkout`'s code, whichever layout it has
+    (before the move into meshdeploy/, deploy/ roles/ lab/ schemas/ sat at the top)."""
+    package = into / "meshdeploy"
+    package.mkdir(parents=True)
+    for entry in (checkout / "meshdeploy").iterdir():
+        (package / entry.name).symlink_to(entry.resolve())
+    for name in ("deploy", "roles", "lab", "schemas"):
+        if not (package / name).exists():
+            (package / name).symlink_to((checkout / name).resolve())
+    return into
 
 
 def main() -> int:
@@ -66,6 +77,9 @@ def main() -> int:
     parser.add_argument("--sizes", default="3,24")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--keep-lab", action="store_true")
+    parser.add_argument("--baseline", type=Path,
+                        help="another checkout (e.g. `git worktree add /tmp/base <commit>`): its "
+                             "no-op plan is timed too, alternating with this tree's")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -76,6 +90,10 @@ def main() -> int:
     info = Lab(name="mdbench", hosts=max(sizes)).up()
     rows = []
     workdir = Path(tempfile.mkdtemp(prefix="md-bench-"))
+    trees = [("this tree", REPO)]
+    if args.baseline:
+        trees.append((f"baseline {args.baseline.name}",
+                      importable(args.baseline, workdir / "baseline")))
     try:
         for n in sizes:
             path = workdir / f"bench-{n}.yaml"
@@ -87,25 +105,33 @@ def main() -> int:
             if proc.returncode != 0:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
                 return 1
-            times, commands, changed = [], {}, False
+            times = {label: [] for label, _ in trees}
+            commands, changed = {label: {} for label, _ in trees}, {label: False for label, _ in trees}
             for _ in range(args.runs):
-                seconds, commands, changes = plan_once(path)
-                times.append(seconds)
-                changed |= changes
-            per_host = max(commands.values())
-            rows.append([n, f"{converge:.0f}", f"{statistics.median(times):.2f}",
-                         f"{min(times):.2f}", per_host, "no" if not changed else "YES"])
-            print(f"{n} hosts: converge {converge:.0f} s, plan median "
-                  f"{statistics.median(times):.2f} s, {per_host} remote commands/host",
-                  flush=True)
+                for label, root in trees:  # alternating: both see the same machine load
+                    seconds, commands[label], changes = plan_once(path, root)
+                    times[label].append(seconds)
+                    changed[label] |= changes
+            for label, _ in trees:
+                per_host = max(commands[label].values())
+                rows.append([n, label, f"{converge:.0f}", f"{statistics.median(times[label]):.2f}",
+                             f"{min(times[label]):.2f}", per_host,
+                             "no" if not changed[label] else "YES"])
+                print(f"{n} hosts, {label}: plan median {statistics.median(times[label]):.2f} s, "
+                      f"{per_host} remote commands/host", flush=True)
     finally:
         if not args.keep_lab:
             Lab(name="mdbench").down()
-    print(tabulate(rows, headers=["hosts", "converge s", "no-op plan median s", "min s",
+    print(tabulate(rows, headers=["hosts", "code", "converge s", "no-op plan median s", "min s",
                                   "remote commands/host", "changes?"]))
-    if len(rows) >= 2:
-        print(f"ratio {rows[-1][0]} vs {rows[0][0]} hosts: "
-              f"{float(rows[-1][2]) / float(rows[0][2]):.2f}x")
+    mine = [r for r in rows if r[1] == "this tree"]
+    if len(mine) >= 2:
+        print(f"ratio {mine[-1][0]} vs {mine[0][0]} hosts: "
+              f"{float(mine[-1][3]) / float(mine[0][3]):.2f}x")
+    for n in sizes:
+        pair = [float(r[3]) for r in rows if r[0] == n]
+        if len(pair) == 2:
+            print(f"{n} hosts: this tree / baseline = {pair[0] / pair[1]:.2f}x")
     return 0
 
 

@@ -133,6 +133,31 @@ def test_status_all_healthy(converged, cluster_file):
     assert server["model"] and "gemma" in server["model"]
 
 
+def test_a_pyinfra_deploy_reuses_two_roles(converged, cluster_file, lab, tmp_path):
+    """docs/examples/deploy.py through pyinfra's own CLI: a stopped rpc-server is started again,
+    and pyinfra names the operations as the registry does."""
+    unit = "meshdeploy-rpc-50052"
+    lab.run("node2", f"sudo systemctl stop {unit}", check=True)
+    assert lab.run("node2", f"systemctl is-active {unit}").stdout.strip() != "active"
+    inventory = tmp_path / "inventory.py"
+    known_hosts = tmp_path / "known_hosts"  # pyinfra records the lab's host key here
+    inventory.write_text(f"hosts = [('node2', {{'ssh_config_file': {lab.ssh['config']!r}, "
+                         f"'ssh_user': 'deploy', 'ssh_known_hosts_file': {str(known_hosts)!r}}})]\n")
+    pyinfra = Path(sys.executable).with_name("pyinfra")
+    proc = subprocess.run([str(pyinfra), str(inventory), str(REPO / "docs/examples/deploy.py"),
+                           "--sudo", "-y", "--data", f"meshdeploy_cluster={cluster_file}"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL)
+    print(proc.stdout[-6000:], proc.stderr[-4000:])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr  # pyinfra reports on stderr
+    assert "Starting operation: services.rpc_server (50052" in said
+    assert "Starting operation: toolchain.packages" in said
+    assert lab.run("node2", f"systemctl is-active {unit}").stdout.strip() == "active"
+    # meshdeploy agrees: nothing left to do.
+    assert meshdeploy("plan", cluster_file, "--detailed-exitcode").returncode == 0
+
+
 def test_saved_plan_refuses_drift(converged, cluster_file, tmp_path, lab):
     planfile = tmp_path / "cluster.plan"
     proc = meshdeploy("plan", cluster_file, "-out", planfile)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from meshdeploy.lab.errors import LabError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _ip(*args: str) -> str:

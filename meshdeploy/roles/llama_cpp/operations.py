@@ -7,7 +7,6 @@ from pathlib import Path
 
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import BuildOutcome, HostContext, Step
-from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d

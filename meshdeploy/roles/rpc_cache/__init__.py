@@ -11,15 +11,14 @@ def _ports(cluster) -> list[int]:
 
 
 def _prepare(p: Prepare) -> Prepared:
-    read = None
-    if p.read_remote is not None:
-        def read(host, path):
-            try:
-                return p.read_remote(host, path, header_bytes)
-            except ValueError as exc:  # the session's read errors and the header's own
-                raise GgufHeaderError(str(exc)) from None
-    planned = seeding.prepare(p.cluster, p.hosts, p.facts, p.resolved,
-                              header_cache=p.header_cache, read_remote=read)
+    def read(host, path):
+        try:
+            return p.read_remote(host, path, header_bytes)
+        except ValueError as exc:  # the session's read errors and the header's own
+            raise GgufHeaderError(str(exc)) from None
+
+    planned = seeding.prepare(p.cluster, p.hosts, p.facts, p.resolved, header_cache=p.header_cache,
+                              read_remote=read if p.read_remote is not None else None)
     return Prepared(values={"seeds": planned.seeds, "layouts": planned.layouts},
                     warnings=planned.notes, placement=layout.sections(planned.layouts))
 
