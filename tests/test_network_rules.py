@@ -206,14 +206,14 @@ def test_fact_ignores_what_follows_a_drop_and_flags_an_open_accept():
     assert flagged["50052"] == [] and len(flagged["other"]) == 1
 
 
-# -- nft itself, in a throwaway network namespace ----------------------------------------------------
+# -- nft itself, in a throwaway network namespace ------------------------------------------
 
 def _nft_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "nft in a private network namespace needs root"
-    for tool in ("nft", "unshare"):
+    for tool, package in (("nft", "nftables"), ("unshare", "util-linux")):
         if shutil.which(tool) is None:
-            return f"{tool} is missing (Debian package {'nftables' if tool == 'nft' else 'util-linux'})"
+            return f"{tool} is missing (Debian package {package})"
     return None
 
 

@@ -32,7 +32,8 @@ CONNECT_TIMEOUT = 2.0
 # Prints "open", or "closed <why>": a connect attempt with a deadline, from inside a host.
 PROBE = ("import socket, sys\n"
          "try:\n"
-         "    socket.create_connection((sys.argv[1], int(sys.argv[2])), float(sys.argv[3])).close()\n"
+         "    address = (sys.argv[1], int(sys.argv[2]))\n"
+         "    socket.create_connection(address, float(sys.argv[3])).close()\n"
          "    print('open')\n"
          "except OSError as e:\n"
          "    print('closed', type(e).__name__)\n")
@@ -118,6 +119,9 @@ def test_rogue_reaches_the_worker_until_the_allowlist_is_loaded(sec_lab, cluster
     assert rogue not in [h.name for h in cluster.hosts]
     worker = lab.host(WORKER).address
     start_listener(lab)
+    # What the role's destroy runs: a lab kept up (--keep-lab) starts over from here too.
+    for command in rules.remove_commands():
+        root(lab, WORKER, command)
     assert live_allowlist(lab) is None
     # Before: anyone on the bridge connects (what issue 12 found), so the check below can fail.
     assert reach(lab, rogue, worker) == "open"

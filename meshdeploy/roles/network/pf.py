@@ -29,7 +29,8 @@ def anchor(port_list: list[Port], host_name: str) -> str:
         if sources:
             table = f"meshdeploy_{p.port}"
             tables.append(f"table <{table}> const {{ {', '.join(sources)} }}")
-            blocks.append(f"block drop in quick{on} proto tcp from ! <{table}> to any port {p.port}")
+            blocks.append(f"block drop in quick{on} proto tcp from ! <{table}> "
+                          f"to any port {p.port}")
         else:
             blocks.append(f"block drop in quick{on} proto tcp to any port {p.port}")
     head = (f"# meshdeploy: allow-list of {comment_text(host_name)}'s meshdeploy ports "

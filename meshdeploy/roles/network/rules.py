@@ -133,8 +133,9 @@ def nft_table(port_list: list[Port], cluster_name: str) -> str:
                 rules.append(f"tcp dport {p.port} {family} saddr {{ {', '.join(chosen)} }} accept")
         rules.append(f'tcp dport {p.port} counter drop comment "{comment_text(p.what)}"')
     body = "".join(f"\t\t{r}\n" for r in rules)
+    comment = comment_text(f"meshdeploy allow-list, cluster {cluster_name}")
     return (f"table {TABLE} {{\n"
-            f'\tcomment "{comment_text(f"meshdeploy allow-list, cluster {cluster_name}")}"\n'
+            f'\tcomment "{comment}"\n'
             f"\tchain {d.network_nft_chain} {{\n"
             "\t\ttype filter hook input priority filter; policy accept;\n"
             f"{body}\t}}\n}}\n")
@@ -157,6 +158,7 @@ def _version(source: str) -> int | None:
 
 
 def comment_text(text: str) -> str:
+    """Text safe inside an nft comment "..." or a `#` line: no quote, newline or `;` survives."""
     return _COMMENT_UNSAFE.sub("?", text)[:_COMMENT_MAX]
 
 
