@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from support import golden
 
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.errors import PlanError
@@ -67,12 +68,7 @@ def test_every_inventory_has_a_golden():
 
 @pytest.mark.parametrize("inventory", INVENTORIES, ids=lambda p: p.stem)
 def test_golden(inventory: Path):
-    golden = GOLDEN / f"{inventory.stem}.txt"
-    text = render(inventory)
-    if os.environ.get("MESHDEPLOY_UPDATE_GOLDEN"):
-        golden.write_text(text)
-    assert golden.exists(), f"missing {golden}; run with MESHDEPLOY_UPDATE_GOLDEN=1"
-    assert text == golden.read_text()
+    golden.check(GOLDEN / f"{inventory.stem}.txt", render(inventory))
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ MESHDEPLOY_UPDATE_GOLDEN=1 rewrites them; review a diff as a change of what host
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from support import golden
 
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import HostContext, Resolved
@@ -69,13 +69,7 @@ def render(inventory: Path) -> str:
 
 @pytest.mark.parametrize("inventory", INVENTORIES, ids=lambda p: p.stem)
 def test_build_and_units_golden(inventory):
-    text = render(inventory)
-    golden = GOLDEN / f"{inventory.stem}.txt"
-    if os.environ.get("MESHDEPLOY_UPDATE_GOLDEN") == "1":
-        golden.parent.mkdir(parents=True, exist_ok=True)
-        golden.write_text(text)
-    assert golden.exists(), f"no golden for {inventory.name}: run with MESHDEPLOY_UPDATE_GOLDEN=1"
-    assert text == golden.read_text()
+    golden.check(GOLDEN / f"{inventory.stem}.txt", render(inventory))
 
 
 def test_backend_flags_reach_cmake():

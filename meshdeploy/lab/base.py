@@ -16,7 +16,9 @@ from meshdeploy.lab.errors import INSTALL_HINT, LabError
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
 VARIANT = "minbase"
-# Only what SSH and systemd need: toolchains, git and curl are the product's job to install.
+# What SSH and systemd need, plus the firewall and tunnel tools a real host has or gets from
+# its distribution (the lockdown work runs nft and wireguard-go in hosts): toolchains, git and
+# curl are the product's job to install.
 PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -26,6 +28,10 @@ PACKAGES = (
     "iproute2",
     "sudo",
     "ca-certificates",
+    "nftables",
+    "wireguard-tools",
+    # Userspace WireGuard over TUN: the machine's kernel has no WireGuard module.
+    "wireguard-go",
 )
 
 # Runs inside the fresh root (chroot). Host identity (ssh host keys, machine-id) is removed so

@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--state-dir", help="default: /var/lib/meshdeploy/lab/NAME")
     up = sub.add_parser("up", parents=[common], help="start (or complete) the lab")
     up.add_argument("--hosts", type=int, default=3, help="number of hosts (default: 3)")
+    up.add_argument("--rogue", type=int, default=0, metavar="N",
+                    help="N more hosts after them on the same bridge, for no cluster file "
+                    "(default: 0)")
     up.add_argument("--no-mirrors", action="store_true",
                     help="skip the git and Hugging Face mirrors (apt proxy only)")
     sub.add_parser("down", parents=[common], help="stop the lab and remove every trace of it")
@@ -37,11 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             lab = Lab(args.name, hosts=args.hosts, state_dir=args.state_dir,
-                      mirrors=not args.no_mirrors, log=_err)
+                      mirrors=not args.no_mirrors, log=_err, rogue=args.rogue)
             started = time.monotonic()
             info = lab.up()
             print(f"lab {info.name}: {len(info.hosts)} hosts up in "
                   f"{time.monotonic() - started:.1f} s")
+            if info.rogue:
+                print(f"  rogue (in no cluster file): {', '.join(info.rogue)}")
             print(f"  ssh -F {info.ssh['config']} node1")
             print(f"  description: {info.state_dir}/lab.json")
             return 0

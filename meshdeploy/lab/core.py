@@ -1,5 +1,9 @@
 """The lab as a whole: `Lab(...).up()` brings hosts, network and mirrors up, `.down()` removes all.
 
+`Lab(hosts=3, rogue=1)` adds node4 after node1..node3: a "rogue" host on the same bridge,
+booted and reachable by the lab exactly like the others, that no cluster file names (tests use
+it as the stranger that must not reach a worker's rpc-server).
+
 Everything `down` removes is found again from names (`<lab>`, `<lab>-<host>` namespaces), the
 state directory (mounts below it, processes marked with it), never from this process's memory,
 so it cleans up after a crashed or interrupted `up` just as well.
@@ -49,6 +53,8 @@ class LabInfo:
     ssh: dict
     mirrors: dict
     ccache_dir: str = hosts.CCACHE_IN_HOST
+    # Hosts started with `rogue=`: on the bridge like any other, in no cluster file.
+    rogue: list[str] = dataclasses.field(default_factory=list)
 
     def host(self, name: str) -> LabHost:
         for h in self.hosts:
@@ -96,9 +102,17 @@ def check_environment() -> None:
 
 class Lab:
     def __init__(self, name: str = DEFAULT_NAME, hosts: int = 3,
-                 state_dir: str | Path | None = None, mirrors: bool = True, log=print):
+                 state_dir: str | Path | None = None, mirrors: bool = True, log=print,
+                 rogue: int = 0):
+        """+ hosts: node1..nodeN, the hosts cluster files describe
+        + rogue: that many more hosts after them (nodeN+1...), recorded in LabInfo.rogue
+        """
         self.name = net.check_name(name)
-        self.host_names = net.host_names(hosts)
+        if rogue < 0:
+            raise LabError(f"--rogue must be 0 or more, got {rogue}")
+        net.host_names(hosts)  # checks the cluster part alone, with its own message
+        self.host_names = net.host_names(hosts + rogue)
+        self.rogue_names = self.host_names[hosts:]
         self.state_dir = Path(state_dir) if state_dir else STATE_ROOT / name
         self.state_dir = self.state_dir.absolute()
         self.mirrors = mirrors
@@ -166,6 +180,7 @@ class Lab:
                    for h in self.host_names],
             ssh={"user": "deploy", "key": str(self.key), "config": str(self.ssh_config)},
             mirrors=mirrors,
+            rogue=list(self.rogue_names),
         )
         tmp = self.state_dir / "lab.json.tmp"
         tmp.write_text(json.dumps(info.to_dict(), indent=2, default=str) + "\n")

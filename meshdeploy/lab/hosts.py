@@ -14,6 +14,13 @@ from meshdeploy.lab.errors import LabError
 
 CCACHE_IN_HOST = "/var/cache/meshdeploy-ccache"
 NSPAWN_REBOOT_EXIT = 133
+# What a real host can do for a firewall and a tunnel (nft, `ip tuntap`, wireguard-go): nspawn
+# drops CAP_NET_ADMIN unless it sets up the network itself, and ours comes from `nsenter --net=`.
+# It acts on the host's own namespace only. Measured with nspawn 252: /dev/net/tun is already
+# there (nspawn creates it in every container), so no --bind; and no
+# `--property=DeviceAllow=/dev/net/tun rwm`, which without registration nspawn ignores
+# ("--property= settings will have no effect").
+NET_ADMIN_FLAGS = ("--capability=CAP_NET_ADMIN",)
 
 
 def host_dir(state_dir: Path, host: str) -> Path:
@@ -90,6 +97,7 @@ def boot(lab: str, state_dir: Path, host: str, ccache: Path, marker: str) -> int
             "--timezone=off",
             "--link-journal=no",
             "--console=read-only",
+            *NET_ADMIN_FLAGS,
         ]
     )
     stop = shlex.quote(str(d / "stop"))

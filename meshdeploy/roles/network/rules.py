@@ -1,0 +1,220 @@
+"""network: the allow-list of one host's meshdeploy ports, and its nftables table.
+
+Pure: the cluster model in, text and commands out; nothing here talks to a host. Each
+rpc-server port accepts TCP from loopback and from the hosts whose llama-servers name it in
+`--rpc` (their `address`, where the orchestrator dials from); each llama-server port from
+loopback and from what the file allows; every other packet to those ports is dropped. Nothing
+else is filtered: the chain's policy is accept, and an accept in one nftables table never
+overrides a drop in another, so the host's own rules work exactly as before.
+
+rpc-server is unauthenticated and lets any client allocate, read and write the worker's memory
+(upstream's own warning: never run it on an open network), so an rpc-server that no llama-server
+in the file uses is open to loopback only.
+
+```python
+allowlist(cluster, cluster.host("node2"))   # {"50052": ["lo", "10.200.0.11"]}
+nft_file(cluster, cluster.host("node2"))     # "table inet meshdeploy {}\\ndelete table ..."
+```
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+from meshdeploy.deploy import shell
+from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.plan import AttrDiff
+from meshdeploy.roles.network import defaults as d
+
+LOOPBACK = d.network_loopback
+TABLE = f"{d.network_nft_family} {d.network_nft_table}"
+TEMPLATES = Path(__file__).with_name("templates")
+# nft keeps at most 128 bytes of a comment; names in the file are [A-Za-z0-9_.-] already.
+_COMMENT_UNSAFE = re.compile(r"[^A-Za-z0-9_.,:/ -]")
+_COMMENT_MAX = 120
+
+
+@dataclass(frozen=True)
+class Port:
+    """One filtered TCP port of a host: who may connect, and what listens there."""
+
+    port: int
+    sources: tuple[str, ...]  # normalize()d: "lo" first, then IPv4, then IPv6 networks
+    what: str  # "rpc-server", "llama-server main"
+
+
+def ports(cluster, host, server_allow: dict | None = None) -> list[Port]:
+    """The host's meshdeploy ports and their allowed sources, in port order.
+
+    + server_allow: server name -> extra sources (addresses or networks) for its llama-server
+      port; the cluster file has no such field yet (`servers.<name>.allow` is proposed)
+    """
+    found: dict[int, tuple[list[str], list[str]]] = {}
+    for rpc in host.rpc_servers:
+        peers = [_peer_address(cluster, host, rpc, s) for s in _rpc_clients(cluster, host, rpc)]
+        _add(found, rpc.port, "rpc-server", peers)
+    for server in (s for s in cluster.servers if s.host == host.name):
+        allow = [_literal(a, f"servers.{server.name}.allow")
+                 for a in (server_allow or {}).get(server.name, ())]
+        _add(found, server.port, f"llama-server {server.name}", allow)
+    return [Port(port, tuple(normalize([LOOPBACK, *sources])), ", ".join(whats))
+            for port, (sources, whats) in sorted(found.items())]
+
+
+def allowlist(cluster, host, server_allow: dict | None = None) -> dict[str, list[str]]:
+    """What facts.Allowlist reads back once the table is loaded: port -> sorted sources."""
+    return {str(p.port): list(p.sources) for p in ports(cluster, host, server_allow)}
+
+
+def _rpc_clients(cluster, host, rpc) -> list:
+    """llama-servers whose --rpc list names this rpc-server."""
+    return [s for s in cluster.servers
+            if any(e.host.name == host.name and e.rpc.port == rpc.port
+                   for e in cluster.rpc_endpoints(s))]
+
+
+def _peer_address(cluster, host, rpc, server) -> str:
+    orchestrator = cluster.host(server.host)
+    try:
+        return str(ipaddress.ip_address(orchestrator.address))
+    except ValueError:
+        raise PlanError(
+            f"hosts.{host.name}.rpc_servers[{rpc.port}]: its allow-list needs the address of "
+            f"{orchestrator.name} (llama-server {server.name} uses it), but "
+            f"hosts.{orchestrator.name}.address is {orchestrator.address!r}, a DNS name; "
+            "nftables and pf rules hold IP addresses",
+            hint=f"give hosts.{orchestrator.name}.address as the IP address it connects from",
+        ) from None
+
+
+def _literal(value: str, where: str) -> str:
+    try:
+        return str(ipaddress.ip_network(value, strict=True))
+    except (ValueError, TypeError):
+        raise PlanError(f"{where}: {value!r} is not an IP address or network",
+                        hint="write an address (10.0.0.5) or a network (10.0.0.0/24)") from None
+
+
+def _add(found: dict, port: int, what: str, sources: list[str]) -> None:
+    have_sources, whats = found.setdefault(int(port), ([], []))
+    have_sources.extend(sources)
+    whats.append(what)
+
+
+def normalize(sources) -> list[str]:
+    """"lo" first if present, then IPv4 and IPv6 networks merged and sorted; /32 and /128 as
+    bare addresses. nft merges overlapping set elements the same way, so the wish and what
+    `nft -j list` returns compare equal. Raises ValueError on a source that is neither."""
+    sources = list(sources)
+    nets = [ipaddress.ip_network(s, strict=False) for s in sources if s != LOOPBACK]
+    out = [LOOPBACK] if LOOPBACK in sources else []
+    for version in (4, 6):
+        merged = ipaddress.collapse_addresses(n for n in nets if n.version == version)
+        out += [str(n.network_address) if n.prefixlen == n.max_prefixlen else str(n)
+                for n in merged]
+    return out
+
+
+# -- nftables ----------------------------------------------------------------------------------
+
+def nft_table(port_list: list[Port], cluster_name: str) -> str:
+    """`table inet meshdeploy { ... }`: per port, accept loopback and the sources, drop the rest."""
+    rules = []
+    for p in port_list:
+        if LOOPBACK in p.sources:
+            rules.append(f'tcp dport {p.port} iifname "{d.network_loopback_ifaces["nft"]}" accept')
+        for family, version in (("ip", 4), ("ip6", 6)):
+            chosen = [s for s in p.sources if _version(s) == version]
+            if chosen:
+                rules.append(f"tcp dport {p.port} {family} saddr {{ {', '.join(chosen)} }} accept")
+        rules.append(f'tcp dport {p.port} counter drop comment "{comment_text(p.what)}"')
+    body = "".join(f"\t\t{r}\n" for r in rules)
+    comment = comment_text(f"meshdeploy allow-list, cluster {cluster_name}")
+    return (f"table {TABLE} {{\n"
+            f'\tcomment "{comment}"\n'
+            f"\tchain {d.network_nft_chain} {{\n"
+            "\t\ttype filter hook input priority filter; policy accept;\n"
+            f"{body}\t}}\n}}\n")
+
+
+def nft_file(cluster, host, server_allow: dict | None = None) -> str:
+    """The file for `nft -f`: one transaction that replaces table inet meshdeploy, and only it.
+
+    Creating the table first makes the delete succeed whether or not it existed (nft 1.0.6 has
+    no `destroy`); a file that fails to load changes nothing.
+    """
+    return (f"# meshdeploy: allow-list of {comment_text(host.name)}'s meshdeploy ports. "
+            "Generated; the next apply replaces it.\n"
+            f"table {TABLE} {{}}\ndelete table {TABLE}\n"
+            + nft_table(ports(cluster, host, server_allow), cluster.name))
+
+
+def _version(source: str) -> int | None:
+    return None if source == LOOPBACK else ipaddress.ip_network(source).version
+
+
+def comment_text(text: str) -> str:
+    """Text safe inside an nft comment "..." or a `#` line: no quote, newline or `;` survives."""
+    return _COMMENT_UNSAFE.sub("?", text)[:_COMMENT_MAX]
+
+
+def boot_unit() -> str:
+    """The systemd unit that loads the table again at boot, after the host's own nftables.service
+    (whose stock /etc/nftables.conf starts with `flush ruleset`)."""
+    return Template((TEMPLATES / "meshdeploy-nftables.service").read_text()).substitute(
+        file=d.network_nft_file)
+
+
+def apply_commands(text: str) -> list[str]:
+    """Load the table (`nft -f` is atomic) and keep the file for boot only once it loaded, so
+    the boot unit never meets a ruleset that fails; then install that unit."""
+    unit = f"{d.network_unit_dir}/{d.network_nft_unit}.service"
+    staged = f"{d.network_nft_file}.new"
+    return [
+        shell.write_file(staged, text, "0644"),
+        shell.command("nft", "-f", staged, shell.AND, "mv", "-f", staged, d.network_nft_file),
+        shell.write_file(unit, boot_unit(), "0644"),
+        shell.command("systemctl", "daemon-reload", shell.AND, "systemctl", "enable", "--quiet",
+                      d.network_nft_unit),
+    ]
+
+
+def remove_commands() -> list[str]:
+    """Delete the table (present or not) and what loads it at boot; touches no other table."""
+    unit = f"{d.network_unit_dir}/{d.network_nft_unit}.service"
+    family, table = d.network_nft_family, d.network_nft_table
+    return [
+        shell.command("systemctl", "disable", "--quiet", d.network_nft_unit, shell.QUIET,
+                      shell.THEN, "rm", "-f", unit, d.network_nft_file),
+        shell.command("nft", "add", "table", family, table, shell.AND,
+                      "nft", "delete", "table", family, table),
+    ]
+
+
+# -- plan --------------------------------------------------------------------------------------
+
+def diffs(wanted: dict, live: dict | None) -> list[AttrDiff]:
+    """One AttrDiff per port whose sources differ (None = not filtered), for `~ network.allowlist`.
+
+    `live` is facts.Allowlist: None (no table) counts as no port filtered.
+    """
+    live = live or {}
+    out = []
+    for key in sorted(set(wanted) | set(live), key=_key_order):
+        before, after = live.get(key), wanted.get(key)
+        if before != after:
+            name = f"tcp/{key}" if key.isdigit() else key
+            out.append(AttrDiff(name, _shown(before), _shown(after)))
+    return out
+
+
+def _key_order(key: str):
+    return (0, int(key), "") if key.isdigit() else (1, 0, key)
+
+
+def _shown(sources: list[str] | None) -> str | None:
+    return None if sources is None else " ".join(sources)
