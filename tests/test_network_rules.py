@@ -3,8 +3,8 @@
 Rendered tables are checked by nft itself (`nft -c -f`) and loaded for real, then read back
 through the fact, inside a throwaway network namespace (`unshare -n`): never the machine's own
 ruleset. Goldens in tests/golden/network/ pin what every example inventory's hosts would load
-(MESHDEPLOY_UPDATE_GOLDEN=1 rewrites them). The fact's data cases wait in tests/network_facts/
-in the tests/facts format until the role is registered (then they move to tests/facts/).
+(MESHDEPLOY_UPDATE_GOLDEN=1 rewrites them). The facts' data cases are in tests/facts/ with every
+other role's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from support import golden
 
-from meshdeploy.deploy import probe
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.roles.network import facts, pf, rules
@@ -27,7 +26,6 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml"))
 GOLDEN = TESTS / "golden" / "network"
-FACT_CASES = sorted((TESTS / "network_facts").glob("*/*.json"))
 LAB = ROOT / "inventories" / "lab.yaml"
 
 
@@ -168,28 +166,6 @@ def test_pf_anchor_blocks_only_and_keeps_sources_in_a_table(lab):
 
 
 # -- the fact --------------------------------------------------------------------------------------
-
-def test_fact_cases_cover_present_absent_and_odd():
-    for key in ("network.Allowlist", "network.Tools"):
-        names = {p.stem.split("_")[0] for p in FACT_CASES if p.parent.name == key}
-        assert {"present", "absent", "odd"} <= names, (key, names)
-
-
-@pytest.mark.parametrize("path", FACT_CASES, ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_fact(path):
-    """The tests/facts format, through the same decode a live probe uses."""
-    data = json.loads(path.read_text())
-    assert set(data) <= {"kwargs", "output", "expected", "command_contains", "command_lacks",
-                         "note"}, f"{path}: unknown keys"
-    fact = getattr(facts, path.parent.name.split(".", 1)[1])
-    command = fact().command(**data.get("kwargs", {}))
-    for needle in data.get("command_contains", []):
-        assert needle in command
-    for needle in data.get("command_lacks", []):
-        assert needle not in command
-    section = probe.Section(path.parent.name, fact, data.get("kwargs", {}))
-    assert probe.decode([section], {section.key: data["output"]})[section.key] == data["expected"]
-
 
 def test_fact_ignores_what_follows_a_drop_and_flags_an_open_accept():
     dport = {"payload": {"protocol": "tcp", "field": "dport"}}

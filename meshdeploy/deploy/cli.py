@@ -72,8 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable status on stdout")
     p.set_defaults(handler=engine("status"))
 
+    p = command("resources", "list every resource meshdeploy manages, in apply order")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table")
+    p.set_defaults(handler=resources)
+
     sub.add_parser("lab", help="manage the local systemd-nspawn lab", add_help=False)
     return parser
+
+
+def resources(args: argparse.Namespace) -> int:
+    """The registry as a table: what `plan` and `apply` go through, and where each lives."""
+    from tabulate import tabulate
+
+    from meshdeploy.deploy import registry
+
+    rows = [[r.qualified, f"roles/{r.role}",
+             "per key" if r.keys else "per host",
+             r.doc + (" (apply only)" if r.apply_only else "")]
+            for r in registry.resources()]
+    print(tabulate(rows, headers=["resource", "code", "instances", "what it manages"],
+                   tablefmt="github" if args.markdown else "simple"))
+    return errors.OK
 
 
 def engine(name: str) -> Callable[[argparse.Namespace], int]:

@@ -63,6 +63,7 @@ class HuggingFace:
 class Network:
     rpc_bind: Literal["address", "loopback"]
     allow_public: bool
+    firewall: bool = True  # roles/network: the allow-list table on every host
 
 
 @dataclass(frozen=True)
