@@ -8,11 +8,11 @@ import json
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import HostContext, Step, Upload
 from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
 from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.models import defaults as d
-from meshdeploy.roles.models import gguf_header
 from meshdeploy.roles.models.facts import DiskFree, ModelFile, OllamaManifest
 
 ROLE = "models"
@@ -238,10 +238,10 @@ def _check_architecture(where: str, host: str, head_b64: str | None) -> None:
         raise PlanError(f"{where}: the model blob on {host} is not a GGUF file",
                         hint="pull the model again, or use a Hugging Face GGUF")
     try:
-        arch = gguf_header.architecture(base64.b64decode(head_b64))
-    except (ValueError, gguf_header.HeaderError) as exc:
+        arch = architecture(base64.b64decode(head_b64))
+    except (ValueError, GgufHeaderError) as exc:
         raise PlanError(f"{where}: cannot read the GGUF header of the blob on {host}: {exc}") from None
-    if arch is not None and arch not in gguf_header.KNOWN_ARCHITECTURES:
+    if arch is not None and arch not in KNOWN_ARCHITECTURES:
         raise PlanError(f"{where}: the blob's architecture {arch!r} is not one upstream llama.cpp "
                         "knows (an Ollama-specific name)",
                         hint="use the Hugging Face GGUF of this model instead")
