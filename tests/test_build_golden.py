@@ -14,8 +14,8 @@ import pytest
 
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import HostContext, Resolved
+from meshdeploy.deploy.model import HfFile, HfResolved
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
-from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.services import operations as services
 
 ROOT = Path(__file__).resolve().parent.parent

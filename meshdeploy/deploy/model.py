@@ -84,7 +84,12 @@ class RpcServer:
 
     @property
     def unit_name(self) -> str:
-        return f"meshdeploy-rpc-{self.port}"
+        return rpc_unit_name(self.port)
+
+
+def rpc_unit_name(port: int) -> str:
+    """The rpc-server's unit name, also its cache's name (deploy.paths.rpc_server_cache)."""
+    return f"meshdeploy-rpc-{port}"
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,24 @@ class HfSource:
     revision: str
     sha256: str | None  # of the single file; None = trust the hub's LFS hash
     endpoint: str | None  # None = huggingface.endpoint
+
+
+@dataclass(frozen=True)
+class HfFile:
+    name: str
+    size: int
+    sha256: str
+    url: str  # what the host downloads (hosts' endpoint, pinned to the commit)
+
+
+@dataclass(frozen=True)
+class HfResolved:
+    """An HfSource as the hub answers at plan time (roles.models.hf.resolve): the revision's
+    commit and each file's size and sha256; kept in Resolved.models by model name."""
+
+    repo: str
+    commit: str
+    files: tuple[HfFile, ...]
 
 
 @dataclass(frozen=True)
@@ -212,6 +235,10 @@ class Cluster:
 
     def model(self, name: str) -> Model:
         return self.models[name]
+
+    def runs_llama_cpp(self, host: Host) -> bool:
+        """Whether `host` runs a llama.cpp binary: a llama-server or an rpc-server."""
+        return bool(host.rpc_servers) or any(s.host == host.name for s in self.servers)
 
     def rpc_servers(self) -> list[tuple[Host, RpcServer]]:
         """Every rpc-server of the cluster, hosts in file order."""

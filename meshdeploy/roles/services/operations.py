@@ -9,11 +9,10 @@ from string import Template
 
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import HostContext, Step
+from meshdeploy.deploy.model import HfResolved
+from meshdeploy.deploy.paths import installed_build, manifest_for, model_path, rpc_server_cache
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
-from meshdeploy.roles.llama_cpp import operations as llama_cpp
-from meshdeploy.roles.models import operations as models
-from meshdeploy.roles.models.hf import HfResolved
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
 from meshdeploy.roles.services.facts import Rtt, Units
@@ -92,9 +91,9 @@ def _rpc_peers(cluster, host, rpc) -> list[str]:
 
 def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
     where = f"hosts.{host.name}.rpc_servers[{rpc.port}]"
-    cache_name = unit_name(f"meshdeploy-rpc-{int(rpc.port)}", where)
+    cache_name = unit_name(rpc.unit_name, where)
     argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{rpc_binary}", host, rpc,
-                                      f"/var/cache/{cache_name}")
+                                      rpc_server_cache(rpc.port))
     warning = ""
     if any(w.startswith(f"rpc-server on {host.name} ") for w in argvs.warnings_for(cluster)):
         # Said in the journal at every start, not only at plan time (seed ernos, section 13.4).
@@ -136,7 +135,7 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
         credentials = f"LoadCredential=api-key:{line_value(api_key, f'{where}.api_key_file')}\n"
         server = _with_key_path(server, SystemdExpr("${CREDENTIALS_DIRECTORY}/api-key"))
     argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", cluster, server,
-                                   models.model_path(cluster, server.model),
+                                   model_path(cluster, server.model),
                                    frozenset(flags) if flags else None)
     env = {"MESHDEPLOY_MODEL_SHA256": model_sha} if model_sha else {}
     return _render("llama-server.service", cluster=comment_value(cluster.name, "cluster"),
@@ -272,7 +271,7 @@ def _build_info(ctx) -> tuple[str | None, dict | None]:
     key = ctx.run.get("build_key")
     if key is None:
         return None, None
-    return f"{ctx.prefix}/{llama_cpp.d.llama_cpp_builds_dir}/{key}", llama_cpp.manifest_for(ctx)
+    return installed_build(ctx.prefix, key), manifest_for(ctx)
 
 
 # "$1" seconds, "$2" address, "$3" port: values arrive as arguments of a fixed bash script.
@@ -307,7 +306,7 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
                     deferred=True)
     if isinstance(mgr, Launchd):
         argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{manifest['rpc_binary']}", ctx.host,
-                                          rpc, f"/var/cache/{rpc.unit_name}")
+                                          rpc, rpc_server_cache(rpc.port))
         want = launchd_plist(unit, argv, env, d.services_launchd_log_dir)
     else:
         want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
@@ -380,7 +379,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     if isinstance(mgr, Launchd):
         flags = manifest.get("flags")
         argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", ctx.cluster, server,
-                                       models.model_path(ctx.cluster, server.model),
+                                       model_path(ctx.cluster, server.model),
                                        frozenset(flags) if flags else None)
         want = launchd_plist(unit, argv, {"MESHDEPLOY_MODEL_SHA256": sha} if sha else {},
                              d.services_launchd_log_dir)
