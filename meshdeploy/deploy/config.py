@@ -34,6 +34,7 @@ from meshdeploy.deploy.model import (
     RpcServer,
     Server,
     Toolchain,
+    rpc_ref,
 )
 from meshdeploy.deploy.schema_errors import (  # noqa: F401 (PATTERN_MEANING: re-exported)
     PATTERN_MEANING,
@@ -189,7 +190,7 @@ def rpc_refs(data: dict, server: dict) -> tuple[str, ...] | None:
         return None
     if server["rpc"]:
         return tuple(server["rpc"])
-    return tuple(f"{name}:{rpc['port']}" for name, host in data["hosts"].items()
+    return tuple(rpc_ref(name, rpc["port"]) for name, host in data["hosts"].items()
                  for rpc in host["rpc_servers"])
 
 

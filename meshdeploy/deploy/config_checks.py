@@ -18,15 +18,11 @@ from meshdeploy.deploy.config import (
     rpc_refs,
 )
 from meshdeploy.deploy.errors import ConfigIssue
-from meshdeploy.deploy.model import CPU_DEVICE, is_loopback
+from meshdeploy.deploy.model import CPU_DEVICE, is_loopback, is_private, parse_rpc_ref
 from meshdeploy.deploy.schema_errors import suggest
 
 # ggml-rpc.h: llama-server connects to at most this many rpc-servers.
 MAX_RPC_SERVERS = 16
-
-PRIVATE_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
-    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "127.0.0.0/8",
-    "fd00::/8"))
 
 ABBREVIATED_COMMIT = re.compile(r"[0-9a-f]{7,39}")
 DOTTED_NUMBERS = re.compile(r"[0-9.]+")
@@ -38,16 +34,6 @@ def check(doc: Document, data: dict) -> list[ConfigIssue]:
         issues += checker(doc, data)
     issues.sort(key=lambda i: (i.line, i.col))
     return issues
-
-
-def is_private(address: str) -> bool:
-    """Whether `address` is a private or loopback IP literal; a host name counts as public
-    (what it resolves to is not known here)."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return any(ip in net for net in PRIVATE_NETWORKS if net.version == ip.version)
 
 
 def check_ref(doc: Document, data: dict) -> list[ConfigIssue]:
@@ -161,9 +147,9 @@ def check_ports(doc: Document, data: dict) -> list[ConfigIssue]:
 def count_devices(data: dict, refs: tuple[str, ...], host_name: str) -> int:
     total = 0
     for ref in refs:
-        rname, _, port = ref.rpartition(":")
+        rname, port = parse_rpc_ref(ref)
         rhost = data["hosts"][rname]
-        rpc = next(r for r in rhost["rpc_servers"] if r["port"] == int(port))
+        rpc = next(r for r in rhost["rpc_servers"] if r["port"] == port)
         total += 1 if rpc["device"] else max(len(host_devices(rhost)), 1)
     return total + len(host_devices(data["hosts"][host_name]))
 
@@ -237,12 +223,12 @@ def check_servers(doc: Document, data: dict) -> list[ConfigIssue]:
 
 
 def rpc_ref_problem(data: dict, ref: str, from_host: str) -> tuple[str, str] | None:
-    name, _, port = ref.rpartition(":")
+    name, port = parse_rpc_ref(ref)
     hosts = data["hosts"]
     if name not in hosts:
         return f"unknown host '{name}' in '{ref}'", suggest(name, list(hosts), "hosts")
     rpcs = hosts[name]["rpc_servers"]
-    rpc = next((r for r in rpcs if r["port"] == int(port)), None)
+    rpc = next((r for r in rpcs if r["port"] == port), None)
     if rpc is None:
         ports = ", ".join(str(r["port"]) for r in rpcs) or "none"
         return (f"host {name} has no rpc-server on port {port}",

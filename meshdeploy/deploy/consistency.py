@@ -54,7 +54,7 @@ def network(cluster, hosts, facts) -> list[Network]:
         rtts = (facts.get(server.host) or {}).get("services.Rtt") or {}
         measured, remote = [], []
         for e in cluster.rpc_endpoints(server):
-            us = rtts.get(f"{e.address}:{e.host.ssh.port}")
+            us = rtts.get(e.ssh_target)
             if e.host.name == server.host:
                 measured.append(RttEndpoint(e.target, e.host.name, 0.0, remote=False))
             elif us is not None:

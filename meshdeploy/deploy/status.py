@@ -54,10 +54,9 @@ def host_script(cluster, host) -> str:
         lines.append(shell.subshell(shell.script(_RPC, args=[rpc.bind, rpc.port, rpc.unit_name],
                                                  HELLO=HELLO)))
     for server in (s for s in cluster.servers if s.host == host.name):
-        addr = "127.0.0.1" if server.bind in ("0.0.0.0", "127.0.0.1") else server.bind
-        base = f"http://{addr}:{server.port}"
         lines.append(shell.subshell(shell.script(_SERVER,
-                                                 args=[server.name, server.unit_name, base])))
+                                                 args=[server.name, server.unit_name,
+                                                       server.local_url])))
     return "\n".join(lines) + "\ntrue"
 
 

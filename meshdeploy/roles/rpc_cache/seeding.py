@@ -17,7 +17,7 @@ from pathlib import Path
 
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfSource, OllamaSource
+from meshdeploy.deploy.model import HfSource, OllamaSource, rpc_ref
 from meshdeploy.deploy.paths import model_path, ollama_blob
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
@@ -207,7 +207,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         for row in lay.rows:
             if not row["cached"] or row["host"] not in names or row["host"] not in content:
                 continue
-            key = f"{row['host']}:{row['port']}"
+            key = rpc_ref(row["host"], row["port"])
             seed = ops.SeedModel(model_path(cluster, model.name), content[row["host"]],
                                  tuple(row["tensors"]))
             merged = seeds.setdefault(key, [])
@@ -227,7 +227,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
 def seed(ctx: HostContext, port: int) -> Step:
     """rpc_cache.seed[port] for this host, from what prepare() computed."""
     rpc = ctx.host.rpc_server(port)
-    wanted = ctx.resolved.seeds.get(f"{ctx.host.name}:{port}") if rpc and rpc.cache else None
+    wanted = ctx.resolved.seeds.get(rpc_ref(ctx.host.name, port)) if rpc and rpc.cache else None
     if not wanted:
         if rpc is not None and rpc.cache:
             return Step(ctx.change(ops.ROLE, f"seed[{port}]", "no-op",

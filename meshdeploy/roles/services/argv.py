@@ -6,9 +6,8 @@ without a host, and so flags that moved between llama.cpp versions are decided i
 
 from __future__ import annotations
 
-from meshdeploy.deploy.config_checks import is_private
 from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import Cluster, Host, RpcServer, Server, is_loopback
+from meshdeploy.deploy.model import Cluster, Host, RpcServer, Server, is_loopback, is_private
 
 # Option names llama-server's --help lists in the tree meshdeploy is tested against (b11312):
 # -lm/--load-mode replaced --mmap/--no-mmap/--mlock/--direct-io there.

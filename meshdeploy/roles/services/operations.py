@@ -9,7 +9,7 @@ from string import Template
 
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import HostContext, Step
-from meshdeploy.deploy.model import HfResolved
+from meshdeploy.deploy.model import HfResolved, rpc_ref
 from meshdeploy.deploy.paths import installed_build, manifest_for, model_path, rpc_server_cache
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
@@ -36,7 +36,7 @@ def rtt_targets(cluster, host) -> list[str]:
     targets = []
     for server in (s for s in cluster.servers if s.host == host.name):
         for e in cluster.rpc_endpoints(server):
-            target = f"{e.address}:{e.host.ssh.port}"
+            target = e.ssh_target
             if e.host.name != host.name and target not in targets:
                 targets.append(target)
     return targets
@@ -298,7 +298,7 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
     mgr = manager(ctx)
     unit = mgr.name(rpc.unit_name)
     if manifest is None:
-        ctx.resolved.restarted.add(f"{ctx.host.name}:{port}")
+        ctx.resolved.restarted.add(rpc_ref(ctx.host.name, port))
         have = (ctx.fact("services.Units") or {}).get(unit)
         return Step(ctx.change(ROLE, resource, "create" if have is None else "update",
                                "runs the new build",
@@ -312,7 +312,7 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
         want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
     step, restarted = _unit_step(ctx, resource, unit, want)
     if restarted:
-        ctx.resolved.restarted.add(f"{ctx.host.name}:{port}")
+        ctx.resolved.restarted.add(rpc_ref(ctx.host.name, port))
         step.commands.append(tcp_wait(rpc.bind, port, d.services_rpc_probe_seconds,
                                       mgr.journal(unit), f"{ctx.host.name}/{unit}"))
     return step
@@ -349,9 +349,8 @@ _HEALTH = ('for i in $(seq "$RETRIES"); do c=$(curl -s -o /dev/null -w \'%{http_
 def health_wait(server, journal: str | None = None) -> str:
     """llama-server answers 503 while loading; 200 on /health means ready."""
     h = server.health
-    host = "127.0.0.1" if server.bind in ("0.0.0.0", "127.0.0.1") else server.bind
     return (shell.script(_HEALTH, RETRIES=int(h.retries), INTERVAL=f"{h.interval:g}",
-                         URL=f"http://{host}:{int(server.port)}/health", UNIT=server.unit_name,
+                         URL=f"{server.local_url}/health", UNIT=server.unit_name,
                          BUDGET=f"{h.budget:g}")
             + "\n" + (journal or journal_tail(server.unit_name)) + "; exit 1")
 
@@ -363,8 +362,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     if server is None:
         return Step(ctx.change(ROLE, resource, "no-op", "not served from this host"))
     endpoints = ctx.cluster.rpc_endpoints(server)
-    moved = [e.target for e in endpoints
-             if f"{e.host.name}:{e.rpc.port}" in ctx.resolved.restarted]
+    moved = [e.target for e in endpoints if e.ref in ctx.resolved.restarted]
     reason = f"workers restart ({', '.join(moved)})" if moved else None
     build_dir, manifest = _build_info(ctx)
     mgr = manager(ctx)
