@@ -85,7 +85,9 @@ class SSH:
 @dataclass(frozen=True)
 class RpcServer:
     port: int
-    bind: str  # resolved IPv4 literal for -H, never ""
+    # The resolved IPv4 literal for -H, never "". None only in a cluster that config_checks
+    # refuses (a DNS-named host and no bind).
+    bind: str
     device: str | None  # None = every device of the host
     threads: int  # 0 = rpc-server's default
     cache: bool

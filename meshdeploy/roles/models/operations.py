@@ -8,7 +8,7 @@ from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import HostContext, Step, Upload
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
-from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource  # noqa: F401 (HfSource: engine)
+from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource  # noqa: F401 (engine)
 from meshdeploy.deploy.paths import model_dir, model_files, ollama_blob
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section

@@ -8,6 +8,7 @@ from pathlib import Path
 from string import Template
 
 from meshdeploy.deploy import shell
+from meshdeploy.deploy.config_checks import warnings_for
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.model import HfResolved, rpc_ref
 from meshdeploy.deploy.paths import installed_build, manifest_for, model_path, rpc_server_cache
@@ -95,7 +96,7 @@ def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
     argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{rpc_binary}", host, rpc,
                                       rpc_server_cache(rpc.port))
     warning = ""
-    if any(w.startswith(f"rpc-server on {host.name} ") for w in argvs.warnings_for(cluster)):
+    if any(w.startswith(f"rpc-server on {host.name} ") for w in warnings_for(cluster)):
         # Said in the journal at every start, not only at plan time (seed ernos, section 13.4).
         warning = ("ExecStartPre=/bin/echo \"meshdeploy: WARNING: RPC on this port is "
                    "unauthenticated and unencrypted\"\n")
