@@ -22,17 +22,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import paths, shell
 from meshdeploy.deploy.context import HostContext, Resolved
 from meshdeploy.deploy.engine import probe_command
 from support.steps import decided
 from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfSource
+from meshdeploy.deploy.model import HfFile, HfResolved, HfSource
 from meshdeploy.deploy.status import host_script
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.llama_cpp.facts import ls_remote
 from meshdeploy.roles.models import operations as models
-from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.rpc_cache import operations as rpc_cache
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import operations as services
@@ -159,7 +158,7 @@ def _render_host(ctx, cluster, extras, prefix, out):
     for rpc in ctx.host.rpc_servers:
         steps.append(_attempt(services.rpc_server, ctx, rpc.port))
         seed_model = extras.seed_model or next(
-            (models.model_path(cluster, s.model) for s in cluster.servers), "/m.gguf")
+            (paths.model_path(cluster, s.model) for s in cluster.servers), "/m.gguf")
         out.commands.append(_attempt(
             rpc_cache._seed_script, extras.seed_tool or f"{prefix}/tool",
             extras.seed_cache or f"{prefix}/cache", [("a" * 64, 0, 11 << 20, "0" * 16)],
@@ -230,7 +229,7 @@ def _check_unit(cluster, server, unit) -> list[str]:
     if key_file:
         server = dataclasses.replace(server, api_key_file="${CREDENTIALS_DIRECTORY}/api-key")
     want = argvs.llama_server_argv("/opt/b/bin/llama-server", cluster, server,
-                                   models.model_path(cluster, server.model), None)
+                                   paths.model_path(cluster, server.model), None)
     got = sd.exec_argv(exec_start)
     findings = []
     if got != want:

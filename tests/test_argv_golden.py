@@ -15,13 +15,10 @@ import pytest
 from support import golden
 
 from meshdeploy.deploy.config import load_cluster
+from meshdeploy.deploy.config_checks import warnings_for
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource
-from meshdeploy.roles.services.argv import (
-    llama_server_argv,
-    rpc_server_argv,
-    warnings_for,
-)
+from meshdeploy.roles.services.argv import llama_server_argv, rpc_server_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml"))

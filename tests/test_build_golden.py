@@ -14,8 +14,8 @@ from support import golden
 
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import HostContext, Resolved
+from meshdeploy.deploy.model import HfFile, HfResolved
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
-from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.services import operations as services
 from support.steps import decided
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import HostContext, Resolved, Upload
+from meshdeploy.deploy.model import HfFile, HfResolved
 from meshdeploy.deploy.plan import Plan
 from meshdeploy.deploy.render import render_json, render_text
 from meshdeploy.roles.models import operations as models
-from meshdeploy.roles.models.hf import HfFile, HfResolved
 
 LAB = Path(__file__).resolve().parent.parent / "inventories" / "lab.yaml"
 TOKEN = "hf_SECRETsecretSECRET123"

@@ -17,8 +17,8 @@ import pytest
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import Resolved
 from meshdeploy.deploy.errors import ConfigError, PlanError
+from meshdeploy.deploy.model import HfFile, HfResolved
 from meshdeploy.deploy.render import render_placement
-from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.rpc_cache import layout, seeding
 from meshdeploy.roles.rpc_cache.tensors import read_header
 

@@ -20,9 +20,9 @@ from meshdeploy.deploy import consistency
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import Resolved
 from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.model import HfFile, HfResolved
 from meshdeploy.deploy.plan import AttrDiff, Change, Plan, load_plan, save_plan
 from meshdeploy.deploy.render import render_json, render_text
-from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.rpc_cache import layout, seeding
 from meshdeploy.roles.rpc_cache.tensors import read_header
 

@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import Resolved
 from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.model import HfFile, HfResolved
 from meshdeploy.roles.models import operations as models
-from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.roles.rpc_cache.tensors import Header
 

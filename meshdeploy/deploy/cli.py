@@ -108,7 +108,7 @@ def engine(name: str) -> Callable[[argparse.Namespace], int]:
 
 def validate(args: argparse.Namespace) -> int:
     from meshdeploy.deploy.config import load_cluster
-    from meshdeploy.roles.services.argv import warnings_for
+    from meshdeploy.deploy.config_checks import warnings_for
 
     cluster = load_cluster(args.file)
     for warning in warnings_for(cluster):

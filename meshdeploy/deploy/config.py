@@ -1,7 +1,9 @@
 """Load a cluster file: YAML with positions, JSON Schema, semantic checks, then the typed model.
 
 Every problem becomes a ConfigIssue pointing at file:line:col, so a user fixes the file without
-guessing; the checks the schema cannot express live in meshdeploy.deploy.config_checks.
+guessing. The schema checks the plain data; the typed model (meshdeploy.deploy.model) is built
+from it, and the checks the schema cannot express (meshdeploy.deploy.config_checks) run on that
+model, pointing back into the file through the Document.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from ruamel.yaml.scalarbool import ScalarBoolean
 
-from meshdeploy.deploy import yaml_doc
+from meshdeploy.deploy import config_checks, yaml_doc
 from meshdeploy.deploy.errors import ConfigError, ConfigIssue
 from meshdeploy.deploy.model import (
     DEFAULT_DEVICES,
@@ -34,6 +36,7 @@ from meshdeploy.deploy.model import (
     RpcServer,
     Server,
     Toolchain,
+    rpc_ref,
 )
 from meshdeploy.deploy.schema_errors import (  # noqa: F401 (PATTERN_MEANING: re-exported)
     PATTERN_MEANING,
@@ -46,17 +49,15 @@ from meshdeploy.deploy.yaml_doc import render_path
 
 def load_cluster(path: str | Path) -> Cluster:
     """Read, validate and resolve a cluster file; raises ConfigError listing every problem."""
-    from meshdeploy.deploy import config_checks
-
     doc = Document.read(path)
     issues = schema_issues(doc)
     if issues:
         raise ConfigError(issues)
-    data = fill_defaults(doc.root, load_schema())
-    issues = config_checks.check(doc, data)
+    cluster = build_cluster(doc, fill_defaults(doc.root, load_schema()))
+    issues = config_checks.check(doc, cluster)
     if issues:
         raise ConfigError(issues)
-    return build_cluster(doc, data)
+    return cluster
 
 
 class Document:
@@ -106,6 +107,16 @@ class Document:
         except (KeyError, IndexError, AttributeError, TypeError):
             return self.position(path[:-1], at_key=True)
         return line + 1, col + 1
+
+    def written(self, path: tuple) -> Any:
+        """The value at `path` as the file writes it (no defaults filled); None when absent."""
+        node = self.root
+        for step in path:
+            try:
+                node = node[step]
+            except (KeyError, IndexError, TypeError):
+                return None
+        return node
 
     def issue(self, path: tuple, message: str, hint: str | None = None,
               at_key: bool = False) -> ConfigIssue:
@@ -189,11 +200,13 @@ def rpc_refs(data: dict, server: dict) -> tuple[str, ...] | None:
         return None
     if server["rpc"]:
         return tuple(server["rpc"])
-    return tuple(f"{name}:{rpc['port']}" for name, host in data["hosts"].items()
+    return tuple(rpc_ref(name, rpc["port"]) for name, host in data["hosts"].items()
                  for rpc in host["rpc_servers"])
 
 
 def build_cluster(doc: Document, data: dict) -> Cluster:
+    """The typed model of schema-valid `data`; config_checks.check decides whether it is usable
+    (until then an rpc-server on a DNS-named host without a bind has bind None)."""
     base = doc.path.parent
     lc = data["llama_cpp"]
     b = lc["build"]

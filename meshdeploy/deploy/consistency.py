@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import Network, RttEndpoint
-from meshdeploy.roles.llama_cpp import operations as llama_cpp
 
 
 def running(cluster, hosts, facts) -> dict[str, tuple[str, str]]:
     """host -> (commit, RPC protocol) of its current build, for hosts that have one."""
     out = {}
     for h in hosts:
-        if not llama_cpp.targets(cluster, h):
+        if not cluster.runs_llama_cpp(h):
             continue
         builds = (facts.get(h.name) or {}).get("llama_cpp.Builds") or {}
         current = builds.get("current")
@@ -31,7 +30,7 @@ def check(cluster, hosts, facts, commit: str | None, limit) -> list[str]:
     now = running(cluster, hosts, facts)
     if limit and commit:
         moving = sorted(h for h, (c, _) in now.items() if c != commit)
-        fresh = sorted(h.name for h in hosts if llama_cpp.targets(cluster, h) and h.name not in now)
+        fresh = sorted(h.name for h in hosts if cluster.runs_llama_cpp(h) and h.name not in now)
         if moving or fresh:
             raise PlanError(
                 f"--limit {','.join(limit)} would move {', '.join(moving + fresh)} to llama.cpp "
@@ -55,7 +54,7 @@ def network(cluster, hosts, facts) -> list[Network]:
         rtts = (facts.get(server.host) or {}).get("services.Rtt") or {}
         measured, remote = [], []
         for e in cluster.rpc_endpoints(server):
-            us = rtts.get(f"{e.address}:{e.host.ssh.port}")
+            us = rtts.get(e.ssh_target)
             if e.host.name == server.host:
                 measured.append(RttEndpoint(e.target, e.host.name, 0.0, remote=False))
             elif us is not None:

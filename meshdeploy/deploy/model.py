@@ -6,9 +6,10 @@ engine never re-validates and never sees "" for "unset": unset optional values a
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal, NamedTuple, Union
 
 BACKENDS = ("cpu", "cuda", "metal", "vulkan", "rocm")
 
@@ -24,8 +25,15 @@ DEFAULT_DEVICES = {
 # rpc-server and llama-server accept -d CPU on every backend.
 CPU_DEVICE = "CPU"
 
-# llama.cpp's compile-time limit on -ts values (LLAMA_MAX_DEVICES).
+# common/arg.cpp refuses -ts with llama_max_devices() (16) values or more.
 MAX_TENSOR_SPLIT = 15
+
+# A bind on every interface (rpc-server -H, llama-server --host).
+WILDCARD = "0.0.0.0"
+
+PRIVATE_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "127.0.0.0/8",
+    "fd00::/8"))
 
 
 @dataclass(frozen=True)
@@ -78,14 +86,21 @@ class SSH:
 @dataclass(frozen=True)
 class RpcServer:
     port: int
-    bind: str  # resolved IPv4 literal for -H, never ""
+    # The resolved IPv4 literal for -H, never "". None only in a cluster that config_checks
+    # refuses (a DNS-named host and no bind).
+    bind: str
     device: str | None  # None = every device of the host
     threads: int  # 0 = rpc-server's default
     cache: bool
 
     @property
     def unit_name(self) -> str:
-        return f"meshdeploy-rpc-{self.port}"
+        return rpc_unit_name(self.port)
+
+
+def rpc_unit_name(port: int) -> str:
+    """The rpc-server's unit name, also its cache's name (deploy.paths.rpc_server_cache)."""
+    return f"meshdeploy-rpc-{port}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +118,23 @@ class Host:
                 return rpc
         return None
 
+    def rpc_devices(self, rpc: RpcServer) -> tuple[str, ...]:
+        """Devices `rpc` exposes, in the order llama-server counts them: its -d device, else
+        every device of the host (the CPU when it has none)."""
+        if rpc.device is not None:
+            return (rpc.device,)
+        return self.devices or (CPU_DEVICE,)
+
+
+def rpc_ref(host_name: str, port: int) -> str:
+    """The `host:port` name of an rpc-server, as servers.<name>.rpc lists it."""
+    return f"{host_name}:{port}"
+
+
+def parse_rpc_ref(ref: str) -> tuple[str, int]:
+    host_name, _, port = ref.rpartition(":")
+    return host_name, int(port)
+
 
 @dataclass(frozen=True)
 class RpcEndpoint:
@@ -111,16 +143,33 @@ class RpcEndpoint:
     address: str  # what the orchestrator dials
 
     @property
+    def ref(self) -> str:
+        """The rpc-server's `host:port` name (rpc_ref)."""
+        return rpc_ref(self.host.name, self.rpc.port)
+
+    @property
     def target(self) -> str:
         """The `address:port` form that goes into llama-server's --rpc list."""
         return f"{self.address}:{self.rpc.port}"
 
     @property
+    def ssh_target(self) -> str:
+        """`address:ssh port` of the worker: what the orchestrator's RTT probe connects to."""
+        return f"{self.address}:{self.host.ssh.port}"
+
+    @property
     def devices(self) -> tuple[str, ...]:
         """Devices this rpc-server exposes, in the order llama-server counts them."""
-        if self.rpc.device is not None:
-            return (self.rpc.device,)
-        return self.host.devices or (CPU_DEVICE,)
+        return self.host.rpc_devices(self.rpc)
+
+
+class ServerDevice(NamedTuple):
+    """One device of a llama-server, in -ts order."""
+
+    label: str  # "host:port/DEV" behind an rpc-server, "host/DEV" on the orchestrator
+    host: Host
+    device: str
+    endpoint: RpcEndpoint | None  # None for the orchestrator's own devices
 
 
 @dataclass(frozen=True)
@@ -130,6 +179,24 @@ class HfSource:
     revision: str
     sha256: str | None  # of the single file; None = trust the hub's LFS hash
     endpoint: str | None  # None = huggingface.endpoint
+
+
+@dataclass(frozen=True)
+class HfFile:
+    name: str
+    size: int
+    sha256: str
+    url: str  # what the host downloads (hosts' endpoint, pinned to the commit)
+
+
+@dataclass(frozen=True)
+class HfResolved:
+    """An HfSource as the hub answers at plan time (roles.models.hf.resolve): the revision's
+    commit and each file's size and sha256; kept in Resolved.models by model name."""
+
+    repo: str
+    commit: str
+    files: tuple[HfFile, ...]
 
 
 @dataclass(frozen=True)
@@ -185,6 +252,11 @@ class Server:
     def unit_name(self) -> str:
         return f"meshdeploy-server-{self.name}"
 
+    @property
+    def local_url(self) -> str:
+        """`http://address:port` where the server's own host reaches it (status, /health)."""
+        return f"http://{local_address(self.bind)}:{self.port}"
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -214,6 +286,10 @@ class Cluster:
     def model(self, name: str) -> Model:
         return self.models[name]
 
+    def runs_llama_cpp(self, host: Host) -> bool:
+        """Whether `host` runs a llama.cpp binary: a llama-server or an rpc-server."""
+        return bool(host.rpc_servers) or any(s.host == host.name for s in self.servers)
+
     def rpc_servers(self) -> list[tuple[Host, RpcServer]]:
         """Every rpc-server of the cluster, hosts in file order."""
         return [(host, rpc) for host in self.hosts for rpc in host.rpc_servers]
@@ -224,21 +300,27 @@ class Cluster:
             return []
         endpoints = []
         for ref in server.rpc:
-            host_name, _, port = ref.rpartition(":")
+            host_name, port = parse_rpc_ref(ref)
             host = self.host(host_name)
-            rpc = host.rpc_server(int(port))
+            rpc = host.rpc_server(port)
             if rpc is None:
                 raise KeyError(f"no rpc-server {ref!r} in cluster {self.name!r}")
             endpoints.append(RpcEndpoint(host, rpc, dial_address(host, rpc, server.host)))
         return endpoints
 
+    def server_devices(self, server: Server) -> list[ServerDevice]:
+        """Every device `server` splits across, in llama-server's -ts order: RPC devices
+        first, then local ones."""
+        out = []
+        for e in self.rpc_endpoints(server):
+            out += [ServerDevice(f"{e.ref}/{dev}", e.host, dev, e) for dev in e.devices]
+        local = self.host(server.host)
+        out += [ServerDevice(f"{server.host}/{dev}", local, dev, None) for dev in local.devices]
+        return out
+
     def devices_for(self, server: Server) -> list[str]:
         """Device labels in llama-server's -ts order: RPC devices first, then local ones."""
-        labels = []
-        for endpoint in self.rpc_endpoints(server):
-            labels += [f"{endpoint.host.name}:{endpoint.rpc.port}/{d}" for d in endpoint.devices]
-        labels += [f"{server.host}/{d}" for d in self.host(server.host).devices]
-        return labels
+        return [d.label for d in self.server_devices(server)]
 
 
 def dial_address(host: Host, rpc: RpcServer, from_host: str) -> str:
@@ -248,11 +330,31 @@ def dial_address(host: Host, rpc: RpcServer, from_host: str) -> str:
     if host.name == from_host:
         # A wildcard or own-address bind also listens on the host itself; loopback avoids
         # hairpinning through the host's interface and any firewall on it.
-        return "127.0.0.1" if rpc.bind == "0.0.0.0" else rpc.bind
-    if rpc.bind == "0.0.0.0":
+        return local_address(rpc.bind)
+    if rpc.bind == WILDCARD:
         return host.address
     return rpc.bind
 
 
+def reachable_from(host: Host, bind: str, from_host: str) -> bool:
+    """Whether a listener on `host` bound to `bind` answers a client on host `from_host`."""
+    return host.name == from_host or not is_loopback(bind)
+
+
+def local_address(bind: str) -> str:
+    """Where a client on the same host reaches a listener bound to `bind`."""
+    return "127.0.0.1" if bind == WILDCARD else bind
+
+
 def is_loopback(address: str) -> bool:
     return address.startswith("127.") or address == "::1"
+
+
+def is_private(address: str) -> bool:
+    """Whether `address` is a private or loopback IP literal; a host name counts as public
+    (what it resolves to is not known here), and so does the wildcard."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in net for net in PRIVATE_NETWORKS if net.version == ip.version)

@@ -7,7 +7,7 @@ import json
 from tabulate import tabulate
 
 from meshdeploy.deploy import shell
-from meshdeploy.roles.llama_cpp import operations as llama_cpp
+from meshdeploy.deploy.paths import llama_cpp_paths
 
 # rpc-server serves one client at a time: while llama-server holds the connection, a HELLO
 # waits in the backlog. A short timeout turns that into "busy" instead of a hang.
@@ -47,17 +47,16 @@ _SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/de
 
 def host_script(cluster, host) -> str:
     """The status probe of one host: runs as the login user (nothing here needs root)."""
-    p = llama_cpp.paths(cluster.llama_cpp.prefix)
+    p = llama_cpp_paths(cluster.llama_cpp.prefix)
     lines = [shell.script('printf \'proto %s\\n\' "$(sed -n \'s/^proto=//p\' "$CURRENT/manifest" '
                           '2>/dev/null)"', CURRENT=p["current"])]
     for rpc in host.rpc_servers:
         lines.append(shell.subshell(shell.script(_RPC, args=[rpc.bind, rpc.port, rpc.unit_name],
                                                  HELLO=HELLO)))
     for server in (s for s in cluster.servers if s.host == host.name):
-        addr = "127.0.0.1" if server.bind in ("0.0.0.0", "127.0.0.1") else server.bind
-        base = f"http://{addr}:{server.port}"
         lines.append(shell.subshell(shell.script(_SERVER,
-                                                 args=[server.name, server.unit_name, base])))
+                                                 args=[server.name, server.unit_name,
+                                                       server.local_url])))
     return "\n".join(lines) + "\ntrue"
 
 

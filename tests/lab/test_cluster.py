@@ -158,6 +158,25 @@ def test_a_pyinfra_deploy_reuses_two_roles(converged, cluster_file, lab, tmp_pat
     assert meshdeploy("plan", cluster_file, "--detailed-exitcode").returncode == 0
 
 
+def test_rpc_port_is_open_only_to_its_orchestrator(converged, cluster_file, lab):
+    """network.allowlist: node3 is in the cluster but no llama-server there uses node2's
+    rpc-server, so it is refused like any other host; node1 (the orchestrator) gets in. The
+    same connection succeeds once the table is gone (the check can fail), and the plan calls
+    the hand-deleted table drift that apply repairs."""
+    probe = "timeout 3 bash -c 'exec 3<>/dev/tcp/10.200.0.12/50052' && echo open || echo shut"
+    assert lab.run("node1", probe).stdout.strip() == "open"
+    assert lab.run("node3", probe).stdout.strip() == "shut"
+    lab.run("node2", "sudo nft delete table inet meshdeploy", check=True)
+    assert lab.run("node3", probe).stdout.strip() == "open"
+    plan = meshdeploy("plan", cluster_file, "--json")
+    changed = [c["address"] for c in json.loads(plan.stdout)["changes"] if c["action"] != "no-op"]
+    assert changed == ["node2/network.allowlist"]
+    assert meshdeploy("apply", cluster_file, "--auto-approve").returncode == 0
+    assert lab.run("node3", probe).stdout.strip() == "shut"
+    assert lab.run("node1", probe).stdout.strip() == "open"
+    assert meshdeploy("plan", cluster_file, "--detailed-exitcode").returncode == 0
+
+
 def test_saved_plan_refuses_drift(converged, cluster_file, tmp_path, lab):
     planfile = tmp_path / "cluster.plan"
     proc = meshdeploy("plan", cluster_file, "-out", planfile)

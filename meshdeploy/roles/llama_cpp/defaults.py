@@ -1,10 +1,13 @@
 """Defaults of the llama_cpp role (see README.md)."""
 
 # --- layout under llama_cpp.prefix ------------------------------------------------------------
-llama_cpp_src_dir = "src/llama.cpp"        # the clone
-llama_cpp_build_dir = "build"              # cmake build trees, one per (backend, flags)
-llama_cpp_builds_dir = "builds"            # installed builds, one per (commit, backend, flags)
-llama_cpp_current_link = "current"         # -> builds/<key>, flipped only after a good build
+# services and status read it too, so it is defined in meshdeploy.deploy.paths.
+from meshdeploy.deploy.paths import (  # noqa: F401 (this role's variables)
+    llama_cpp_build_dir,
+    llama_cpp_builds_dir,
+    llama_cpp_current_link,
+    llama_cpp_src_dir,
+)
 
 # --- cmake --------------------------------------------------------------------------------------
 # Flags every build gets: RPC on, static binaries, nothing fetched from the network at build

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import BuildOutcome, HostContext, Step
+from meshdeploy.deploy.paths import installed_build
+from meshdeploy.deploy.paths import llama_cpp_paths as paths
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d
@@ -16,13 +18,6 @@ from meshdeploy.roles.llama_cpp.lock import checked_commit
 
 ROLE = "llama_cpp"
 TEMPLATES = Path(__file__).with_name("templates")
-
-
-def paths(prefix: str) -> dict[str, str]:
-    return {"src": f"{prefix}/{d.llama_cpp_src_dir}",
-            "build": f"{prefix}/{d.llama_cpp_build_dir}",
-            "builds": f"{prefix}/{d.llama_cpp_builds_dir}",
-            "current": f"{prefix}/{d.llama_cpp_current_link}"}
 
 
 def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
@@ -118,7 +113,7 @@ def build_script(ctx: HostContext, key: str) -> str:
     return shell.template(
         TEMPLATES / "build.sh", args=cmake_flags(cluster, host),
         SRC=p["src"], TREE=f"{p['build']}/{host.backend}-{flavour(cluster, host)}",
-        OUT=f"{p['builds']}/{key}", COMMIT=checked_commit(ctx.resolved.commit),
+        OUT=installed_build(ctx.prefix, key), COMMIT=checked_commit(ctx.resolved.commit),
         NUMBER="" if number is None else int(number), JOBS=int(b.jobs) if b.jobs else "",
         CCACHE=b.ccache_dir if (b.ccache and b.ccache_dir) else "",
         WANT_SERVER=int(d.llama_cpp_server_target in wanted), WANT_RPC=int("rpc" in wanted),
@@ -168,13 +163,6 @@ def build(ctx: HostContext) -> Step:
                            f"no build of {commit[:12]} for {host.backend} with these flags", diffs),
                 [build_script(ctx, key), activate_script(ctx, key)],
                 build=BuildOutcome(key, changed=True))
-
-
-def manifest_for(ctx: HostContext) -> dict | None:
-    """The manifest of the build this host will run, when it is already installed."""
-    key = ctx.build.key if ctx.build else None
-    builds = (ctx.fact("llama_cpp.Builds") or {}).get("builds", {})
-    return builds.get(key) if key else None
 
 
 def resolve(ctx: HostContext) -> Step:

@@ -1,7 +1,9 @@
 """Defaults of the models role (see README.md)."""
 
 # --- layout ---------------------------------------------------------------------------------------
-models_dir = "models"                      # under llama_cpp.prefix: models/<name>/<file>
+# under llama_cpp.prefix: models/<name>/<file>; services and rpc_cache read the files too, so
+# it is defined in meshdeploy.deploy.paths.
+from meshdeploy.deploy.paths import models_dir  # noqa: F401 (this role's variable)
 models_verified_suffix = ".meshdeploy-verified"   # "<size> <mtime> <sha256>" of a checked file
 models_partial_suffix = ".part"            # downloads resume into this name, then rename
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote as url_quote
 
 from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.model import HfFile, HfResolved
 
 
 # The Hub's answers are untrusted input: a hostile or compromised mirror must not reach a shell,
@@ -35,21 +35,6 @@ def _checked(where: str, endpoint: str, what: str, value, ok: bool):
                         hint="the endpoint is not a Hugging Face API, or it is compromised; "
                              "check huggingface.api_endpoint")
     return value
-
-
-@dataclass(frozen=True)
-class HfFile:
-    name: str
-    size: int
-    sha256: str
-    url: str  # what the host downloads (hosts' endpoint, pinned to the commit)
-
-
-@dataclass(frozen=True)
-class HfResolved:
-    repo: str
-    commit: str
-    files: tuple[HfFile, ...]
 
 
 def token(cluster) -> str | None:

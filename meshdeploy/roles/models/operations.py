@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import base64
-import json
 
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import HostContext, Step, Upload
 from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource
+from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
+from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource  # noqa: F401 (engine)
+from meshdeploy.deploy.paths import model_dir, model_files, ollama_blob
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.models import defaults as d
-from meshdeploy.roles.models import gguf_header
 from meshdeploy.roles.models.facts import DiskFree, ModelFile, OllamaManifest
 
 ROLE = "models"
-OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
 
 
 def needed(cluster, host) -> list[str]:
@@ -28,10 +27,6 @@ def needed(cluster, host) -> list[str]:
     return [m for m in cluster.models if m in names]
 
 
-def model_dir(prefix: str, name: str) -> str:
-    return f"{prefix}/{d.models_dir}/{name}"
-
-
 def ollama_registry_path(src: OllamaSource) -> str:
     model = src.model
     if model.count("/") == 0:
@@ -39,23 +34,6 @@ def ollama_registry_path(src: OllamaSource) -> str:
     elif model.count("/") == 1:
         model = f"registry.ollama.ai/{model}"
     return f"{model}/{src.tag}"
-
-
-def files_of(cluster, name: str) -> list[str]:
-    src = cluster.models[name].source
-    if isinstance(src, HfSource):
-        return list(src.files)
-    if isinstance(src, OllamaSource):
-        return ["model.gguf"]
-    return []
-
-
-def model_path(cluster, name: str) -> str:
-    """The path llama-server's -m gets (first part of a split GGUF)."""
-    src = cluster.models[name].source
-    if isinstance(src, PathSource):
-        return src.path
-    return f"{model_dir(cluster.llama_cpp.prefix, name)}/{files_of(cluster, name)[0]}"
 
 
 def sections(cluster, host) -> list[Section]:
@@ -68,7 +46,7 @@ def sections(cluster, host) -> list[Section]:
         if isinstance(src, OllamaSource):
             out.append(Section(f"models.OllamaManifest[{name}]", OllamaManifest,
                                {"store": src.store, "registry_path": ollama_registry_path(src)}))
-        for f in files_of(cluster, name):
+        for f in model_files(cluster, name):
             path = f"{model_dir(cluster.llama_cpp.prefix, name)}/{f}"
             out.append(Section(f"models.ModelFile[{name}/{f}]", ModelFile, {"path": path}))
     return out
@@ -186,20 +164,6 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     return Step(ctx.change(ROLE, resource, action, reason, diffs), commands)
 
 
-def ollama_blob(fact: dict) -> tuple[str, str]:
-    """("sha256:<hex>", blob path) of the GGUF layer an OllamaManifest fact names; ValueError
-    ("is not JSON" / "has no ... layer") when the manifest does not name one."""
-    try:
-        layers = json.loads(fact["manifest"]).get("layers", [])
-    except ValueError:
-        raise ValueError("is not JSON") from None
-    layer = next((x for x in layers if x.get("mediaType") == OLLAMA_MODEL_MEDIA), None)
-    if layer is None:
-        raise ValueError(f"has no {OLLAMA_MODEL_MEDIA} layer")
-    digest = layer["digest"]
-    return digest, f"{fact['store']}/blobs/sha256-{digest.split(':', 1)[1]}"
-
-
 def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:
     """Use the blob in place: verify its digest once, then link it; never copy gigabytes."""
     resource = f"gguf[{name}]"
@@ -238,10 +202,10 @@ def _check_architecture(where: str, host: str, head_b64: str | None) -> None:
         raise PlanError(f"{where}: the model blob on {host} is not a GGUF file",
                         hint="pull the model again, or use a Hugging Face GGUF")
     try:
-        arch = gguf_header.architecture(base64.b64decode(head_b64))
-    except (ValueError, gguf_header.HeaderError) as exc:
+        arch = architecture(base64.b64decode(head_b64))
+    except (ValueError, GgufHeaderError) as exc:
         raise PlanError(f"{where}: cannot read the GGUF header of the blob on {host}: {exc}") from None
-    if arch is not None and arch not in gguf_header.KNOWN_ARCHITECTURES:
+    if arch is not None and arch not in KNOWN_ARCHITECTURES:
         raise PlanError(f"{where}: the blob's architecture {arch!r} is not one upstream llama.cpp "
                         "knows (an Ollama-specific name)",
                         hint="use the Hugging Face GGUF of this model instead")

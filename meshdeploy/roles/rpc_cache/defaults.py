@@ -1,11 +1,10 @@
 """Defaults of the rpc_cache role (see README.md)."""
 
+from meshdeploy.deploy.paths import rpc_cache_dir
+
 # --- what rpc-server caches (ggml-rpc.cpp, RPC protocol v7) ---------------------------------------
 # rpc_use_hash_cache(): weights with size > 10 MiB travel as an FNV-1a hash first.
 rpc_cache_hash_threshold = 10 * 1024 * 1024
-# rpc-server keeps its entries under $LLAMA_CACHE/rpc; services.rpc_server sets LLAMA_CACHE to
-# /var/cache/<unit cache name> (systemd CacheDirectory=meshdeploy-rpc-<port>).
-rpc_cache_dir_template = "/var/cache/meshdeploy-rpc-{port}/rpc"
 
 # --- the seeding tool ---------------------------------------------------------------------------
 rpc_cache_tools_dir = "tools"                  # under llama_cpp.prefix
@@ -25,6 +24,6 @@ rpc_cache_http_timeout = 60
 # Room left on every device for llama.cpp's compute buffers and backend overhead.
 rpc_cache_compute_headroom_bytes = 512 * 1024 * 1024
 
-
-def cache_dir_for(port: int) -> str:
-    return rpc_cache_dir_template.format(port=port)
+# rpc-server keeps its entries under $LLAMA_CACHE/rpc; services.rpc_server sets LLAMA_CACHE to
+# the unit's CacheDirectory: /var/cache/meshdeploy-rpc-<port>/rpc (meshdeploy.deploy.paths).
+cache_dir_for = rpc_cache_dir

@@ -29,16 +29,6 @@ class Layout:
     fitted_from: int | None = None  # ctx_size 0 that llama.cpp shrinks: the context it wanted
 
 
-def devices(cluster, server) -> list[tuple]:
-    """[(label, host, device, endpoint or None)] in llama-server's -ts order."""
-    out = []
-    for e in cluster.rpc_endpoints(server):
-        out += [(f"{e.host.name}:{e.rpc.port}/{dev}", e.host, dev, e) for dev in e.devices]
-    local = cluster.host(server.host)
-    out += [(f"{server.host}/{dev}", local, dev, None) for dev in local.devices]
-    return out
-
-
 def _memory(facts: dict, host, device: str):
     return device_free((facts.get(host.name) or {}).get("rpc_cache.DeviceMemory"),
                        host.backend, device)
@@ -51,7 +41,8 @@ def _short(fit, memory, margin: int) -> bool:
 
 def unknown_memory(cluster, server, facts: dict) -> list[str]:
     """Labels of the server's devices whose free memory the facts do not give."""
-    return [label for label, h, dev, _ in devices(cluster, server) if _memory(facts, h, dev) is None]
+    return [label for label, h, dev, _ in cluster.server_devices(server)
+            if _memory(facts, h, dev) is None]
 
 
 def _shares_ram(device: str) -> bool:
@@ -66,7 +57,7 @@ def build(cluster, server, tensors, shape, facts: dict) -> Layout:
     + facts: host name -> decoded facts (rpc_cache.DeviceMemory is read)
     Example: build(...).rows[0] == {"device": "box11:50052/CUDA0", "layers": "0-25", ...}
     """
-    devs = devices(cluster, server)
+    devs = cluster.server_devices(server)
     labels = [label for label, *_ in devs]
     memory = [_memory(facts, h, dev) for _, h, dev, _ in devs]
     where = f"servers.{server.name}"

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshdeploy.deploy.model import MAX_TENSOR_SPLIT
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.tensors import Tensor
 
 CPU = -1
-MAX_SPLIT_VALUES = 15  # common/arg.cpp refuses -ts with llama_max_devices() (16) values or more
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ def place(n_layers: int, devices: list[str], tensor_split=None, free_bytes=None,
     n_dev = len(devices)
     if tensor_split is not None:
         values = [float(v) for v in tensor_split]
-        if len(values) > MAX_SPLIT_VALUES:
+        if len(values) > MAX_TENSOR_SPLIT:
             raise ValueError(f"tensor split has {len(values)} values; llama-server takes at most "
-                             f"{MAX_SPLIT_VALUES}")
+                             f"{MAX_TENSOR_SPLIT}")
         if len(values) > n_dev:
             raise ValueError(f"tensor split has {len(values)} values for {n_dev} devices "
                              f"({', '.join(devices)}); llama.cpp would ignore the extra ones")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfSource, OllamaSource
-from meshdeploy.roles.models import operations as models
+from meshdeploy.deploy.model import HfSource, OllamaSource, rpc_ref
+from meshdeploy.deploy.paths import model_path, ollama_blob
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import layout
@@ -112,7 +112,7 @@ def _on_host(cluster, model, facts: dict, host: str):
         if not fact:
             return None
         try:
-            digest, blob = models.ollama_blob(fact)
+            digest, blob = ollama_blob(fact)
         except ValueError:
             return None  # models.gguf reports the broken manifest
         return (digest.split(":", 1)[1], blob) if digest in fact["blobs"] else None
@@ -218,8 +218,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         for row in lay.rows:
             if not row["cached"] or row["host"] not in names or row["host"] not in content:
                 continue
-            key = f"{row['host']}:{row['port']}"
-            seed = ops.SeedModel(models.model_path(cluster, model.name), content[row["host"]],
+            key = rpc_ref(row["host"], row["port"])
+            seed = ops.SeedModel(model_path(cluster, model.name), content[row["host"]],
                                  tuple(row["tensors"]))
             merged = seeds.setdefault(key, [])
             # One rpc-server may expose several devices: one entry per model, tensors united.
@@ -237,7 +237,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
 def seed(ctx: HostContext, port: int) -> Step:
     """rpc_cache.seed[port] for this host, from what prepare() computed."""
     rpc = ctx.host.rpc_server(port)
-    wanted = ctx.resolved.seeds.get(f"{ctx.host.name}:{port}") if rpc and rpc.cache else None
+    wanted = ctx.resolved.seeds.get(rpc_ref(ctx.host.name, port)) if rpc and rpc.cache else None
     if not wanted:
         if rpc is not None and rpc.cache:
             return Step(ctx.change(ops.ROLE, f"seed[{port}]", "no-op",

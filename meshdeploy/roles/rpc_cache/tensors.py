@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 import tempfile
 import urllib.error
 import urllib.request
@@ -18,20 +17,15 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from gguf import GGUFReader
-from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
+from meshdeploy.deploy.gguf import GgufHeaderError, Header, from_reader, header_end, parse_header
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.kvcache import swa_layers
-from meshdeploy.roles.models.gguf_header import SCALAR_FORMATS, read_string  # one GGUF key/value reader
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # llama-arch.cpp: tensors of LLM_TENSOR_LAYER_INPUT; llama.cpp keeps the input layer on the CPU
 # of the orchestrator, so these never reach a worker (unless tied as the output, see placement).
 INPUT_TENSORS = ("token_embd.", "position_embd.", "token_types.", "per_layer_token_embd.")
-
-
-class GgufHeaderError(ValueError):
-    """The bytes are not a GGUF header meshdeploy can read."""
 
 
 @dataclass(frozen=True)
@@ -51,83 +45,12 @@ class Tensor:
         return self.layer is None and self.name.startswith(INPUT_TENSORS)
 
 
-@dataclass
-class Header:
-    """What the GGUF header says: scalar/short-array fields and (name, offset, size) per tensor.
-
-    GGUFReader builds an object per vocabulary entry (about 15 s for gemma-3's 262k tokens);
-    this reads the same header in well under a second and skips long arrays.
-    """
-
-    fields: dict
-    tensors: list  # (name, absolute data offset, bytes)
-    data_offset: int
-
-
-def parse_header(buf: bytes) -> Header | None:
-    """The header in `buf`, or None when `buf` ends before the tensor infos do."""
-    if len(buf) >= 4 and struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
-        raise GgufHeaderError("not a GGUF file (bad magic)")
-    fields: dict = {}
-    infos = []
-    try:
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise GgufHeaderError(f"GGUF version {version} is too old")
-        pos = 24
-        for _ in range(n_kv):
-            key, pos = read_string(buf, pos)
-            vtype = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
-            pos += 4
-            value, pos = _value(buf, pos, vtype)
-            if value is not _SKIPPED:
-                fields[key] = value
-        for _ in range(n_tensors):
-            name, pos = read_string(buf, pos)
-            n_dims = struct.unpack_from("<I", buf, pos)[0]
-            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-            ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
-            infos.append((name, dims, ggml_type, offset))
-    except (struct.error, IndexError):
-        return None
-    except ValueError as exc:  # an unknown value or tensor type: not a GGUF this reads
-        raise GgufHeaderError(f"unreadable GGUF header: {exc}") from None
-    alignment = fields.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise GgufHeaderError(f"invalid general.alignment {alignment!r}")
-    data = pos + (-pos % alignment)
-    tensors = []
-    for name, dims, ggml_type, offset in infos:
-        try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        except (ValueError, KeyError):
-            raise GgufHeaderError(f"tensor {name}: unknown ggml type {ggml_type}") from None
-        n = 1
-        for dim in dims:
-            n *= dim
-        tensors.append((name, data + offset, n * type_size // block))
-    return Header(fields, tensors, data)
-
-
-def header_end(buf: bytes) -> int | None:
-    """Offset where tensor data starts (aligned), or None when `buf` ends inside the header."""
-    header = parse_header(buf)
-    return None if header is None else header.data_offset
-
-
 def read_header(source) -> Header:
     """The header of a GGUF path (reading only its first bytes), or of a GGUFReader."""
     if isinstance(source, Header):
         return source
     if isinstance(source, GGUFReader):
-        fields = {}
-        for key, f in source.fields.items():
-            if f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > _MAX_ARRAY:
-                continue
-            fields[key] = f.contents()
-        return Header(fields, [(t.name, int(t.data_offset), int(t.n_bytes)) for t in source.tensors],
-                      int(source.data_offset))
+        return from_reader(source)
     path = Path(source)
     try:
         with open(path, "rb") as f:
@@ -235,37 +158,6 @@ def _per_layer(value, n_layers: int) -> list[int]:
         values = [int(v) for v in value]
         return (values + [values[-1]] * n_layers)[:n_layers] if values else [0] * n_layers
     return [int(value)] * n_layers
-
-
-# ---- header parsing ------------------------------------------------------------------------------
-
-_MAX_ARRAY = 4096  # longer arrays (vocabularies, merges) are skipped, not decoded
-_SKIPPED = object()
-
-
-def _value(buf: bytes, pos: int, vtype: GGUFValueType):
-    if vtype == GGUFValueType.STRING:
-        return read_string(buf, pos)
-    if vtype == GGUFValueType.ARRAY:
-        item = GGUFValueType(struct.unpack_from("<I", buf, pos)[0])
-        count = struct.unpack_from("<Q", buf, pos + 4)[0]
-        pos += 12
-        if item in SCALAR_FORMATS:
-            width = struct.calcsize(SCALAR_FORMATS[item])
-            end = pos + count * width
-            if end > len(buf):
-                raise IndexError
-            if count > _MAX_ARRAY:
-                return _SKIPPED, end
-            return list(struct.unpack_from(f"<{count}{SCALAR_FORMATS[item][1]}", buf, pos)), end
-        values = []
-        for _ in range(count):
-            v, pos = _value(buf, pos, item)
-            if count <= _MAX_ARRAY:
-                values.append(v)
-        return (values if count <= _MAX_ARRAY else _SKIPPED), pos
-    fmt = SCALAR_FORMATS[vtype]
-    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
 
 
 # ---- header over HTTP ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """services: rpc-server and llama-server units (systemd, launchd), restarted when they change."""
 
 from meshdeploy.deploy.registry import Prepare, Prepared, Resource, Role
-from meshdeploy.roles.services import argv
+from meshdeploy.deploy.config_checks import warnings_for
 from meshdeploy.roles.services import operations as ops
 
 
@@ -10,7 +10,7 @@ def _ports(cluster) -> list[int]:
 
 
 def _prepare(p: Prepare) -> Prepared:
-    return Prepared(warnings=tuple(argv.warnings_for(p.cluster)))
+    return Prepared(warnings=tuple(warnings_for(p.cluster)))
 
 
 # A new build's manifest (binary names, flags) is read again before the units are written.

@@ -6,9 +6,8 @@ without a host, and so flags that moved between llama.cpp versions are decided i
 
 from __future__ import annotations
 
-from meshdeploy.deploy.config_checks import is_private
 from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import Cluster, Host, RpcServer, Server, is_loopback
+from meshdeploy.deploy.model import Cluster, Host, RpcServer, Server
 
 # Option names llama-server's --help lists in the tree meshdeploy is tested against (b11312):
 # -lm/--load-mode replaced --mmap/--no-mmap/--mlock/--direct-io there.
@@ -98,25 +97,3 @@ def load_mode_args(server: Server, known: frozenset[str], binary: str) -> list[s
         f"llama-server at {binary} supports neither -lm/--load-mode nor the older flags for "
         f"load_mode '{mode}' (server {server.name})",
         "remove servers.{0}.load_mode or build a llama.cpp that supports it".format(server.name))
-
-
-def warnings_for(cluster: Cluster) -> list[str]:
-    """Risks that are allowed but must be said every time (plan and apply print them)."""
-    warnings = []
-    for host, rpc in cluster.rpc_servers():
-        if not is_loopback(rpc.bind):
-            scope = "every interface" if rpc.bind == "0.0.0.0" else rpc.bind
-            public = rpc.bind == "0.0.0.0" or not is_private(rpc.bind)
-            if public:
-                warnings.append(
-                    f"rpc-server on {host.name} binds {scope} (port {rpc.port}): RPC is "
-                    "unauthenticated and unencrypted; anyone who reaches it can run code on "
-                    "its devices. Restrict it with a firewall or a private network.")
-    for server in cluster.servers:
-        if not is_loopback(server.bind) and server.api_key_file is None:
-            warnings.append(
-                f"llama-server {server.name} on {server.host} listens on {server.bind}:"
-                f"{server.port} without an API key; set servers.{server.name}.api_key_file "
-                "or bind 127.0.0.1.")
-    return warnings
-

@@ -8,12 +8,12 @@ from pathlib import Path
 from string import Template
 
 from meshdeploy.deploy import shell
+from meshdeploy.deploy.config_checks import warnings_for
 from meshdeploy.deploy.context import HostContext, Step
+from meshdeploy.deploy.model import HfResolved, rpc_ref
+from meshdeploy.deploy.paths import installed_build, manifest_for, model_path, rpc_server_cache
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
-from meshdeploy.roles.llama_cpp import operations as llama_cpp
-from meshdeploy.roles.models import operations as models
-from meshdeploy.roles.models.hf import HfResolved
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
 from meshdeploy.roles.services.facts import Rtt, Units
@@ -37,7 +37,7 @@ def rtt_targets(cluster, host) -> list[str]:
     targets = []
     for server in (s for s in cluster.servers if s.host == host.name):
         for e in cluster.rpc_endpoints(server):
-            target = f"{e.address}:{e.host.ssh.port}"
+            target = e.ssh_target
             if e.host.name != host.name and target not in targets:
                 targets.append(target)
     return targets
@@ -92,11 +92,11 @@ def _rpc_peers(cluster, host, rpc) -> list[str]:
 
 def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
     where = f"hosts.{host.name}.rpc_servers[{rpc.port}]"
-    cache_name = unit_name(f"meshdeploy-rpc-{int(rpc.port)}", where)
+    cache_name = unit_name(rpc.unit_name, where)
     argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{rpc_binary}", host, rpc,
-                                      f"/var/cache/{cache_name}")
+                                      rpc_server_cache(rpc.port))
     warning = ""
-    if any(w.startswith(f"rpc-server on {host.name} ") for w in argvs.warnings_for(cluster)):
+    if any(w.startswith(f"rpc-server on {host.name} ") for w in warnings_for(cluster)):
         # Said in the journal at every start, not only at plan time (seed ernos, section 13.4).
         warning = ("ExecStartPre=/bin/echo \"meshdeploy: WARNING: RPC on this port is "
                    "unauthenticated and unencrypted\"\n")
@@ -136,7 +136,7 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
         credentials = f"LoadCredential=api-key:{line_value(api_key, f'{where}.api_key_file')}\n"
         server = _with_key_path(server, SystemdExpr("${CREDENTIALS_DIRECTORY}/api-key"))
     argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", cluster, server,
-                                   models.model_path(cluster, server.model),
+                                   model_path(cluster, server.model),
                                    frozenset(flags) if flags else None)
     env = {"MESHDEPLOY_MODEL_SHA256": model_sha} if model_sha else {}
     return _render("llama-server.service", cluster=comment_value(cluster.name, "cluster"),
@@ -272,7 +272,7 @@ def _build_info(ctx) -> tuple[str | None, dict | None]:
     key = ctx.build.key if ctx.build else None
     if key is None:
         return None, None
-    return f"{ctx.prefix}/{llama_cpp.d.llama_cpp_builds_dir}/{key}", llama_cpp.manifest_for(ctx)
+    return installed_build(ctx.prefix, key), manifest_for(ctx)
 
 
 # "$1" seconds, "$2" address, "$3" port: values arrive as arguments of a fixed bash script.
@@ -303,16 +303,16 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
         return Step(ctx.change(ROLE, resource, "create" if have is None else "update",
                                "runs the new build",
                                [AttrDiff("exec_start", None, None, known_after_apply=True)]),
-                    restarts=(f"{ctx.host.name}:{port}",))
+                    restarts=(rpc_ref(ctx.host.name, port),))
     if isinstance(mgr, Launchd):
         argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{manifest['rpc_binary']}", ctx.host,
-                                          rpc, f"/var/cache/{rpc.unit_name}")
+                                          rpc, rpc_server_cache(rpc.port))
         want = launchd_plist(unit, argv, env, d.services_launchd_log_dir)
     else:
         want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
     step, restarted = _unit_step(ctx, resource, unit, want)
     if restarted:
-        step.restarts = (f"{ctx.host.name}:{port}",)
+        step.restarts = (rpc_ref(ctx.host.name, port),)
         step.commands.append(tcp_wait(rpc.bind, port, d.services_rpc_probe_seconds,
                                       mgr.journal(unit), f"{ctx.host.name}/{unit}"))
     return step
@@ -349,9 +349,8 @@ _HEALTH = ('for i in $(seq "$RETRIES"); do c=$(curl -s -o /dev/null -w \'%{http_
 def health_wait(server, journal: str | None = None) -> str:
     """llama-server answers 503 while loading; 200 on /health means ready."""
     h = server.health
-    host = "127.0.0.1" if server.bind in ("0.0.0.0", "127.0.0.1") else server.bind
     return (shell.script(_HEALTH, RETRIES=int(h.retries), INTERVAL=f"{h.interval:g}",
-                         URL=f"http://{host}:{int(server.port)}/health", UNIT=server.unit_name,
+                         URL=f"{server.local_url}/health", UNIT=server.unit_name,
                          BUDGET=f"{h.budget:g}")
             + "\n" + (journal or journal_tail(server.unit_name)) + "; exit 1")
 
@@ -363,8 +362,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     if server is None:
         return Step(ctx.change(ROLE, resource, "no-op", "not served from this host"))
     endpoints = ctx.cluster.rpc_endpoints(server)
-    moved = [e.target for e in endpoints
-             if f"{e.host.name}:{e.rpc.port}" in ctx.steps.restarted()]
+    moved = [e.target for e in endpoints if e.ref in ctx.steps.restarted()]
     reason = f"workers restart ({', '.join(moved)})" if moved else None
     build_dir, manifest = _build_info(ctx)
     mgr = manager(ctx)
@@ -378,7 +376,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     if isinstance(mgr, Launchd):
         flags = manifest.get("flags")
         argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", ctx.cluster, server,
-                                       models.model_path(ctx.cluster, server.model),
+                                       model_path(ctx.cluster, server.model),
                                        frozenset(flags) if flags else None)
         want = launchd_plist(unit, argv, {"MESHDEPLOY_MODEL_SHA256": sha} if sha else {},
                              d.services_launchd_log_dir)
