@@ -9,7 +9,8 @@ from meshdeploy.roles.services import defaults as d
 
 
 class Units(FactBase):
-    """meshdeploy's systemd units on the host.
+    """The rpc-server and llama-server units meshdeploy put on the host (meshdeploy-rpc-*,
+    meshdeploy-server-*; other roles' units are not this role's to judge).
 
     ```python
     {"meshdeploy-rpc-50052": {"active": "active", "enabled": "enabled", "content": "..."}}
@@ -19,7 +20,9 @@ class Units(FactBase):
     def command(self):
         # systemd hosts list unit files; macOS hosts list LaunchDaemon plists, whose running
         # state launchctl print reports.
-        return (f"for f in {d.services_unit_dir}/{d.services_unit_prefix}*.service; do "
+        owned = " ".join(f"{d.services_unit_dir}/{d.services_unit_prefix}{kind}*.service"
+                         for kind in d.services_unit_kinds)
+        return (f"for f in {owned}; do "
                 "[ -f \"$f\" ] || continue; n=${f##*/}; n=${n%.service}; "
                 "echo \"@@unit $n $(systemctl is-active $n 2>/dev/null) "
                 "$(systemctl is-enabled $n 2>/dev/null)\"; cat \"$f\"; done; "
