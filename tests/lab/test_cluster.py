@@ -177,6 +177,19 @@ def test_rpc_port_is_open_only_to_its_orchestrator(converged, cluster_file, lab)
     assert meshdeploy("plan", cluster_file, "--detailed-exitcode").returncode == 0
 
 
+def test_a_host_without_nftables_gets_it_and_its_table(converged, cluster_file, lab):
+    """The nftables package removed by hand: the plan no longer sees the table (nothing can
+    list it), apply installs the package (through the lab's apt proxy) and loads the table."""
+    lab.run("node3", "sudo env DEBIAN_FRONTEND=noninteractive apt-get remove -y -qq nftables",
+            check=True)
+    plan = meshdeploy("plan", cluster_file, "--json")
+    changed = [c["address"] for c in json.loads(plan.stdout)["changes"] if c["action"] != "no-op"]
+    assert changed == ["node3/network.allowlist"]
+    assert meshdeploy("apply", cluster_file, "--auto-approve").returncode == 0
+    assert lab.run("node3", "sudo nft list table inet meshdeploy").returncode == 0
+    assert meshdeploy("plan", cluster_file, "--detailed-exitcode").returncode == 0
+
+
 def test_saved_plan_refuses_drift(converged, cluster_file, tmp_path, lab):
     planfile = tmp_path / "cluster.plan"
     proc = meshdeploy("plan", cluster_file, "-out", planfile)

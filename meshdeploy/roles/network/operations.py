@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.probe import Section
@@ -23,12 +24,28 @@ def _darwin(ctx) -> bool:
     return (ctx.fact("toolchain.Platform") or {}).get("kernel") == "Darwin"
 
 
+# How a Linux host without nft gets it: the package manager the toolchain's Platform fact saw.
+_INSTALL = {"apt-get": ("export DEBIAN_FRONTEND=noninteractive; ",
+                        ["apt-get", "update", "-qq", shell.AND,
+                         "apt-get", "install", "-y", "-qq", "nftables"]),
+            "dnf": ("", ["dnf", "install", "-y", "nftables"])}
+
+
+def _installer(ctx) -> str | None:
+    tools = (ctx.fact("toolchain.Platform") or {}).get("tools") or []
+    for tool, (prefix, argv) in _INSTALL.items():
+        if tool in tools:
+            return prefix + shell.command(*argv)
+    return None
+
+
 def preflight(ctx: HostContext) -> None:
-    """A host that must be firewalled and has no nft (nor pfctl on macOS) is refused."""
+    """A host that must be firewalled, has no nft (nor pfctl on macOS) and cannot install
+    nftables with apt or dnf is refused."""
     if not ctx.cluster.network.firewall:
         return None
     tools = ctx.fact("network.Tools") or []
-    if not tools:
+    if not tools and (_darwin(ctx) or _installer(ctx) is None):
         raise PlanError(f"{ctx.host.name}: no packet filter to keep the RPC port private "
                         "(nft on Linux, pfctl on macOS)",
                         hint=f"install nftables on the host, or set {OPT_OUT} "
@@ -70,7 +87,9 @@ def allowlist(ctx: HostContext) -> Step:
     if live == wanted:
         ports = ", ".join(sorted(wanted, key=int))
         return Step(ctx.change(ROLE, "allowlist", "no-op", f"ports {ports} filtered as wanted"))
+    install = [] if "nft" in (ctx.fact("network.Tools") or []) else [_installer(ctx)]
     return Step(ctx.change(ROLE, "allowlist", "create" if live is None else "update",
                            "not loaded" if live is None else "rules differ (drift or a new peer)",
                            rules.diffs(wanted, live)),
-                rules.apply_commands(rules.nft_file(ctx.cluster, ctx.host)))
+                [c for c in install if c] + rules.apply_commands(rules.nft_file(ctx.cluster,
+                                                                                ctx.host)))
