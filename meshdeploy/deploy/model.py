@@ -294,6 +294,10 @@ class Cluster:
         """Every rpc-server of the cluster, hosts in file order."""
         return [(host, rpc) for host in self.hosts for rpc in host.rpc_servers]
 
+    def rpc_ports(self) -> list[int]:
+        """Every port some host runs an rpc-server on: one resource slot each, on every host."""
+        return sorted({rpc.port for _, rpc in self.rpc_servers()})
+
     def rpc_endpoints(self, server: Server) -> list[RpcEndpoint]:
         """The rpc-servers `server` uses, in --rpc order, with the address it dials."""
         if not server.rpc:

@@ -6,10 +6,6 @@ from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache.tensors import GgufHeaderError, header_bytes
 
 
-def _ports(cluster) -> list[int]:
-    return sorted({r.port for h in cluster.hosts for r in h.rpc_servers})
-
-
 def _prepare(p: Prepare) -> Prepared:
     def read(host, path):
         try:
@@ -34,7 +30,7 @@ ROLE = Role(
         Resource("seed_tool", lambda ctx, key: ops.seed_tool(ctx),
                  "md-rpc-seed, compiled on the worker from the shipped source"),
         Resource("seed", seeding.seed, "a cached rpc-server's entries for what its placement holds",
-                 keys=_ports, cluster_wide=True),
+                 keys=lambda cluster: cluster.rpc_ports(), cluster_wide=True),
     ),
 )
 

@@ -5,10 +5,6 @@ from meshdeploy.deploy.config_checks import warnings_for
 from meshdeploy.roles.services import operations as ops
 
 
-def _ports(cluster) -> list[int]:
-    return sorted({r.port for h in cluster.hosts for r in h.rpc_servers})
-
-
 def _prepare(p: Prepare) -> Prepared:
     return Prepared(warnings=tuple(warnings_for(p.cluster)))
 
@@ -27,7 +23,7 @@ ROLE = Role(
         Resource("cleanup", lambda ctx, key: ops.stale_units(ctx),
                  "meshdeploy units the cluster file no longer describes"),
         Resource("rpc_server", ops.rpc_server, "one rpc-server, proven listening",
-                 keys=_ports, rereads=_MANIFEST),
+                 keys=lambda cluster: cluster.rpc_ports(), rereads=_MANIFEST),
         Resource("llama_server", ops.llama_server,
                  "the orchestrator, restarted after its workers, then healthy",
                  keys=lambda cluster: [s.name for s in cluster.servers], rereads=_MANIFEST),

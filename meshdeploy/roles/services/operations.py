@@ -289,6 +289,15 @@ def tcp_wait(address: str, port: int, seconds: int, journal: str | None, who: st
             + f" || {{ {fail}; }}")
 
 
+def _awaits_build(ctx, resource: str, unit: str, restarts: tuple[str, ...] = ()) -> Step:
+    """A unit whose binary is the build this run makes: its ExecStart is known after apply."""
+    have = (ctx.fact("services.Units") or {}).get(unit)
+    return Step(ctx.change(ROLE, resource, "create" if have is None else "update",
+                           "runs the new build",
+                           [AttrDiff("exec_start", None, None, known_after_apply=True)]),
+                restarts=restarts)
+
+
 def rpc_server(ctx: HostContext, port: int) -> Step:
     """services.rpc_server[port]: one rpc-server unit, proven listening by a TCP probe."""
     resource = f"rpc_server[{port}]"
@@ -299,11 +308,7 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
     mgr = manager(ctx)
     unit = mgr.name(rpc.unit_name)
     if manifest is None:
-        have = (ctx.fact("services.Units") or {}).get(unit)
-        return Step(ctx.change(ROLE, resource, "create" if have is None else "update",
-                               "runs the new build",
-                               [AttrDiff("exec_start", None, None, known_after_apply=True)]),
-                    restarts=(rpc_ref(ctx.host.name, port),))
+        return _awaits_build(ctx, resource, unit, restarts=(rpc_ref(ctx.host.name, port),))
     if isinstance(mgr, Launchd):
         argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{manifest['rpc_binary']}", ctx.host,
                                           rpc, rpc_server_cache(rpc.port))
@@ -368,10 +373,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     mgr = manager(ctx)
     unit = mgr.name(server.unit_name)
     if manifest is None:
-        have = (ctx.fact("services.Units") or {}).get(unit)
-        return Step(ctx.change(ROLE, resource, "create" if have is None else "update",
-                               "runs the new build",
-                               [AttrDiff("exec_start", None, None, known_after_apply=True)]))
+        return _awaits_build(ctx, resource, unit)
     sha = model_sha(ctx, server.model)
     if isinstance(mgr, Launchd):
         flags = manifest.get("flags")
