@@ -38,18 +38,13 @@ def meshdeploy(*args) -> str:
 
 
 def measure(info, rate: str | None, runs: int) -> list[dict]:
-    for h in WORKERS:
-        wire.shape(info.name, h, rate)
     out = []
-    try:
+    with wire.shaped(info.name, WORKERS, rate):
         for _ in range(runs):
             before = {h: wire.tx_bytes(info.name, h) for h in WORKERS}
             seconds = wire.restart_server(info)
             sent = sum(wire.tx_bytes(info.name, h) - before[h] for h in WORKERS)
             out.append({"seconds": seconds, "sent": sent, "text": wire.complete(info)})
-    finally:
-        for h in WORKERS:
-            wire.shape(info.name, h, None)
     return out
 
 

@@ -6,6 +6,7 @@ import fcntl
 import os
 import shutil
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,9 @@ def lab_handle(request):
     from meshdeploy.lab import Lab
 
     hosts = int(os.environ.get("MESHDEPLOY_LAB_HOSTS", "3"))
-    handle = Lab(name=os.environ.get("MESHDEPLOY_LAB_NAME", "mdlab"), hosts=hosts)
+    # One host in no cluster file (node4): what the lockdown tests try to get in from.
+    rogue = int(os.environ.get("MESHDEPLOY_LAB_ROGUE", "1"))
+    handle = Lab(name=os.environ.get("MESHDEPLOY_LAB_NAME", "mdlab"), hosts=hosts, rogue=rogue)
     keep = request.config.getoption("--keep-lab")
     session_lock = claim_lab(handle.name)
     if not keep:
@@ -118,9 +121,36 @@ def lab_handle(request):
             session_lock.close()
 
 
+@contextmanager
+def own_lab(request, name: str, **kwargs):
+    """A lab of its own for one test module (`Lab(name, **kwargs)`): claimed, started, and
+    always removed afterwards (also on SIGTERM) unless --keep-lab; gives (LabInfo, Lab)."""
+    from meshdeploy.lab import Lab
+    from meshdeploy.lab.core import leftovers
+
+    handle = Lab(name=name, **kwargs)
+    keep = request.config.getoption("--keep-lab")
+    lock = claim_lab(name)
+    if not keep:
+        _STARTED.append(handle)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield handle.up(), handle
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        try:
+            if not keep:
+                handle.down()
+                _STARTED.remove(handle)
+                left = {k: v for k, v in leftovers(name).items() if v}
+                assert not left, f"lab teardown left traces behind: {left}"
+        finally:
+            lock.close()
+
+
 @pytest.fixture(scope="session")
 def lab(lab_handle):
-    """LabInfo of a running 3-host lab (see docs/lab.md)."""
+    """LabInfo of a running lab: node1..node3 and the rogue node4 (see docs/lab.md)."""
     from meshdeploy.lab import LabInfo
 
     return LabInfo.load(lab_handle.state_dir)

@@ -136,3 +136,17 @@ def test_public_bind_warns(lab):
     (warning,) = warnings_for(cluster)
     assert warning.startswith("rpc-server on node2 binds every interface (port 50052): RPC is "
                               "unauthenticated and unencrypted")
+
+
+def test_a_served_bind_that_nobody_may_reach_warns(lab):
+    server = dataclasses.replace(lab.servers[0], bind="10.200.0.11",
+                                 api_key_file="/etc/meshdeploy/api-key")
+    cluster = dataclasses.replace(lab, servers=(server,))
+    (warning,) = warnings_for(cluster)
+    assert "servers.main.allow is empty" in warning
+    allowed = dataclasses.replace(cluster, servers=(dataclasses.replace(
+        server, allow=("10.200.0.0/24",)),))
+    assert warnings_for(allowed) == []
+    off = dataclasses.replace(cluster, network=dataclasses.replace(cluster.network,
+                                                                   firewall=False))
+    assert not any("allow is empty" in w for w in warnings_for(off))

@@ -8,8 +8,9 @@ tests/facts/<role>.<Fact>/<case>.json
 
 tests/operations/<role>.<op>/<case>.json
     {"cluster": "inventories/lab.yaml" or inline YAML, "host": "node2", "arg": model/port/server,
-     "facts": {section key: decoded value}, "resolved": {"commit", "build_number", "models",
-     "restarted"}, "run": {"build_key", "build_changed"}, "expected": {...}}
+     "facts": {section key: decoded value}, "peer_facts": {host: {section key: value}},
+     "resolved": {"commit", "build_number", "models", "restarted", "replace"},
+     "run": {"build_key", "build_changed"}, "expected": {...}}
     "run" and "restarted" are what earlier steps decided (ctx.steps): llama_cpp.build's outcome
     on this host, and the rpc-servers (re)started anywhere.
     expected: "error" (message start, with optional "hint_contains"), or any of "action",
@@ -144,7 +145,8 @@ def test_fact(path):
 
 def load_case(path: Path, tmp_path: Path):
     data = json.loads(path.read_text())
-    known = {"cluster", "host", "arg", "facts", "resolved", "run", "expected", "note"}
+    known = {"cluster", "host", "arg", "facts", "peer_facts", "resolved", "run", "expected",
+             "note"}
     assert set(data) <= known, f"{path}: unknown keys {set(data) - known}"
     spec = data["cluster"]
     if "\n" in spec:
@@ -156,8 +158,10 @@ def load_case(path: Path, tmp_path: Path):
     host = cluster.host(data["host"])
     r = data.get("resolved", {})
     resolved = Resolved(
-        commit=r.get("commit"), build_number=r.get("build_number"),
-        models={name: HfResolved(m["repo"], m["commit"], tuple(HfFile(**f) for f in m["files"]))
+        commit=r.get("commit"), build_number=r.get("build_number"), hf_token=r.get("hf_token"),
+        replace=tuple(r.get("replace", ())),
+        models={name: HfResolved(m["repo"], m["commit"], tuple(HfFile(**f) for f in m["files"]),
+                                 m.get("auth"))
                 for name, m in r.get("models", {}).items()})
     table = {}
     if resolved.commit:
@@ -165,7 +169,12 @@ def load_case(path: Path, tmp_path: Path):
     facts = {k: as_decoded(k, v) for k, v in substitute(data.get("facts", {}), table).items()}
     run = substitute(data.get("run", {}), table)
     assert set(run) <= {"build_key", "build_changed"}, f"{path}: unknown run keys {set(run)}"
-    ctx = decided(HostContext(cluster, host, facts, resolved), build_key=run.get("build_key"),
+    # Other hosts' facts, for cluster-wide resources (network.wireguard reads peers' keys).
+    peers = {name: {k: as_decoded(k, v) for k, v in f.items()}
+             for name, f in data.get("peer_facts", {}).items()}
+    ctx = decided(HostContext(cluster, host, facts, resolved,
+                              cluster_facts={**peers, host.name: facts}),
+                  build_key=run.get("build_key"),
                   build_changed=bool(run.get("build_changed")),
                   restarted=r.get("restarted", []))
     return ctx, data.get("arg"), substitute(data["expected"], table)

@@ -77,6 +77,18 @@ def test_ip_allow_lists_the_peers():
     # The loopback-bound llama-server dials its two workers.
     assert "IPAddressAllow=localhost 10.200.0.12 10.200.0.13\n" in render(
         "inventories/lab.yaml", "node1", "llama-server")
-    # Bound to a network address, it serves clients nobody listed: not restricted.
+    # Bound to the LAN: its worker, and the clients servers.main.allow lists.
     server = render("inventories/two-cuda-11-16.yaml", "box16", "llama-server")
-    assert "IPAddressDeny" not in server and "# Not IP-restricted: it serves clients" in server
+    assert "IPAddressDeny=any\nIPAddressAllow=localhost 10.0.0.5 10.0.0.0/24\n" in server
+
+
+def test_a_served_bind_with_no_allow_list_is_not_ip_restricted(tmp_path):
+    # Bound to a network address with nobody listed, it serves clients nobody named.
+    text = (ROOT / "inventories/two-cuda-11-16.yaml").read_text()
+    path = tmp_path / "two-cuda.yaml"
+    path.write_text("\n".join(line for line in text.splitlines()
+                              if not line.lstrip().startswith("allow:")) + "\n")
+    cluster = load_cluster(path)
+    server = cluster.servers[0]
+    unit = services.server_unit(cluster, cluster.host(server.host), server, "/opt/b", FLAGS, None)
+    assert "IPAddressDeny" not in unit and "# Not IP-restricted: it serves clients" in unit

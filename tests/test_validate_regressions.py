@@ -302,6 +302,36 @@ def test_server_bind_injection(tmp_path):
     assert issue.message == "'1.2.3.4; reboot' is not an IPv4 address or host name"
 
 
+@pytest.mark.parametrize("bind, col", [("0.0.0.0", 51), ("10.0.0.1", 51),
+                                       ("llm.example.org", 51)])
+def test_server_off_loopback_without_a_key(tmp_path, bind, col):
+    issue = refused(tmp_path, MODEL + "servers: {s: {host: n, model: m, rpc: none, "
+                                      f"bind: {bind}}}}}\n")
+    assert at(issue) == (5, col, "servers.s.bind")
+    assert issue.message == (f"listens on {bind} without an API key: anyone who reaches "
+                             "port 8080 can use the model")
+    assert "api_key_file" in issue.hint and "allow_unauthenticated: true" in issue.hint
+
+
+def test_server_off_loopback_without_a_key_refused_by_the_cli(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(HEAD + MODEL + "servers: {s: {host: n, model: m, rpc: none, "
+                                   "bind: 0.0.0.0}}\n")
+    done = run_cli(path)
+    assert done.returncode == CONFIG, done.stderr
+    assert done.stderr.startswith(f"{path}:5:51: servers.s.bind: listens on 0.0.0.0 without "
+                                  "an API key")
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["true", "ask", "off", "'Yes '"])
+def test_host_key_takes_three_values(tmp_path, value):
+    head = HEAD.replace("{address: 10.0.0.1}", f"{{address: 10.0.0.1, ssh: {{host_key: {value}}}}}")
+    issue = refused(tmp_path, "", head=head)
+    assert issue.path == "hosts.n.ssh.host_key"
+    assert "yes, accept-new, no" in issue.message or "accept-new" in issue.message
+
+
 @pytest.mark.parametrize("field, value", [
     ("prefix", "/opt/../etc"), ("prefix", "opt"), ("prefix", "/opt/"), ("prefix", "//opt")])
 def test_paths_are_absolute_and_normalized(tmp_path, field, value):
@@ -338,6 +368,24 @@ def test_real_repos_stay_valid(tmp_path, repo):
     path = tmp_path / "c.yaml"
     path.write_text(HEAD.replace("{ref: b1}", f"{{ref: release/b1, repo: '{repo}'}}"))
     assert load_cluster(path).llama_cpp.repo == repo
+
+
+def test_off_loopback_with_a_key_or_allowed_stays_valid(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(HEAD + "models: {m: {path: /m.gguf}, m2: {path: /m2.gguf}}\n"
+                    "servers:\n"
+                    "  s: {host: n, model: m, rpc: none, bind: 0.0.0.0, port: 8080,\n"
+                    "      api_key_file: /etc/meshdeploy/key, allow: [10.0.0.0/8]}\n"
+                    "  o: {host: n, model: m2, rpc: none, bind: 10.0.0.1, port: 8081,\n"
+                    "      allow_unauthenticated: true, allow: [10.0.0.0/8]}\n")
+    cluster = load_cluster(path)
+    assert cluster.server("o").allow_unauthenticated
+    assert not cluster.server("s").allow_unauthenticated
+    done = run_cli(path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ("warning: llama-server o on n listens on 10.0.0.1:8081 without an "
+                           "API key (allow_unauthenticated: true); anyone who reaches the port "
+                           "can use the model. Set servers.o.api_key_file or bind 127.0.0.1.\n")
 
 
 def test_ollama_model_name_cannot_leave_the_store(tmp_path):

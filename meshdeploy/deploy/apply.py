@@ -3,11 +3,13 @@ checks and a summary."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
 from meshdeploy.deploy import operations, registry
 from meshdeploy.deploy.context import HostContext, Step, Steps
+from meshdeploy.deploy.plan import Change
 from meshdeploy.deploy.engine import Planned
 from meshdeploy.deploy.errors import ApplyError
 from meshdeploy.deploy.session import Session
@@ -26,19 +28,27 @@ class Run:
         self.first = session.hosts()[0].name
         self.steps = Steps()
         self.reread: set[tuple[str, str]] = set()
+        self.reread_lock = threading.Lock()
         self.results: list[dict] = []
         self.failure: dict | None = None
         self.progress = progress
         self.started: dict = {}
+        self.teardown = planned.teardown
+        self.leaving = set(planned.leaving) | {h.name for h in session.departed}
+        self.destroyed = planned.destroyed  # (host, role) whose destroy ran, filled as they end
 
     def step(self, host_name: str, resource: registry.Resource, key) -> Step:
         slot = resource.slot(key)
+        if host_name in self.leaving:
+            return Step(Change(host_name, resource.role, slot.partition(".")[2], "no-op",
+                               reason="leaves the cluster"))
         try:
             self._reread(host_name, resource)
             host = self.cluster.host(host_name)
             ctx = HostContext(self.cluster, host, self.facts[host_name], self.resolved,
                               self.steps, first=host_name == self.first,
-                              run_command=lambda command: self._run(host_name, command))
+                              run_command=lambda command: self._run(host_name, command),
+                              cluster_facts=self.facts)
             step = resource.plan(ctx, key)
         except Exception as exc:
             self.failure = {"host": host_name, "step": slot, "error": exc}
@@ -48,6 +58,10 @@ class Run:
             self.resolved = replace(self.resolved, **step.resolves)
         return step
 
+    def teardown_steps(self, host_name: str, role: str) -> list[Step]:
+        """The planned destroy steps of `role` on the host (none for a host that stays)."""
+        return list(self.teardown.get((host_name, role), []))
+
     def begin(self, host_name: str, slot: str) -> None:
         self.started[(host_name, slot)] = time.monotonic()
 
@@ -56,16 +70,24 @@ class Run:
         return ok, list(output.stdout_lines) if ok else []
 
     def _reread(self, host_name: str, resource: registry.Resource) -> None:
-        """Facts the resource declares it re-reads once an earlier resource ran on the host."""
-        for earlier, key in resource.rereads:
-            if (host_name, key) in self.reread or not self.steps.ran(host_name, earlier):
-                continue
-            request = registry.FactRequest(self.cluster, self.cluster.host(host_name),
-                                           host_name == self.first)
-            section = next(s for s in registry.sections(request) if s.key == key)
-            pyhost = self.session.pyhosts[host_name]
-            self.facts[host_name][key] = pyhost.get_fact(section.fact, **section.kwargs)
-            self.reread.add((host_name, key))
+        """Facts the resource declares it re-reads once an earlier resource ran on the host; a
+        cluster-wide resource re-reads them on every host where that resource ran (its plan
+        reads them all, e.g. the peers' public keys)."""
+        hosts = [h.name for h in self.session.hosts()] if resource.cluster_wide else [host_name]
+        with self.reread_lock:  # the hosts' greenlets run one operation at once
+            for name in hosts:
+                for earlier, key in resource.rereads:
+                    if (name, key) in self.reread or not self.steps.ran(name, earlier):
+                        continue
+                    request = registry.FactRequest(self.cluster, self.cluster.host(name),
+                                                   name == self.first)
+                    section = next(s for s in registry.sections(request) if s.key == key)
+                    pyhost = self.session.pyhosts[name]
+                    sudo = {"_sudo": True} if section.privileged and \
+                        self.cluster.host(name).ssh.sudo else {}
+                    self.facts[name][key] = pyhost.get_fact(section.fact, **section.kwargs,
+                                                            **sudo)
+                    self.reread.add((name, key))
 
 
 def begin(cluster, planned: Planned) -> None:
@@ -76,7 +98,10 @@ def begin(cluster, planned: Planned) -> None:
             role.apply_started(cluster, planned.resolved)
 
 
-def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
+def apply(session: Session, planned: Planned, progress=print, slots: bool = True) -> list[dict]:
+    """Every slot on every host (unless slots is False: `meshdeploy destroy`), then each role's
+    destroy on the hosts that leave, roles in reverse order. The hosts that stay converge first,
+    so an orchestrator drops a departing worker from --rpc before that worker stops."""
     from pyinfra.api import BaseStateCallback
     from pyinfra.api.operation import add_op
     from pyinfra.api.operations import run_ops
@@ -98,12 +123,16 @@ def apply(session: Session, planned: Planned, progress=print) -> list[dict]:
     state.add_callback_handler(Progress())
     state.set_stage(StateStage.Prepare)
     metas = {}
-    for slot in registry.slots(cluster, apply=True):
+    for slot in registry.slots(cluster, apply=True) if slots else []:
         kwargs = {"name": slot.name}
         if slot.resource.serial is not None and slot.resource.serial(cluster):
             kwargs["_serial"] = True
         metas[slot.name] = add_op(state, operations.operation_for(slot.resource), slot.key,
                                   **kwargs)
+    for role in reversed(registry.roles()):
+        if role.destroy is not None and any(r == role.name for _, r in planned.teardown):
+            metas[f"{role.name}.destroy"] = add_op(state, operations.teardown_for(role.name),
+                                                   name=f"{role.name}.destroy")
     state.set_stage(StateStage.Execute)
     try:
         with operations.running(run):

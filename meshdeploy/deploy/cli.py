@@ -31,6 +31,13 @@ def host_list(value: str) -> list[str]:
     return hosts
 
 
+def replace_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-replace", "--replace", action="append", metavar="ADDRESS",
+                   help="replace this resource even if it matches (repeatable; Terraform's "
+                        "spelling: -replace=network.wireguard rotates every host's WireGuard "
+                        "keys, -replace=node2/network.wireguard one host's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="meshdeploy",
@@ -46,6 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--debug", action="store_true", help="show tracebacks")
         return p
 
+    def host_keys(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--accept-new-host-keys", action="store_true",
+                       help="record the key of a host not yet in known_hosts (first contact); "
+                            "a changed key is still refused")
+
+    def lock_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-lock-timeout", "--lock-timeout", dest="lock_timeout", metavar="DURATION",
+                       help="wait this long for another apply or destroy to release the "
+                            "cluster's lock (30s, 5m; default 0: fail at once, naming it)")
+
+    def purge_option(p: argparse.ArgumentParser, who: str) -> None:
+        p.add_argument("--purge", action="store_true",
+                       help=f"also remove the llama.cpp builds, models and rpc-server caches of "
+                            f"{who} (kept otherwise: their bytes are expensive); the toolchain's "
+                            "packages always stay")
+
     p = command("validate", "check a cluster file without contacting any host")
     p.add_argument("file", metavar="FILE")
     p.set_defaults(handler=validate)
@@ -58,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detailed-exitcode", action="store_true",
                    help="exit 0 = no changes, 2 = changes, 1 = error")
     p.add_argument("--limit", type=host_list, metavar="HOST,...", help="only these hosts")
+    host_keys(p)
+    replace_option(p)
+    purge_option(p, "hosts that left the file")
     p.set_defaults(handler=engine("plan"))
 
     p = command("apply", "converge the hosts to a cluster file or a saved plan")
@@ -65,12 +91,76 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-approve", action="store_true", help="do not ask for confirmation")
     p.add_argument("--limit", type=host_list, metavar="HOST,...", help="only these hosts")
     p.add_argument("--json", action="store_true", help="machine-readable progress on stdout")
+    host_keys(p)
+    replace_option(p)
+    purge_option(p, "hosts that left the file")
+    lock_option(p)
     p.set_defaults(handler=engine("apply"))
+
+    p = command("destroy", "remove everything meshdeploy put on the cluster's hosts")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--auto-approve", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--limit", type=host_list, metavar="HOST,...", help="only these hosts")
+    host_keys(p)
+    purge_option(p, "every host")
+    lock_option(p)
+    p.set_defaults(handler=engine("destroy"))
 
     p = command("status", "show what runs on the hosts and whether it is healthy")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--json", action="store_true", help="machine-readable status on stdout")
+    host_keys(p)
     p.set_defaults(handler=engine("status"))
+
+    p = command("logs", "the services' logs from every host, merged by time")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("targets", nargs="*", metavar="HOST|SERVICE",
+                   help="only these: host names, rpc-server, llama-server, a server name, a unit "
+                        "name or an rpc-server's host:port (default: every service)")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing new lines as they come, until Ctrl-C (exit 0)")
+    p.add_argument("--since", metavar="WHEN", help="only lines since 10m, 2h, 1d ago or a date "
+                                                   "(YYYY-MM-DD [HH:MM[:SS]])")
+    p.add_argument("-n", "--lines", type=int, metavar="N",
+                   help="the last N lines of each service (default 10; all with --since)")
+    host_keys(p)
+    p.epilog = ("A host that cannot be reached is named on stderr and the others are shown; the "
+                "exit code is 4 only when no host could be read.")
+    p.set_defaults(handler=adhoc("logs"))
+
+    p = command("exec", "run a command on the hosts in parallel, output grouped per host")
+    p.usage = "meshdeploy exec FILE [--limit HOST,...] [--sudo] -- CMD [ARG...]"
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(argv=[])  # the words after `--` (main): one word is a shell snippet run by
+    # sh as written ('echo $HOME | wc -c'); several words are one command, each passed literally
+    p.add_argument("--limit", type=host_list, metavar="HOST,...", help="only these hosts")
+    p.add_argument("--sudo", action="store_true", help="run it as root (sudo -n: never a "
+                                                       "password prompt)")
+    host_keys(p)
+    p.epilog = ("CMD after --: one word is a shell snippet run by sh as written ('echo $HOME | "
+                "wc -c'); several words are one command, each word passed literally (quoted). "
+                "Exit 0 when it exited 0 everywhere, 1 when it failed on some host, 4 when a "
+                "host could not be reached.")
+    p.set_defaults(handler=adhoc("run_exec"))
+
+    p = command("bench", "tokens/s of the deployed llama-servers, from their own timings")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--server", metavar="NAME", help="only this server (default: every server)")
+    p.add_argument("--runs", type=int, default=3, metavar="N",
+                   help="measured runs over the prompt set, after one warm-up (default 3)")
+    p.add_argument("--compare-local", action="store_true",
+                   help="also run the same build and model on the orchestrator alone, when it "
+                        "fits, and show cluster/local")
+    p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    host_keys(p)
+    p.set_defaults(handler=engine("bench"))
+
+    p = command("state", "show the state file, or make it again from the hosts")
+    p.add_argument("action", choices=("show", "rebuild"))
+    p.add_argument("file", metavar="FILE")
+    host_keys(p)
+    lock_option(p)
+    p.set_defaults(handler=engine("state"))
 
     p = command("resources", "list every resource meshdeploy manages, in apply order")
     p.add_argument("--markdown", action="store_true", help="a Markdown table")
@@ -106,6 +196,17 @@ def engine(name: str) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
+def adhoc(name: str) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        # fabric in real threads: not the gevent-patched commands module of plan and apply.
+        from meshdeploy.deploy import adhoc as commands
+
+        return getattr(commands, name)(args)
+
+    handler.__name__ = name
+    return handler
+
+
 def validate(args: argparse.Namespace) -> int:
     from meshdeploy.deploy.config import load_cluster
     from meshdeploy.deploy.config_checks import warnings_for
@@ -127,7 +228,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lab"]:
         return run_lab(argv[1:])
-    args = build_parser().parse_args(argv)
+    words = None
+    if argv[:1] == ["exec"] and "--" in argv:  # everything after `--` is the remote command
+        cut = argv.index("--")
+        argv, words = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if words is not None:
+        args.argv = words
+    # argparse gives a `*` positional only the words before the first option: `logs FILE -n 5
+    # node2` names node2 too.
+    if extra and isinstance(getattr(args, "targets", None), list) \
+            and not any(e.startswith("-") for e in extra):
+        args.targets += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return run(args.handler, args)
 
 

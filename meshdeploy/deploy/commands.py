@@ -13,19 +13,26 @@ import time  # noqa: E402
 from meshdeploy.deploy import errors  # noqa: E402
 from meshdeploy.deploy.config import load_cluster  # noqa: E402
 from meshdeploy.deploy.engine import config_hash, make_plan  # noqa: E402
+from meshdeploy.deploy import locks  # noqa: E402
+from meshdeploy.deploy import state as states  # noqa: E402
 from meshdeploy.deploy.session import Session  # noqa: E402
 from meshdeploy.deploy.errors import AbortedError, PlanError  # noqa: E402
 from meshdeploy.deploy.plan import check_fresh, load_plan, save_plan  # noqa: E402
 from meshdeploy.deploy.render import render_apply_summary, render_json, render_text  # noqa: E402
 
 
-def _session(cluster, limit):
+def _session(cluster, limit, args, departed=()):
     if limit:
-        unknown = [n for n in limit if n not in {h.name for h in cluster.hosts}]
+        known = {h.name for h in cluster.hosts} | {h.name for h in departed}
+        unknown = [n for n in limit if n not in known]
         if unknown:
             raise PlanError(f"--limit names unknown host(s): {', '.join(unknown)}",
                             hint="use host names from the cluster file")
-    session = Session(cluster, limit)
+    # A departed host is destroyed unless --limit leaves it out.
+    departed = [h for h in departed if not limit or h.name in limit]
+    session = Session(cluster, limit,
+                      accept_new_host_keys=getattr(args, "accept_new_host_keys", False),
+                      departed=departed)
     session.open()
     session.connect()
     return session
@@ -38,9 +45,10 @@ def _color() -> bool:
 def plan(args) -> int:
     cluster = load_cluster(args.file)
     started = time.monotonic()
-    session = _session(cluster, args.limit)
+    purge = getattr(args, "purge", False)
+    session = _session(cluster, args.limit, args, states.load(cluster).departed(cluster, purge))
     try:
-        planned = make_plan(session)
+        planned = make_plan(session, args.replace or (), purge)
     finally:
         session.close()
     elapsed = time.monotonic() - started
@@ -71,27 +79,40 @@ def _is_plan_file(path: str) -> bool:
 
 
 def apply(args) -> int:
-    from meshdeploy.deploy.apply import apply as run_apply
-    from meshdeploy.deploy.apply import begin
-
     saved = None
     if _is_plan_file(args.file):
         saved = load_plan(args.file)
         cluster = load_cluster(saved.cluster_path)
         limit = saved.limit or args.limit
+        replacing = saved.replace
     else:
         cluster = load_cluster(args.file)
         limit = args.limit
-    session = _session(cluster, limit)
+        replacing = args.replace or ()
+    purge = saved.purge if saved is not None else args.purge
+    with Locked(cluster, args, "apply") as lock:
+        return _apply(args, cluster, saved, limit, replacing, purge, lock)
+
+
+def _apply(args, cluster, saved, limit, replacing, purge, lock) -> int:
+    from meshdeploy.deploy.apply import apply as run_apply
+    from meshdeploy.deploy.apply import begin
+
+    state = states.load(cluster)
+    session = _session(cluster, limit, args, state.departed(cluster, purge))
     try:
+        lock.hosts(session)
         started = time.monotonic()
-        planned = make_plan(session)
+        planned = make_plan(session, replacing, purge)
         if saved is not None:
             check_fresh(saved, config_hash(cluster), planned.plan.fingerprints)
         else:
             print(render_text(planned.plan, color=_color()))
         begin(cluster, planned)
         if not planned.plan.has_changes():
+            departed = [h.name for h in session.departed]
+            states.after_apply(state, cluster, session.hosts(),
+                               {h: purge for h in planned.destroyed_hosts(departed)}, True)
             if saved is not None:
                 print("No changes. The cluster matches the configuration.")
             return errors.OK
@@ -99,9 +120,17 @@ def apply(args) -> int:
             if not _confirm():
                 raise AbortedError("apply cancelled: nothing was changed")
         print("\nApplying:")
-        rows = run_apply(session, planned, progress=print)
+        ok = False
+        try:
+            rows = run_apply(session, planned, progress=print)
+            ok = True
+        finally:
+            departed = [h.name for h in session.departed]
+            states.after_apply(state, cluster, session.hosts(),
+                               {h: purge for h in planned.destroyed_hosts(departed)}, ok)
         elapsed = time.monotonic() - started
     finally:
+        lock.release_hosts()
         session.close()
     print()
     print(render_apply_summary(rows))
@@ -109,10 +138,84 @@ def apply(args) -> int:
     return errors.OK
 
 
-def _confirm() -> bool:
+def destroy(args) -> int:
+    """Every host of the file (and the departed ones the state knows) loses what meshdeploy put
+    there; builds, models and caches only with --purge. The toolchain's packages stay."""
+    cluster = load_cluster(args.file)
+    with Locked(cluster, args, "destroy") as lock:
+        return _destroy(args, cluster, lock)
+
+
+def _destroy(args, cluster, lock) -> int:
+    from meshdeploy.deploy.apply import apply as run_apply
+    from meshdeploy.deploy.engine import make_destroy_plan
+
+    state = states.load(cluster)
+    session = _session(cluster, args.limit, args, state.departed(cluster, purge=True))
+    try:
+        lock.hosts(session)
+        started = time.monotonic()
+        planned = make_destroy_plan(session, args.purge)
+        print(render_text(planned.plan, color=_color()))
+        reached = [h.name for h in session.reached()]
+        if planned.plan.has_changes():
+            if not args.auto_approve and not _confirm("destroy"):
+                raise AbortedError("destroy cancelled: nothing was changed")
+            print("\nDestroying:")
+            ok = False
+            try:
+                rows = run_apply(session, planned, progress=print, slots=False)
+                ok = True
+            finally:
+                _forget(state, planned, reached, args.purge, ok)
+            print()
+            print(render_apply_summary(rows))
+            print(f"\nDestroy complete in {time.monotonic() - started:.1f} s.")
+        else:
+            _forget(state, planned, reached, args.purge, True)
+    finally:
+        lock.release_hosts()
+        session.close()
+    return errors.OK
+
+
+class Locked:
+    """The control machine's lock for the whole run, and the hosts' once connected."""
+
+    def __init__(self, cluster, args, command: str):
+        self.holder = locks.me(command)
+        self.timeout = locks.duration(getattr(args, "lock_timeout", None) or "0")
+        self.control = locks.ControlLock(cluster.path, self.holder, self.timeout)
+        self.on_hosts = None
+
+    def __enter__(self):
+        self.control.acquire()
+        return self
+
+    def hosts(self, session) -> None:
+        self.on_hosts = locks.HostLocks(session, self.holder, self.timeout).__enter__()
+
+    def release_hosts(self) -> None:
+        if self.on_hosts is not None:
+            self.on_hosts.release()
+            self.on_hosts = None
+
+    def __exit__(self, *exc):
+        self.release_hosts()
+        self.control.release()
+
+
+def _forget(state, planned, reached, purge: bool, ok: bool) -> None:
+    """Destroyed hosts leave the state (purged) or stay as retired (their bytes kept)."""
+    done = planned.destroyed_hosts(reached)
+    states.after_apply(state, None, [], {h: purge for h in done}, ok)
+
+
+def _confirm(what: str = "apply") -> bool:
     if not sys.stdin.isatty():
-        raise AbortedError("apply needs confirmation, and stdin is not a terminal",
-                           hint="rerun with --auto-approve, or apply a saved plan file")
+        raise AbortedError(f"{what} needs confirmation, and stdin is not a terminal",
+                           hint="rerun with --auto-approve" +
+                                (", or apply a saved plan file" if what == "apply" else ""))
     print("\nDo you want to perform these actions? Only 'yes' will be accepted.")
     try:
         return input("  Enter a value: ").strip() == "yes"
@@ -124,7 +227,7 @@ def status(args) -> int:
     from meshdeploy.deploy.status import collect, render
 
     cluster = load_cluster(args.file)
-    session = _session(cluster, None)
+    session = _session(cluster, None, args)
     try:
         rows = collect(session)
     finally:
@@ -137,3 +240,40 @@ def status(args) -> int:
     return errors.OK if healthy else errors.ERROR
 
 
+
+
+def bench(args) -> int:
+    from meshdeploy.deploy.bench import run
+
+    return run(args)
+
+
+def state(args) -> int:
+    """`state show FILE`: the state as JSON. `state rebuild FILE`: the state made again from
+    the file's hosts: a host is recorded when the probe finds anything of meshdeploy's on it
+    (what `destroy --purge` would remove: units, the nftables table, a tunnel, builds, models,
+    caches). A host that already left the file cannot be found this way."""
+    from meshdeploy.deploy.engine import make_destroy_plan
+
+    cluster = load_cluster(args.file)
+    if args.action == "show":
+        print(json.dumps(states.load(cluster).to_dict(), indent=2, sort_keys=True))
+        return errors.OK
+    with Locked(cluster, args, "state rebuild") as lock:
+        session = _session(cluster, None, args)
+        try:
+            lock.hosts(session)
+            planned = make_destroy_plan(session, purge=True)
+        finally:
+            lock.release_hosts()
+            session.close()
+    fresh = states.State(path=states.state_path(cluster.path), cluster=cluster.name)
+    for host in cluster.hosts:
+        found = sorted({f"{c.role}.{c.resource}" for c in planned.plan.changes
+                        if c.host == host.name})
+        if found:
+            fresh.hosts[host.name] = states.record_for(cluster, host)
+        print(f"{host.name}: " + (", ".join(found) if found else "nothing of meshdeploy's"))
+    states.save(fresh)
+    print(f"\nWrote {fresh.path} ({len(fresh.hosts)} of {len(cluster.hosts)} hosts).")
+    return errors.OK

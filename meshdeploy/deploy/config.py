@@ -36,7 +36,9 @@ from meshdeploy.deploy.model import (
     RpcServer,
     Server,
     Toolchain,
+    WireGuard,
     rpc_ref,
+    tunnel_binds,
 )
 from meshdeploy.deploy.schema_errors import (  # noqa: F401 (PATTERN_MEANING: re-exported)
     PATTERN_MEANING,
@@ -220,7 +222,8 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
             for r in h["rpc_servers"])
         s = h["ssh"]
         ssh = SSH(user=unset(s["user"]), port=s["port"], key=control_path(s["key"], base),
-                  config=control_path(s["config"], base), sudo=s["sudo"])
+                  config=control_path(s["config"], base), sudo=s["sudo"],
+                  host_key=unset(s["host_key"]))
         hosts.append(Host(name=name, address=h["address"], ssh=ssh, backend=h["backend"],
                           devices=host_devices(h), rpc_servers=rpcs))
     models = {name: Model(name, model_source(m)) for name, m in data["models"].items()}
@@ -230,10 +233,13 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                tensor_split=s["tensor_split"] if s["tensor_split"] == "auto"
                else tuple(float(v) for v in s["tensor_split"]),
                rpc=rpc_refs(data, s), load_mode=unset(s["load_mode"]),
-               api_key_file=unset(s["api_key_file"]), extra_args=tuple(s["extra_args"]),
-               health=Health(s["health"]["retries"], float(s["health"]["interval"])))
+               api_key_file=unset(s["api_key_file"]), allow=tuple(s["allow"]),
+               extra_args=tuple(s["extra_args"]),
+               health=Health(s["health"]["retries"], float(s["health"]["interval"])),
+               allow_unauthenticated=s["allow_unauthenticated"])
         for name, s in data["servers"].items())
-    return Cluster(
+    wg = net["wireguard"]
+    cluster = Cluster(
         name=data["cluster"],
         path=doc.path,
         llama_cpp=LlamaCpp(
@@ -244,14 +250,20 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
         toolchain=Toolchain(apt_proxy=unset(data["toolchain"]["apt_proxy"])),
         huggingface=HuggingFace(endpoint=hf["endpoint"],
                                 api_endpoint=hf["api_endpoint"] or hf["endpoint"],
-                                token_file=control_path(hf["token_file"], base)),
+                                token_file=control_path(hf["token_file"], base),
+                                trusted_http_endpoints=tuple(
+                                    e.rstrip("/") for e in hf["trusted_http_endpoints"])),
         network=Network(rpc_bind=net["rpc_bind"], allow_public=net["allow_public"],
-                        firewall=net["firewall"]),
+                        firewall=net["firewall"], transport=net["transport"],
+                        wireguard=WireGuard(subnet=wg["subnet"], listen_port=wg["listen_port"],
+                                            interface=wg["interface"],
+                                            addresses=tuple(wg["addresses"].items()))),
         hosts=tuple(hosts),
         models=models,
         servers=servers,
         source_hash=hashlib.sha256(doc.raw).hexdigest(),
     )
+    return tunnel_binds(cluster)
 
 
 def model_source(m: dict) -> HfSource | OllamaSource | PathSource:

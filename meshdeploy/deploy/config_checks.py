@@ -44,7 +44,8 @@ DOTTED_NUMBERS = re.compile(r"[0-9.]+")
 def check(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     """Every problem of `cluster` (built from `doc`), in file order."""
     issues: list[ConfigIssue] = []
-    for checker in (check_ref, check_models, check_hosts, check_ports, check_servers):
+    for checker in (check_ref, check_models, check_hosts, check_ports, check_servers,
+                    check_wireguard):
         issues += checker(doc, cluster)
     issues.sort(key=lambda i: (i.line, i.col))
     return issues
@@ -174,6 +175,14 @@ def check_servers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                                     "serve each model from one orchestrator"))
         else:
             served[server.model] = name
+        if not is_loopback(server.bind) and server.api_key_file is None \
+                and not server.allow_unauthenticated:
+            issues.append(doc.issue(
+                spath + ("bind",), f"listens on {server.bind} without an API key: anyone "
+                f"who reaches port {server.port} can use the model",
+                f"set servers.{name}.api_key_file to a root-only key file on host "
+                f"{server.host}, bind 127.0.0.1, or set servers.{name}.allow_unauthenticated: "
+                "true to accept the risk"))
         if server.host not in hosts:
             issues.append(doc.issue(spath + ("host",), f"unknown host '{server.host}'",
                                     suggest(server.host, list(hosts), "hosts")))
@@ -201,6 +210,7 @@ def check_servers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                     "an rpc-server serves one client at a time: give each server its own "
                     "rpc-servers with an explicit rpc list", at_key=not listed))
             used_by.setdefault(ref, name)
+        issues += _allow_issues(doc, server)
         split = server.tensor_split
         if split != "auto" and not bad_ref:
             tpath = spath + ("tensor_split",)
@@ -218,6 +228,26 @@ def check_servers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
             elif not any(split):
                 issues.append(doc.issue(tpath, "all values are 0",
                                         "give at least one device a share", at_key=True))
+    return issues
+
+
+def _allow_issues(doc: Document, server) -> list[ConfigIssue]:
+    """servers.<name>.allow: each item an IP address or a network with no host bits set."""
+    issues = []
+    for i, value in enumerate(server.allow):
+        where = ("servers", server.name, "allow", i)
+        try:
+            ipaddress.ip_network(value, strict=True)
+        except ValueError:
+            try:
+                loose = ipaddress.ip_network(value, strict=False)
+            except ValueError:
+                issues.append(doc.issue(where, f"{value!r} is not an IP address or network",
+                                        "write an address (10.0.0.5) or a network "
+                                        "(10.0.0.0/24, ::/0); host names are not allowed"))
+            else:
+                issues.append(doc.issue(where, f"{value!r} has host bits set",
+                                        f"did you mean {loose}?"))
     return issues
 
 
@@ -264,6 +294,56 @@ def warnings_for(cluster: Cluster) -> list[str]:
         if not is_loopback(server.bind) and server.api_key_file is None:
             warnings.append(
                 f"llama-server {server.name} on {server.host} listens on {server.bind}:"
-                f"{server.port} without an API key; set servers.{server.name}.api_key_file "
+                f"{server.port} without an API key (allow_unauthenticated: true); anyone who "
+                f"reaches the port can use the model. Set servers.{server.name}.api_key_file "
                 "or bind 127.0.0.1.")
+        if cluster.network.firewall and not is_loopback(server.bind) and not server.allow:
+            warnings.append(
+                f"llama-server {server.name} on {server.host} listens on {server.bind}:"
+                f"{server.port}, but servers.{server.name}.allow is empty: the host's "
+                "allow-list lets only the host itself connect. List the clients' addresses "
+                "or networks there.")
     return warnings
+
+
+def check_wireguard(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
+    """network.wireguard: a subnet that is a network, explicit addresses of known hosts inside
+    it, and no two hosts on one tunnel address (a derived one can collide: say which)."""
+    if not cluster.network.tunnel:
+        return []
+    wg = cluster.network.wireguard
+    path = ("network", "wireguard")
+    try:
+        net = ipaddress.IPv4Network(wg.subnet)
+    except ValueError as exc:
+        return [doc.issue(path + ("subnet",), f"'{wg.subnet}' is not an IPv4 network ({exc})",
+                          "write a network with its host bits zero, e.g. 10.99.0.0/16")]
+    issues = []
+    names = {h.name for h in cluster.hosts}
+    for name, address in wg.addresses:
+        where = path + ("addresses", name)
+        if name not in names:
+            issues.append(doc.issue(where, f"no host named {name!r}",
+                                    suggest(name, sorted(names), "hosts"), at_key=True))
+        elif not _host_address_of(address, net):
+            issues.append(doc.issue(where, f"{address} is not a host address of {wg.subnet}",
+                                    "pick an address inside network.wireguard.subnet"))
+    taken: dict[str, str] = {}
+    for host in cluster.hosts:
+        address = wg.address(host.name)
+        if address in taken:
+            issues.append(doc.issue(path, f"hosts {taken[address]} and {host.name} get the same "
+                                    f"tunnel address {address}",
+                                    f"give one of them its own under network.wireguard."
+                                    f"addresses (e.g. {host.name}: <a free address>)",
+                                    at_key=True))
+        taken.setdefault(address, host.name)
+    return issues
+
+
+def _host_address_of(address: str, net) -> bool:
+    try:
+        ip = ipaddress.IPv4Address(address)
+    except ValueError:
+        return False
+    return ip in net and ip not in (net.network_address, net.broadcast_address)

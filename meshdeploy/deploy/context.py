@@ -27,6 +27,9 @@ class Resolved:
     # roles.rpc_cache: "host:port" -> SeedModel tuple, and placement layouts.
     seeds: dict = field(default_factory=dict)
     layouts: tuple = ()
+    # Resource addresses the run must replace (`-replace=ADDRESS`: "node2/network.wireguard",
+    # or "network.wireguard" for every host), checked against the registry by the engine.
+    replace: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ class HostContext:
     first: bool = False  # the host that resolves cluster-wide values (the first of the run)
     # apply only: runs a command on this host as the login user -> (ok, stdout lines)
     run_command: Callable[[str], tuple[bool, list[str]]] | None = None
+    # Every host's facts (host name -> facts), for cluster-wide resources; apply keeps them
+    # current through the resources' declared rereads.
+    cluster_facts: dict[str, dict] | None = None
 
     @property
     def prefix(self) -> str:
@@ -93,6 +99,18 @@ class HostContext:
     def fact(self, key: str):
         return self.facts.get(key)
 
+    def fact_of(self, host_name: str, key: str):
+        """A fact of another host (cluster-wide resources only; None when not gathered)."""
+        if host_name == self.host.name:
+            return self.fact(key)
+        return (self.cluster_facts or {}).get(host_name, {}).get(key)
+
+    def replacing(self, qualified: str, host_name: str | None = None) -> bool:
+        """Whether `-replace` names the resource ("network.wireguard") on this host (or on
+        host_name)."""
+        host_name = host_name or self.host.name
+        return any(a in (qualified, f"{host_name}/{qualified}") for a in self.resolved.replace)
+
     def servers(self):
         """llama-server instances this host runs."""
         return [s for s in self.cluster.servers if s.host == self.host.name]
@@ -103,24 +121,29 @@ class HostContext:
                       diffs=diffs or [], reason=reason, unit_diff=unit_diff)
 
 
-@dataclass(frozen=True)
-class Upload:
-    """A file sent over SFTP rather than written by a command: what must never appear in a
-    process's arguments or in logs (tokens) travels this way."""
+class SecretStdin(str):
+    """A command (the string itself) whose standard input carries a secret, such as a token.
 
-    content: str
-    path: str
+    The secret reaches the program over the SSH channel only: it is in no process's arguments,
+    no file on the host (no temporary upload with a guessable name to leave behind) and no
+    rendering of the command, which is all that str() and repr() show.
+    """
 
-    def __str__(self) -> str:
-        return f"upload {self.path}"
+    stdin: str
+
+    def __new__(cls, command: str, stdin: str):
+        self = super().__new__(cls, command)
+        self.stdin = stdin
+        return self
 
 
 @dataclass
 class Step:
     """One resource on one host: what the plan shows and what apply runs.
 
-    commands run in order in one shell each (an Upload item sends a file instead), as root when
-    the host uses sudo; readiness checks are commands too (TCP probes, /health waits).
+    commands run in order in one shell each (a SecretStdin also feeds its secret to the shell's
+    standard input), as root when the host uses sudo; readiness checks are commands too (TCP
+    probes, /health waits).
     """
 
     change: Change
@@ -133,3 +156,24 @@ class Step:
     @property
     def noop(self) -> bool:
         return self.change.action == "no-op" and not self.commands
+
+
+def stored_teardown(ctx: HostContext, role: str, resource: str, stored: dict, what: str,
+                    purge: bool, after: tuple[str, ...] = ()):
+    """The Teardown of paths a role stored (a Stored fact: path -> bytes) that only `--purge`
+    removes: one delete step when purging, else a line the plan shows under what is kept.
+    `after` are commands that follow the removal (rmdir of a parent once empty)."""
+    from meshdeploy.deploy import shell
+    from meshdeploy.deploy.plan import size_text
+    from meshdeploy.deploy.registry import Teardown
+
+    if not stored:
+        return Teardown()
+    total = sum(stored.values())
+    if not purge:
+        return Teardown(kept=(f"{what} ({size_text(total)})",))
+    paths = sorted(stored)
+    return Teardown(steps=(Step(ctx.change(role, resource, "delete",
+                                           f"--purge: {what} ({size_text(total)})",
+                                           [AttrDiff("path", p, None) for p in paths]),
+                                [shell.command("rm", "-rf", "--", *paths), *after]),))

@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshdeploy import __version__
 from meshdeploy.deploy import consistency, registry
 from meshdeploy.deploy import probe as probes
 from meshdeploy.deploy.context import HostContext, Resolved, Steps
-from meshdeploy.deploy.errors import ConnectError
+from meshdeploy.deploy.errors import ConnectError, PlanError
 from meshdeploy.deploy.model import Cluster
 from meshdeploy.deploy.plan import Plan, hash_files, utc_now
 from meshdeploy.deploy.session import Session, SudoPasswordRequired
@@ -27,33 +27,38 @@ from meshdeploy.deploy.session import Session, SudoPasswordRequired
 log = logging.getLogger("meshdeploy")
 
 
-def probe_sections(cluster: Cluster, host, first: bool):
+def probe_sections(cluster: Cluster, host, first: bool, destroying: bool = False):
     """Every fact this host's plan reads; a SudoCheck first where apply will need root."""
     sudo = [probes.Section("probe.SudoCheck", probes.SudoCheck)] if host.ssh.sudo else []
-    return sudo + registry.sections(registry.FactRequest(cluster, host, first))
+    return sudo + registry.sections(registry.FactRequest(cluster, host, first, destroying))
 
 
-def probe_command(cluster: Cluster, host, first: bool, nonce: str) -> tuple[list, str]:
+def probe_command(cluster: Cluster, host, first: bool, nonce: str,
+                  destroying: bool = False) -> tuple[list, str]:
     """(sections, the one remote command that gathers them all as the login user)."""
-    sections = probe_sections(cluster, host, first)
+    sections = probe_sections(cluster, host, first, destroying)
     return sections, probes.compose(sections, nonce, sudo=host.ssh.sudo) + "true"
 
 
 SUDO_REFUSED = re.compile(r"sudo: (a password is required|.*not in the sudoers|.*not allowed)")
 
 
-def gather(session: Session) -> dict[str, dict]:
-    """One probe command per host, all hosts at once, run unprivileged (Section.privileged)."""
+def gather(session: Session, hosts=None, destroying=frozenset()) -> dict[str, dict]:
+    """One probe command per host, all hosts at once, run unprivileged (Section.privileged).
+    Hosts named in `destroying` also gather what their roles' destroy hooks read."""
     import gevent
 
     cluster = session.cluster
-    first = session.hosts()[0].name
+    hosts = session.hosts() if hosts is None else hosts
+    first = session.hosts()[0].name if session.hosts() else None
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
 
     def one(h):
         nonce = probes.new_nonce()
-        sections, script = probe_command(cluster, h, h.name == first, nonce)
+        leaving = h.name in destroying
+        sections, script = probe_command(cluster, h, h.name == first and not leaving, nonce,
+                                         leaving)
         user = h.ssh.user or "(default)"
         try:
             ok, output = session.run(h.name, script, sudo=False)
@@ -78,7 +83,7 @@ def gather(session: Session) -> dict[str, dict]:
             return
         results[h.name] = facts
 
-    gevent.joinall([gevent.spawn(one, h) for h in session.hosts()])
+    gevent.joinall([gevent.spawn(one, h) for h in hosts])
     if errors:
         detail = "; ".join(f"{n}: {m}" for n, m in sorted(errors.items()))
         sudo = any("sudo refused" in m for m in errors.values())
@@ -119,24 +124,59 @@ class Planned:
     resolved: Resolved
     facts: dict
     steps: Steps
+    # Destroy steps by (host, role), run after every resource, roles in reverse order.
+    teardown: dict = field(default_factory=dict)
+    leaving: tuple[str, ...] = ()  # hosts whose resources all answer "leaves the cluster"
+    destroyed: set = field(default_factory=set)  # apply: (host, role) whose destroy ran
+
+    def destroyed_hosts(self, candidates) -> set[str]:
+        """Those of `candidates` (host names) every planned destroy step of which ran."""
+        return {h for h in candidates if all((h, r) in self.destroyed
+                                             for hh, r in self.teardown if hh == h)}
 
 
-def make_plan(session: Session) -> Planned:
+def check_replace(cluster: Cluster, addresses) -> tuple[str, ...]:
+    """`-replace=ADDRESS` values ("network.wireguard", "node2/network.wireguard"), each naming a
+    registered resource that can be replaced and, when given, a host of the file."""
+    hosts = {h.name for h in cluster.hosts}
+    for address in addresses:
+        host, _, qualified = address.rpartition("/")
+        try:
+            resource = registry.resource(qualified)
+        except KeyError:
+            resource = None
+        if resource is None or (host and host not in hosts):
+            raise PlanError(f"-replace={address}: no such resource address",
+                            hint="write RESOURCE or HOST/RESOURCE as a plan prints it, e.g. "
+                                 "-replace=network.wireguard or -replace=node2/network.wireguard")
+        if not resource.replaceable:
+            can = sorted(r.qualified for r in registry.resources() if r.replaceable)
+            raise PlanError(f"-replace={address}: {qualified} cannot be replaced",
+                            hint=f"resources that can: {', '.join(can) or 'none'}")
+    return tuple(addresses)
+
+
+def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
+    """The plan of the file's hosts, and the destroy of the session's departed hosts."""
     cluster = session.cluster
     hosts = session.hosts()
-    facts = gather(session)
+    replacing = check_replace(cluster, replacing)
+    departed = list(session.departed)
+    facts = gather(session, hosts + departed, {h.name for h in departed})
     prepared = prepare(cluster, hosts, facts, header_cache=control_cache("gguf-headers"),
                        read_remote=session.read_remote)
-    resolved = prepared.resolved
+    resolved = replace(prepared.resolved, replace=replacing)
     for role in registry.roles():
         if role.preflight is not None:
             for h in hosts:
                 role.preflight(HostContext(cluster, h, facts[h.name], resolved))
     drift = consistency.check(cluster, hosts, facts, resolved.commit, session.limit)
     steps = evaluate(cluster, hosts, facts, resolved)
-    warnings = list(prepared.warnings) + drift
+    warnings = session.warnings() + list(prepared.warnings) + drift
     changes = [steps.on(h.name)[slot.name].change for slot in registry.slots(cluster)
                for h in hosts]
+    torn, kept = teardown(cluster, departed, facts, resolved, purge)
+    changes += [s.change for host_steps in torn.values() for s in host_steps]
     plan = Plan(cluster_name=cluster.name, cluster_path=str(cluster.path),
                 config_hash=config_hash(cluster),
                 fingerprints={h: probes.fingerprint(f, registry.volatile())
@@ -145,8 +185,48 @@ def make_plan(session: Session) -> Planned:
                 created_at=utc_now(), meshdeploy_version=__version__,
                 commit=resolved.commit, commit_source=resolved.commit_source,
                 limit=list(session.limit or []), placement=list(prepared.placement),
-                network=consistency.network(cluster, hosts, facts))
-    return Planned(plan, resolved, facts, steps)
+                network=consistency.network(cluster, hosts, facts), replace=list(replacing),
+                kept=kept, purge=purge)
+    return Planned(plan, resolved, facts, steps, torn)
+
+
+def teardown(cluster: Cluster, hosts, facts: dict, resolved: Resolved,
+             purge: bool) -> tuple[dict, list[str]]:
+    """Every role's destroy hook on each host, roles in reverse registry order (services
+    before the network that filters them, the build last): ({(host, role): [Step]}, kept)."""
+    torn: dict[tuple[str, str], list] = {}
+    kept: list[str] = []
+    for h in hosts:
+        mine: list[str] = []
+        for role in reversed(registry.roles()):
+            if role.destroy is None:
+                continue
+            out = role.destroy(HostContext(cluster, h, facts[h.name], resolved), purge)
+            steps = [s for s in out.steps if not s.noop]
+            if steps:
+                torn[(h.name, role.name)] = steps
+            mine += out.kept
+        if mine:
+            kept.append(f"{h.name}: {'; '.join(mine)}")
+    return torn, kept
+
+
+def make_destroy_plan(session: Session, purge: bool) -> Planned:
+    """`meshdeploy destroy`: every reached host's destroy, nothing else planned."""
+    cluster = session.cluster
+    reached = session.reached()
+    facts = gather(session, reached, {h.name for h in reached})
+    torn, kept = teardown(cluster, reached, facts, Resolved(), purge)
+    plan = Plan(cluster_name=cluster.name, cluster_path=str(cluster.path),
+                config_hash=config_hash(cluster),
+                fingerprints={h: probes.fingerprint(f, registry.volatile())
+                              for h, f in facts.items()},
+                changes=[s.change for steps in torn.values() for s in steps],
+                warnings=session.warnings(), hosts=[h.name for h in reached],
+                created_at=utc_now(), meshdeploy_version=__version__,
+                limit=list(session.limit or []), kept=kept, purge=purge)
+    return Planned(plan, Resolved(), facts, Steps(), torn,
+                   leaving=tuple(h.name for h in reached))
 
 
 def control_cache(name: str) -> Path:
@@ -170,6 +250,7 @@ def evaluate(cluster, hosts, facts, resolved) -> Steps:
     first = hosts[0].name if hosts else None
     for slot in registry.slots(cluster):
         for h in hosts:
-            ctx = HostContext(cluster, h, facts[h.name], resolved, steps, first=h.name == first)
+            ctx = HostContext(cluster, h, facts[h.name], resolved, steps, first=h.name == first,
+                              cluster_facts=facts)
             steps.add(h.name, slot.name, slot.resource.plan(ctx, slot.key))
     return steps

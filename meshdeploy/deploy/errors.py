@@ -16,6 +16,7 @@ CONNECT = 4
 APPLY = 5
 STALE_PLAN = 6
 ABORTED = 7
+LOCKED = 8  # another apply or destroy holds the cluster's lock
 INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 EXIT_CODES = {
@@ -27,6 +28,7 @@ EXIT_CODES = {
     "APPLY": APPLY,
     "STALE_PLAN": STALE_PLAN,
     "ABORTED": ABORTED,
+    "LOCKED": LOCKED,
     "INTERRUPTED": INTERRUPTED,
 }
 

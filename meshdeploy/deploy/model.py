@@ -6,8 +6,9 @@ engine never re-validates and never sees "" for "unset": unset optional values a
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, NamedTuple, Union
 
@@ -65,6 +66,40 @@ class HuggingFace:
     endpoint: str  # what hosts download from
     api_endpoint: str  # what the control machine queries (already defaulted to endpoint)
     token_file: str | None  # control-machine path, ~ expanded; None = $HF_TOKEN / default file
+    # http:// endpoints a token may travel to in clear text (https ones always may), no "/" at
+    # the end; roles.models.hf refuses to send one anywhere else.
+    trusted_http_endpoints: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WireGuard:
+    """network.wireguard: the tunnel between each orchestrator and its workers."""
+
+    subnet: str = "10.99.0.0/16"
+    listen_port: int = 51820
+    interface: str = "mdwg0"
+    addresses: tuple[tuple[str, str], ...] = ()  # explicit (host name, address) pairs
+
+    def address(self, host_name: str) -> str:
+        """The host's tunnel address: the explicit one, else derived from its name alone (so it
+        stays put when other hosts come and go; config_checks refuses two hosts on one)."""
+        for name, address in self.addresses:
+            if name == host_name:
+                return address
+        return derived_tunnel_address(self.subnet, host_name)
+
+    @property
+    def unit(self) -> str:
+        """The systemd unit that brings the interface up (wg-quick's template)."""
+        return f"wg-quick@{self.interface}"
+
+
+def derived_tunnel_address(subnet: str, host_name: str) -> str:
+    """subnet's network address + 1 + (first 8 bytes of sha256(name) mod the usable hosts)."""
+    net = ipaddress.IPv4Network(subnet)
+    usable = max(net.num_addresses - 2, 1)
+    digest = int.from_bytes(hashlib.sha256(host_name.encode()).digest()[:8], "big")
+    return str(net.network_address + 1 + digest % usable)
 
 
 @dataclass(frozen=True)
@@ -72,6 +107,12 @@ class Network:
     rpc_bind: Literal["address", "loopback"]
     allow_public: bool
     firewall: bool = True  # roles/network: the allow-list table on every host
+    transport: Literal["plain", "wireguard"] = "plain"
+    wireguard: WireGuard = WireGuard()
+
+    @property
+    def tunnel(self) -> bool:
+        return self.transport == "wireguard"
 
 
 @dataclass(frozen=True)
@@ -81,6 +122,9 @@ class SSH:
     key: str | None  # absolute control-machine path
     config: str | None  # absolute control-machine path of an ssh_config
     sudo: bool
+    # "yes", "accept-new" or "no"; None = the ssh_config's StrictHostKeyChecking, else "yes"
+    # (meshdeploy.deploy.ssh_settings resolves it).
+    host_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +241,9 @@ class HfResolved:
     repo: str
     commit: str
     files: tuple[HfFile, ...]
+    # Why downloads need the control machine's token ("gated", "private"); None: public, and
+    # no token is sent to anyone for it.
+    auth: str | None = None
 
 
 @dataclass(frozen=True)
@@ -245,8 +292,11 @@ class Server:
     rpc: tuple[str, ...] | None
     load_mode: str | None
     api_key_file: str | None  # path on the host
+    allow: tuple[str, ...]  # who besides loopback may connect (addresses, networks), as written
     extra_args: tuple[str, ...]
     health: Health
+    # A non-loopback bind without api_key_file is refused unless this is set (config_checks).
+    allow_unauthenticated: bool = False
 
     @property
     def unit_name(self) -> str:
@@ -312,6 +362,21 @@ class Cluster:
             endpoints.append(RpcEndpoint(host, rpc, dial_address(host, rpc, server.host)))
         return endpoints
 
+    def source_address(self, host: Host) -> str:
+        """The address `host` connects to other hosts' rpc-servers from: its tunnel address
+        under network.transport: wireguard, else its address."""
+        return self.network.wireguard.address(host.name) if self.network.tunnel else host.address
+
+    def tunnel_peers(self, host: Host) -> list[Host]:
+        """Hosts that `host` exchanges RPC with across hosts (its workers, its orchestrators),
+        in file order: its WireGuard peers under network.transport: wireguard."""
+        names = set()
+        for server in self.servers:
+            for e in self.rpc_endpoints(server):
+                if e.host.name != server.host and host.name in (e.host.name, server.host):
+                    names.add(e.host.name if server.host == host.name else server.host)
+        return [h for h in self.hosts if h.name in names]
+
     def server_devices(self, server: Server) -> list[ServerDevice]:
         """Every device `server` splits across, in llama-server's -ts order: RPC devices
         first, then local ones."""
@@ -362,3 +427,29 @@ def is_private(address: str) -> bool:
     except ValueError:
         return False
     return any(ip in net for net in PRIVATE_NETWORKS if net.version == ip.version)
+
+
+def tunnel_binds(cluster: Cluster) -> Cluster:
+    """Under network.transport: wireguard, an rpc-server that another host's llama-server uses
+    binds its host's tunnel address only; one that only its own host uses binds loopback (it
+    has no tunnel to listen on). A loopback bind in the file stays. Unchanged for plain, and
+    while the subnet is not a network (config_checks says so)."""
+    if not cluster.network.tunnel:
+        return cluster
+    try:
+        ipaddress.IPv4Network(cluster.network.wireguard.subnet)
+    except ValueError:
+        return cluster
+    remote = {parse_rpc_ref(ref) for s in cluster.servers for ref in s.rpc or ()
+              if parse_rpc_ref(ref)[0] != s.host}
+    hosts = []
+    for host in cluster.hosts:
+        rpcs = []
+        for rpc in host.rpc_servers:
+            if rpc.bind is None or not is_loopback(rpc.bind):
+                bind = (cluster.network.wireguard.address(host.name)
+                        if (host.name, rpc.port) in remote else "127.0.0.1")
+                rpc = replace(rpc, bind=bind)
+            rpcs.append(rpc)
+        hosts.append(replace(host, rpc_servers=tuple(rpcs)))
+    return replace(cluster, hosts=tuple(hosts))

@@ -8,12 +8,11 @@ that host from those facts, and runs its own step: the same code, on pyinfra's t
 
 from __future__ import annotations
 
-import io
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-from meshdeploy.deploy.context import HostContext, Step, Steps, Upload
+from meshdeploy.deploy.context import HostContext, SecretStdin, Step, Steps
 from meshdeploy.deploy.errors import PlanError
 
 _active = None  # the apply.Run executing, while `meshdeploy apply` runs pyinfra
@@ -55,14 +54,38 @@ def operation_for(resource):
     return operation(is_idempotent=True)(body)
 
 
+@cache
+def teardown_for(role: str):
+    """`<role>.destroy` as a pyinfra operation: the role's planned destroy steps on a host that
+    leaves the cluster, a no-op on the others."""
+    from pyinfra import host
+    from pyinfra.api import operation
+
+    def body():
+        steps = _active.teardown_steps(host.name, role) if _active is not None else []
+        if not steps:
+            host.noop("stays in the cluster")
+            return
+        _active.begin(host.name, f"{role}.destroy")
+        for step in steps:
+            yield from commands(step)
+        _active.destroyed.add((host.name, role))
+
+    body.__name__ = body.__qualname__ = "destroy"
+    body.__module__ = f"meshdeploy.roles.{role}"
+    body.__doc__ = f"{role}.destroy: what the role put on a host that leaves the cluster"
+    return operation(is_idempotent=True)(body)
+
+
 def commands(step: Step):
-    """The step's commands as pyinfra commands (uploads over SFTP)."""
-    from pyinfra.api import FileUploadCommand, StringCommand
+    """The step's commands as pyinfra commands; a SecretStdin's secret goes to the command's
+    standard input over the SSH channel (pyinfra's _stdin), never through a file."""
+    from pyinfra.api import StringCommand
 
     kwargs = {} if step.sudo else {"_sudo": False}
     for command in step.commands:
-        if isinstance(command, Upload):
-            yield FileUploadCommand(io.StringIO(command.content), command.path, **kwargs)
+        if isinstance(command, SecretStdin):
+            yield StringCommand(str(command), _stdin=command.stdin, **kwargs)
         else:
             yield StringCommand(command, **kwargs)
 

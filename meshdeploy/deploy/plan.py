@@ -152,6 +152,10 @@ class Plan:
     network: list[Network] = field(default_factory=list)
     remote_commands: dict[str, int] = field(default_factory=dict)  # host -> commands to plan
     seconds: float | None = None  # how long planning took
+    replace: list[str] = field(default_factory=list)  # -replace addresses; apply FILE keeps them
+    # What hosts that leave keep without --purge: "node3: models gemma (253.1 MB)".
+    kept: list[str] = field(default_factory=list)
+    purge: bool = False  # builds, models and caches of departing hosts are removed too
 
     def counts(self) -> dict:
         return _count(self.changes)
@@ -244,7 +248,7 @@ _PLAN_FIELDS = {
 }
 # Typed fields read by _typed, against Plan's own annotations.
 _TYPED_PLAN_FIELDS = ("commit", "commit_source", "limit", "placement", "network",
-                      "remote_commands", "seconds")
+                      "remote_commands", "seconds", "replace", "kept", "purge")
 _REQUIRED_PLAN = ("cluster_name", "cluster_path", "config_hash", "fingerprints", "changes")
 _REQUIRED_CHANGE = ("host", "role", "resource", "action")
 _REQUIRED_ATTR = ("name",)
@@ -355,6 +359,12 @@ def save_plan(plan: Plan, path) -> None:
         text = json.dumps(plan.to_dict(), sort_keys=True, indent=2, allow_nan=False) + "\n"
     except (TypeError, ValueError) as e:
         raise ValueError(f"plan cannot be saved as JSON: {e}") from e
+    write_atomic(path, text, 0o600)
+
+
+def write_atomic(path: Path, text: str, mode: int) -> None:
+    """`text` into `path`: a temporary file in the same folder, fsync'd, renamed over it; a
+    reader sees the old file or the new one, never half of one."""
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
@@ -362,7 +372,7 @@ def save_plan(plan: Plan, path) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)  # mkstemp already does, but umask-independent intent is explicit
+        os.chmod(tmp, mode)  # umask-independent
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -422,3 +432,10 @@ def check_fresh(plan: Plan, config_hash: str, fingerprints: dict[str, str]) -> N
         problems.append(f"{', '.join(missing)}: no facts gathered now to compare with the plan")
     if problems:
         raise StalePlanError("; ".join(problems) + ": run plan again", hint=_REPLAN_HINT)
+
+
+def size_text(n: int | None) -> str:
+    """Bytes as a plan says them ("253.1 MB"); "size unknown" for None."""
+    if n is None:
+        return "size unknown"
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"

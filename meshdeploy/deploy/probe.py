@@ -108,3 +108,36 @@ def fingerprint(facts: dict[str, object], volatile: tuple[str, ...] = ()) -> str
     stable = {k: v for k, v in facts.items() if not k.startswith(volatile)}
     blob = json.dumps(stable, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+class Stored(FactBase):
+    """What a role stored on the host, for its destroy hook: each existing path among `paths`,
+    and each entry of a folder in `folders` whose name starts with `prefix`, with its size.
+
+    ```python
+    {"/opt/meshdeploy/models/gemma": 253116416, ...}   # bytes on disk (du -sk, as KiB * 1024)
+    ```
+    Empty when nothing exists. Roles subclass it (a FactBase per role folder, with fixtures).
+    """
+
+    # "$@": the paths, then "--", then the folders; PREFIX filters the folders' entries.
+    _BODY = ('size(){ k=$(du -sk "$1" 2>/dev/null | cut -f1); echo "${k:-0} $1"; }\n'
+             'while [ $# -gt 0 ] && [ "$1" != -- ]; do '
+             '{ [ -e "$1" ] || [ -L "$1" ]; } && size "$1"; shift; done; [ $# -gt 0 ] && shift\n'
+             'for f in "$@"; do for p in "$f/$PREFIX"*; do '
+             '{ [ -e "$p" ] || [ -L "$p" ]; } && size "$p"; done; done; true')
+
+    def command(self, paths=(), folders=(), prefix=""):
+        return shell.script(self._BODY, args=[*paths, "--", *folders], PREFIX=prefix)
+
+    def process(self, output):
+        out = {}
+        for line in output:
+            size, _, path = line.partition(" ")
+            if size.isdigit() and path.startswith("/"):
+                out[path] = int(size) * 1024
+        return out
+
+    @staticmethod
+    def default():
+        return {}

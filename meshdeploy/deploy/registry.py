@@ -29,6 +29,9 @@ class FactRequest:
     cluster: Cluster
     host: Host
     first: bool  # the host that resolves cluster-wide values (the ref, by ls-remote)
+    # The host is to be destroyed (it left the file, or `meshdeploy destroy`): a role adds
+    # the facts its destroy hook reads (what it stored there, and how big it is).
+    destroying: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,19 @@ class Prepared:
     values: dict = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     placement: tuple = ()  # deploy.plan.Placement sections for the plan's views
+
+
+@dataclass(frozen=True)
+class Teardown:
+    """A role's answer to "take what you put on this host away" (Role.destroy).
+
+    steps: Steps whose Change has action "delete" (or no-op), one per thing removed; kept: what
+    stays because only `--purge` removes it (builds, models, caches: their bytes are expensive
+    to fetch or build again), as the plan says it ("model gemma (253.1 MB)").
+    """
+
+    steps: tuple = ()
+    kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,8 @@ class Resource:
     serial: Callable[[Cluster], bool] | None = None
     # Only apply schedules it (it acts on what earlier operations did; a plan shows nothing).
     apply_only: bool = False
+    # `-replace=ADDRESS` may name it: its plan reads ctx.replacing() and answers `-/+`.
+    replaceable: bool = False
     role: str = ""  # filled by Role
 
     @property
@@ -83,6 +101,17 @@ class Resource:
 
     def slot(self, key) -> str:
         return self.qualified if key is None else f"{self.qualified}[{key}]"
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """One service's log on one host, as `meshdeploy logs` reads it."""
+
+    host: str  # host name
+    service: str  # how output lines name it: "rpc-server:50052", "llama-server:main"
+    unit: str  # the systemd unit
+    launchd_log: str  # the log file the service writes on macOS
+    names: frozenset[str]  # every word that selects it: kind, server name, unit, host:port
 
 
 @dataclass(frozen=True)
@@ -102,6 +131,13 @@ class Role:
     inputs: Callable[[Cluster], list] | None = None
     # Called once when apply starts, before any host changes (e.g. recording a resolved ref).
     apply_started: Callable[[Cluster, Resolved], None] | None = None
+    # The logs of the services the role runs (meshdeploy logs), hosts in file order.
+    logs: Callable[[Cluster], list[LogSource]] | None = None
+    # (HostContext, purge) -> Teardown: remove everything of this role on a host that leaves
+    # the cluster (units stopped, disabled and deleted; rules and tunnels removed); the
+    # expensive bytes only when purge is true. Run in reverse registry order, from the facts
+    # gathered with FactRequest.destroying; never touches the toolchain's packages.
+    destroy: Callable[[HostContext, bool], Teardown] | None = None
     after: tuple[str, ...] = ()  # roles whose resources run before this role's
     before: tuple[str, ...] = ()  # roles whose resources run after this role's
 
@@ -203,6 +239,11 @@ def slots(cluster: Cluster, apply: bool = False) -> list[Slot]:
 def sections(request: FactRequest) -> list[Section]:
     """Every fact the host's plan reads, role by role."""
     return [s for role_ in roles() for s in role_.facts(request)]
+
+
+def log_sources(cluster: Cluster) -> list[LogSource]:
+    """Every service log of the cluster, role by role."""
+    return [s for role_ in roles() if role_.logs for s in role_.logs(cluster)]
 
 
 def volatile() -> tuple[str, ...]:

@@ -228,6 +228,10 @@ def render_text(plan: Plan, color: bool = False) -> str:
         out.append(f"{paint(_YELLOW, 'Warning:')} {first}".rstrip())
         out += [f"  {line}".rstrip() for line in rest]
         out.append("")
+    if plan.kept:
+        out.append("Kept on the hosts that leave (their bytes are expensive to fetch or build "
+                   "again; --purge removes them):")
+        out += [f"  {line}" for line in plan.kept] + [""]
     if plan.has_changes():
         n = plan.counts()
         summary = f"Plan: {n['add']} to add, {n['change']} to change, {n['destroy']} to destroy."
@@ -275,6 +279,8 @@ def render_json(plan: Plan) -> str:
         "limit": list(plan.limit),
         "remote_commands": dict(plan.remote_commands),
         "seconds": plan.seconds,
+        "kept": list(plan.kept),
+        "purge": plan.purge,
         "changes": [
             {
                 "address": c.address,

@@ -68,6 +68,8 @@ PATTERN_MEANING = {
     "apt_proxy": "is not an http:// or https:// proxy URL (scheme://host[:port][/])",
     "endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
     "api_endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
+    "trusted_http_endpoints": "is not an http:// URL (https endpoints need no trust; no spaces, "
+                              "quotes or backslashes)",
     "address": "is not an IPv4 address or DNS name",
     "devices": "is not a device name like CUDA0, MTL0 or Vulkan0",
     "device": "is not a device name like CUDA1, MTL0 or CPU",
@@ -81,6 +83,9 @@ PATTERN_MEANING = {
     "rpc": "is not host:port (a host name from hosts, then the rpc-server's port)",
     "hosts.*.rpc_servers[].bind": "is not an IPv4 address",
     "servers.*.bind": "is not an IPv4 address or host name",
+    "network.wireguard.subnet": "is not an IPv4 network like 10.99.0.0/16",
+    "network.wireguard.interface": "is not an interface name (1-15 of letters, digits, _=+.-)",
+    "network.wireguard.addresses.*": "is not an IPv4 address",
 }
 
 PATTERN_HINT = {

@@ -7,25 +7,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from meshdeploy.deploy import ssh_settings
 from meshdeploy.deploy.errors import ConnectError
+from meshdeploy.deploy.host_keys import host_key_error
 from meshdeploy.deploy.model import Cluster
-
-
-def ssh_target(host) -> str:
-    """The name when the host's ssh_config has an entry for it (aliases, ProxyCommand), else
-    the address."""
-    if host.ssh.config:
-        try:
-            text = Path(host.ssh.config).read_text()
-        except OSError:
-            return host.address
-        for line in text.splitlines():
-            words = line.split()
-            if len(words) >= 2 and words[0].lower() == "host" and host.name in words[1:]:
-                return host.name
-    return host.address
+from meshdeploy.deploy.ssh_settings import SshSettings
 
 
 class RemoteReadError(ValueError):
@@ -65,6 +52,18 @@ def _tolerate_dead_proxy_commands() -> None:
     ProxyCommand.close = close
 
 
+def _offered_key(host):
+    """The host key the server presented before the connection failed, or None.
+
+    pyinfra turns paramiko's BadHostKeyException and its StrictPolicy's SSHException into a
+    message without the key; the failed client still holds the transport that received it.
+    """
+    try:
+        return host.connector.client.get_transport().get_remote_server_key()
+    except Exception:  # no client, no transport, or no key exchange happened
+        return None
+
+
 class SudoPasswordRequired(Exception):
     """sudo asked for a password; meshdeploy never prompts (it runs unattended, in CI too)."""
 
@@ -85,29 +84,37 @@ class Session:
     state: object = None
     pyhosts: dict = field(default_factory=dict)
     commands_run: dict = field(default_factory=dict)
+    accept_new_host_keys: bool = False  # --accept-new-host-keys
+    settings: dict[str, SshSettings] = field(default_factory=dict)
+    # Hosts to reach that the file no longer has (from the state file): they are destroyed.
+    departed: list = field(default_factory=list)
 
     def hosts(self):
+        """The file's hosts this run covers."""
         return [h for h in self.cluster.hosts if not self.limit or h.name in self.limit]
+
+    def reached(self):
+        """Every host the session connects to: the file's, then the departed."""
+        return self.hosts() + list(self.departed)
+
+    def host(self, name: str):
+        return next(h for h in self.reached() if h.name == name)
 
     def open(self) -> None:
         from pyinfra.api import Config, Inventory, State
 
         adjust_libraries()
-        names = []
-        for h in self.hosts():
-            data = {"ssh_hostname": ssh_target(h), "ssh_port": h.ssh.port,
-                    "ssh_strict_host_key_checking": "accept-new", "_sudo": h.ssh.sudo}
-            if h.ssh.user:
-                data["ssh_user"] = h.ssh.user
-            if h.ssh.key:
-                data["ssh_key"] = h.ssh.key
-            if h.ssh.config:
-                data["ssh_config_file"] = h.ssh.config
-            names.append((h.name, data))
-        inventory = Inventory((names, {}))
+        self.settings = {h.name: ssh_settings.resolve(h, accept_new=self.accept_new_host_keys)
+                         for h in self.reached()}
+        inventory = Inventory(([(name, s.pyinfra_data()) for name, s in self.settings.items()],
+                               {}))
         self.state = State(inventory, Config(), check_for_changes=False)
         self.pyhosts = {h.name: h for h in inventory}
         self._count_commands()
+
+    def warnings(self) -> list[str]:
+        """What the plan must say about how the hosts were reached."""
+        return ssh_settings.no_check_warnings(list(self.settings.values()))
 
     def read_remote(self, name: str, path: str, reader):
         """reader(file, "host:path") on `path` of host `name`, over SFTP on the open connection
@@ -143,6 +150,7 @@ class Session:
 
         self.state.set_stage(StateStage.Connect)
         errors: dict[str, str] = {}
+        offered: dict[str, object] = {}
 
         def one(name, host):
             try:
@@ -150,12 +158,17 @@ class Session:
             except Exception as exc:  # paramiko/socket errors come in many classes
                 errors[name] = str(exc).strip().splitlines()[0] if str(exc).strip() else \
                     exc.__class__.__name__
+                offered[name] = _offered_key(host)
 
         gevent.joinall([gevent.spawn(one, n, h) for n, h in self.pyhosts.items()])
         for name, host in self.pyhosts.items():
             if name not in errors:
                 self.state.activate_host(host)
         if errors:
+            refused = host_key_error({n: (self.settings[n], offered[n], m)
+                                      for n, m in errors.items()})
+            if refused is not None:
+                raise refused
             lines = [f"{n}: {m}" for n, m in sorted(errors.items())]
             raise ConnectError("cannot connect over SSH to " + "; ".join(lines),
                                hint="check the host's address, ssh settings and that sshd runs "
@@ -168,7 +181,7 @@ class Session:
         kwargs = {}
         if sudo is not None:
             kwargs["_sudo"] = sudo
-        elif self.cluster.host(host_name).ssh.sudo:
+        elif self.host(host_name).ssh.sudo:
             kwargs["_sudo"] = True
         ok, output = host.run_shell_command(StringCommand(command), **kwargs)
         return ok, output

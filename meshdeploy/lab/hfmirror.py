@@ -12,12 +12,18 @@ ROOT/.sha256-cache.json. A repository's commit id is the sha1 of its repo id, br
 listing (paths, sizes, sha256s): stable across machines, new whenever content changes. Branches
 and that full commit id resolve as revisions.
 
+Access as on the Hub, for testing who sends a token: a repository named with --gated serves its
+metadata to anyone but its files only with a token from --token-file (401 GatedRepo without one,
+403 with another); one named with --private answers 401 RepoNotFound to everything without a
+valid token. --verbose logs, per request, whether an Authorization header came (never its value).
+
 Why not olah (the PyPI Hub mirror): offline it serves a local git-lfs repo and hf_hub_download
 works, but it ignores Range (no resume), gives no size or sha256 in model_info(files_metadata=
 True), reads a whole file into memory per request and re-hashes it on every HEAD; none of that
 holds up with multi-GB GGUFs.
 
     python -m meshdeploy.lab.hfmirror --root DIR --bind ADDR --port PORT [--gemma]
+        [--token-file FILE --gated ORG/NAME ... --private ORG/NAME ...]
 """
 
 from __future__ import annotations
@@ -263,6 +269,8 @@ class MirrorHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "meshdeploy-hfmirror"
     store: Store  # set by make_server
+    access: dict = {}  # repo id -> "gated" | "private"; set by make_server
+    tokens: frozenset = frozenset()  # bearer tokens that may read gated and private repos
 
     def do_HEAD(self) -> None:
         self._dispatch(head=True)
@@ -275,8 +283,10 @@ class MirrorHandler(BaseHTTPRequestHandler):
         parts = [unquote(p) for p in url.path.split("/")[1:]]
         try:
             if len(parts) >= 5 and parts[2] == "resolve":
+                self._check_access(f"{parts[0]}/{parts[1]}", files=True)
                 self._resolve(f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), head)
             elif len(parts) >= 4 and parts[:2] == ["api", "models"]:
+                self._check_access(f"{parts[2]}/{parts[3]}", files=False)
                 self._api(f"{parts[2]}/{parts[3]}", parts[4:], parse_qs(url.query), head)
             else:
                 raise HubError(404, None, f"no such endpoint: {url.path}")
@@ -284,6 +294,23 @@ class MirrorHandler(BaseHTTPRequestHandler):
             self._error(err, head)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client went away mid-body
+
+    def _check_access(self, repo_id: str, files: bool) -> None:
+        """The Hub's answers to a client without a (valid) token: a gated repo's metadata is
+        public, its files are not; a private repo does not exist for such a client."""
+        mode = self.access.get(repo_id)
+        if mode is None:
+            return
+        scheme, _, value = (self.headers.get("Authorization") or "").partition(" ")
+        sent = scheme.lower() == "bearer" and bool(value.strip())
+        if sent and value.strip() in self.tokens:
+            return
+        if mode == "private":
+            raise HubError(401, "RepoNotFound", f"Repository {repo_id} not found")
+        if files:
+            raise HubError(403 if sent else 401, "GatedRepo",
+                           f"Access to model {repo_id} is restricted. You must have access to it "
+                           "and be authenticated to access it. Please log in.")
 
     def _lookup(self, repo_id: str, revision: str) -> tuple[str, str, dict]:
         try:
@@ -348,6 +375,8 @@ class MirrorHandler(BaseHTTPRequestHandler):
         branch, commit, files = self._lookup(repo_id, revision)
         if kind == "info":
             body = self._model_info(repo_id, commit, files, _flag(query, "blobs"))
+            mode = self.access.get(repo_id)
+            body.update(gated="manual" if mode == "gated" else False, private=mode == "private")
         else:
             body = self._tree(files, sub, _flag(query, "recursive"), commit, revision)
         data = json.dumps(body).encode()
@@ -423,6 +452,9 @@ class MirrorHandler(BaseHTTPRequestHandler):
             # The Range header shows in the log whether a download resumed.
             ranged = getattr(self, "headers", None) and self.headers.get("Range")
             suffix = f" range={ranged}" if ranged else ""
+            # Whether a token came, never the token: tests read this log.
+            if getattr(self, "headers", None) is not None:
+                suffix += " auth=bearer" if self.headers.get("Authorization") else " auth=none"
             sys.stderr.write(f"{self.address_string()} {format % args}{suffix}\n")
             sys.stderr.flush()
 
@@ -436,10 +468,18 @@ def _iso(ts: float) -> str:
 
 
 def make_server(root: Path, bind: str = "127.0.0.1", port: int = 0, *,
-                handler: type[MirrorHandler] = MirrorHandler,
-                verbose: bool = False) -> ThreadingHTTPServer:
-    """A threaded mirror server (not yet serving: call serve_forever, e.g. in a thread)."""
-    handler_class = type("BoundMirrorHandler", (handler,), {"store": Store(Path(root))})
+                handler: type[MirrorHandler] = MirrorHandler, verbose: bool = False,
+                access: dict | None = None, tokens=()) -> ThreadingHTTPServer:
+    """A threaded mirror server (not yet serving: call serve_forever, e.g. in a thread).
+
+    + access: repo id -> "gated" or "private" (see the module's docstring); others are public
+    + tokens: the bearer tokens that may read those
+    """
+    if any(mode not in ("gated", "private") for mode in (access or {}).values()):
+        raise LabError(f"access modes are gated or private, got {access}")
+    handler_class = type("BoundMirrorHandler", (handler,), {
+        "store": Store(Path(root)), "access": dict(access or {}),
+        "tokens": frozenset(t for t in tokens if t)})
     server = ThreadingHTTPServer((bind, port), handler_class)
     server.daemon_threads = True
     server.verbose = verbose
@@ -454,12 +494,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8080, help="port (0 = any free port; default 8080)")
     parser.add_argument("--gemma", action="store_true", help=f"lay out {GEMMA_REPO} before serving")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    parser.add_argument("--token-file", type=Path,
+                        help="bearer tokens (one a line) that may read --gated/--private repos")
+    parser.add_argument("--gated", action="append", default=[], metavar="ORG/NAME",
+                        help="files only with a token, metadata to anyone (repeatable)")
+    parser.add_argument("--private", action="append", default=[], metavar="ORG/NAME",
+                        help="nothing without a token (repeatable)")
     args = parser.parse_args(argv)
     try:
         args.root.mkdir(parents=True, exist_ok=True)
         if args.gemma:
             ensure_gemma_repo(args.root)
-        server = make_server(args.root, args.bind, args.port, verbose=args.verbose)
+        tokens = args.token_file.read_text().split() if args.token_file else []
+        if (args.gated or args.private) and not tokens:
+            raise LabError("--gated/--private need --token-file with at least one token")
+        access = {**{r: "gated" for r in args.gated}, **{r: "private" for r in args.private}}
+        server = make_server(args.root, args.bind, args.port, verbose=args.verbose,
+                             access=access, tokens=tokens)
     except (LabError, OSError) as exc:
         print(f"hfmirror: {exc}", file=sys.stderr)
         return 1

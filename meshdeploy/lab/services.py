@@ -133,17 +133,22 @@ def start_hf(lab: str, run_dir: Path, marker: str, cache: Path) -> dict:
         raise LabError(f"the Hugging Face mirror module is not available ({exc})") from exc
     root = cache / "hf"
     model = hfmirror.ensure_gemma_repo(root)
+    # The default lab keeps the port inventories/lab.yaml names for the control machine.
+    preferred = HF_API_PORT if lab == DEFAULT_LAB else None
+    return {**serve_hf(lab, run_dir, marker, "hf", root, HF_PORT, preferred=preferred),
+            "hf_model": model}
+
+
+def serve_hf(lab: str, run_dir: Path, marker: str, name: str, root: Path, lab_port: int,
+             args: tuple[str, ...] = (), preferred: int | None = None) -> dict:
+    """A Hugging Face mirror of `root` (meshdeploy.lab.hfmirror, with its `args`: --gated ...)
+    on the bridge at `lab_port`; its requests are logged to <run_dir>/<name>.log."""
 
     def argv(port):
         return [sys.executable, "-m", "meshdeploy.lab.hfmirror", "--root", str(root),
-                "--bind", "127.0.0.1", "--port", str(port), "--verbose"]
+                "--bind", "127.0.0.1", "--port", str(port), "--verbose", *args]
 
-    # The default lab keeps the port inventories/lab.yaml names for the control machine.
-    preferred = HF_API_PORT if lab == DEFAULT_LAB else None
-    port = _service(run_dir, "hf", marker, argv, preferred)
-    _relay(lab, run_dir, "hf", HF_PORT, port, marker)
-    return {
-        "hf_endpoint": f"http://{BRIDGE_ADDRESS}:{HF_PORT}",
-        "hf_api_endpoint": f"http://127.0.0.1:{port}",
-        "hf_model": model,
-    }
+    port = _service(run_dir, name, marker, argv, preferred)
+    _relay(lab, run_dir, name, lab_port, port, marker)
+    return {"hf_endpoint": f"http://{BRIDGE_ADDRESS}:{lab_port}",
+            "hf_api_endpoint": f"http://127.0.0.1:{port}"}

@@ -8,6 +8,7 @@ mirror at a tag, the gemma GGUF from the lab's Hugging Face mirror. The build ru
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import subprocess
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.labfile import for_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
@@ -41,8 +43,7 @@ def cluster_file(lab, tmp_path_factory):
     folder = tmp_path_factory.mktemp("cluster")
     target = folder / "lab.yaml"
     text = (REPO / "inventories" / "lab.yaml").read_text()
-    text = text.replace("http://127.0.0.1:18080", lab.mirrors["hf_api_endpoint"])
-    text = text.replace("/var/lib/meshdeploy/lab/mdlab/ssh_config", lab.ssh["config"])
+    text = for_lab(text, lab)
     target.write_text(text)
     return target
 
@@ -158,23 +159,121 @@ def test_a_pyinfra_deploy_reuses_two_roles(converged, cluster_file, lab, tmp_pat
     assert meshdeploy("plan", cluster_file, "--detailed-exitcode").returncode == 0
 
 
+def tcp_probe(lab, client: str, address: str, port: int) -> str:
+    """"open" when `client` completes a TCP handshake with address:port within 3 s.
+
+    rpc-server serves one client at a time with a backlog of 1: while llama-server holds its
+    connection, a probe that gets in waits in the accept queue and, two probes later, the queue
+    drops SYNs like a firewall would. An "open" probe of an rpc port is taken with the
+    orchestrator stopped (`idle_workers`); a "shut" one never reaches the queue."""
+    probe = (f"timeout 3 bash -c 'exec 3<>/dev/tcp/{address}/{port}' && echo open || echo shut")
+    return lab.run(client, probe).stdout.strip()
+
+
+@contextlib.contextmanager
+def idle_workers(lab):
+    """node1's llama-server stopped, so every rpc-server accepts (and drains its queue)."""
+    lab.run("node1", "sudo systemctl stop meshdeploy-server-main", check=True)
+    try:
+        yield
+    finally:
+        lab.run("node1", "sudo systemctl start meshdeploy-server-main", check=True)
+        healthy = lab.run("node1", "for i in $(seq 120); do for a in 127.0.0.1 10.200.0.11; do "
+                                   "curl -sf -m 2 http://$a:8080/health >/dev/null && exit 0; "
+                                   "done; sleep 1; done; exit 1", timeout=300)
+        assert healthy.returncode == 0, "llama-server did not come back after the probes"
+
+
 def test_rpc_port_is_open_only_to_its_orchestrator(converged, cluster_file, lab):
     """network.allowlist: node3 is in the cluster but no llama-server there uses node2's
     rpc-server, so it is refused like any other host; node1 (the orchestrator) gets in. The
     same connection succeeds once the table is gone (the check can fail), and the plan calls
     the hand-deleted table drift that apply repairs."""
-    probe = "timeout 3 bash -c 'exec 3<>/dev/tcp/10.200.0.12/50052' && echo open || echo shut"
-    assert lab.run("node1", probe).stdout.strip() == "open"
-    assert lab.run("node3", probe).stdout.strip() == "shut"
-    lab.run("node2", "sudo nft delete table inet meshdeploy", check=True)
-    assert lab.run("node3", probe).stdout.strip() == "open"
+    with idle_workers(lab):
+        assert tcp_probe(lab, "node1", "10.200.0.12", 50052) == "open"
+        assert tcp_probe(lab, "node3", "10.200.0.12", 50052) == "shut"
+        lab.run("node2", "sudo nft delete table inet meshdeploy", check=True)
+        assert tcp_probe(lab, "node3", "10.200.0.12", 50052) == "open"
     plan = meshdeploy("plan", cluster_file, "--json")
     changed = [c["address"] for c in json.loads(plan.stdout)["changes"] if c["action"] != "no-op"]
     assert changed == ["node2/network.allowlist"]
     assert meshdeploy("apply", cluster_file, "--auto-approve").returncode == 0
-    assert lab.run("node3", probe).stdout.strip() == "shut"
-    assert lab.run("node1", probe).stdout.strip() == "open"
+    with idle_workers(lab):
+        assert tcp_probe(lab, "node3", "10.200.0.12", 50052) == "shut"
+        assert tcp_probe(lab, "node1", "10.200.0.12", 50052) == "open"
     assert meshdeploy("plan", cluster_file, "--detailed-exitcode").returncode == 0
+
+
+def chat(lab, client: str, url: str, key: str | None) -> subprocess.CompletedProcess:
+    body = json.dumps({"messages": [{"role": "user", "content": "Say hello."}],
+                       "max_tokens": 8, "temperature": 0, "seed": 1})
+    auth = f"-H 'Authorization: Bearer {key}' " if key else ""
+    return lab.run(client, f"curl -s -m 60 -o /dev/null -w '%{{http_code}}' {auth}"
+                           f"-H 'Content-Type: application/json' -d '{body}' "
+                           f"{url}/v1/chat/completions")
+
+
+def test_a_rogue_host_reaches_no_port_and_allowed_clients_are_served(converged, cluster_file,
+                                                                    lab):
+    """A lab host in no cluster file (node4) against a cluster whose llama-server is served to
+    the network for node3 only (servers.main.allow). With the tables deleted by hand the rogue
+    host reaches every worker and the llama-server (so the check can fail); after apply it
+    reaches none of them, while node3 is still served chat completions through the workers."""
+    rogue = lab.rogue[0]
+    key = "lab-key-4c1f"
+    url = "http://10.200.0.11:8080"
+    lab.run("node1", "sudo install -d -m 755 /etc/meshdeploy && sudo sh -c "
+                     f"'umask 077; printf %s {key} > /etc/meshdeploy/api-key'", check=True)
+    served = variant(cluster_file, "served.yaml", "    bind: 127.0.0.1\n",
+                     "    bind: 10.200.0.11\n    allow: [10.200.0.13]\n"
+                     "    api_key_file: /etc/meshdeploy/api-key\n")
+    workers = [("10.200.0.12", 50052), ("10.200.0.13", 50052)]
+    try:
+        assert meshdeploy("apply", served, "--auto-approve").returncode == 0
+        for host in ("node1", "node2", "node3"):
+            lab.run(host, "sudo nft delete table inet meshdeploy", check=True)
+        assert tcp_probe(lab, rogue, "10.200.0.11", 8080) == "open"
+        with idle_workers(lab):
+            assert [tcp_probe(lab, rogue, *w) for w in workers] == ["open", "open"]
+        plan = meshdeploy("plan", served, "--json")
+        changed = [c["address"] for c in json.loads(plan.stdout)["changes"]
+                   if c["action"] != "no-op"]
+        assert changed == [f"{h}/network.allowlist" for h in ("node1", "node2", "node3")]
+        assert meshdeploy("apply", served, "--auto-approve").returncode == 0
+        assert tcp_probe(lab, rogue, "10.200.0.11", 8080) == "shut"
+        assert [tcp_probe(lab, rogue, *w) for w in workers] == ["shut", "shut"]
+        assert chat(lab, "node3", url, key).stdout == "200"
+        assert chat(lab, "node3", url, None).stdout == "401"
+        assert meshdeploy("plan", served, "--detailed-exitcode").returncode == 0
+    finally:
+        back = meshdeploy("apply", cluster_file, "--auto-approve")
+        lab.run("node1", "sudo rm -f /etc/meshdeploy/api-key")
+    assert back.returncode == 0, back.stderr
+
+
+def test_a_worker_left_out_of_rpc_loses_its_orchestrators_entry(converged, cluster_file, lab):
+    """main stops using node3's rpc-server: node3's allow-list drops node1 in the same apply
+    that restarts main, and node1 can no longer reach it; putting it back restores both."""
+    with idle_workers(lab):
+        assert tcp_probe(lab, "node1", "10.200.0.13", 50052) == "open"
+    fewer = variant(cluster_file, "fewer.yaml", "    ctx_size: 2048\n",
+                    "    ctx_size: 2048\n    rpc: [node2:50052]\n")
+    try:
+        plan = meshdeploy("plan", fewer, "--json")
+        data = json.loads(plan.stdout)
+        changes = {c["address"]: c for c in data["changes"] if c["action"] != "no-op"}
+        assert set(changes) >= {"node3/network.allowlist", "node1/services.llama_server[main]"}
+        [diff] = changes["node3/network.allowlist"]["diffs"]
+        assert (diff["before"], diff["after"]) == ("lo 10.200.0.11", "lo")
+        assert meshdeploy("apply", fewer, "--auto-approve").returncode == 0
+        assert tcp_probe(lab, "node1", "10.200.0.13", 50052) == "shut"
+        with idle_workers(lab):
+            assert tcp_probe(lab, "node1", "10.200.0.12", 50052) == "open"
+    finally:
+        back = meshdeploy("apply", cluster_file, "--auto-approve")
+    assert back.returncode == 0, back.stderr
+    with idle_workers(lab):
+        assert tcp_probe(lab, "node1", "10.200.0.13", 50052) == "open"
 
 
 def test_a_host_without_nftables_gets_it_and_its_table(converged, cluster_file, lab):

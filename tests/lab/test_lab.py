@@ -22,9 +22,11 @@ TEARDOWN_LAB = "mdlabtd"
 
 def test_lab_json_describes_the_lab(lab):
     data = json.loads((Path(lab.state_dir) / "lab.json").read_text())
-    assert [h["name"] for h in data["hosts"]] == ["node1", "node2", "node3"]
-    assert [h["address"] for h in data["hosts"]] == ["10.200.0.11", "10.200.0.12", "10.200.0.13"]
-    assert [h["netns"] for h in data["hosts"]] == [f"{lab.name}-node{i}" for i in (1, 2, 3)]
+    # node1..node3 for the cluster file, then the rogue node4 that no cluster file names.
+    assert [h["name"] for h in data["hosts"]] == ["node1", "node2", "node3", "node4"]
+    assert [h["address"] for h in data["hosts"]] == [f"10.200.0.1{i}" for i in (1, 2, 3, 4)]
+    assert [h["netns"] for h in data["hosts"]] == [f"{lab.name}-node{i}" for i in (1, 2, 3, 4)]
+    assert data["rogue"] == ["node4"]
     assert data["bridge_address"] == "10.200.0.1"
     assert data["mirrors"]["apt_proxy"] == "http://10.200.0.1:3142"
     assert data["mirrors"]["git_url"] == "git://10.200.0.1/llama.cpp.git"

@@ -10,13 +10,12 @@ run as the engine runs them (sudo through meshdeploy.deploy.shell).
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import _STARTED, claim_lab
+from conftest import own_lab
 
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.config import load_cluster
@@ -42,31 +41,8 @@ PROBE = ("import socket, sys\n"
 @pytest.fixture(scope="module")
 def sec_lab(lab_available, request):
     """LabInfo of lab mdsec (node1..node3 + rogue node4), always removed afterwards."""
-    from meshdeploy.lab import Lab
-    from meshdeploy.lab.core import leftovers
-
-    handle = Lab(name=LOCKDOWN_LAB, hosts=3, rogue=1, mirrors=False)
-    keep = request.config.getoption("--keep-lab")
-    lock = claim_lab(LOCKDOWN_LAB)
-    if not keep:
-        _STARTED.append(handle)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        yield handle.up()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        try:
-            if not keep:
-                handle.down()
-                _STARTED.remove(handle)
-                left = {k: v for k, v in leftovers(LOCKDOWN_LAB).items() if v}
-                assert not left, f"lab teardown left traces behind: {left}"
-        finally:
-            lock.close()
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    with own_lab(request, LOCKDOWN_LAB, hosts=3, rogue=1, mirrors=False) as (info, _):
+        yield info
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 from meshdeploy.lab.errors import LabError
+from support.labfile import for_lab
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,12 +44,23 @@ def shape(lab: str, host: str, rate: str | None) -> None:
             raise LabError(f"tc on {dev}: {proc.stderr.strip()}")
 
 
+@contextmanager
+def shaped(lab: str, hosts, rate: str | None):
+    """Links bridge -> each of `hosts` limited to `rate` inside the block, unlimited after."""
+    for h in hosts:
+        shape(lab, h, rate)
+    try:
+        yield
+    finally:
+        for h in hosts:
+            shape(lab, h, None)
+
+
 def cluster_yaml(info, repo: str, file: str, sha256: str, cache: bool,
                  tensor_split: str = "[1, 1]", ctx: int = 512) -> str:
     """inventories/lab.yaml for lab `info`, serving the synthetic model through both workers."""
     text = (REPO / "inventories" / "lab.yaml").read_text()
-    text = text.replace("http://127.0.0.1:18080", info.mirrors["hf_api_endpoint"])
-    text = text.replace("/var/lib/meshdeploy/lab/mdlab/ssh_config", info.ssh["config"])
+    text = for_lab(text, info)
     text = text.replace("      - port: 50052\n",
                         f"      - {{port: 50052, cache: {'true' if cache else 'false'}}}\n")
     head, _, _ = text.partition("\nmodels:\n")

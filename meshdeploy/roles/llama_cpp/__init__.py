@@ -6,7 +6,8 @@ from meshdeploy.roles.llama_cpp import operations as ops
 
 
 def _facts(req: FactRequest):
-    return ops.sections(req.cluster, req.host, lock.known_commit(req.cluster), req.first)
+    return ops.sections(req.cluster, req.host, lock.known_commit(req.cluster), req.first) + (
+        ops.destroy_sections(req.cluster) if req.destroying else [])
 
 
 def _prepare(p: Prepare) -> Prepared:
@@ -25,6 +26,7 @@ ROLE = Role(
     doc=__doc__,
     facts=_facts,
     prepare=_prepare,
+    destroy=ops.destroy,
     inputs=lambda cluster: [lock.lock_path(cluster.path)],
     apply_started=lambda cluster, resolved: lock.record(cluster, resolved.commit,
                                                         resolved.commit_source),

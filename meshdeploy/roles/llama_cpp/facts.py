@@ -6,7 +6,7 @@ import re
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import probe, shell
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 # git options that keep a repository URL or ref from ever being a command: the ext:: transport
@@ -122,3 +122,13 @@ def ls_remote(repo: str, ref: str) -> str:
     """The command apply runs to resolve `ref` (the same query as RemoteRef, without timeouts)."""
     return shell.command("env", "GIT_TERMINAL_PROMPT=0", "git", *GIT_SAFE, "ls-remote", "--",
                          repo, ref, f"{ref}^{{}}")
+
+
+class Stored(probe.Stored):
+    """The clone, cmake trees, installed builds and `current` link under llama_cpp.prefix,
+    with their sizes (for destroy).
+
+    ```python
+    {"/opt/meshdeploy/builds": 41943040, "/opt/meshdeploy/src/llama.cpp": 104857600}
+    ```
+    """

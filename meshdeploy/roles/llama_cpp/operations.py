@@ -6,13 +6,13 @@ import hashlib
 from pathlib import Path
 
 from meshdeploy.deploy import shell
-from meshdeploy.deploy.context import BuildOutcome, HostContext, Step
+from meshdeploy.deploy.context import BuildOutcome, HostContext, Step, stored_teardown
 from meshdeploy.deploy.paths import installed_build
 from meshdeploy.deploy.paths import llama_cpp_paths as paths
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d
-from meshdeploy.roles.llama_cpp.facts import GIT_SAFE, Builds, RemoteRef, Source
+from meshdeploy.roles.llama_cpp.facts import GIT_SAFE, Builds, RemoteRef, Source, Stored
 from meshdeploy.roles.llama_cpp import lock
 from meshdeploy.roles.llama_cpp.lock import checked_commit
 
@@ -174,3 +174,21 @@ def resolve(ctx: HostContext) -> Step:
     return Step(ctx.change(ROLE, "resolve", "no-op",
                            f"{ctx.cluster.llama_cpp.ref} -> {fixed['commit'][:12]}"),
                 resolves=fixed)
+
+
+def destroy(ctx: HostContext, purge: bool):
+    """The clone, cmake trees, builds and `current` link; only with purge (a build costs minutes
+    of every core). The prefix itself goes once nothing else is in it; the ccache folder is the
+    toolchain's, shared with other builds, and stays."""
+    stored = ctx.fact("llama_cpp.Stored") or {}
+    builds = sorted((ctx.fact("llama_cpp.Builds") or {}).get("builds", {}))
+    what = f"llama.cpp builds {', '.join(builds)}" if builds else "the llama.cpp clone"
+    return stored_teardown(ctx, ROLE, "build", stored, what, purge,
+                           (shell.command("rmdir", f"{ctx.prefix}/src", ctx.prefix, shell.QUIET,
+                                          shell.OR, "true"),))
+
+
+def destroy_sections(cluster) -> list[Section]:
+    p = paths(cluster.llama_cpp.prefix)
+    return [Section("llama_cpp.Stored", Stored,
+                    {"paths": [p["src"], p["build"], p["builds"], p["current"]]})]

@@ -7,19 +7,31 @@ from meshdeploy.roles.models import operations as ops
 
 
 def _prepare(p: Prepare) -> Prepared:
-    """Resolve every Hub model some planned host needs to one commit and its files' sha256."""
-    resolved = {name: hf.resolve(p.cluster, model) for name, model in p.cluster.models.items()
+    """Resolve every Hub model some planned host needs to one commit and its files' sha256;
+    the token is read (once) only when one of them is gated or private."""
+    read = []
+
+    def get_token(cluster):
+        if not read:
+            read.append(hf.token(cluster))
+        return read[0]
+
+    resolved = {name: hf.resolve(p.cluster, model, get_token)
+                for name, model in p.cluster.models.items()
                 if isinstance(model.source, HfSource)
                 and any(name in ops.needed(p.cluster, h) for h in p.hosts)}
     if not resolved:
         return Prepared()
-    return Prepared(values={"models": resolved, "hf_token": hf.token(p.cluster)})
+    needed = any(r.auth for r in resolved.values())
+    return Prepared(values={"models": resolved, "hf_token": get_token(p.cluster) if needed else None})
 
 
 ROLE = Role(
     name="models",
     doc=__doc__,
-    facts=lambda req: ops.sections(req.cluster, req.host),
+    facts=lambda req: ops.sections(req.cluster, req.host)
+    + (ops.destroy_sections(req.cluster) if req.destroying else []),
+    destroy=ops.destroy,
     volatile=("models.DiskFree",),
     prepare=_prepare,
     after=("toolchain",),

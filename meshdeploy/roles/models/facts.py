@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import probe, shell
 from meshdeploy.roles.models import defaults as d
 
 # GNU stat, then BSD stat, of "$1": "<size> <mtime>".
@@ -106,3 +106,12 @@ class OllamaManifest(FactBase):
                 if len(parts) == 3:
                     out["blobs"][parts[0]] = (int(parts[1]), int(parts[2]))
         return out if out["manifest"] else None
+
+
+class Stored(probe.Stored):
+    """The model folders under llama_cpp.prefix/models, with their sizes (for destroy).
+
+    ```python
+    {"/opt/meshdeploy/models/gemma": 253116416}
+    ```
+    """

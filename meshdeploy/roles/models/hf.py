@@ -1,8 +1,10 @@
 """Hugging Face resolution on the control machine: revision -> commit, file -> sha256 and size.
 
 Uses huggingface_hub's own client against `huggingface.api_endpoint`, so any HF-compatible mirror
-works. The token comes from the control machine (token_file, $HF_TOKEN, or huggingface_hub's
-stored token) and only ever travels to hosts inside an uploaded header file.
+works. Every repository is asked about anonymously first; the token (token_file, $HF_TOKEN, or
+huggingface_hub's stored token) is read and used only for a repository that needs it (gated, or
+private: invisible without it), and only when every endpoint it would go to is https or listed
+in huggingface.trusted_http_endpoints. HfResolved.auth records the need, so the plan can say so.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import re
 from pathlib import Path
 from urllib.parse import quote as url_quote
 
-from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.errors import ConfigError, PlanError
 from meshdeploy.deploy.model import HfFile, HfResolved
 
 
@@ -55,28 +57,97 @@ def token(cluster) -> str | None:
         return None
 
 
-def resolve(cluster, model) -> HfResolved:
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+def trusted(cluster, url: str) -> bool:
+    """Whether a token may be sent to `url`: https, or an http endpoint the file lists."""
+    return url.startswith("https://") or \
+        url.rstrip("/") in cluster.huggingface.trusted_http_endpoints
 
-    src = model.source
-    api_endpoint = src.endpoint or cluster.huggingface.api_endpoint
-    host_endpoint = (src.endpoint or cluster.huggingface.endpoint).rstrip("/")
-    api = HfApi(endpoint=api_endpoint, token=token(cluster))
-    where = f"models.{model.name}.huggingface"
+
+def endpoints(cluster, src) -> tuple[str, str]:
+    """(the control machine's API endpoint, the hosts' download endpoint) of a Hub source."""
+    return (src.endpoint or cluster.huggingface.api_endpoint).rstrip("/"), \
+        (src.endpoint or cluster.huggingface.endpoint).rstrip("/")
+
+
+def check_trust(cluster, model, auth: str) -> None:
+    """Refuse, at the cluster file's line, to send the token to an untrusted http endpoint."""
+    from meshdeploy.deploy.config import Document
+
+    api, hosts = endpoints(cluster, model.source)
+    for url, key in ((api, "api_endpoint"), (hosts, "endpoint")):
+        if trusted(cluster, url):
+            continue
+        path = ("huggingface", key)
+        doc = Document.read(cluster.path)
+        if model.source.endpoint:
+            path = ("models", model.name, "huggingface", "endpoint")
+        elif doc.written(path) is None:  # api_endpoint defaults to endpoint
+            path = ("huggingface", "endpoint")
+        raise ConfigError([doc.issue(
+            path, f"models.{model.name} is {auth} and needs the Hugging Face token, which would "
+                  f"go to {url} in clear text",
+            "use an https endpoint, or add it to huggingface.trusted_http_endpoints if nobody "
+            "else can read that network")])
+
+
+def _info(api, src, where: str, api_endpoint: str, authenticated: bool):
+    from huggingface_hub.errors import RevisionNotFoundError
+
     try:
-        info = api.model_info(src.repo, revision=src.revision, files_metadata=True, timeout=30)
-    except RepositoryNotFoundError:
-        raise PlanError(f"{where}: repository {src.repo} not found at {api_endpoint}",
-                        hint="check the repo name (and the token for private or gated repos)") from None
+        return api.model_info(src.repo, revision=src.revision, files_metadata=True, timeout=30)
     except RevisionNotFoundError:
         raise PlanError(f"{where}: revision {src.revision!r} not found in {src.repo}",
                         hint="use a branch, tag or full commit that exists") from None
     except Exception as exc:
+        if _not_found(exc):
+            if not authenticated:
+                raise
+            raise PlanError(f"{where}: repository {src.repo} not found at {api_endpoint}, "
+                            "even with the token",
+                            hint="check the repo name and that the token may read it") from None
         raise PlanError(f"{where}: cannot query {api_endpoint}: {exc.__class__.__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else ''}",
                         hint="check network access to the endpoint, or set "
                              "huggingface.api_endpoint to a mirror the control machine reaches") from None
+
+
+def _not_found(exc: Exception) -> bool:
+    from huggingface_hub.errors import RepositoryNotFoundError  # GatedRepoError is one too
+
+    return isinstance(exc, RepositoryNotFoundError)
+
+
+def resolve(cluster, model, get_token=token) -> HfResolved:
+    """The model's commit, files, sizes and sha256s, and whether it needs the token.
+
+    + get_token(cluster) -> str | None: called only for a repository that needs a token
+    """
+    from huggingface_hub import HfApi
+
+    src = model.source
+    api_endpoint, host_endpoint = endpoints(cluster, src)
+    where = f"models.{model.name}.huggingface"
+    # token=False: huggingface_hub would otherwise send $HF_TOKEN or its stored token to any
+    # endpoint, for public repositories too.
+    try:
+        info = _info(HfApi(endpoint=api_endpoint, token=False), src, where, api_endpoint, False)
+        auth = "gated" if getattr(info, "gated", None) else None
+    except Exception as exc:
+        if not _not_found(exc):
+            raise
+        info, auth = None, "private"  # or absent: only the token can tell
+    if auth:
+        check_trust(cluster, model, auth)
+        secret = get_token(cluster)
+        if not secret:
+            raise PlanError(f"{where}: {src.repo} at {api_endpoint} is not found anonymously"
+                            if auth == "private" else
+                            f"{where}: {src.repo} is gated: downloads need a token",
+                            hint="check the repo name; for a private or gated repo set "
+                                 "huggingface.token_file or $HF_TOKEN")
+        if info is None:
+            info = _info(HfApi(endpoint=api_endpoint, token=secret), src, where, api_endpoint,
+                         True)
     commit = _checked(where, api_endpoint, "commit", info.sha,
                       isinstance(info.sha, str) and bool(COMMIT.fullmatch(info.sha)))
     siblings = {s.rfilename: s for s in (info.siblings or [])}
@@ -107,4 +178,4 @@ def resolve(cluster, model) -> HfResolved:
         raise PlanError(f"{where}: the hub's sha256 of {files[0].name} is {files[0].sha256}, "
                         f"the cluster file pins {src.sha256}",
                         hint="the file changed upstream: check it, then update the pin")
-    return HfResolved(src.repo, commit, tuple(files))
+    return HfResolved(src.repo, commit, tuple(files), auth)

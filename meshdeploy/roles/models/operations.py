@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 
 from meshdeploy.deploy import shell
-from meshdeploy.deploy.context import HostContext, Step, Upload
+from meshdeploy.deploy.context import HostContext, SecretStdin, Step, stored_teardown
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
 from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource  # noqa: F401 (engine)
@@ -13,7 +13,7 @@ from meshdeploy.deploy.paths import model_dir, model_files, ollama_blob
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.models import defaults as d
-from meshdeploy.roles.models.facts import DiskFree, ModelFile, OllamaManifest
+from meshdeploy.roles.models.facts import DiskFree, ModelFile, OllamaManifest, Stored
 
 ROLE = "models"
 
@@ -59,12 +59,14 @@ _VERIFY = ('H=$( (sha256sum "$F" 2>/dev/null || shasum -a 256 "$F") | cut -d\' \
            'S=$(stat -Lc \'%s %Y\' "$F" 2>/dev/null || stat -Lf \'%z %m\' "$F")\n'
            'echo "$S $SHA" > "$MARKER.tmp" && mv -f "$MARKER.tmp" "$MARKER"')
 
-# Inputs: F, P (the partial), SIZE, SHA, URL, AUTH (a header file for curl -H @file, or empty),
-# RETRIES, MARKER. A partial longer than the file, or a finished one with the wrong bytes,
-# starts over.
+# Inputs: F, P (the partial), SIZE, SHA, URL, AUTH (non-empty: the Authorization header arrives
+# on standard input, read by curl -H @-), RETRIES, MARKER. A partial longer than the file, or a
+# finished one with the wrong bytes, starts over. curl keeps the header in memory for its
+# retries, and since 7.58 drops a custom Authorization header on a redirect to another host
+# (the Hub's CDN): the token goes to the endpoint only.
 _DOWNLOAD = ('mkdir -p "$(dirname "$F")"\n'
              'S=$(stat -c %s "$P" 2>/dev/null || echo 0); [ "$S" -le "$SIZE" ] || rm -f "$P"\n'
-             'if [ -n "$AUTH" ]; then set -- -H "@$AUTH"; else set --; fi\n'
+             'if [ -n "$AUTH" ]; then set -- -H @-; else set --; fi\n'
              'if [ "$(stat -c %s "$P" 2>/dev/null || echo 0)" -lt "$SIZE" ]; then '
              'curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL"; fi\n'
              'S=$(stat -c %s "$P"); [ "$S" = "$SIZE" ] || '
@@ -80,10 +82,12 @@ def verify_script(path: str, sha: str) -> str:
                         MARKER=f"{path}{d.models_verified_suffix}")
 
 
-def download_script(path: str, url: str, size: int, sha: str, header_file: str | None) -> str:
+def download_script(path: str, url: str, size: int, sha: str, auth: bool = False) -> str:
+    """Download with resume, check size and sha256, rename; with `auth`, curl reads the
+    Authorization header from the script's standard input (see SecretStdin)."""
     return shell.script("set -e\n" + _DOWNLOAD + _VERIFY, F=path,
                         P=f"{path}{d.models_partial_suffix}", SIZE=int(size), SHA=sha, URL=url,
-                        AUTH=header_file, RETRIES=int(d.models_curl_retries),
+                        AUTH="1" if auth else "", RETRIES=int(d.models_curl_retries),
                         MARKER=f"{path}{d.models_verified_suffix}")
 
 
@@ -115,10 +119,17 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     resource = f"gguf[{name}]"
     resolved = ctx.resolved.models[name]
     commands, diffs, missing_bytes, actions = [], [], 0, set()
-    # The token reaches the host as a file in a root-only folder (SFTP), read by curl -H @file,
-    # and is removed after the download: never in arguments, units, logs or the plan.
-    auth_dir = f"{model_dir(ctx.prefix, name)}/.auth"
-    header = f"{auth_dir}/header" if ctx.resolved.hf_token else None
+    # Only a gated or private repo gets the token (hf.resolve decided, and checked that its
+    # endpoints are trusted with it). It reaches curl on standard input over the SSH channel:
+    # never in arguments, a file on the host, units, logs or the plan.
+    auth = resolved.auth is not None
+    if auth and not ctx.resolved.hf_token:
+        raise PlanError(f"models.{name}: {resolved.repo} is {resolved.auth} and no token was read",
+                        hint="set huggingface.token_file or $HF_TOKEN")
+
+    def fed(command: str) -> str:
+        return SecretStdin(command, f"Authorization: Bearer {ctx.resolved.hf_token}\n") \
+            if auth else command
     for f in resolved.files:
         path = f"{model_dir(ctx.prefix, name)}/{f.name}"
         fact = ctx.fact(f"models.ModelFile[{name}/{f.name}]")
@@ -129,10 +140,10 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
             # bytes are wrong. The subshell keeps the verify's exit from ending the command.
             actions.add("update")
             diffs.append(AttrDiff(f.name, "unverified", f"sha256 {f.sha256[:12]}"))
-            commands.append(shell.subshell(verify_script(path, f.sha256)) + " || { "
-                            + shell.command("rm", "-f", path) + "; "
-                            + shell.subshell(download_script(path, f.url, f.size, f.sha256, header))
-                            + "; }")
+            commands.append(fed(shell.subshell(verify_script(path, f.sha256)) + " || { "
+                                + shell.command("rm", "-f", path) + "; "
+                                + shell.subshell(download_script(path, f.url, f.size, f.sha256,
+                                                                 auth)) + "; }"))
             continue
         have = fact["size"] if fact else None
         actions.add("create" if have is None else "replace")
@@ -143,7 +154,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
                               forces_replacement=have is not None))
         if have is not None:
             commands.append(shell.command("rm", "-f", path, path + d.models_verified_suffix))
-        commands.append(download_script(path, f.url, f.size, f.sha256, header))
+        commands.append(fed(download_script(path, f.url, f.size, f.sha256, auth)))
     if not commands:
         return Step(ctx.change(ROLE, resource, "no-op", f"{name} present, sha256 verified"))
     free = ctx.fact("models.DiskFree")
@@ -151,12 +162,8 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
         raise PlanError(f"host {ctx.host.name}: {name} needs {missing_bytes / 2**30:.2f} GiB more "
                         f"under {ctx.prefix}, only {free / 2**30:.2f} GiB free",
                         hint="free disk space or set llama_cpp.prefix to a larger disk")
-    if header:
-        commands = [shell.command("install", "-d", "-m", "700", auth_dir),
-                    Upload(f"Authorization: Bearer {ctx.resolved.hf_token}\n", header),
-                    shell.command("chmod", "600", header), *commands,
-                    shell.command("rm", "-rf", auth_dir)]
-        diffs.append(AttrDiff("token", None, "(from the control machine)", sensitive=True))
+    if auth:
+        diffs.append(AttrDiff("token", None, f"needed ({resolved.auth}), fed to curl on stdin"))
     action = "replace" if "replace" in actions else ("create" if "create" in actions else "update")
     reason = f"{resolved.repo}@{resolved.commit[:12]}"
     if missing_bytes:
@@ -209,3 +216,18 @@ def _check_architecture(where: str, host: str, head_b64: str | None) -> None:
         raise PlanError(f"{where}: the blob's architecture {arch!r} is not one upstream llama.cpp "
                         "knows (an Ollama-specific name)",
                         hint="use the Hugging Face GGUF of this model instead")
+
+
+def destroy(ctx: HostContext, purge: bool):
+    """The model folders under llama_cpp.prefix/models; only with purge (a model's bytes are
+    expensive to download again). A path or Ollama source is the operator's, never touched."""
+    stored = ctx.fact("models.Stored") or {}
+    names = ", ".join(sorted(p.rsplit("/", 1)[-1] for p in stored))
+    folder = f"{ctx.prefix}/{d.models_dir}"
+    return stored_teardown(ctx, ROLE, "gguf", stored, f"models {names}", purge,
+                           (shell.command("rmdir", folder, shell.QUIET, shell.OR, "true"),))
+
+
+def destroy_sections(cluster) -> list[Section]:
+    return [Section("models.Stored", Stored, {"folders": [f"{cluster.llama_cpp.prefix}/"
+                                                          f"{d.models_dir}"]})]

@@ -1,4 +1,5 @@
-"""network: each host's meshdeploy ports filtered to their peers (nftables `inet meshdeploy`)."""
+"""network: each host's meshdeploy ports filtered to their peers (nftables `inet meshdeploy`),
+and the WireGuard tunnel between orchestrators and workers (network.transport: wireguard)."""
 
 from meshdeploy.deploy.registry import Prepared, Resource, Role
 from meshdeploy.roles.network import operations as ops
@@ -8,13 +9,22 @@ ROLE = Role(
     doc=__doc__,
     facts=lambda req: ops.sections(req.cluster, req.host),
     preflight=ops.preflight,
+    destroy=ops.destroy,
     prepare=lambda p: Prepared(warnings=tuple(ops.warnings(p.cluster, p.facts))),
     after=("toolchain",),
     before=("services",),
     resources=(
         Resource("allowlist", lambda ctx, key: ops.allowlist(ctx),
                  "rpc-server ports open only to their orchestrators (nftables table)"),
+        Resource("wireguard_key", lambda ctx, key: ops.wireguard_key(ctx),
+                 "the host's WireGuard key pair, made on the host (network.transport)"),
+        Resource("wireguard", lambda ctx, key: ops.wireguard(ctx),
+                 "the WireGuard tunnel to the host's RPC peers (wg-quick@, at boot)",
+                 rereads=(("network.wireguard_key", "network.WireGuard"),),
+                 cluster_wide=True, replaceable=True),
     ),
 )
 
 allowlist = ROLE.operation("allowlist")
+wireguard_key = ROLE.operation("wireguard_key")
+wireguard = ROLE.operation("wireguard")

@@ -21,3 +21,18 @@ network_pf_file = "/etc/pf.anchors/meshdeploy"
 # which on Linux and macOS includes what a host sends to its own addresses.
 network_loopback = "lo"
 network_loopback_ifaces = {"nft": "lo", "pf": "lo0"}
+
+# --- WireGuard (network.transport: wireguard) ---------------------------------------------------
+# The rendered wg-quick file holds no private key: its PostUp loads the key from a root-only
+# file that apply generates on the host (`wg genkey`), so the key never leaves it.
+network_wg_conf_dir = "/etc/wireguard"
+network_wg_key_dir = "/etc/meshdeploy/wireguard"
+# Packages that bring `wg`/`wg-quick`, and the userspace implementation for kernels without the
+# module (wg-quick starts wireguard-go when `ip link add type wireguard` fails).
+network_wg_packages = ("wireguard-tools",)
+network_wg_userspace_packages = ("wireguard-go",)
+# macOS (rendered and golden-tested only): Homebrew's wireguard-tools + wireguard-go, started at
+# boot by a LaunchDaemon.
+network_wg_brew_prefix = "/opt/homebrew"
+network_wg_launchd_label = "org.meshdeploy.wireguard"
+network_wg_launchd_dir = "/Library/LaunchDaemons"

@@ -9,9 +9,9 @@ from pyinfra.api import FactBase
 
 from meshdeploy.deploy import shell
 from meshdeploy.roles.network import defaults as d
-from meshdeploy.roles.network.rules import LOOPBACK, normalize
+from meshdeploy.roles.network.rules import LOOPBACK, VIA, normalize, port_key
 
-_TCP_DPORT = {"payload": {"protocol": "tcp", "field": "dport"}}
+_DPORT = {proto: {"payload": {"protocol": proto, "field": "dport"}} for proto in ("tcp", "udp")}
 _SADDR = {"ip": {"payload": {"protocol": "ip", "field": "saddr"}},
           "ip6": {"payload": {"protocol": "ip6", "field": "saddr"}}}
 _IIFNAME = {"meta": {"key": "iifname"}}
@@ -23,6 +23,7 @@ class Allowlist(FactBase):
 
     ```python
     {"50052": ["lo", "10.200.0.11"], "8080": ["lo"]}
+    {"50052": ["lo", "10.99.149.186 via mdwg0"], "udp/51820": ["10.200.0.11"]}  # WireGuard
     ```
     A port is listed when the table drops it, with the sources accepted before that drop
     ("lo" = arriving on loopback; networks merged as rules.normalize does). Whatever meshdeploy
@@ -50,8 +51,8 @@ class Allowlist(FactBase):
 
 def read_table(items: list) -> dict:
     """The meaning of the table's JSON objects (see Allowlist); pure, for tests too."""
-    accepted: dict[int, list[str]] = {}
-    dropped: list[int] = []
+    accepted: dict[str, list[str]] = {}
+    dropped: list[str] = []
     other: list[str] = []
     for item in items:
         (kind, body), = item.items()
@@ -75,9 +76,9 @@ def read_table(items: list) -> dict:
         else:
             accepted.setdefault(port, []).extend(sources)
     out = {}
-    for port in sorted(dropped):
+    for port in sorted(dropped, key=lambda k: (k.partition("/")[2] or k, k)):
         try:
-            out[str(port)] = normalize(accepted.get(port, []))
+            out[port] = normalize(accepted.get(port, []))
         except ValueError:
             other.append(f"port {port}: sources {accepted.get(port)} are not addresses")
     if other:
@@ -85,27 +86,35 @@ def read_table(items: list) -> dict:
     return out
 
 
-def _rule(expr: list) -> tuple[int, list[str] | None] | None:
-    """(port, sources) of an accept rule, (port, None) of a drop; None for any other rule."""
+def _rule(expr: list) -> tuple[str, list[str] | None] | None:
+    """(port key, sources) of an accept rule, (port key, None) of a drop; None for any other
+    rule. An accept matches loopback, or source addresses optionally on one interface."""
     matches = [e["match"] for e in expr if "match" in e]
     verdicts = [k for e in expr for k in e if k in ("accept", "drop")]
     extra = [e for e in expr if not set(e) & {"match", "accept", "drop", "counter"}]
-    if extra or len(verdicts) != 1 or not matches or not _is(matches[0], _TCP_DPORT):
+    protos = [p for p, left in _DPORT.items() if matches and _is(matches[0], left)]
+    if extra or len(verdicts) != 1 or not protos:
         return None
     port = matches[0]["right"]
     if not isinstance(port, int) or isinstance(port, bool):
         return None
+    key = port_key(protos[0], port)
     if verdicts == ["drop"]:
-        return (port, None) if len(matches) == 1 else None
-    if len(matches) != 2:
+        return (key, None) if len(matches) == 1 else None
+    rest = matches[1:]
+    iface = None
+    if rest and _is(rest[0], _IIFNAME) and isinstance(rest[0]["right"], str):
+        iface, rest = rest[0]["right"], rest[1:]
+    if not rest:
+        return (key, [LOOPBACK]) if iface == d.network_loopback_ifaces["nft"] else None
+    if len(rest) != 1:
         return None
-    match = matches[1]
-    if _is(match, _IIFNAME) and match["right"] == d.network_loopback_ifaces["nft"]:
-        return port, [LOOPBACK]
     for family, left in _SADDR.items():
-        if _is(match, left):
-            sources = _sources(match["right"], family)
-            return None if sources is None else (port, sources)
+        if _is(rest[0], left):
+            sources = _sources(rest[0]["right"], family)
+            if sources is None:
+                return None
+            return key, [s + (f"{VIA}{iface}" if iface else "") for s in sources]
     return None
 
 
@@ -161,3 +170,68 @@ class Tools(FactBase):
     @staticmethod
     def default():
         return []
+
+
+_WG_PROBE = r'''
+PATH="$PATH:/usr/sbin:/sbin:/usr/local/bin"
+printf 'tools='; for t in wg wg-quick wireguard-go; do command -v "$t" >/dev/null 2>&1 && printf '%s ' "$t"; done; echo
+if [ -e /sys/module/wireguard ] || modprobe -nq wireguard 2>/dev/null; then echo kernel=yes; fi
+command -v wg >/dev/null 2>&1 || exit 0
+[ -s "$KEY" ] && echo "public_key=$(wg pubkey < "$KEY" 2>/dev/null)"
+[ -f "$CONF" ] && echo "conf_sha256=$(sha256sum < "$CONF" | cut -d' ' -f1)"
+systemctl is-enabled --quiet "wg-quick@$IFACE" 2>/dev/null && echo enabled=yes
+wg show "$IFACE" public-key >/dev/null 2>&1 || exit 0
+echo up=yes
+echo "live_key=$(wg show "$IFACE" public-key)"
+echo "listen_port=$(wg show "$IFACE" listen-port)"
+ip -o -4 addr show dev "$IFACE" | while read -r _ _ _ a _; do echo "address=$a"; done
+wg show "$IFACE" allowed-ips | while read -r k ips; do echo "peer=$k $ips"; done
+wg show "$IFACE" endpoints | while read -r k e; do echo "endpoint=$k $e"; done
+'''
+
+
+class WireGuard(FactBase):
+    """The host's WireGuard interface as meshdeploy manages it; never its private key.
+
+    ```python
+    {"tools": ["wg", "wg-quick", "wireguard-go"], "kernel": False,
+     "public_key": "base64 of the key file's public key" | None,   # None: no key generated yet
+     "conf_sha256": "hex of /etc/wireguard/<iface>.conf" | None, "enabled": True,
+     "up": True, "live_key": "the interface's public key" | None, "listen_port": 51820,
+     "addresses": ["10.99.149.186/16"],
+     "peers": {"<public key>": {"allowed_ips": "10.99.212.54/32", "endpoint": "10.200.0.12:51820"}}}
+    ```
+    up False: no such interface (never applied, taken down by hand); the live fields are then
+    None/empty. Run as root (privileged section): the key file is root-only. The private key
+    is read by `wg pubkey` on the host; only the public key is printed.
+    + interface: the interface name; key: the private key file; conf: the wg-quick file
+    """
+
+    def command(self, interface, key, conf):
+        return shell.script(_WG_PROBE, IFACE=interface, KEY=key, CONF=conf)
+
+    def process(self, output):
+        out = {"tools": [], "kernel": False, "public_key": None, "conf_sha256": None,
+               "enabled": False, "up": False, "live_key": None, "listen_port": None,
+               "addresses": [], "peers": {}}
+        for line in output:
+            name, _, value = line.strip().partition("=")
+            if name == "tools":
+                out["tools"] = sorted(value.split())
+            elif name in ("kernel", "enabled", "up"):
+                out[name] = value == "yes"
+            elif name in ("public_key", "conf_sha256", "live_key"):
+                out[name] = value or None
+            elif name == "listen_port":
+                out[name] = int(value) if value.isdigit() else None
+            elif name == "address":
+                out["addresses"].append(value)
+            elif name in ("peer", "endpoint"):
+                peer, _, rest = value.partition(" ")
+                field = "allowed_ips" if name == "peer" else "endpoint"
+                out["peers"].setdefault(peer, {})[field] = " ".join(rest.split())
+        return out
+
+    @staticmethod
+    def default():
+        return None

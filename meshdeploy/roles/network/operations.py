@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import posixpath
+
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
+from meshdeploy.deploy.registry import Teardown
+from meshdeploy.roles.network import defaults as d
 from meshdeploy.roles.network import rules
-from meshdeploy.roles.network.facts import Allowlist, Tools
+from meshdeploy.roles.network import tunnel as wgr
+from meshdeploy.roles.network.facts import Allowlist, Tools, WireGuard
 
 ROLE = "network"
 OPT_OUT = "network.firewall: false"
@@ -17,31 +24,35 @@ def sections(cluster, host) -> list[Section]:
     """The filters the host has, and the live table (nft needs root to list it). The table is
     read even with the firewall off, so turning it off removes what an earlier apply loaded."""
     return [Section("network.Tools", Tools),
-            Section("network.Allowlist", Allowlist, privileged=True)]
+            Section("network.Allowlist", Allowlist, privileged=True),
+            Section("network.WireGuard", WireGuard, privileged=True,
+                    kwargs={"interface": cluster.network.wireguard.interface,
+                            "key": wgr.key_file(cluster), "conf": wgr.conf_path(cluster)})]
 
 
 def _darwin(ctx) -> bool:
     return (ctx.fact("toolchain.Platform") or {}).get("kernel") == "Darwin"
 
 
-# How a Linux host without nft gets it: the package manager the toolchain's Platform fact saw.
+# How a Linux host without a tool gets it: the package manager the toolchain's Platform fact saw.
 _INSTALL = {"apt-get": ("export DEBIAN_FRONTEND=noninteractive; ",
                         ["apt-get", "update", "-qq", shell.AND,
-                         "apt-get", "install", "-y", "-qq", "nftables"]),
-            "dnf": ("", ["dnf", "install", "-y", "nftables"])}
+                         "apt-get", "install", "-y", "-qq"]),
+            "dnf": ("", ["dnf", "install", "-y"])}
 
 
-def _installer(ctx) -> str | None:
+def _installer(ctx, packages=("nftables",)) -> str | None:
     tools = (ctx.fact("toolchain.Platform") or {}).get("tools") or []
     for tool, (prefix, argv) in _INSTALL.items():
         if tool in tools:
-            return prefix + shell.command(*argv)
+            return prefix + shell.command(*argv, *packages)
     return None
 
 
 def preflight(ctx: HostContext) -> None:
     """A host that must be firewalled, has no nft (nor pfctl on macOS) and cannot install
     nftables with apt or dnf is refused."""
+    _wg_preflight(ctx)
     if not ctx.cluster.network.firewall:
         return None
     tools = ctx.fact("network.Tools") or []
@@ -60,11 +71,18 @@ def warnings(cluster, facts: dict) -> list[str]:
                 "worker's rpc-server port can read and write its memory"]
     macs = sorted(name for name, f in facts.items()
                   if (f.get("toolchain.Platform") or {}).get("kernel") == "Darwin")
+    out = []
+    tunneled = [m for m in macs if cluster.network.tunnel
+                and cluster.tunnel_peers(cluster.host(m))]
+    if tunneled:
+        out.append(f"{', '.join(tunneled)}: macOS hosts get no WireGuard tunnel from meshdeploy "
+                   "yet (the wg-quick file and launchd plist are rendered, not installed); "
+                   "their peers' tunnels to them stay down")
     if macs:
-        return [f"{', '.join(macs)}: macOS hosts are not firewalled by meshdeploy yet (the pf "
+        return out + [f"{', '.join(macs)}: macOS hosts are not firewalled by meshdeploy yet (the pf "
                 "anchor is rendered, not loaded); their rpc-server ports are open to their "
                 "network"]
-    return []
+    return out
 
 
 def allowlist(ctx: HostContext) -> Step:
@@ -85,7 +103,7 @@ def allowlist(ctx: HostContext) -> Step:
         return Step(ctx.change(ROLE, "allowlist", "delete", "no meshdeploy port on this host",
                                rules.diffs({}, live)), rules.remove_commands())
     if live == wanted:
-        ports = ", ".join(sorted(wanted, key=int))
+        ports = ", ".join(sorted(wanted, key=rules.key_order))
         return Step(ctx.change(ROLE, "allowlist", "no-op", f"ports {ports} filtered as wanted"))
     install = [] if "nft" in (ctx.fact("network.Tools") or []) else [_installer(ctx)]
     return Step(ctx.change(ROLE, "allowlist", "create" if live is None else "update",
@@ -93,3 +111,182 @@ def allowlist(ctx: HostContext) -> Step:
                            rules.diffs(wanted, live)),
                 [c for c in install if c] + rules.apply_commands(rules.nft_file(ctx.cluster,
                                                                                 ctx.host)))
+
+
+# -- WireGuard (network.transport: wireguard) ----------------------------------------------------
+
+WG_OPT_OUT = "network.transport: plain"
+
+# Generate the key pair on the host: the private key goes from `wg genkey` into a root-only file
+# and never into an argument, the probe, the plan or a log; a running interface takes it at once.
+_GENKEY = r'''
+PATH="$PATH:/usr/sbin:/sbin"
+umask 077
+mkdir -p "$DIR" && chmod 700 "$DIR" && wg genkey > "$KEY.new" && mv -f "$KEY.new" "$KEY"
+if wg show "$IFACE" public-key >/dev/null 2>&1; then wg set "$IFACE" private-key "$KEY"; fi
+'''
+
+
+def _in_mesh(ctx) -> bool:
+    return ctx.cluster.network.tunnel and bool(ctx.cluster.tunnel_peers(ctx.host))
+
+
+def _wg_missing(ctx) -> list[str]:
+    """Packages the host lacks for its tunnel: wireguard-tools, and wireguard-go where the
+    kernel has no WireGuard module."""
+    fact = ctx.fact("network.WireGuard") or {}
+    tools = fact.get("tools") or []
+    missing = [] if {"wg", "wg-quick"} <= set(tools) else list(d.network_wg_packages)
+    if not fact.get("kernel") and "wireguard-go" not in tools:
+        missing += list(d.network_wg_userspace_packages)
+    return missing
+
+
+def _wg_preflight(ctx: HostContext) -> None:
+    if not _in_mesh(ctx) or _darwin(ctx):
+        return
+    missing = _wg_missing(ctx)
+    if missing and _installer(ctx, missing) is None:
+        raise PlanError(f"{ctx.host.name}: no {' or '.join(missing)} for the WireGuard tunnel, "
+                        "and neither apt-get nor dnf to install it",
+                        hint=f"install {' '.join(missing)} on the host, or set {WG_OPT_OUT} "
+                             "(RPC then travels in clear on the hosts' network)")
+
+
+def wireguard_key(ctx: HostContext) -> Step:
+    """network.wireguard_key: the host's WireGuard key pair, generated on the host (with
+    wireguard-tools, and wireguard-go where the kernel lacks the module, installed first).
+    `-replace=network.wireguard` makes a new pair."""
+    if not _in_mesh(ctx):
+        return Step(ctx.change(ROLE, "wireguard_key", "no-op", "not in a WireGuard mesh"))
+    if _darwin(ctx):
+        return Step(ctx.change(ROLE, "wireguard_key", "no-op", "macOS: not managed yet"))
+    have = (ctx.fact("network.WireGuard") or {}).get("public_key")
+    rotate = ctx.replacing("network.wireguard")
+    if have and not rotate:
+        return Step(ctx.change(ROLE, "wireguard_key", "no-op",
+                               f"key pair present (public key {wgr.fingerprint(have)})"))
+    missing = _wg_missing(ctx)
+    install = [_installer(ctx, missing)] if missing else []
+    cluster = ctx.cluster
+    diff = AttrDiff("public key", wgr.fingerprint(have), None, forces_replacement=rotate,
+                    known_after_apply=True)
+    reason = ("-replace: a new key pair, made on the host (the private key never leaves it)"
+              if have else "no key pair yet: generated on the host (the private key never "
+              "leaves it)")
+    return Step(ctx.change(ROLE, "wireguard_key", "replace" if have else "create", reason,
+                           [diff]),
+                [c for c in install if c] + [shell.script(
+                    _GENKEY, DIR=d.network_wg_key_dir, KEY=wgr.key_file(cluster),
+                    IFACE=cluster.network.wireguard.interface)])
+
+
+def _peer_key(ctx, peer) -> str | None:
+    """The peer's public key, or None while it is known only after apply: the peer has none
+    yet, or its wireguard_key step makes a new one that has not been re-read."""
+    key = (ctx.fact_of(peer.name, "network.WireGuard") or {}).get("public_key")
+    step = ctx.steps.on(peer.name).get("network.wireguard_key")
+    if step is None and ctx.replacing("network.wireguard", peer.name):
+        return None  # planned without the peer's steps: its key is being replaced
+    if step is not None and step.commands:
+        before = next((x.before for x in step.change.diffs if x.name == "public key"), None)
+        if key is None or wgr.fingerprint(key) == before:
+            return None
+    return key if key and wgr.PUBLIC_KEY.fullmatch(key) else None
+
+
+def _wg_remove(ctx, fact: dict | None, reason: str) -> Step:
+    if not fact or not (fact.get("up") or fact.get("conf_sha256") or fact.get("enabled")):
+        return Step(ctx.change(ROLE, "wireguard", "no-op", reason))
+    unit = wgr.unit(ctx.cluster)
+    return Step(ctx.change(ROLE, "wireguard", "delete", f"{reason}: take the tunnel down",
+                           [AttrDiff("address", (fact.get("addresses") or [None])[0], None)]),
+                [shell.command("systemctl", "disable", "--now", "--quiet", unit, shell.QUIET,
+                               shell.THEN, "ip", "link", "delete", "dev",
+                               ctx.cluster.network.wireguard.interface, shell.QUIET,
+                               shell.THEN, "rm", "-f", wgr.conf_path(ctx.cluster))])
+
+
+def wireguard(ctx: HostContext) -> Step:
+    """network.wireguard: the tunnel interface (wg-quick@<interface>, enabled at boot): the
+    host's tunnel address, listen port and exactly its peers (name, tunnel address, public key);
+    changed peers or keys are synced into the running interface (`systemctl reload`), a new
+    address or port restarts it."""
+    cluster = ctx.cluster
+    fact = ctx.fact("network.WireGuard")
+    if not cluster.network.tunnel:
+        return _wg_remove(ctx, fact, "network.transport: plain")
+    if not cluster.tunnel_peers(ctx.host):
+        return _wg_remove(ctx, fact, "no RPC to or from another host")
+    if _darwin(ctx):
+        return Step(ctx.change(ROLE, "wireguard", "no-op",
+                               "macOS: rendered, not installed (see the plan's warning)"))
+    keys = {p.name: _peer_key(ctx, p) for p in cluster.tunnel_peers(ctx.host)}
+    want = wgr.wanted(cluster, ctx.host, keys)
+    live = wgr.live_view(fact, keys, want["peers"])
+    changes = wgr.diffs(want, live)
+    fact = fact or {}
+    own = _peer_key(ctx, ctx.host)
+    rotate = ctx.replacing("network.wireguard")
+    if rotate:
+        changes.append(AttrDiff("public key", wgr.fingerprint(fact.get("public_key")),
+                                None, forces_replacement=True, known_after_apply=True))
+    action = "create" if live is None else ("replace" if rotate else "update")
+    if own is None or None in keys.values():
+        who = sorted([n for n, k in keys.items() if k is None] + ([] if own else ["this host"]))
+        return Step(ctx.change(ROLE, "wireguard", action,
+                               f"public keys known after apply ({', '.join(who)})", changes))
+    text = wgr.conf_file(cluster, ctx.host, keys)
+    matches = (want == live and fact.get("conf_sha256") == hashlib.sha256(text.encode()).hexdigest()
+               and fact.get("enabled") and fact.get("live_key") == own)
+    if matches and not rotate:
+        return Step(ctx.change(ROLE, "wireguard", "no-op",
+                               f"{cluster.network.wireguard.interface} up with "
+                               f"{len(keys)} peer(s) as wanted"))
+    unit = wgr.unit(cluster)
+    iface = cluster.network.wireguard.interface
+    restart = live is None or (want["address"], want["listen_port"]) != (
+        live["address"], live["listen_port"]) or fact.get("live_key") != own
+    start = shell.command("systemctl", "stop", unit, shell.QUIET, shell.THEN, "ip", "link",
+                          "delete", "dev", iface, shell.QUIET, shell.THEN,
+                          "systemctl", "start", unit)
+    # `wg syncconf` (the unit's reload) applies a file without PrivateKey as "no private key"
+    # (seen in the lab: the tunnel went dead after a reload), so the key is set again at once.
+    sync = shell.command("systemctl", "reload", unit, shell.AND, "wg", "set", iface,
+                         "private-key", wgr.key_file(cluster), shell.OR) + " " + \
+        shell.subshell(start)
+    reason = ("-replace: peers take the new public keys; no service restarts (the tunnel "
+              "keeps its address)" if rotate else
+              "no tunnel yet" if live is None else "differs (drift or a new peer)")
+    return Step(ctx.change(ROLE, "wireguard", action, reason, changes),
+                [shell.write_file(wgr.conf_path(cluster), text, "0600"),
+                 shell.command("systemctl", "enable", "--quiet", unit),
+                 start if restart else sync,
+                 shell.command("wg", "show", iface, "listen-port")])
+
+
+def destroy(ctx: HostContext, purge: bool) -> Teardown:
+    """The allow-list table and its boot unit, the WireGuard tunnel, its file and the host's
+    key pair. The packages (nftables, wireguard-tools) stay: they are the host's tools."""
+    steps = []
+    live = ctx.fact("network.Allowlist")
+    if live is not None:
+        steps.append(Step(ctx.change(ROLE, "allowlist", "delete", "leaves the cluster",
+                                     rules.diffs({}, live)),
+                          rules.remove_commands() + [_RMDIRS]))
+    fact = ctx.fact("network.WireGuard")
+    tunnel = _wg_remove(ctx, fact, "leaves the cluster")
+    if not tunnel.noop:
+        steps.append(tunnel)
+    if (fact or {}).get("public_key"):
+        steps.append(Step(ctx.change(ROLE, "wireguard_key", "delete", "leaves the cluster",
+                                     [AttrDiff("public key", wgr.fingerprint(fact["public_key"]),
+                                               None)]),
+                          [shell.command("rm", "-f", wgr.key_file(ctx.cluster)), _RMDIRS]))
+    return Teardown(tuple(steps))
+
+
+# meshdeploy's folders under /etc, once empty (another cluster's files keep them).
+_ETC = posixpath.dirname(d.network_nft_file)
+_RMDIRS = shell.command("rmdir", d.network_wg_key_dir, _ETC, posixpath.dirname(_ETC),
+                        shell.QUIET, shell.OR, "true")

@@ -38,8 +38,8 @@ def anchor(port_list: list[Port], host_name: str) -> str:
     return "\n".join([head, *tables, *blocks]) + "\n"
 
 
-def anchor_file(cluster, host, server_allow: dict | None = None) -> str:
-    return anchor(ports(cluster, host, server_allow), host.name)
+def anchor_file(cluster, host) -> str:
+    return anchor(ports(cluster, host), host.name)
 
 
 def pf_conf_lines() -> list[str]:

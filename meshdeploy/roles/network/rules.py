@@ -31,6 +31,7 @@ from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.roles.network import defaults as d
 
 LOOPBACK = d.network_loopback
+VIA = " via "  # "10.99.1.2 via mdwg0": accepted from that address arriving on that interface
 TABLE = f"{d.network_nft_family} {d.network_nft_table}"
 TEMPLATES = Path(__file__).with_name("templates")
 # nft keeps at most 128 bytes of a comment; names in the file are [A-Za-z0-9_.-] already.
@@ -45,29 +46,45 @@ class Port:
     port: int
     sources: tuple[str, ...]  # normalize()d: "lo" first, then IPv4, then IPv6 networks
     what: str  # "rpc-server", "llama-server main"
+    proto: str = "tcp"  # "udp" for WireGuard's listen port
+
+    @property
+    def key(self) -> str:
+        """The port's name in an allow-list: "50052" for TCP, "udp/51820" otherwise."""
+        return port_key(self.proto, self.port)
 
 
-def ports(cluster, host, server_allow: dict | None = None) -> list[Port]:
-    """The host's meshdeploy ports and their allowed sources, in port order.
+def port_key(proto: str, port: int) -> str:
+    return str(port) if proto == "tcp" else f"{proto}/{port}"
 
-    + server_allow: server name -> extra sources (addresses or networks) for its llama-server
-      port; the cluster file has no such field yet (`servers.<name>.allow` is proposed)
-    """
-    found: dict[int, tuple[list[str], list[str]]] = {}
+
+def ports(cluster, host) -> list[Port]:
+    """The host's meshdeploy ports and their allowed sources, in port order."""
+    found: dict[tuple[str, int], tuple[list[str], list[str]]] = {}
+    tunnel = cluster.network.wireguard if cluster.network.tunnel else None
     for rpc in host.rpc_servers:
         peers = [_peer_address(cluster, host, rpc, s) for s in _rpc_clients(cluster, host, rpc)]
-        _add(found, rpc.port, "rpc-server", peers)
+        if tunnel is not None:
+            # Under WireGuard the orchestrator's tunnel address counts only on the tunnel: the
+            # same source on the bridge is not authenticated.
+            peers = [f"{p}{VIA}{tunnel.interface}" for p in peers]
+        _add(found, ("tcp", rpc.port), "rpc-server", peers)
     for server in (s for s in cluster.servers if s.host == host.name):
-        allow = [_literal(a, f"servers.{server.name}.allow")
-                 for a in (server_allow or {}).get(server.name, ())]
-        _add(found, server.port, f"llama-server {server.name}", allow)
-    return [Port(port, tuple(normalize([LOOPBACK, *sources])), ", ".join(whats))
-            for port, (sources, whats) in sorted(found.items())]
+        allow = [_literal(a, f"servers.{server.name}.allow") for a in server.allow]
+        _add(found, ("tcp", server.port), f"llama-server {server.name}", allow)
+    peers = cluster.tunnel_peers(host) if tunnel is not None else []
+    if peers:
+        _add(found, ("udp", tunnel.listen_port), "wireguard",
+             [_underlay_address(host, peer) for peer in peers])
+    return [Port(port, tuple(normalize(([LOOPBACK] if proto == "tcp" else []) + sources)),
+                 ", ".join(whats), proto)
+            for (proto, port), (sources, whats) in sorted(found.items(),
+                                                          key=lambda i: (i[0][1], i[0][0]))]
 
 
-def allowlist(cluster, host, server_allow: dict | None = None) -> dict[str, list[str]]:
+def allowlist(cluster, host) -> dict[str, list[str]]:
     """What facts.Allowlist reads back once the table is loaded: port -> sorted sources."""
-    return {str(p.port): list(p.sources) for p in ports(cluster, host, server_allow)}
+    return {p.key: list(p.sources) for p in ports(cluster, host)}
 
 
 def _rpc_clients(cluster, host, rpc) -> list:
@@ -80,7 +97,7 @@ def _rpc_clients(cluster, host, rpc) -> list:
 def _peer_address(cluster, host, rpc, server) -> str:
     orchestrator = cluster.host(server.host)
     try:
-        return str(ipaddress.ip_address(orchestrator.address))
+        return str(ipaddress.ip_address(cluster.source_address(orchestrator)))
     except ValueError:
         raise PlanError(
             f"hosts.{host.name}.rpc_servers[{rpc.port}]: its allow-list needs the address of "
@@ -91,6 +108,17 @@ def _peer_address(cluster, host, rpc, server) -> str:
         ) from None
 
 
+def _underlay_address(host, peer) -> str:
+    try:
+        return str(ipaddress.ip_address(peer.address))
+    except ValueError:
+        raise PlanError(
+            f"hosts.{host.name}: its WireGuard port must accept {peer.name}, but "
+            f"hosts.{peer.name}.address is {peer.address!r}, a DNS name; nftables and pf rules "
+            "hold IP addresses",
+            hint=f"give hosts.{peer.name}.address as the IP address it connects from") from None
+
+
 def _literal(value: str, where: str) -> str:
     try:
         return str(ipaddress.ip_network(value, strict=True))
@@ -99,8 +127,8 @@ def _literal(value: str, where: str) -> str:
                         hint="write an address (10.0.0.5) or a network (10.0.0.0/24)") from None
 
 
-def _add(found: dict, port: int, what: str, sources: list[str]) -> None:
-    have_sources, whats = found.setdefault(int(port), ([], []))
+def _add(found: dict, port: tuple[str, int], what: str, sources: list[str]) -> None:
+    have_sources, whats = found.setdefault(port, ([], []))
     have_sources.extend(sources)
     whats.append(what)
 
@@ -110,13 +138,25 @@ def normalize(sources) -> list[str]:
     bare addresses. nft merges overlapping set elements the same way, so the wish and what
     `nft -j list` returns compare equal. Raises ValueError on a source that is neither."""
     sources = list(sources)
-    nets = [ipaddress.ip_network(s, strict=False) for s in sources if s != LOOPBACK]
     out = [LOOPBACK] if LOOPBACK in sources else []
-    for version in (4, 6):
-        merged = ipaddress.collapse_addresses(n for n in nets if n.version == version)
-        out += [str(n.network_address) if n.prefixlen == n.max_prefixlen else str(n)
-                for n in merged]
+    groups: dict[str, list] = {}  # "" = any interface, else "<address> via <interface>"
+    for s in sources:
+        if s != LOOPBACK:
+            address, _, iface = s.partition(VIA)
+            groups.setdefault(iface, []).append(ipaddress.ip_network(address, strict=False))
+    for iface in sorted(groups):
+        suffix = f"{VIA}{iface}" if iface else ""
+        for version in (4, 6):
+            merged = ipaddress.collapse_addresses(n for n in groups[iface] if n.version == version)
+            out += [(str(n.network_address) if n.prefixlen == n.max_prefixlen else str(n))
+                    + suffix for n in merged]
     return out
+
+
+def split_source(source: str) -> tuple[str, str]:
+    """("10.99.1.2", "mdwg0") of "10.99.1.2 via mdwg0"; (source, "") of a plain one."""
+    address, _, iface = source.partition(VIA)
+    return address, iface
 
 
 # -- nftables ----------------------------------------------------------------------------------
@@ -125,13 +165,18 @@ def nft_table(port_list: list[Port], cluster_name: str) -> str:
     """`table inet meshdeploy { ... }`: per port, accept loopback and the sources, drop the rest."""
     rules = []
     for p in port_list:
+        match = f"{p.proto} dport {p.port}"
         if LOOPBACK in p.sources:
-            rules.append(f'tcp dport {p.port} iifname "{d.network_loopback_ifaces["nft"]}" accept')
-        for family, version in (("ip", 4), ("ip6", 6)):
-            chosen = [s for s in p.sources if _version(s) == version]
-            if chosen:
-                rules.append(f"tcp dport {p.port} {family} saddr {{ {', '.join(chosen)} }} accept")
-        rules.append(f'tcp dport {p.port} counter drop comment "{comment_text(p.what)}"')
+            rules.append(f'{match} iifname "{d.network_loopback_ifaces["nft"]}" accept')
+        ifaces = sorted({split_source(s)[1] for s in p.sources if s != LOOPBACK})
+        for iface in ifaces:
+            on = f' iifname "{iface}"' if iface else ""
+            for family, version in (("ip", 4), ("ip6", 6)):
+                chosen = [a for a, i in map(split_source, p.sources)
+                          if i == iface and _version(a) == version]
+                if chosen:
+                    rules.append(f"{match}{on} {family} saddr {{ {', '.join(chosen)} }} accept")
+        rules.append(f'{match} counter drop comment "{comment_text(p.what)}"')
     body = "".join(f"\t\t{r}\n" for r in rules)
     comment = comment_text(f"meshdeploy allow-list, cluster {cluster_name}")
     return (f"table {TABLE} {{\n"
@@ -141,7 +186,7 @@ def nft_table(port_list: list[Port], cluster_name: str) -> str:
             f"{body}\t}}\n}}\n")
 
 
-def nft_file(cluster, host, server_allow: dict | None = None) -> str:
+def nft_file(cluster, host) -> str:
     """The file for `nft -f`: one transaction that replaces table inet meshdeploy, and only it.
 
     Creating the table first makes the delete succeed whether or not it existed (nft 1.0.6 has
@@ -150,7 +195,7 @@ def nft_file(cluster, host, server_allow: dict | None = None) -> str:
     return (f"# meshdeploy: allow-list of {comment_text(host.name)}'s meshdeploy ports. "
             "Generated; the next apply replaces it.\n"
             f"table {TABLE} {{}}\ndelete table {TABLE}\n"
-            + nft_table(ports(cluster, host, server_allow), cluster.name))
+            + nft_table(ports(cluster, host), cluster.name))
 
 
 def _version(source: str) -> int | None:
@@ -188,10 +233,12 @@ def remove_commands() -> list[str]:
     unit = f"{d.network_unit_dir}/{d.network_nft_unit}.service"
     family, table = d.network_nft_family, d.network_nft_table
     return [
-        shell.command("systemctl", "disable", "--quiet", d.network_nft_unit, shell.QUIET,
+        shell.command("systemctl", "disable", "--now", "--quiet", d.network_nft_unit, shell.QUIET,
                       shell.THEN, "rm", "-f", unit, d.network_nft_file),
         shell.command("nft", "add", "table", family, table, shell.AND,
                       "nft", "delete", "table", family, table),
+        # Forget the deleted unit (a oneshot with RemainAfterExit stays loaded until then).
+        shell.command("systemctl", "daemon-reload"),
     ]
 
 
@@ -204,7 +251,7 @@ def diffs(wanted: dict, live: dict | None) -> list[AttrDiff]:
     """
     live = live or {}
     out = []
-    for key in sorted(set(wanted) | set(live), key=_key_order):
+    for key in sorted(set(wanted) | set(live), key=key_order):
         before, after = live.get(key), wanted.get(key)
         if before != after:
             name = f"tcp/{key}" if key.isdigit() else key
@@ -212,7 +259,7 @@ def diffs(wanted: dict, live: dict | None) -> list[AttrDiff]:
     return out
 
 
-def _key_order(key: str):
+def key_order(key: str):
     return (0, int(key), "") if key.isdigit() else (1, 0, key)
 
 

@@ -22,7 +22,9 @@ def _prepare(p: Prepare) -> Prepared:
 ROLE = Role(
     name="rpc_cache",
     doc=__doc__,
-    facts=lambda req: ops.sections(req.cluster, req.host),
+    facts=lambda req: ops.sections(req.cluster, req.host)
+    + (ops.destroy_sections(req.cluster) if req.destroying else []),
+    destroy=ops.destroy,
     volatile=("rpc_cache.DeviceMemory",),
     prepare=_prepare,
     after=("models",),

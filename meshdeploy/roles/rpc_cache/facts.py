@@ -6,7 +6,7 @@ import re
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import probe, shell
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.memory import metal_working_set, vulkan_devices
 
@@ -177,3 +177,13 @@ class DeviceMemory(FactBase):
         if not cpu and not any(cuda) and not any(rocm) and not any(vulkan) and metal is None:
             return None
         return {"cpu": cpu or None, "cuda": cuda, "rocm": rocm, "vulkan": vulkan, "metal": metal}
+
+
+class Stored(probe.Stored):
+    """rpc-server cache folders (/var/cache/meshdeploy-rpc-*, and the DynamicUser's real
+    folders under /var/cache/private) and the seeding tool, with their sizes (for destroy).
+
+    ```python
+    {"/var/cache/private/meshdeploy-rpc-50052": 180355072, "/var/cache/meshdeploy-rpc-50052": 0}
+    ```
+    """

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshdeploy.deploy import shell
-from meshdeploy.deploy.context import HostContext, Step
+from meshdeploy.deploy.context import HostContext, Step, stored_teardown
+from meshdeploy.deploy.model import rpc_unit_name
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache.facts import CacheDir, DeviceMemory, SeedTool
+from meshdeploy.roles.rpc_cache.facts import CacheDir, DeviceMemory, SeedTool, Stored
 from meshdeploy.roles.rpc_cache.placement import wire_bytes
 from meshdeploy.roles.rpc_cache.tensors import Tensor
 
@@ -230,3 +231,26 @@ def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list) -> 
                      + f" <<'{tag}'\n{listing}{tag}")
     return shell.script("\n".join([_SEED, *lines, _SEED_END]), D=cache_dir,
                         M=f"{cache_dir}/{d.rpc_cache_marker}", HEX16=_HEX16_GLOB)
+
+
+def destroy(ctx: HostContext, purge: bool):
+    """rpc-server caches and the seeding tool; only with purge (a cache saves a model's upload
+    over the network at every start)."""
+    stored = ctx.fact("rpc_cache.Stored") or {}
+    caches = sorted({p.rsplit("/", 1)[-1] for p in stored if _CACHE in p})
+    what = ", ".join(([f"rpc-server caches {', '.join(caches)}"] if caches else [])
+                     + (["md-rpc-seed"] if any(_CACHE not in p for p in stored) else []))
+    tools = f"{ctx.prefix}/{d.rpc_cache_tools_dir}"
+    return stored_teardown(ctx, ROLE, "seed", stored, what, purge,
+                           (shell.command("rmdir", tools, shell.QUIET, shell.OR, "true"),))
+
+
+_CACHE = rpc_unit_name(0).rsplit("-", 1)[0]  # "meshdeploy-rpc": every port's cache folder
+
+
+def destroy_sections(cluster) -> list[Section]:
+    tool = tool_path(cluster.llama_cpp.prefix)
+    return [Section("rpc_cache.Stored", Stored,
+                    {"paths": [tool, tool + d.rpc_cache_tool_source_suffix],
+                     "folders": ["/var/cache", "/var/cache/private"], "prefix": _CACHE + "-"},
+                    privileged=True)]

@@ -137,7 +137,9 @@ def _source(cluster, server, model, resolved, facts, names, fetch, cache, read_r
         hf_model = resolved.models.get(model.name)
         if hf_model is None:
             return None, {}, None  # no host in --limit loads it
-        header = _hub_header(cluster, model, hf_model, resolved.hf_token, fetch, cache, where)
+        # The token only for a repo that needs it (models' hf.resolve checked its endpoint).
+        token = resolved.hf_token if hf_model.auth else None
+        header = _hub_header(cluster, model, hf_model, token, fetch, cache, where)
         sha = hf_model.files[0].sha256
         return header, {h.name: sha for h in cluster.hosts}, None
     # Ollama store or a path: the bytes are only on the hosts. Read the header from a worker

@@ -3,6 +3,7 @@
 from meshdeploy.deploy.registry import Prepare, Prepared, Resource, Role
 from meshdeploy.deploy.config_checks import warnings_for
 from meshdeploy.roles.services import operations as ops
+from meshdeploy.roles.services.logs import log_sources
 
 
 def _prepare(p: Prepare) -> Prepared:
@@ -18,6 +19,9 @@ ROLE = Role(
     facts=lambda req: ops.sections(req.cluster, req.host),
     volatile=("services.Rtt",),
     prepare=_prepare,
+    logs=log_sources,
+    preflight=ops.preflight,
+    destroy=ops.destroy,
     after=("llama_cpp", "models", "rpc_cache"),
     resources=(
         Resource("cleanup", lambda ctx, key: ops.stale_units(ctx),

@@ -90,3 +90,34 @@ class Rtt(FactBase):
     @staticmethod
     def default():
         return {}
+
+
+class KeyFile(FactBase):
+    """Mode and owner of a llama-server's API key file (servers.<name>.api_key_file), read as
+    root where the host allows sudo (the file usually sits in a root-only folder).
+
+    ```python
+    {"exists": True, "mode": 0o600, "uid": 0, "owner": "root"}
+    {"exists": False}
+    ```
+    None: the host could not say (no stat, or an answer that is not mode/uid/owner).
+    """
+
+    # GNU stat first, then BSD stat (macOS).
+    _BODY = ('if [ -e "$P" ]; then stat -L -c "%a %u %U" -- "$P" 2>/dev/null '
+             '|| stat -L -f "%Lp %u %Su" -- "$P"; else echo missing; fi')
+
+    def command(self, path):
+        return shell.script(self._BODY, P=path)
+
+    def process(self, output):
+        words = " ".join(output).split()
+        if words == ["missing"]:
+            return {"exists": False}
+        if len(words) != 3 or not words[1].isdigit():
+            return None
+        try:
+            mode = int(words[0], 8)
+        except ValueError:
+            return None
+        return {"exists": True, "mode": mode, "uid": int(words[1]), "owner": words[2]}

@@ -10,15 +10,18 @@ from string import Template
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.config_checks import warnings_for
 from meshdeploy.deploy.context import HostContext, Step
+from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.model import HfResolved, rpc_ref
 from meshdeploy.deploy.paths import installed_build, manifest_for, model_path, rpc_server_cache
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
+from meshdeploy.deploy.registry import Teardown
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
-from meshdeploy.roles.services.facts import Rtt, Units
+from meshdeploy.roles.services.facts import KeyFile, Rtt, Units
 from meshdeploy.roles.services.units import (SystemdExpr, comment_value, env_line, exec_line,
-                                             ip_literals, line_value, plist, unit_name)
+                                             ip_literals, line_value, ordered_after, plist,
+                                             unit_name)
 
 ROLE = "services"
 TEMPLATES = Path(__file__).with_name("templates")
@@ -26,10 +29,41 @@ TEMPLATES = Path(__file__).with_name("templates")
 
 def sections(cluster, host) -> list[Section]:
     out = [Section("services.Units", Units)]
+    for server in (s for s in cluster.servers if s.host == host.name and s.api_key_file):
+        out.append(Section(f"services.KeyFile[{server.name}]", KeyFile,
+                           {"path": server.api_key_file}, privileged=True))
     targets = rtt_targets(cluster, host)
     if targets:
         out.append(Section("services.Rtt", Rtt, {"targets": targets}))
     return out
+
+
+def preflight(ctx: HostContext) -> None:
+    """Refuse an API key file that is missing or that anyone but root can read: systemd reads
+    it as root (LoadCredential=) and hands the service a private copy, so nothing else needs
+    it. meshdeploy does not fix the mode itself: a key others could read may have leaked, and
+    the key is the operator's to replace."""
+    if is_macos(ctx):
+        return  # launchd: llama-server reads the file itself (services README)
+    for server in ctx.servers():
+        path = server.api_key_file
+        fact = ctx.fact(f"services.KeyFile[{server.name}]") if path else None
+        if fact is None:
+            continue
+        where = f"servers.{server.name}.api_key_file {path} on host {ctx.host.name}"
+        quoted = shell.quote(path)
+        if not fact["exists"]:
+            raise PlanError(f"{where} does not exist",
+                            hint=f"create it, readable by root only, with the key on one line: "
+                                 f"sudo install -m 600 -o root -g root /dev/null {quoted}; "
+                                 "then write the key into it")
+        loose = fact["mode"] & 0o077
+        if loose or fact["uid"] != 0:
+            raise PlanError(f"{where} is mode {fact['mode']:04o}, owned by {fact['owner']}: "
+                            "only root may read it",
+                            hint=f"sudo chown root:root {quoted} && sudo chmod 600 {quoted}" +
+                                 ("; others could read it: replace the key if it may have "
+                                  "leaked" if loose else ""))
 
 
 def rtt_targets(cluster, host) -> list[str]:
@@ -78,16 +112,25 @@ def _firewall(peers: list[str], setting: str, why_not: str | None = None) -> str
 
 
 def _rpc_peers(cluster, host, rpc) -> list[str]:
-    """Addresses an rpc-server hears from: the hosts whose llama-servers use it, and its own
-    bind (the local TCP probe and a llama-server on the same host come from it)."""
+    """Addresses an rpc-server hears from: the hosts whose llama-servers use it (their tunnel
+    addresses under network.transport: wireguard), and its own bind (the local TCP probe and a llama-server on the same host come from it)."""
     peers = []
     for server in cluster.servers:
         if any(e.host.name == host.name and e.rpc.port == rpc.port
                for e in cluster.rpc_endpoints(server)):
-            peers.append(cluster.host(server.host).address)
+            peers.append(cluster.source_address(cluster.host(server.host)))
     if not peers:
         return []
     return peers + ([] if rpc.bind == "0.0.0.0" else [rpc.bind])
+
+
+def _after_tunnel(cluster, needed: bool) -> str:
+    """Under network.transport: wireguard, a unit that listens on or dials a tunnel address
+    starts after the tunnel: before wg-quick made the interface, that address does not exist
+    (rpc-server cannot bind it and exits; llama-server aborts when a worker is unreachable)."""
+    if not (needed and cluster.network.tunnel):
+        return ""
+    return ordered_after(cluster.network.wireguard.unit, "network.wireguard.interface")
 
 
 def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
@@ -105,6 +148,7 @@ def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
                    exec_start=exec_line(argv, f"{where} (ExecStart)"),
                    environment=_env_lines(env, f"{where} (Environment)"),
                    cache_name=line_value(cache_name, where), groups=_groups(host),
+                   tunnel=_after_tunnel(cluster, rpc.bind == cluster.source_address(host)),
                    warning=warning, sandbox=_sandbox(host), firewall=_rpc_firewall(
                        cluster, host, rpc, f"{where} (IPAddressAllow)"))
 
@@ -117,14 +161,16 @@ def _rpc_firewall(cluster, host, rpc, setting: str) -> str:
 
 
 def _server_firewall(cluster, server, setting: str) -> str:
-    """llama-server dials its workers; a non-loopback bind serves clients nobody listed."""
+    """llama-server dials its workers and answers the clients in servers.<name>.allow; a
+    non-loopback bind with no such list serves clients nobody listed."""
     try:
         loopback = ipaddress.ip_address(server.bind).is_loopback
     except ValueError:
         loopback = False
-    if not loopback:
+    if not loopback and not server.allow:
         return _firewall([], setting, f"it serves clients on {comment_value(server.bind, setting)}")
-    return _firewall([e.address for e in cluster.rpc_endpoints(server)], setting)
+    return _firewall([e.address for e in cluster.rpc_endpoints(server)] + list(server.allow),
+                     setting)
 
 
 def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | None) -> str:
@@ -145,6 +191,8 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
                    exec_start=exec_line(argv, f"{where} (ExecStart)"),
                    environment=_env_lines(env, f"{where} (Environment)"),
                    credentials=credentials, groups=_groups(host), sandbox=_sandbox(host),
+                   tunnel=_after_tunnel(cluster, any(e.host.name != server.host
+                                                     for e in cluster.rpc_endpoints(server))),
                    firewall=_server_firewall(cluster, server, f"{where} (IPAddressAllow)"))
 
 
@@ -185,6 +233,10 @@ class Systemd:
         return shell.command("systemctl", "enable", "--quiet", unit, shell.AND,
                              "systemctl", "restart", unit)
 
+    def stop(self, unit: str) -> str:
+        """Stopped if it runs; nothing when it does not exist yet."""
+        return shell.command("systemctl", "stop", unit, shell.QUIET, shell.THEN, "true")
+
     def remove(self, unit: str) -> str:
         return shell.command("systemctl", "disable", "--now", unit, shell.QUIET,
                              shell.THEN, "rm", "-f", self.path(unit))
@@ -214,6 +266,11 @@ class Launchd(Systemd):
     def restart(self, unit: str) -> str:
         return shell.command("launchctl", "kickstart", "-k", f"system/{unit}", shell.QUIET,
                              shell.OR, "launchctl", "bootstrap", "system", self.path(unit))
+
+    def stop(self, unit: str) -> str:
+        """Unloaded if loaded (restart bootstraps it again)."""
+        return shell.command("launchctl", "bootout", f"system/{unit}", shell.QUIET,
+                             shell.THEN, "true")
 
     def remove(self, unit: str) -> str:
         return shell.command("launchctl", "bootout", f"system/{unit}", shell.QUIET, shell.THEN,
@@ -276,12 +333,20 @@ def _build_info(ctx) -> tuple[str | None, dict | None]:
 
 
 # "$1" seconds, "$2" address, "$3" port: values arrive as arguments of a fixed bash script.
-_TCP_WAIT = ('for i in $(seq "$1"); do (exec 3<>"/dev/tcp/$2/$3") 2>/dev/null && exit 0; '
-             'sleep 1; done; exit 1')
+# Each attempt is bounded: a SYN that a firewall drops, or that a full accept queue drops,
+# is never answered, and bash's /dev/tcp would wait out the kernel's whole SYN retry budget.
+_TCP_WAIT = ('end=$((SECONDS + $1)); while :; do '
+             'timeout 3 bash -c \'exec 3<>"/dev/tcp/$0/$1"\' "$2" "$3" 2>/dev/null && exit 0; '
+             '[ "$SECONDS" -lt "$end" ] || exit 1; sleep 1; done')
 
 
 def tcp_wait(address: str, port: int, seconds: int, journal: str | None, who: str) -> str:
-    """Readiness by TCP connect: rpc-server exits 0 even when it could not bind (LAB_NOTES)."""
+    """Readiness by TCP connect: rpc-server exits 0 even when it could not bind (LAB_NOTES).
+
+    rpc-server serves one client at a time and listens with a backlog of 1: while a
+    llama-server holds its connection, probes wait in the accept queue, and once it is full
+    further SYNs are dropped. So an orchestrator's workers are checked only after its
+    llama-server is stopped (see llama_server), when each rpc-server accepts at once."""
     fail = (shell.command("echo", f"{who}: nothing accepts TCP on {address}:{port} after "
                                   f"{seconds} s", shell.TO_STDERR)
             + "; " + (journal + "; " if journal else "") + "exit 1")
@@ -386,7 +451,38 @@ def llama_server(ctx: HostContext, name: str) -> Step:
         want = server_unit(ctx.cluster, ctx.host, server, build_dir, manifest.get("flags"), sha)
     step, restarted = _unit_step(ctx, resource, unit, want, reason)
     if restarted:
+        # Stopped first: its RPC connections close, so each worker accepts the check at once.
         checks = [tcp_wait(e.address, e.rpc.port, 10, None, f"{ctx.host.name} -> {e.target}")
                   for e in endpoints]
-        step.commands = checks + step.commands + [health_wait(server, mgr.journal(unit))]
+        step.commands = ([mgr.stop(unit)] if checks else []) + checks + step.commands + [
+            health_wait(server, mgr.journal(unit))]
     return step
+
+
+def _unit_resource(unit: str) -> str:
+    """The resource address of a unit this role owns: meshdeploy-rpc-50052 -> rpc_server[50052],
+    meshdeploy-server-main -> llama_server[main] (com.meshdeploy.* on macOS alike)."""
+    short = unit.removeprefix(d.services_unit_prefix).removeprefix(d.services_launchd_prefix)
+    kind, _, rest = short.partition("-")
+    return {"rpc": f"rpc_server[{rest}]", "server": f"llama_server[{rest}]"}.get(kind,
+                                                                                f"unit[{unit}]")
+
+
+def destroy(ctx: HostContext, purge: bool) -> Teardown:
+    """Every rpc-server and llama-server unit of meshdeploy on the host: stopped, disabled and
+    deleted (the Units fact lists exactly meshdeploy's own)."""
+    mgr = manager(ctx)
+    units = ctx.fact("services.Units") or {}
+    steps = []
+    for unit in sorted(units):
+        have = units[unit]
+        # A llama-server whose workers stop first ends "failed": reset, so systemd forgets it.
+        cmds = [mgr.remove(unit)] + ([] if isinstance(mgr, Launchd) else [
+            shell.command("systemctl", "daemon-reload", shell.AND, "systemctl", "reset-failed",
+                          unit, shell.QUIET, shell.OR, "true")])
+        steps.append(Step(ctx.change(ROLE, _unit_resource(unit), "delete",
+                                     "leaves the cluster: stopped, disabled, removed",
+                                     [AttrDiff("unit", unit, None),
+                                      AttrDiff("state", f"{have.get('active')}/"
+                                                        f"{have.get('enabled')}", None)]), cmds))
+    return Teardown(tuple(steps))

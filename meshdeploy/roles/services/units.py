@@ -54,6 +54,13 @@ def unit_name(name: str, setting: str) -> str:
     return name
 
 
+def ordered_after(unit: str, setting: str) -> str:
+    """After= and Wants= lines: start once `unit` (a service, e.g. "wg-quick@mdwg0") has
+    started, and pull it in; its name comes from the cluster file, so it is checked first."""
+    name = unit_name(unit, setting) + ".service"
+    return f"After={name}\nWants={name}\n"
+
+
 def _double_quoted(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -98,8 +105,9 @@ def line_value(value, setting: str) -> str:
 
 
 def ip_literals(addresses, setting: str) -> str | None:
-    """IPAddressAllow= value: IP literals (and `localhost`, a systemd keyword) separated by
-    spaces; None when one is a DNS name, which systemd cannot put in the cgroup's allow list."""
+    """IPAddressAllow= value: IP literals and networks (and `localhost`, a systemd keyword)
+    separated by spaces; None when one is a DNS name, which systemd cannot put in the cgroup's
+    allow list."""
     out = []
     for address in addresses:
         text = checked(address, setting)
@@ -107,7 +115,10 @@ def ip_literals(addresses, setting: str) -> str | None:
             try:
                 text = str(ipaddress.ip_address(text))
             except ValueError:
-                return None
+                try:
+                    text = str(ipaddress.ip_network(text, strict=True))
+                except ValueError:
+                    return None
         if text not in out:
             out.append(text)
     return " ".join(out)

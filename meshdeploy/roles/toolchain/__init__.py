@@ -8,6 +8,7 @@ ROLE = Role(
     doc=__doc__,
     facts=lambda req: ops.sections(req.cluster, req.host),
     preflight=ops.preflight,
+    destroy=ops.destroy,
     resources=(
         Resource("apt_proxy", lambda ctx, key: ops.apt_proxy(ctx),
                  "the apt proxy from the cluster file, or none"),

@@ -139,3 +139,16 @@ def packages(ctx: HostContext) -> Step:
     return Step(ctx.change(ROLE, "packages", "create", f"install with {manager}",
                            [AttrDiff("packages", None, " ".join(missing))]),
                 [command], sudo=manager != "brew")
+
+
+def destroy(ctx: HostContext, purge: bool):
+    """meshdeploy's apt proxy snippet; the packages stay, whatever purge says (other software on
+    the host may need cmake, git or a compiler, and they are the host's tools, not a cluster's)."""
+    from meshdeploy.deploy.registry import Teardown
+
+    if ctx.fact("toolchain.AptProxy") is None:
+        return Teardown()
+    path = d.toolchain_apt_proxy_file
+    return Teardown(steps=(Step(ctx.change(ROLE, "apt_proxy", "delete", "leaves the cluster",
+                                           [AttrDiff("path", path, None)]),
+                                [shell.command("rm", "-f", path)]),))

@@ -1,0 +1,178 @@
+"""The state file: which hosts meshdeploy manages for a cluster, and how to reach them.
+
+`<stem>.state.json` lives beside the cluster file and its lock file (`<stem>.lock.json`). The
+lock file pins what every host builds, so it is versioned with the cluster file; the state is
+what this control machine last put where, so a host that leaves the file is still known (and
+destroyed, as Terraform destroys a resource that left its configuration). Beside the file,
+because both describe the one cluster that file describes: whoever holds the file finds them,
+two checkouts of one cluster file keep apart, and nothing is hidden under a home folder. The
+state holds no secret (addresses, SSH settings, names), so committing it is safe, but not needed:
+`meshdeploy state rebuild FILE` makes it again from the hosts (docs/runbooks/destroy.md).
+
+JSON with a format_version, written atomically (temporary file, fsync, os.replace, fsync of the
+folder); updated after every apply, also a failed one (what was attempted is recorded: a host
+is forgotten only once its destroy ran).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.model import SSH, Cluster, Host
+from meshdeploy.deploy.plan import utc_now, write_atomic
+
+FORMAT_VERSION = 1
+SUFFIX = ".state.json"
+MANAGED, RETIRED = "managed", "retired"
+
+
+def state_path(cluster_path: Path) -> Path:
+    return Path(cluster_path).with_name(Path(cluster_path).stem + SUFFIX)
+
+
+@dataclass
+class HostRecord:
+    """One host: how to reach it, and what the cluster file had meshdeploy run there.
+
+    status "managed": the host is in the file, or left it and is destroyed at the next apply;
+    "retired": it left and was destroyed, but its builds, models and caches were kept (only a
+    `--purge` run visits it again).
+    """
+
+    name: str
+    address: str
+    ssh: dict  # model.SSH's fields
+    backend: str = "cpu"
+    status: str = MANAGED
+    units: list[str] = field(default_factory=list)
+    models: list[str] = field(default_factory=list)
+    firewall: bool = True
+    tunnel: str | None = None  # the WireGuard interface, when the host is in a tunnel mesh
+    updated_at: str = ""
+
+    def host(self) -> Host:
+        """The typed Host meshdeploy connects to (ssh_settings resolves it like a file's host);
+        it runs nothing, so every role's destroy hook removes all it finds."""
+        return Host(name=self.name, address=self.address, ssh=SSH(**self.ssh),
+                    backend=self.backend, devices=(), rpc_servers=())
+
+
+@dataclass
+class State:
+    path: Path
+    cluster: str
+    hosts: dict[str, HostRecord] = field(default_factory=dict)
+    serial: int = 0  # +1 at every write
+    updated_at: str = ""
+    exists: bool = False
+
+    def departed(self, cluster: Cluster, purge: bool = False) -> list[Host]:
+        """Hosts recorded but no longer in the file: destroyed at the next apply. Retired hosts
+        only when purging (their kept bytes are all that is left)."""
+        names = {h.name for h in cluster.hosts}
+        return [r.host() for r in self.hosts.values() if r.name not in names
+                and (r.status == MANAGED or purge)]
+
+    def to_dict(self) -> dict:
+        return {"format_version": FORMAT_VERSION, "cluster": self.cluster, "serial": self.serial,
+                "updated_at": self.updated_at,
+                "hosts": {n: {k: v for k, v in vars(r).items() if k != "name"}
+                          for n, r in sorted(self.hosts.items())}}
+
+
+def record_for(cluster: Cluster, host: Host) -> HostRecord:
+    """What the file has meshdeploy put on `host`."""
+    units = [r.unit_name for r in host.rpc_servers]
+    units += [s.unit_name for s in cluster.servers if s.host == host.name]
+    models = sorted({s.model for s in cluster.servers if s.host == host.name})
+    tunnel = cluster.network.wireguard.interface \
+        if cluster.network.tunnel and cluster.tunnel_peers(host) else None
+    ssh = {k: getattr(host.ssh, k) for k in ("user", "port", "key", "config", "sudo", "host_key")}
+    return HostRecord(name=host.name, address=host.address, ssh=ssh, backend=host.backend,
+                      units=units, models=models, firewall=cluster.network.firewall,
+                      tunnel=tunnel, updated_at=utc_now())
+
+
+_HINT = ("move the file away and run `meshdeploy state rebuild FILE` to make it again "
+         "from the hosts")
+
+
+def load(cluster: Cluster) -> State:
+    """The cluster's state; an empty one when there is none yet. A file that is not a state
+    of this format is one PlanError naming it."""
+    path = state_path(cluster.path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return State(path=path, cluster=cluster.name)
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read the state file: {exc.strerror}",
+                        hint=_HINT) from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise PlanError(f"{path}: not a meshdeploy state file (not JSON)", hint=_HINT) from None
+    if not isinstance(data, dict) or "format_version" not in data:
+        raise PlanError(f"{path}: not a meshdeploy state file (no format_version)", hint=_HINT)
+    if data["format_version"] != FORMAT_VERSION:
+        raise PlanError(f"{path}: state format {data['format_version']!r} is not supported "
+                        f"(this meshdeploy reads format {FORMAT_VERSION})",
+                        hint="use the meshdeploy that wrote it, or " + _HINT)
+    try:
+        hosts = {name: _record(name, r) for name, r in data.get("hosts", {}).items()}
+        state = State(path=path, cluster=str(data["cluster"]), hosts=hosts,
+                      serial=int(data.get("serial", 0)), updated_at=str(data.get("updated_at", "")),
+                      exists=True)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"{path}: damaged state file ({exc.__class__.__name__}: {exc})",
+                        hint=_HINT) from None
+    if state.cluster != cluster.name:
+        raise PlanError(f"{path}: the state is of cluster {state.cluster!r}, the file names "
+                        f"{cluster.name!r}",
+                        hint="a renamed cluster: rename `cluster` back, or " + _HINT)
+    return state
+
+
+def _record(name: str, raw: dict) -> HostRecord:
+    if not isinstance(raw, dict):
+        raise TypeError(f"hosts.{name} is not an object")
+    known = set(HostRecord.__dataclass_fields__) - {"name"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise KeyError(f"hosts.{name}.{unknown[0]}")
+    record = HostRecord(name=name, **raw)
+    if not isinstance(record.ssh, dict) or not isinstance(record.address, str):
+        raise TypeError(f"hosts.{name}: ssh must be an object, address a string")
+    SSH(**record.ssh)  # the fields a Host needs, no others
+    if record.status not in (MANAGED, RETIRED):
+        raise ValueError(f"hosts.{name}.status {record.status!r}")
+    return record
+
+
+def save(state: State) -> None:
+    """Write the state atomically: a reader sees the old file or the new one, never half."""
+    state.serial += 1
+    state.updated_at = utc_now()
+    write_atomic(state.path, json.dumps(state.to_dict(), indent=2, sort_keys=True) + "\n", 0o644)
+    state.exists = True
+
+
+def after_apply(state: State, cluster: Cluster, hosts, destroyed: dict[str, bool],
+                ok: bool) -> None:
+    """Record an apply: the file's hosts it covered, and the departed hosts it destroyed
+    (name -> purged). A failed apply still records the file's hosts (what was attempted may
+    be there now); a departed host stays until its destroy has run."""
+    for host in hosts:
+        state.hosts[host.name] = record_for(cluster, host)
+    if ok:
+        for name, purged in destroyed.items():
+            if purged:
+                state.hosts.pop(name, None)
+            elif name in state.hosts:
+                state.hosts[name].status = RETIRED
+                state.hosts[name].units = []
+                state.hosts[name].updated_at = utc_now()
+    save(state)

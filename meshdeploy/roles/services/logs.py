@@ -1,0 +1,30 @@
+"""Where each service of the cluster logs: its systemd unit, its launchd log file on macOS, and
+the words `meshdeploy logs` selects it by."""
+
+from __future__ import annotations
+
+from meshdeploy.deploy.model import Cluster, rpc_ref
+from meshdeploy.deploy.registry import LogSource
+from meshdeploy.roles.services import defaults as d
+from meshdeploy.roles.services.operations import Launchd
+
+
+def log_sources(cluster: Cluster) -> list[LogSource]:
+    """rpc-servers and llama-servers, hosts in file order (rpc-servers first on each host)."""
+    launchd = Launchd()
+    out = []
+    for host in cluster.hosts:
+        for rpc in host.rpc_servers:
+            out.append(_source(host.name, f"rpc-server:{rpc.port}", rpc.unit_name, launchd,
+                               "rpc-server", rpc_ref(host.name, rpc.port)))
+        for server in (s for s in cluster.servers if s.host == host.name):
+            out.append(_source(host.name, f"llama-server:{server.name}", server.unit_name,
+                               launchd, "llama-server", server.name))
+    return out
+
+
+def _source(host: str, service: str, unit: str, launchd: Launchd, *names: str) -> LogSource:
+    label = launchd.name(unit)
+    return LogSource(host=host, service=service, unit=unit,
+                     launchd_log=f"{d.services_launchd_log_dir}/{label}.log",
+                     names=frozenset({*names, service, unit, f"{unit}.service", label}))
