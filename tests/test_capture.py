@@ -10,9 +10,9 @@ from support import capture
 
 
 def frame(src: str, dst: str, sport: int, dport: int, payload: bytes, seq: int = 0,
-          udp: bool = False) -> bytes:
+          udp: bool = False, flags: int = 0x18) -> bytes:
     l4 = (struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) if udp else
-          struct.pack("!HHIIBBHHH", sport, dport, seq, 0, 5 << 4, 0x18, 65535, 0, 0))
+          struct.pack("!HHIIBBHHH", sport, dport, seq, 0, 5 << 4, flags, 65535, 0, 0))
     ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4) + len(payload), 0, 0, 64,
                      17 if udp else 6, 0, socket.inet_aton(src), socket.inet_aton(dst))
     return b"\x02" * 12 + b"\x08\x00" + ip + l4 + payload
@@ -48,3 +48,14 @@ def test_a_missed_segment_leaves_a_hole_not_a_splice(tmp_path):
                              for a, b in ((0, 1000), (2000, 3000))])
     got = capture.flows(tmp_path / "cap")[("tcp", "1.1.1.1", 1, "2.2.2.2", 2)]
     assert got == stream[:1000] + bytes(1000) + stream[2000:]
+
+
+def test_only_connections_opened_during_the_capture_count_as_opened(tmp_path):
+    """A SYN marks a connection made while the capture ran; its SYN-ACK does not mark the
+    server as a client; a retransmitted segment of an older connection marks nothing."""
+    write(tmp_path / "cap", [
+        frame("10.200.0.11", "10.200.0.12", 40000, 50052, b"", 1, flags=0x02),
+        frame("10.200.0.12", "10.200.0.11", 50052, 40000, b"", 9, flags=0x12),
+        frame("10.200.0.11", "10.200.0.12", 46276, 50052, b"\x0b" + bytes(12), 5)])
+    assert capture.opened(tmp_path / "cap") == {("10.200.0.11", 40000, "10.200.0.12", 50052)}
+    assert ("tcp", "10.200.0.11", 46276, "10.200.0.12", 50052) in capture.flows(tmp_path / "cap")

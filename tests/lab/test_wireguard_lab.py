@@ -163,18 +163,27 @@ def capture_a_load(lab, folder: Path) -> tuple[dict, Path]:
 
 
 def window_in(lab, path: Path, data: bytes) -> dict:
-    """Where a capture holds `data` (in one frame, in a reassembled TCP stream), the RPC bytes
-    to or from a worker's rpc port on the bridge, the WireGuard UDP bytes, and every other TCP
-    flow seen (a client's port may happen to be one of ours)."""
+    """Where a capture holds `data` (in one frame, in a reassembled TCP stream); the TCP
+    connections to a worker's rpc port on the bridge that were opened during the capture and
+    the bytes they carried; the bytes of older such connections whose segments merely crossed
+    it (a kernel retransmitting what a stopped llama-server last sent); the WireGuard UDP
+    bytes; and every other TCP flow seen (a client's port may happen to be one of ours)."""
     flows = capture.flows(path)
     workers = {lab.host(h).address for h in NODES[1:]}
+    opened = {c for c in capture.opened(path) if c[2] in workers and c[3] == PORT}
 
     def rpc(k):
         return k[0] == "tcp" and ((k[3] in workers and k[4] == PORT) or
                                   (k[1] in workers and k[2] == PORT))
+
+    def new(k):
+        return k[1:] in opened or (k[3], k[4], k[1], k[2]) in opened
     return {"frame": any(data in frame for _, frame in capture.frames(path)),
             "stream": any(data in v for k, v in flows.items() if k[0] == "tcp"),
-            "rpc tcp bytes": sum(len(v) for k, v in flows.items() if rpc(k)),
+            "rpc connections opened": len(opened),
+            "rpc tcp bytes": sum(len(v) for k, v in flows.items() if rpc(k) and new(k)),
+            "older rpc flows": {" ".join(map(str, k)): (len(v), v[:16]) for k, v in
+                                flows.items() if rpc(k) and not new(k)},
             "other tcp": {" ".join(map(str, k)): v[:24] for k, v in flows.items()
                           if k[0] == "tcp" and not rpc(k)},
             "wireguard udp bytes": sum(v["bytes"] for k, v in flows.items()
@@ -188,6 +197,7 @@ def test_plain_rpc_carries_the_weights_in_clear(wg_lab, plain, window, tmp_path)
     seen = window_in(wg_lab, frames, data)
     print(f"plain: {seen}; {name}; the placement sends {wire_total} bytes per load")
     assert seen["stream"], seen
+    assert seen["rpc connections opened"] >= 2, seen  # one per worker at least
     assert seen["rpc tcp bytes"] >= wire_total * 0.9, (seen, wire_total, summary)
 
 
@@ -275,12 +285,16 @@ def test_a_rogue_host_cannot_handshake_nor_reach_the_rpc_port(wg_lab, converged,
 
 def test_wireguard_carries_no_weight_bytes_in_clear(wg_lab, converged, window, tmp_path):
     """The same load as test_plain_rpc_carries_the_weights_in_clear, through the tunnel: the
-    window is in no frame and no TCP stream, no RPC TCP crosses the bridge, and the capture
-    holds WireGuard UDP worth at least half of what the placement sends and of what node1's
-    wg counted (so an empty or broken capture cannot pass). Not all of it: under load the
-    capture held 239 MB in one run and 304 MB of node1's 321 MB in another, for 247 MB of
-    weights (frames lost between wireguard-go and the bridge port, or by the capture, are not
-    told apart here; TCP inside the tunnel resends what was lost)."""
+    window is in no frame and no TCP stream, no RPC connection is opened over the bridge, and
+    the capture holds WireGuard UDP worth at least half of what the placement sends and of what
+    node1's wg counted (so an empty or broken capture cannot pass; it held 318-323 MB, both
+    directions, for 312-316 MB node1 sent and 247 MB of weights).
+
+    Segments of an RPC connection older than the capture may cross it: the plain llama-server,
+    stopped when the tunnel came, asked its workers for their memory as it exited, and the
+    workers' new allow-list drops their answer, so node1's kernel retransmits those 13 bytes
+    (GET_DEVICE_MEMORY of device 0) for minutes. They are printed, and the window check still
+    covers them."""
     name, data, wire_total = window
     counted = shell.command("wg", "show", IFACE, "transfer")
     before = root(wg_lab, "node1", counted).stdout.split()
@@ -291,7 +305,7 @@ def test_wireguard_carries_no_weight_bytes_in_clear(wg_lab, converged, window, t
     print(f"wireguard: {seen}; {name}; the placement sends {wire_total} bytes per load; "
           f"node1's wg counted {sent} bytes sent")
     assert not seen["frame"] and not seen["stream"], seen
-    assert seen["rpc tcp bytes"] == 0, seen
+    assert seen["rpc connections opened"] == 0 and seen["rpc tcp bytes"] == 0, seen
     assert seen["wireguard udp bytes"] >= max(wire_total, sent) / 2, (seen, wire_total, sent,
                                                                        summary)
 

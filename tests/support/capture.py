@@ -5,8 +5,10 @@ an AF_PACKET socket on every interface there (the bridge and its veth ports; fra
 between two hosts cross the ports, not the bridge's own device) keeps each IPv4 TCP/UDP frame
 to or from one of PORTs that leaves through a port (PACKET_OUTGOING: each forwarded frame once,
 as the receiving host gets it) and appends it to OUT. It prints "ready" once the socket is
-open, and on SIGTERM/SIGINT one JSON line: frames kept, IPv4 fragments seen (they carry no
-ports, so they are not kept), and the kernel's packet and drop counts.
+open, and on SIGTERM/SIGINT, once it has read what the socket still holds (on a busy machine
+the reader lags the wire by seconds; stopping at once lost a third of a model load's frames),
+one JSON line: frames kept, IPv4 fragments seen (they carry no ports, so they are not kept),
+and the kernel's packet and drop counts.
 
 `flows(OUT)` reads the frames back: per TCP direction, the payload reassembled by sequence
 number (retransmissions overwrite, holes stay zero); per UDP direction, bytes and packets. The
@@ -46,7 +48,7 @@ def _ports(frame: bytes):
 def capture(out: Path, ports: set[int]) -> dict:
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.append(1))
+        signal.signal(sig, lambda *_: stop.append(time.monotonic()))
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
     try:
         sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 256 << 20)
@@ -56,10 +58,12 @@ def capture(out: Path, ports: set[int]) -> dict:
     kept = fragments = 0
     with open(out, "wb") as f:
         print("ready", flush=True)
-        while not stop:
+        while not (stop and time.monotonic() - stop[0] > 60):
             try:
                 frame, addr = sock.recvfrom(1 << 18)
             except (socket.timeout, InterruptedError):
+                if stop:
+                    break  # stopped, and nothing queued for 0.2 s: the buffer is drained
                 continue
             if addr[2] != PACKET_OUTGOING:
                 continue
@@ -115,6 +119,21 @@ def flows(path: Path) -> dict:
             tcp.setdefault(key, []).append((seq, frame[start:end]))
     for key, segments in tcp.items():
         out[key] = reassemble(segments)
+    return out
+
+
+def opened(path: Path) -> set[tuple[str, int, str, int]]:
+    """(client, client port, server, server port) of each TCP connection whose opening SYN
+    (SYN without ACK) the capture holds: a connection made while it ran, not one older than the
+    capture whose segments (a retransmission, say) merely crossed it."""
+    out = set()
+    for _, frame in frames(path):
+        head = _ports(frame)
+        if head is None or head[0] != 6:
+            continue
+        flags = frame[14 + head[1] + 13]
+        if flags & 0x12 == 0x02:
+            out.add((_address(frame, 26), head[2], _address(frame, 30), head[3]))
     return out
 
 
