@@ -223,6 +223,27 @@ def test_kill_0_in_a_local_command_never_reaches_meshdeploy(runner, survives):
         assert child.returncode == -signal.SIGTERM
 
 
+# bench runs with the standard library patched for gevent (as plan and apply): its subprocess
+# pipes are non-blocking there, where invoke's own reader raised BlockingIOError.
+_PATCHED = """
+from gevent import monkey
+monkey.patch_all()
+from meshdeploy.deploy import remote
+from meshdeploy.deploy.ssh_settings import SshSettings
+settings = SshSettings("here", "localhost", 22, None, None, None, False, "", "", (),
+                       "localhost", None, local=True)
+result = remote.LocalConnection(settings).run(
+    "sleep 0.2; echo err >&2; head -c 300000 /dev/zero | tr '\\\\0' x",
+    hide=True, warn=True, in_stream=False)
+print(result.exited, len(result.stdout), result.stderr.strip(), set(result.stdout))
+"""
+
+
+def test_the_local_runner_works_where_gevent_patched_the_standard_library():
+    child = subprocess.run([sys.executable, "-c", _PATCHED], capture_output=True, text=True)
+    assert child.stdout == "0 300000 err {'x'}\n", child.stderr[-2000:]
+
+
 def test_close_ends_a_command_that_waits_for_its_input_to_close(tmp_path):
     conn = local_connection(tmp_path)
     # As logs -f: a watcher ends the script's processes once the input closes.

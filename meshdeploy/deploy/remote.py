@@ -22,6 +22,7 @@ and bench handle its output exactly as a remote host's.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import time
@@ -95,6 +96,27 @@ class OwnSession(Local):
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         stdin=subprocess.PIPE, start_new_session=True)
         self.context.processes.append(self.process)
+
+    # Under gevent's patched subprocess (plan, apply and bench run patched: commands.py) the
+    # pipes are non-blocking, and invoke's os.read gets EAGAIN: wait until there is data
+    # (select cooperates with gevent there; unpatched, the pipes block and it never runs).
+    def read_proc_stdout(self, num_bytes: int) -> bytes | None:
+        if self.using_pty:
+            return super().read_proc_stdout(num_bytes)
+        return _read_when_ready(self.process.stdout.fileno(), num_bytes)
+
+    def read_proc_stderr(self, num_bytes: int) -> bytes | None:
+        if self.using_pty:
+            return super().read_proc_stderr(num_bytes)
+        return _read_when_ready(self.process.stderr.fileno(), num_bytes)
+
+
+def _read_when_ready(fd: int, num_bytes: int) -> bytes:
+    while True:
+        try:
+            return os.read(fd, num_bytes)
+        except BlockingIOError:
+            select.select([fd], [], [])
 
 
 class LocalConnection(TimedConnection):
