@@ -124,6 +124,8 @@ class LocalConnection(TimedConnection):
     every POSIX system has); nothing to open, no host key. close() closes the standard input
     of the commands still running, as a closed SSH channel does on a remote host."""
 
+    # Declared on the class: fabric's Connection stores an attribute it does not have in its
+    # config instead. Set per instance in __init__.
     processes: list = []
 
     def __init__(self, settings: SshSettings):
