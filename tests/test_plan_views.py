@@ -76,7 +76,8 @@ def built_plan(scenario: str) -> Plan:
                 commit="f" * 40, commit_source="lock file",
                 placement=layout.sections(seed_plan.layouts),
                 network=consistency.network(cluster, cluster.hosts, facts),
-                remote_commands={h: 1 for h in hosts}, seconds=1.5)
+                remote_commands={h: 1 for h in hosts}, seconds=1.5,
+                local_host=next((h.name for h in cluster.hosts if h.local), None))
 
 
 # --- reading the text back ------------------------------------------------------------------
@@ -159,6 +160,9 @@ def disagreements(text: str, doc: dict) -> list[str]:
             [(r["host"], r["add"], r["change"], r["destroy"], r["unchanged"])
              for r in doc.get("host_counts", [])]:
         out.append("host_counts differ")
+    local = re.search(r"^(\S+) is this machine \(connection: local\)", text, re.M)
+    if (local[1] if local else None) != doc.get("local_host"):
+        out.append(f"local_host differs: {local and local[1]!r} vs {doc.get('local_host')!r}")
     if warnings != doc.get("warnings"):
         out.append(f"warnings differ: {warnings!r} vs {doc.get('warnings')!r}")
     if actions != [c["address"] for c in doc.get("changes", []) if c["action"] != "no-op"]:
@@ -247,20 +251,23 @@ def _broken(doc: dict, how: str) -> dict:
         doc["warnings"] = doc["warnings"][:-1]
     elif how == "host count changed":
         doc["host_counts"][0]["unchanged"] += 1
+    elif how == "local host dropped":
+        doc["local_host"] = None
     return doc
 
 
 @pytest.mark.parametrize("how", ["placement dropped", "row figure changed", "estimate flag lost",
                                  "layers moved", "network dropped", "rtt changed",
-                                 "warning dropped", "host count changed"])
+                                 "warning dropped", "host count changed",
+                                 "local host dropped"])
 def test_the_agreement_check_catches_a_broken_json(how, headers):
-    plan = built_plan("mac-fitted")
+    plan = built_plan("one-mac-local-workers" if how == "local host dropped" else "mac-fitted")
     text, doc = render_text(plan), json.loads(render_json(plan))
     assert disagreements(text, doc) == []
     assert disagreements(text, _broken(doc, how)) != []
 
 
-@pytest.mark.parametrize("scenario", ["cuda-seeded", "mac-unknown"])
+@pytest.mark.parametrize("scenario", ["cuda-seeded", "mac-unknown", "one-mac-local-workers"])
 def test_saved_plan_round_trips_its_typed_sections(scenario, headers, tmp_path):
     plan = built_plan(scenario)
     plan.limit = ["box16"] if scenario == "cuda-seeded" else []

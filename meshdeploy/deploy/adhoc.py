@@ -49,7 +49,7 @@ def logs(args) -> int:
     hosts = _open(cluster, list(by_host), args)
     streams = {n: HostStream(n, host_names.index(n), by_host[n]) for n in by_host}
     scripts = {n: remote.as_root(host_script(by_host[n], lines, since, args.follow),
-                                 cluster.host(n).ssh.sudo) for n in by_host}
+                                 cluster.host(n).sudo) for n in by_host}
     shown = width(sources)
     try:
         if args.follow:
@@ -172,9 +172,6 @@ def command_text(argv: list[str]) -> str:
 
 
 def run_exec(args) -> int:
-    from fabric import ThreadingGroup
-    from fabric.exceptions import GroupException
-
     cluster = load_cluster(args.file)
     names = [h.name for h in cluster.hosts]
     if args.limit:
@@ -184,16 +181,16 @@ def run_exec(args) -> int:
                                          hint=f"hosts: {', '.join(names)}")
         names = [n for n in names if n in args.limit]
     text = command_text(args.argv)
-    # stderr joins stdout so each host's output reads in the order it was written.
-    command = remote.as_root(text, args.sudo) + " 2>&1"
+    # stderr joins stdout so each host's output reads in the order it was written. --sudo on
+    # the local host is sudo only when meshdeploy does not run as root (it may have no sudo).
+    commands = {n: remote.as_root(text, args.sudo and (cluster.host(n).sudo
+                                                      or not cluster.host(n).local)) + " 2>&1"
+                for n in names}
     hosts = _open(cluster, names, args)
     try:
-        group = ThreadingGroup.from_connections(list(hosts.connections.values()))
-        try:
-            results = dict(group.run(command, warn=True, hide=True, in_stream=False))
-        except GroupException as exc:
-            results = dict(exc.result)
-        by_name = {conn.settings.host: (conn, r) for conn, r in results.items()}
+        results = remote.each(hosts, lambda name, conn: conn.run(
+            commands[name], warn=True, hide=True, in_stream=False))
+        by_name = {n: (hosts.connections[n], r) for n, r in results.items()}
     finally:
         hosts.close()
     rows = []

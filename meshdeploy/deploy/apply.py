@@ -84,7 +84,7 @@ class Run:
                     section = next(s for s in registry.sections(request) if s.key == key)
                     pyhost = self.session.pyhosts[name]
                     sudo = {"_sudo": True} if section.privileged and \
-                        self.cluster.host(name).ssh.sudo else {}
+                        self.cluster.host(name).sudo else {}
                     self.facts[name][key] = pyhost.get_fact(section.fact, **section.kwargs,
                                                             **sudo)
                     self.reread.add((name, key))

@@ -53,7 +53,8 @@ class BenchError(MeshdeployError):
 def connect(settings: SshSettings):
     """An open fabric Connection to the orchestrator, built by meshdeploy.deploy.remote from the
     same settings (ssh_config, user, key, port, ProxyCommand, host-key policy) as plan and apply;
-    a refused host key is the same HostKeyError."""
+    a refused host key is the same HostKeyError. A local orchestrator is run here, its API
+    dialled directly."""
     from meshdeploy.deploy import remote
 
     hosts = remote.connect([settings])
@@ -83,8 +84,7 @@ class Api:
             conn, address, port, key, timeout
 
     def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        channel = self.conn.transport.open_channel(
-            "direct-tcpip", (self.address, self.port), ("127.0.0.1", 0), timeout=30)
+        channel = self.conn.dial(self.address, self.port, timeout=30)
         channel.settimeout(self.timeout)
         client = http.client.HTTPConnection(self.address, self.port)
         client.sock = channel  # http.client then never dials itself
@@ -275,7 +275,7 @@ def bench_server(cluster, server, settings: SshSettings, runs: int, n_predict: i
     conn = connect(settings)
     try:
         # The key file, the process's argv and systemd-run need root.
-        sudo = settings.user != "root"
+        sudo = settings.sudo if settings.local else settings.user != "root"
         key = read_key(conn, server, sudo)
         api = Api(conn, local_address(server.bind), server.port, key)
         api.wait_healthy(0)

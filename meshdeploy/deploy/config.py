@@ -225,7 +225,8 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                   config=control_path(s["config"], base), sudo=s["sudo"],
                   host_key=unset(s["host_key"]))
         hosts.append(Host(name=name, address=h["address"], ssh=ssh, backend=h["backend"],
-                          devices=host_devices(h), rpc_servers=rpcs))
+                          devices=host_devices(h), rpc_servers=rpcs,
+                          connection=h["connection"]))
     models = {name: Model(name, model_source(m)) for name, m in data["models"].items()}
     servers = tuple(
         Server(name=name, host=s["host"], model=s["model"], port=s["port"], bind=s["bind"],

@@ -44,8 +44,8 @@ DOTTED_NUMBERS = re.compile(r"[0-9.]+")
 def check(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     """Every problem of `cluster` (built from `doc`), in file order."""
     issues: list[ConfigIssue] = []
-    for checker in (check_ref, check_models, check_hosts, check_ports, check_servers,
-                    check_wireguard):
+    for checker in (check_ref, check_models, check_hosts, check_local, check_ports,
+                    check_servers, check_wireguard):
         issues += checker(doc, cluster)
     issues.sort(key=lambda i: (i.line, i.col))
     return issues
@@ -129,6 +129,28 @@ def check_hosts(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                     "rpc-server is unauthenticated and unencrypted: bind a private "
                     "address, or set network.allow_public: true to accept the risk",
                     at_key=not given))
+    return issues
+
+
+def check_local(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
+    """`connection: local` is the machine meshdeploy runs on: no SSH settings apply to it, and
+    only one host can be that machine (two would be one machine planned twice)."""
+    issues = []
+    local = [h for h in cluster.hosts if h.local]
+    for host in local:
+        if doc.written(("hosts", host.name, "ssh")) is not None:
+            issues.append(doc.issue(
+                ("hosts", host.name, "ssh"),
+                f"host {host.name} has connection: local, which runs its commands on this "
+                "machine without SSH: ssh settings do not apply to it",
+                "remove the ssh block (sudo is used when meshdeploy does not run as root), or "
+                "drop connection: local to reach the host over SSH", at_key=True))
+    for host in local[1:]:
+        issues.append(doc.issue(
+            ("hosts", host.name, "connection"),
+            f"host {host.name} is local too, but {local[0].name} already is: only one host "
+            "can be the machine meshdeploy runs on",
+            f"reach {host.name} over SSH (remove connection: local), or merge the two hosts"))
     return issues
 
 

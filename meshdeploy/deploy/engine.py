@@ -29,7 +29,7 @@ log = logging.getLogger("meshdeploy")
 
 def probe_sections(cluster: Cluster, host, first: bool, destroying: bool = False):
     """Every fact this host's plan reads; a SudoCheck first where apply will need root."""
-    sudo = [probes.Section("probe.SudoCheck", probes.SudoCheck)] if host.ssh.sudo else []
+    sudo = [probes.Section("probe.SudoCheck", probes.SudoCheck)] if host.sudo else []
     return sudo + registry.sections(registry.FactRequest(cluster, host, first, destroying))
 
 
@@ -37,7 +37,7 @@ def probe_command(cluster: Cluster, host, first: bool, nonce: str,
                   destroying: bool = False) -> tuple[list, str]:
     """(sections, the one remote command that gathers them all as the login user)."""
     sections = probe_sections(cluster, host, first, destroying)
-    return sections, probes.compose(sections, nonce, sudo=host.ssh.sudo) + "true"
+    return sections, probes.compose(sections, nonce, sudo=host.sudo) + "true"
 
 
 SUDO_REFUSED = re.compile(r"sudo: (a password is required|.*not in the sudoers|.*not allowed)")
@@ -59,7 +59,7 @@ def gather(session: Session, hosts=None, destroying=frozenset()) -> dict[str, di
         leaving = h.name in destroying
         sections, script = probe_command(cluster, h, h.name == first and not leaving, nonce,
                                          leaving)
-        user = h.ssh.user or "(default)"
+        user = _user(h)
         try:
             ok, output = session.run(h.name, script, sudo=False)
         except SudoPasswordRequired as exc:
@@ -87,11 +87,23 @@ def gather(session: Session, hosts=None, destroying=frozenset()) -> dict[str, di
     if errors:
         detail = "; ".join(f"{n}: {m}" for n, m in sorted(errors.items()))
         sudo = any("sudo refused" in m for m in errors.values())
+        local = any(h.local for h in hosts if h.name in errors)
         raise ConnectError(f"cannot read facts: {detail}",
                            hint="give the user passwordless sudo, or set ssh.sudo false for a "
-                                "user that owns llama_cpp.prefix" if sudo else
+                                "user that owns llama_cpp.prefix" +
+                                ("; on the local host, or run meshdeploy as root" if local
+                                 else "") if sudo else
                            "run the failing command by hand on the host to see why")
     return results
+
+
+def _user(host) -> str:
+    """Who runs the host's commands, for messages: the login user, or this process's user."""
+    if host.local:
+        import getpass
+
+        return f"{getpass.getuser()} (local)"
+    return host.ssh.user or "(default)"
 
 
 @dataclass(frozen=True)
@@ -186,8 +198,12 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
                 commit=resolved.commit, commit_source=resolved.commit_source,
                 limit=list(session.limit or []), placement=list(prepared.placement),
                 network=consistency.network(cluster, hosts, facts), replace=list(replacing),
-                kept=kept, purge=purge)
+                kept=kept, purge=purge, local_host=_local_host(hosts + departed))
     return Planned(plan, resolved, facts, steps, torn)
+
+
+def _local_host(hosts) -> str | None:
+    return next((h.name for h in hosts if h.local), None)
 
 
 def teardown(cluster: Cluster, hosts, facts: dict, resolved: Resolved,
@@ -224,7 +240,8 @@ def make_destroy_plan(session: Session, purge: bool) -> Planned:
                 changes=[s.change for steps in torn.values() for s in steps],
                 warnings=session.warnings(), hosts=[h.name for h in reached],
                 created_at=utc_now(), meshdeploy_version=__version__,
-                limit=list(session.limit or []), kept=kept, purge=purge)
+                limit=list(session.limit or []), kept=kept, purge=purge,
+                local_host=_local_host(reached))
     return Planned(plan, Resolved(), facts, Steps(), torn,
                    leaving=tuple(h.name for h in reached))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, NamedTuple, Union
@@ -155,6 +156,20 @@ class Host:
     backend: str
     devices: tuple[str, ...]  # resolved: the backend's default when the file lists none
     rpc_servers: tuple[RpcServer, ...]
+    # "local": the machine meshdeploy runs on, reached without SSH (pyinfra's @local connector,
+    # invoke's local runner for logs and exec); its `ssh` holds the defaults and is not used.
+    connection: Literal["ssh", "local"] = "ssh"
+
+    @property
+    def local(self) -> bool:
+        return self.connection == "local"
+
+    @property
+    def sudo(self) -> bool:
+        """Whether changes on the host go through `sudo -n`: ssh.sudo over SSH; on the local
+        host, whenever meshdeploy itself does not run as root (read when asked: the same file
+        is applied by root and by a user)."""
+        return os.geteuid() != 0 if self.local else self.ssh.sudo
 
     def rpc_server(self, port: int) -> RpcServer | None:
         for rpc in self.rpc_servers:

@@ -156,6 +156,8 @@ class Plan:
     # What hosts that leave keep without --purge: "node3: models gemma (253.1 MB)".
     kept: list[str] = field(default_factory=list)
     purge: bool = False  # builds, models and caches of departing hosts are removed too
+    # The host that is the machine meshdeploy runs on (connection: local), if one is covered.
+    local_host: str | None = None
 
     def counts(self) -> dict:
         return _count(self.changes)
@@ -248,7 +250,7 @@ _PLAN_FIELDS = {
 }
 # Typed fields read by _typed, against Plan's own annotations.
 _TYPED_PLAN_FIELDS = ("commit", "commit_source", "limit", "placement", "network",
-                      "remote_commands", "seconds", "replace", "kept", "purge")
+                      "remote_commands", "seconds", "replace", "kept", "purge", "local_host")
 _REQUIRED_PLAN = ("cluster_name", "cluster_path", "config_hash", "fingerprints", "changes")
 _REQUIRED_CHANGE = ("host", "role", "resource", "action")
 _REQUIRED_ATTR = ("name",)

@@ -13,16 +13,24 @@ user, key and port, and its key is checked under the same policy:
 fabric itself loads no known_hosts and accepts every key (AutoAddPolicy): `connection()` always
 replaces that. A refused key ends the command before anything runs anywhere, with the
 fingerprint and the fix (meshdeploy.deploy.host_keys), as plan does.
+
+The machine meshdeploy runs on (`connection: local`) gets a LocalConnection: the same run()
+arguments and Result, through invoke's local runner (fabric is built on invoke), so logs, exec
+and bench handle its output exactly as a remote host's.
 """
 
 from __future__ import annotations
 
 import os
+import select
+import socket
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fabric import Config, Connection
+from invoke.runners import Local
 from paramiko import MissingHostKeyPolicy, RejectPolicy, SSHConfig
 
 from meshdeploy.deploy import shell
@@ -60,15 +68,99 @@ class TimedConnection(Connection):
     settings: SshSettings
 
     def run(self, command, **kwargs):
+        return self._timed(super().run, command, **kwargs)
+
+    def _timed(self, call, command, **kwargs):
         started = time.monotonic()
         try:
-            return super().run(command, **kwargs)
+            return call(command, **kwargs)
         finally:
             self.seconds = time.monotonic() - started
+
+    def dial(self, address: str, port: int, timeout: float):
+        """A socket to address:port as the host itself sees it (an SSH direct-tcpip channel:
+        a server listening on the host's loopback only is reached too)."""
+        return self.transport.open_channel("direct-tcpip", (address, port), ("127.0.0.1", 0),
+                                           timeout=timeout)
+
+
+class OwnSession(Local):
+    """invoke's local runner, with each command in a session (process group) of its own, as
+    under sshd. A host script may end its own processes (`logs -f` does `kill 0` when its stdin
+    closes); in meshdeploy's process group that would end meshdeploy and the shell around it."""
+
+    def start(self, command: str, shell: str, env: dict) -> None:
+        if self.using_pty:
+            return super().start(command, shell, env)
+        self.process = subprocess.Popen(command, shell=True, executable=shell, env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        stdin=subprocess.PIPE, start_new_session=True)
+        self.context.processes.append(self.process)
+
+    # Under gevent's patched subprocess (plan, apply and bench run patched: commands.py) the
+    # pipes are non-blocking, and invoke's os.read gets EAGAIN: wait until there is data
+    # (select cooperates with gevent there; unpatched, the pipes block and it never runs).
+    def read_proc_stdout(self, num_bytes: int) -> bytes | None:
+        if self.using_pty:
+            return super().read_proc_stdout(num_bytes)
+        return _read_when_ready(self.process.stdout.fileno(), num_bytes)
+
+    def read_proc_stderr(self, num_bytes: int) -> bytes | None:
+        if self.using_pty:
+            return super().read_proc_stderr(num_bytes)
+        return _read_when_ready(self.process.stderr.fileno(), num_bytes)
+
+
+def _read_when_ready(fd: int, num_bytes: int) -> bytes:
+    while True:
+        try:
+            return os.read(fd, num_bytes)
+        except BlockingIOError:
+            select.select([fd], [], [])
+
+
+class LocalConnection(TimedConnection):
+    """The machine meshdeploy runs on: commands run here as subprocesses of /bin/sh (the shell
+    every POSIX system has); nothing to open, no host key. close() closes the standard input
+    of the commands still running, as a closed SSH channel does on a remote host."""
+
+    # Declared on the class: fabric's Connection stores an attribute it does not have in its
+    # config instead. Set per instance in __init__.
+    processes: list = []
+
+    def __init__(self, settings: SshSettings):
+        super().__init__("localhost", config=Config(
+            ssh_config=SSHConfig(),
+            overrides={"runners": {"local": OwnSession}, "run": {"shell": "/bin/sh"}}))
+        self.processes = []
+        self.settings = settings
+
+    def open(self) -> None:
+        pass
+
+    @property
+    def is_connected(self) -> bool:
+        return True
+
+    def run(self, command, **kwargs):
+        return self._timed(self.local, command, **kwargs)
+
+    def dial(self, address: str, port: int, timeout: float):
+        return socket.create_connection((address, port), timeout=timeout)
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None and process.stdin and not process.stdin.closed:
+                try:
+                    process.stdin.close()
+                except OSError:  # the pipe broke as the command ended
+                    pass
 
 
 def connection(settings: SshSettings) -> TimedConnection:
     """A fabric Connection to one host, from the same settings pyinfra gets; not yet open."""
+    if settings.local:
+        return LocalConnection(settings)
     parsed = parse_config(settings.config)
     # An explicit SSHConfig object stops fabric from reading /etc/ssh/ssh_config and
     # ~/.ssh/config on its own: the host's ssh.config (else ~/.ssh/config) only, as pyinfra.

@@ -201,6 +201,11 @@ def render_network(network: list[Network]) -> list[str]:
     return lines
 
 
+def local_host_note(host: str) -> str:
+    return (f"{host} is this machine (connection: local): its commands run here, not over "
+            "SSH, so no host-key policy applies to it.")
+
+
 def render_text(plan: Plan, color: bool = False) -> str:
     paint = _Paint(color)
     visible = [c for c in plan.changes if c.action != "no-op"]
@@ -228,6 +233,8 @@ def render_text(plan: Plan, color: bool = False) -> str:
         out.append(f"{paint(_YELLOW, 'Warning:')} {first}".rstrip())
         out += [f"  {line}".rstrip() for line in rest]
         out.append("")
+    if plan.local_host:
+        out += [local_host_note(plan.local_host), ""]
     if plan.kept:
         out.append("Kept on the hosts that leave (their bytes are expensive to fetch or build "
                    "again; --purge removes them):")
@@ -281,6 +288,7 @@ def render_json(plan: Plan) -> str:
         "seconds": plan.seconds,
         "kept": list(plan.kept),
         "purge": plan.purge,
+        "local_host": plan.local_host,
         "changes": [
             {
                 "address": c.address,

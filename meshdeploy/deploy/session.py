@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, field
 
 from meshdeploy.deploy import ssh_settings
-from meshdeploy.deploy.errors import ConnectError
+from meshdeploy.deploy.errors import ConnectError, PlanError
 from meshdeploy.deploy.host_keys import host_key_error
 from meshdeploy.deploy.model import Cluster
 from meshdeploy.deploy.ssh_settings import SshSettings
@@ -77,6 +77,20 @@ def _never_prompt_for_sudo() -> None:
     connector_util.getpass = refuse
 
 
+def use_local_connectors(inventory, names: list[str]) -> None:
+    """The hosts `names` of `inventory` run through pyinfra's @local connector.
+
+    pyinfra gives @local only to a host named `@local`, and names it so in its output and in
+    every operation's `host.name`; a local host keeps its cluster file name (the plan's
+    addresses, apply's steps and pyinfra's output say `node1`) and only its connector class is
+    swapped, before State creates the connectors.
+    """
+    from pyinfra.api.connectors import get_execution_connector
+
+    for name in names:
+        inventory.get_host(name).connector_cls = get_execution_connector("local")
+
+
 @dataclass
 class Session:
     cluster: Cluster
@@ -104,13 +118,27 @@ class Session:
         from pyinfra.api import Config, Inventory, State
 
         adjust_libraries()
+        self._one_local_host()
         self.settings = {h.name: ssh_settings.resolve(h, accept_new=self.accept_new_host_keys)
                          for h in self.reached()}
         inventory = Inventory(([(name, s.pyinfra_data()) for name, s in self.settings.items()],
                                {}))
+        use_local_connectors(inventory, [n for n, s in self.settings.items() if s.local])
         self.state = State(inventory, Config(), check_for_changes=False)
         self.pyhosts = {h.name: h for h in inventory}
         self._count_commands()
+
+    def _one_local_host(self) -> None:
+        """A departed local host is this machine, as the file's local host is: destroying it
+        would remove what the other one runs here (the same unit names)."""
+        local = [h for h in self.reached() if h.local]
+        if len(local) > 1:
+            gone = [h.name for h in local if h in self.departed]
+            raise PlanError(f"{' and '.join(h.name for h in local)} are all this machine "
+                            f"(connection: local), and {', '.join(gone)} left the cluster "
+                            "file: destroying it would remove what the other runs here",
+                            hint="leave the departed host out with --limit, or move the state "
+                                 "file away and run `meshdeploy state rebuild FILE`")
 
     def warnings(self) -> list[str]:
         """What the plan must say about how the hosts were reached."""
@@ -121,6 +149,12 @@ class Session:
         (binary-safe, and no second SSH handshake). OSError and connection failures become
         ValueError naming host and path (readers raise ValueError subclasses)."""
         where = f"{name}:{path}"
+        if self.settings[name].local:
+            try:
+                with open(path, "rb") as f:
+                    return reader(f, where)
+            except OSError as exc:
+                raise RemoteReadError(f"{where}: {exc.strerror or exc}") from None
         try:
             sftp = self.pyhosts[name].connector.client.open_sftp()
         except Exception as exc:  # paramiko raises several unrelated types here
@@ -181,7 +215,7 @@ class Session:
         kwargs = {}
         if sudo is not None:
             kwargs["_sudo"] = sudo
-        elif self.host(host_name).ssh.sudo:
+        elif self.host(host_name).sudo:
             kwargs["_sudo"] = True
         ok, output = host.run_shell_command(StringCommand(command), **kwargs)
         return ok, output

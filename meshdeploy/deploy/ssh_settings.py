@@ -14,6 +14,10 @@ The host-key policy, most specific first:
 4. `yes`, what OpenSSH does by default when it cannot ask.
 pyinfra's own default (accept-new, which also overrides the ssh_config) never applies: the
 policy is always passed explicitly.
+
+A host with `connection: local` is the machine meshdeploy runs on: no SSH, so no target, user,
+key, ssh_config or host key; its settings say so (`local`, host_key LOCAL) and every client
+takes the local path (pyinfra's @local connector, invoke's local runner).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from meshdeploy.deploy.model import Host
 
 YES, ACCEPT_NEW, NO = "yes", "accept-new", "no"
 POLICIES = (YES, ACCEPT_NEW, NO)
+LOCAL = "none: connection local"  # the host_key of a local host: there is no key to check
 # What OpenSSH's StrictHostKeyChecking values mean to a tool that never prompts.
 _FROM_SSH_CONFIG = {"yes": YES, "ask": YES, "accept-new": ACCEPT_NEW, "no": NO, "off": NO}
 FLAG = "--accept-new-host-keys"
@@ -47,6 +52,7 @@ class SshSettings:
     known_hosts: tuple[str, ...]  # UserKnownHostsFile; new keys go to the first
     hostname: str  # what ssh_config's HostName makes of target: the name known_hosts holds
     proxy_command: str | None
+    local: bool = False  # connection: local (no SSH at all)
 
     @property
     def known_hosts_name(self) -> str:
@@ -54,7 +60,9 @@ class SshSettings:
         return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
 
     def pyinfra_data(self) -> dict:
-        """Host data for pyinfra's ssh connector."""
+        """Host data for pyinfra's ssh connector (the @local connector reads only _sudo)."""
+        if self.local:
+            return {"_sudo": self.sudo}
         # known_hosts is left to pyinfra: it reads the same UserKnownHostsFile (all of them)
         # from the same ssh_config.
         data = {"ssh_hostname": self.target, "ssh_port": self.port, "_sudo": self.sudo,
@@ -70,6 +78,8 @@ class SshSettings:
 
 def resolve(host: Host, accept_new: bool = False, home: str | None = None) -> SshSettings:
     """`host`'s connection settings; `home` stands in for ~ (tests)."""
+    if host.local:
+        return local_settings(host)
     home = home or os.path.expanduser("~")
     config = host.ssh.config or _existing(os.path.join(home, ".ssh", "config"))
     target = _target(host, config if host.ssh.config else None)
@@ -84,6 +94,15 @@ def resolve(host: Host, accept_new: bool = False, home: str | None = None) -> Ss
                        host_key_from=source, known_hosts=known,
                        hostname=options.get("hostname", target),
                        proxy_command=options.get("proxycommand"))
+
+
+def local_settings(host: Host) -> SshSettings:
+    """The settings of the machine meshdeploy runs on: nothing of SSH applies, whatever
+    --accept-new-host-keys or an ssh_config says."""
+    return SshSettings(host=host.name, target="localhost", port=host.ssh.port, user=None,
+                       key=None, config=None, sudo=host.sudo, host_key=LOCAL,
+                       host_key_from=f"hosts.{host.name}.connection", known_hosts=(),
+                       hostname="localhost", proxy_command=None, local=True)
 
 
 def _policy(host: Host, options: dict, config: str | None) -> tuple[str, str]:

@@ -52,12 +52,15 @@ class HostRecord:
     firewall: bool = True
     tunnel: str | None = None  # the WireGuard interface, when the host is in a tunnel mesh
     updated_at: str = ""
+    # "local": the machine meshdeploy runs on (absent in files written before local hosts).
+    connection: str = "ssh"
 
     def host(self) -> Host:
         """The typed Host meshdeploy connects to (ssh_settings resolves it like a file's host);
         it runs nothing, so every role's destroy hook removes all it finds."""
         return Host(name=self.name, address=self.address, ssh=SSH(**self.ssh),
-                    backend=self.backend, devices=(), rpc_servers=())
+                    backend=self.backend, devices=(), rpc_servers=(),
+                    connection="local" if self.connection == "local" else "ssh")
 
 
 @dataclass
@@ -93,7 +96,7 @@ def record_for(cluster: Cluster, host: Host) -> HostRecord:
     ssh = {k: getattr(host.ssh, k) for k in ("user", "port", "key", "config", "sudo", "host_key")}
     return HostRecord(name=host.name, address=host.address, ssh=ssh, backend=host.backend,
                       units=units, models=models, firewall=cluster.network.firewall,
-                      tunnel=tunnel, updated_at=utc_now())
+                      tunnel=tunnel, updated_at=utc_now(), connection=host.connection)
 
 
 _HINT = ("move the file away and run `meshdeploy state rebuild FILE` to make it again "
@@ -149,6 +152,8 @@ def _record(name: str, raw: dict) -> HostRecord:
     SSH(**record.ssh)  # the fields a Host needs, no others
     if record.status not in (MANAGED, RETIRED):
         raise ValueError(f"hosts.{name}.status {record.status!r}")
+    if record.connection not in ("ssh", "local"):
+        raise ValueError(f"hosts.{name}.connection {record.connection!r}")
     return record
 
 
