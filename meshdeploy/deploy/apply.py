@@ -12,6 +12,7 @@ from meshdeploy.deploy.context import HostContext, Step, Steps
 from meshdeploy.deploy.plan import Change
 from meshdeploy.deploy.engine import Planned
 from meshdeploy.deploy.errors import ApplyError
+from meshdeploy.deploy.interrupt import Interrupts
 from meshdeploy.deploy.session import Session
 
 
@@ -36,6 +37,11 @@ class Run:
         self.teardown = planned.teardown
         self.leaving = set(planned.leaving) | {h.name for h in session.departed}
         self.destroyed = planned.destroyed  # (host, role) whose destroy ran, filled as they end
+        self.interrupts: Interrupts | None = None  # Ctrl-C while the operations run
+
+    def stopping(self) -> bool:
+        """Ctrl-C came: no further step starts (the ones in flight finish or are stopped)."""
+        return self.interrupts is not None and self.interrupts.stopping
 
     def step(self, host_name: str, resource: registry.Resource, key) -> Step:
         slot = resource.slot(key)
@@ -98,10 +104,12 @@ def begin(cluster, planned: Planned) -> None:
             role.apply_started(cluster, planned.resolved)
 
 
-def apply(session: Session, planned: Planned, progress=print, slots: bool = True) -> list[dict]:
+def apply(session: Session, planned: Planned, progress=print, slots: bool = True,
+          ran: list | None = None) -> list[dict]:
     """Every slot on every host (unless slots is False: `meshdeploy destroy`), then each role's
     destroy on the hosts that leave, roles in reverse order. The hosts that stay converge first,
-    so an orchestrator drops a departing worker from --rpc before that worker stops."""
+    so an orchestrator drops a departing worker from --rpc before that worker stops. `ran`, when
+    given, receives the summary rows as steps end (also when apply fails or is interrupted)."""
     from pyinfra.api import BaseStateCallback
     from pyinfra.api.operation import add_op
     from pyinfra.api.operations import run_ops
@@ -109,6 +117,8 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
 
     cluster = session.cluster
     run = Run(session, planned, progress)
+    if ran is not None:
+        run.results = ran
     state = session.state
 
     class Progress(BaseStateCallback):
@@ -135,11 +145,13 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
                                                    name=f"{role.name}.destroy")
     state.set_stage(StateStage.Execute)
     try:
-        with operations.running(run):
+        with operations.running(run), Interrupts(session, progress or print) as run.interrupts:
             run_ops(state)
     except Exception as exc:  # pyinfra raises once too many hosts failed
-        if run.failure is None and not _failed(metas):
+        if run.failure is None and not _failed(metas) and not run.stopping():
             raise ApplyError(f"apply stopped: {exc}") from None
+    if run.stopping():
+        raise run.interrupts.error(len(run.results))
     failed = _failed(metas)
     if run.failure and isinstance(run.failure["error"], Exception) and not failed:
         raise run.failure["error"]

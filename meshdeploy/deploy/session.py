@@ -29,6 +29,7 @@ def adjust_libraries() -> None:
     for name in ("pyinfra", "paramiko"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     _tolerate_dead_proxy_commands()
+    _proxy_commands_outlive_ctrl_c()
     _never_prompt_for_sudo()
 
 
@@ -50,6 +51,32 @@ def _tolerate_dead_proxy_commands() -> None:
 
     close._meshdeploy = True
     ProxyCommand.close = close
+
+
+def _proxy_commands_outlive_ctrl_c() -> None:
+    """A terminal's Ctrl-C goes to every process of the foreground group: a ProxyCommand
+    (ProxyJump, `ip netns exec ... nc`) would die with it and cut each connection mid-step, so
+    apply could neither let the steps in flight finish nor stop them on the hosts. paramiko
+    starts the proxy as its child; here it starts in a session of its own (as its __init__
+    does otherwise). The proxy still ends with the connection (paramiko's close kills it)."""
+    import subprocess
+
+    from paramiko.proxy import ProxyCommand
+
+    from meshdeploy.deploy import shell
+
+    if getattr(ProxyCommand.__init__, "_meshdeploy", False):
+        return
+
+    def __init__(self, command_line):
+        self.cmd = shell.split(command_line)
+        self.process = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, bufsize=0,
+                                        start_new_session=True)
+        self.timeout = None
+
+    __init__._meshdeploy = True
+    ProxyCommand.__init__ = __init__
 
 
 def _offered_key(host):

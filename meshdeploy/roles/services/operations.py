@@ -310,6 +310,14 @@ def _unit_step(ctx, resource, unit, want, reason_restart=None):
         return Step(ctx.change(ROLE, resource, "update", reason_restart,
                                [AttrDiff("restart", None, "yes")]),
                     [mgr.restart(unit)]), True
+    if have["active"] == "active" and have.get("started") and have.get("written") and \
+            have["written"] > have["started"]:
+        # Written, never restarted: the process still runs the unit's previous binary or model.
+        return Step(ctx.change(ROLE, resource, "update",
+                               "unit file written after the running process started "
+                               "(an earlier apply stopped before the restart)",
+                               [AttrDiff("restart", None, "yes")]),
+                    [mgr.install(unit)]), True
     if have["active"] != "active" or have["enabled"] != "enabled":
         return Step(ctx.change(ROLE, resource, "update",
                                f"{have['active']}/{have['enabled']}: start it",
