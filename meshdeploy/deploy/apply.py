@@ -54,7 +54,8 @@ class Run:
             ctx = HostContext(self.cluster, host, self.facts[host_name], self.resolved,
                               self.steps, first=host_name == self.first,
                               run_command=lambda command: self._run(host_name, command),
-                              cluster_facts=self.facts)
+                              cluster_facts=self.facts,
+                              failed_hosts=frozenset(h.name for h in self.session.state.failed_hosts))
             step = resource.plan(ctx, key)
         except Exception as exc:
             self.failure = {"host": host_name, "step": slot, "error": exc}

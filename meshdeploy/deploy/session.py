@@ -54,14 +54,24 @@ def _tolerate_dead_proxy_commands() -> None:
 
 
 def _proxy_commands_outlive_ctrl_c() -> None:
-    """A terminal's Ctrl-C goes to every process of the foreground group: a ProxyCommand
-    (ProxyJump, `ip netns exec ... nc`) would die with it and cut each connection mid-step, so
-    apply could neither let the steps in flight finish nor stop them on the hosts. paramiko
-    starts the proxy as its child; here it starts in a session of its own (as its __init__
-    does otherwise). The proxy still ends with the connection (paramiko's close kills it)."""
-    import subprocess
+    """Two changes to paramiko's ProxyCommand (ProxyJump, `ip netns exec ... nc`):
 
-    from paramiko.proxy import ProxyCommand
+    - a terminal's Ctrl-C goes to every process of the foreground group: the proxy would die
+      with it and cut each connection mid-step, so apply could neither let the steps in flight
+      finish nor stop them on the hosts. Here it starts in a session of its own (otherwise as
+      paramiko's __init__ does); it still ends with the connection (paramiko's close kills it);
+    - when the proxy exits (the host went down), paramiko's recv loops on its empty reads for
+      ever: the connection never counts as closed, and the next command on it (releasing the
+      host's lock) waits for good. Here an empty read returns what was read, and an empty
+      answer is the end of the connection, as a socket's is.
+    """
+    import os
+    import select
+    import socket
+    import subprocess
+    import time
+
+    from paramiko.proxy import ProxyCommand, ProxyCommandFailure
 
     from meshdeploy.deploy import shell
 
@@ -75,8 +85,33 @@ def _proxy_commands_outlive_ctrl_c() -> None:
                                         start_new_session=True)
         self.timeout = None
 
+    def recv(self, size):
+        buffer = b""
+        start = time.time()
+        try:
+            while len(buffer) < size:
+                wait = None
+                if self.timeout is not None:
+                    wait = self.timeout - (time.time() - start)
+                    if wait <= 0:
+                        raise socket.timeout()
+                ready, _, _ = select.select([self.process.stdout], [], [], wait)
+                if ready:
+                    chunk = os.read(self.process.stdout.fileno(), size - len(buffer))
+                    if not chunk:
+                        return buffer  # the proxy exited
+                    buffer += chunk
+            return buffer
+        except socket.timeout:
+            if buffer:
+                return buffer
+            raise
+        except OSError as exc:
+            raise ProxyCommandFailure(" ".join(self.cmd), exc.strerror) from None
+
     __init__._meshdeploy = True
     ProxyCommand.__init__ = __init__
+    ProxyCommand.recv = recv
 
 
 def _offered_key(host):
