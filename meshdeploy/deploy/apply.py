@@ -161,9 +161,12 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
         err = run.failure["error"] if run.failure else None
         if err is not None and hasattr(err, "hint"):
             raise err
-        lines = [line for line in _stderr(meta) if line.strip()][-25:]
-        detail = "\n".join("    " + line for line in lines) or "    (no output)"
-        raise ApplyError(f"{host_name}: {slot} failed:\n{detail}",
+        parts = []
+        for host_name, slot, meta in failed:  # every host's failure: one may explain another
+            lines = [line for line in _stderr(meta) if line.strip()][-25:]
+            detail = "\n".join("    " + line for line in lines) or "    (no output)"
+            parts.append(f"{host_name}: {slot} failed:\n{detail}")
+        raise ApplyError("\n".join(parts),
                          hint="fix the cause shown above, then run apply again: finished steps "
                               "are not repeated")
     return run.results

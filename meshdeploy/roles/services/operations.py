@@ -440,14 +440,6 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     if server is None:
         return Step(ctx.change(ROLE, resource, "no-op", "not served from this host"))
     endpoints = ctx.cluster.rpc_endpoints(server)
-    lost = sorted({e.host.name for e in endpoints} & ctx.failed_hosts)
-    if lost:
-        # Restarting now would stop a llama-server that still serves and start one that aborts
-        # on the missing worker: leave it as it is until the worker is back.
-        raise PlanError(f"{ctx.host.name}: llama-server {name} left as it was: its worker "
-                        f"host(s) {', '.join(lost)} failed in this run",
-                        hint="bring the worker back (meshdeploy status shows it), then apply "
-                             "again")
     moved = [e.target for e in endpoints if e.ref in ctx.steps.restarted()]
     reason = f"workers restart ({', '.join(moved)})" if moved else None
     build_dir, manifest = _build_info(ctx)
@@ -472,6 +464,14 @@ def llama_server(ctx: HostContext, name: str) -> Step:
                   for e in endpoints]
         step.commands = ([mgr.stop(unit)] if checks else []) + checks + step.commands + [
             health_wait(server, mgr.journal(unit))]
+        lost = sorted({e.host.name for e in endpoints} & ctx.failed_hosts)
+        if lost:
+            # Restarting now would stop a llama-server that still serves and start one that
+            # aborts on the missing worker: it stays as it is until the worker is back.
+            step.commands = [shell.command(
+                "echo", f"{ctx.host.name}: llama-server {name} left as it was: its worker "
+                f"host(s) {', '.join(lost)} failed in this run; bring it back, then apply again",
+                shell.TO_STDERR) + "; exit 1"]
     return step
 
 
