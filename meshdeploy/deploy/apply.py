@@ -55,7 +55,8 @@ class Run:
                               self.steps, first=host_name == self.first,
                               run_command=lambda command: self._run(host_name, command),
                               cluster_facts=self.facts,
-                              failed_hosts=frozenset(h.name for h in self.session.state.failed_hosts))
+                              failed_hosts=frozenset(h.name for h in
+                                                     self.session.state.failed_hosts))
             step = resource.plan(ctx, key)
         except Exception as exc:
             self.failure = {"host": host_name, "step": slot, "error": exc}
@@ -164,7 +165,9 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
         parts = []
         for host_name, slot, meta in failed:  # every host's failure: one may explain another
             lines = [line for line in _stderr(meta) if line.strip()][-25:]
-            detail = "\n".join("    " + line for line in lines) or "    (no output)"
+            detail = "\n".join("    " + line for line in lines) or (
+                "    (no output: the SSH connection to it was lost; is the host up?)"
+                if session.connection_lost(host_name) else "    (no output)")
             parts.append(f"{host_name}: {slot} failed:\n{detail}")
         raise ApplyError("\n".join(parts),
                          hint="fix the cause shown above, then run apply again: finished steps "

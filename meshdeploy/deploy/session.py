@@ -248,6 +248,14 @@ class Session:
         ok, output = host.run_shell_command(StringCommand(command), **kwargs)
         return ok, output
 
+    def connection_lost(self, name: str) -> bool:
+        """Whether the SSH connection to host `name` ended (the host went down or away)."""
+        try:
+            transport = self.pyhosts[name].connector.client.get_transport()
+        except Exception:  # no connector or client: never connected, or torn down
+            return True
+        return transport is None or not transport.is_active()
+
     def close(self) -> None:
         for host in self.pyhosts.values():
             try:
