@@ -168,12 +168,14 @@ def load_case(path: Path, tmp_path: Path):
         table[BUILD_KEY] = llama_cpp.build_key(cluster, host, resolved.commit)
     facts = {k: as_decoded(k, v) for k, v in substitute(data.get("facts", {}), table).items()}
     run = substitute(data.get("run", {}), table)
-    assert set(run) <= {"build_key", "build_changed"}, f"{path}: unknown run keys {set(run)}"
+    assert set(run) <= {"build_key", "build_changed", "failed_hosts"}, \
+        f"{path}: unknown run keys {set(run)}"
     # Other hosts' facts, for cluster-wide resources (network.wireguard reads peers' keys).
     peers = {name: {k: as_decoded(k, v) for k, v in f.items()}
              for name, f in data.get("peer_facts", {}).items()}
     ctx = decided(HostContext(cluster, host, facts, resolved,
-                              cluster_facts={**peers, host.name: facts}),
+                              cluster_facts={**peers, host.name: facts},
+                              failed_hosts=frozenset(run.get("failed_hosts", []))),
                   build_key=run.get("build_key"),
                   build_changed=bool(run.get("build_changed")),
                   restarted=r.get("restarted", []))

@@ -12,6 +12,7 @@ from meshdeploy.deploy.context import HostContext, Step, Steps
 from meshdeploy.deploy.plan import Change
 from meshdeploy.deploy.engine import Planned
 from meshdeploy.deploy.errors import ApplyError
+from meshdeploy.deploy.interrupt import Interrupts
 from meshdeploy.deploy.session import Session
 
 
@@ -36,6 +37,11 @@ class Run:
         self.teardown = planned.teardown
         self.leaving = set(planned.leaving) | {h.name for h in session.departed}
         self.destroyed = planned.destroyed  # (host, role) whose destroy ran, filled as they end
+        self.interrupts: Interrupts | None = None  # Ctrl-C while the operations run
+
+    def stopping(self) -> bool:
+        """Ctrl-C came: no further step starts (the ones in flight finish or are stopped)."""
+        return self.interrupts is not None and self.interrupts.stopping
 
     def step(self, host_name: str, resource: registry.Resource, key) -> Step:
         slot = resource.slot(key)
@@ -48,7 +54,9 @@ class Run:
             ctx = HostContext(self.cluster, host, self.facts[host_name], self.resolved,
                               self.steps, first=host_name == self.first,
                               run_command=lambda command: self._run(host_name, command),
-                              cluster_facts=self.facts)
+                              cluster_facts=self.facts,
+                              failed_hosts=frozenset(h.name for h in
+                                                     self.session.state.failed_hosts))
             step = resource.plan(ctx, key)
         except Exception as exc:
             self.failure = {"host": host_name, "step": slot, "error": exc}
@@ -98,10 +106,12 @@ def begin(cluster, planned: Planned) -> None:
             role.apply_started(cluster, planned.resolved)
 
 
-def apply(session: Session, planned: Planned, progress=print, slots: bool = True) -> list[dict]:
+def apply(session: Session, planned: Planned, progress=print, slots: bool = True,
+          ran: list | None = None) -> list[dict]:
     """Every slot on every host (unless slots is False: `meshdeploy destroy`), then each role's
     destroy on the hosts that leave, roles in reverse order. The hosts that stay converge first,
-    so an orchestrator drops a departing worker from --rpc before that worker stops."""
+    so an orchestrator drops a departing worker from --rpc before that worker stops. `ran`, when
+    given, receives the summary rows as steps end (also when apply fails or is interrupted)."""
     from pyinfra.api import BaseStateCallback
     from pyinfra.api.operation import add_op
     from pyinfra.api.operations import run_ops
@@ -109,6 +119,8 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
 
     cluster = session.cluster
     run = Run(session, planned, progress)
+    if ran is not None:
+        run.results = ran
     state = session.state
 
     class Progress(BaseStateCallback):
@@ -135,11 +147,13 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
                                                    name=f"{role.name}.destroy")
     state.set_stage(StateStage.Execute)
     try:
-        with operations.running(run):
+        with operations.running(run), Interrupts(session, progress or print) as run.interrupts:
             run_ops(state)
     except Exception as exc:  # pyinfra raises once too many hosts failed
-        if run.failure is None and not _failed(metas):
+        if run.failure is None and not _failed(metas) and not run.stopping():
             raise ApplyError(f"apply stopped: {exc}") from None
+    if run.stopping():
+        raise run.interrupts.error(len(run.results))
     failed = _failed(metas)
     if run.failure and isinstance(run.failure["error"], Exception) and not failed:
         raise run.failure["error"]
@@ -148,9 +162,14 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
         err = run.failure["error"] if run.failure else None
         if err is not None and hasattr(err, "hint"):
             raise err
-        lines = [line for line in _stderr(meta) if line.strip()][-25:]
-        detail = "\n".join("    " + line for line in lines) or "    (no output)"
-        raise ApplyError(f"{host_name}: {slot} failed:\n{detail}",
+        parts = []
+        for host_name, slot, meta in failed:  # every host's failure: one may explain another
+            lines = [line for line in _stderr(meta) if line.strip()][-25:]
+            detail = "\n".join("    " + line for line in lines) or (
+                "    (no output: the SSH connection to it was lost; is the host up?)"
+                if session.connection_lost(host_name) else "    (no output)")
+            parts.append(f"{host_name}: {slot} failed:\n{detail}")
+        raise ApplyError("\n".join(parts),
                          hint="fix the cause shown above, then run apply again: finished steps "
                               "are not repeated")
     return run.results

@@ -17,6 +17,7 @@ from meshdeploy.deploy import locks  # noqa: E402
 from meshdeploy.deploy import state as states  # noqa: E402
 from meshdeploy.deploy.session import Session  # noqa: E402
 from meshdeploy.deploy.errors import AbortedError, PlanError  # noqa: E402
+from meshdeploy.deploy.interrupt import InterruptedApply  # noqa: E402
 from meshdeploy.deploy.plan import check_fresh, load_plan, save_plan  # noqa: E402
 from meshdeploy.deploy.render import render_apply_summary, render_json, render_text  # noqa: E402
 
@@ -120,14 +121,19 @@ def _apply(args, cluster, saved, limit, replacing, purge, lock) -> int:
             if not _confirm():
                 raise AbortedError("apply cancelled: nothing was changed")
         print("\nApplying:")
-        ok = False
+        rows: list[dict] = []
+        result = "failed"
         try:
-            rows = run_apply(session, planned, progress=print)
-            ok = True
+            run_apply(session, planned, progress=print, ran=rows)
+            result = "complete"
+        except InterruptedApply:
+            result = "interrupted"
+            raise
         finally:
             departed = [h.name for h in session.departed]
             states.after_apply(state, cluster, session.hosts(),
-                               {h: purge for h in planned.destroyed_hosts(departed)}, ok)
+                               {h: purge for h in planned.destroyed_hosts(departed)},
+                               result == "complete", last={"result": result, "steps": rows})
         elapsed = time.monotonic() - started
     finally:
         lock.release_hosts()

@@ -87,6 +87,8 @@ class HostContext:
     # Every host's facts (host name -> facts), for cluster-wide resources; apply keeps them
     # current through the resources' declared rereads.
     cluster_facts: dict[str, dict] | None = None
+    # apply only: hosts whose steps failed earlier in this run (unreachable, a command failed)
+    failed_hosts: frozenset[str] = frozenset()
 
     @property
     def prefix(self) -> str:

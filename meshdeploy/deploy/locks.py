@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import inflight, shell
 from meshdeploy.deploy.errors import LOCKED, MeshdeployError, PlanError
 from meshdeploy.deploy.plan import utc_now
 
@@ -244,6 +244,7 @@ class HostLocks:
                 if take:
                     self.notes(f"{name}: took over a stale lock "
                                f"({_who(Holder.parse(take), take)})")
+                    self._stop_orphans(name)
                 return
             if answer.stale():
                 take = answer.owner
@@ -256,6 +257,12 @@ class HostLocks:
                                        f"a run killed on another machine counts as stale "
                                        f"{STALE} s after its last heartbeat")
             time.sleep(2)
+
+    def _stop_orphans(self, name: str) -> None:
+        """A dead run's download, build or seeding may still run on the host (no terminal, no
+        SIGHUP): end it before this run plans, so nothing writes beside this run's steps."""
+        for step in inflight.parse_stopped(self._run(name, inflight.stop_script())):
+            self.notes(f"{name}: stopped {step}, left running by that run")
 
     def _heartbeat(self) -> None:
         import gevent

@@ -37,6 +37,9 @@ def operation_for(resource):
     from pyinfra.api import operation
 
     def body(key=None, cluster: str | None = None):
+        if _active is not None and cluster is None and _active.stopping():
+            host.noop("not started: apply interrupted")
+            return
         if _active is not None and cluster is None:
             step = _active.step(host.name, resource, key)
         else:
@@ -62,6 +65,9 @@ def teardown_for(role: str):
     from pyinfra.api import operation
 
     def body():
+        if _active is not None and _active.stopping():
+            host.noop("not started: apply interrupted")
+            return
         steps = _active.teardown_steps(host.name, role) if _active is not None else []
         if not steps:
             host.noop("stays in the cluster")

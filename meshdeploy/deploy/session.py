@@ -29,6 +29,7 @@ def adjust_libraries() -> None:
     for name in ("pyinfra", "paramiko"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     _tolerate_dead_proxy_commands()
+    _proxy_commands_outlive_ctrl_c()
     _never_prompt_for_sudo()
 
 
@@ -50,6 +51,67 @@ def _tolerate_dead_proxy_commands() -> None:
 
     close._meshdeploy = True
     ProxyCommand.close = close
+
+
+def _proxy_commands_outlive_ctrl_c() -> None:
+    """Two changes to paramiko's ProxyCommand (ProxyJump, `ip netns exec ... nc`):
+
+    - a terminal's Ctrl-C goes to every process of the foreground group: the proxy would die
+      with it and cut each connection mid-step, so apply could neither let the steps in flight
+      finish nor stop them on the hosts. Here it starts in a session of its own (otherwise as
+      paramiko's __init__ does); it still ends with the connection (paramiko's close kills it);
+    - when the proxy exits (the host went down), paramiko's recv loops on its empty reads for
+      ever: the connection never counts as closed, and the next command on it (releasing the
+      host's lock) waits for good. Here an empty read returns what was read, and an empty
+      answer is the end of the connection, as a socket's is.
+    """
+    import os
+    import select
+    import socket
+    import subprocess
+    import time
+
+    from paramiko.proxy import ProxyCommand, ProxyCommandFailure
+
+    from meshdeploy.deploy import shell
+
+    if getattr(ProxyCommand.__init__, "_meshdeploy", False):
+        return
+
+    def __init__(self, command_line):
+        self.cmd = shell.split(command_line)
+        self.process = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, bufsize=0,
+                                        start_new_session=True)
+        self.timeout = None
+
+    def recv(self, size):
+        buffer = b""
+        start = time.time()
+        try:
+            while len(buffer) < size:
+                wait = None
+                if self.timeout is not None:
+                    wait = self.timeout - (time.time() - start)
+                    if wait <= 0:
+                        raise socket.timeout()
+                ready, _, _ = select.select([self.process.stdout], [], [], wait)
+                if ready:
+                    chunk = os.read(self.process.stdout.fileno(), size - len(buffer))
+                    if not chunk:
+                        return buffer  # the proxy exited
+                    buffer += chunk
+            return buffer
+        except socket.timeout:
+            if buffer:
+                return buffer
+            raise
+        except OSError as exc:
+            raise ProxyCommandFailure(" ".join(self.cmd), exc.strerror) from None
+
+    __init__._meshdeploy = True
+    ProxyCommand.__init__ = __init__
+    ProxyCommand.recv = recv
 
 
 def _offered_key(host):
@@ -219,6 +281,14 @@ class Session:
             kwargs["_sudo"] = True
         ok, output = host.run_shell_command(StringCommand(command), **kwargs)
         return ok, output
+
+    def connection_lost(self, name: str) -> bool:
+        """Whether the SSH connection to host `name` ended (the host went down or away)."""
+        try:
+            transport = self.pyhosts[name].connector.client.get_transport()
+        except Exception:  # no connector or client: never connected, or torn down
+            return True
+        return transport is None or not transport.is_active()
 
     def close(self) -> None:
         for host in self.pyhosts.values():

@@ -70,6 +70,11 @@ def join(argv) -> str:
     return out
 
 
+def split(text: str) -> list[str]:
+    """A command line back into its words (how paramiko reads an ssh_config ProxyCommand)."""
+    return shlex.split(text)
+
+
 def command(*argv) -> str:
     """join(argv) for argv given inline."""
     return join(argv)
@@ -110,6 +115,15 @@ def heredoc(content: str) -> tuple[str, str]:
     while tag in content:
         tag += "_"
     return tag, content if content.endswith("\n") else content + "\n"
+
+
+def assign_text(name: str, content: str) -> str:
+    """NAME=<content> through a quoted heredoc: a script that another script runs (`sh -c
+    "$NAME"`) stays readable in the command, not quoted a second time."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a shell variable name")
+    tag, body = heredoc(content)
+    return f"{name}=$(cat <<'{tag}'\n{body}{tag}\n)"
 
 
 def write_file(path: str, content: str, mode: str = "0644") -> str:

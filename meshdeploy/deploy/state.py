@@ -71,6 +71,9 @@ class State:
     serial: int = 0  # +1 at every write
     updated_at: str = ""
     exists: bool = False
+    # The last apply: {"result": "complete" | "failed" | "interrupted", "at": ..., "steps":
+    # [{"host", "step", "status", "detail"}, ...]}: what ran, also when it did not finish.
+    last_apply: dict | None = None
 
     def departed(self, cluster: Cluster, purge: bool = False) -> list[Host]:
         """Hosts recorded but no longer in the file: destroyed at the next apply. Retired hosts
@@ -80,8 +83,9 @@ class State:
                 and (r.status == MANAGED or purge)]
 
     def to_dict(self) -> dict:
+        extra = {"last_apply": self.last_apply} if self.last_apply is not None else {}
         return {"format_version": FORMAT_VERSION, "cluster": self.cluster, "serial": self.serial,
-                "updated_at": self.updated_at,
+                "updated_at": self.updated_at, **extra,
                 "hosts": {n: {k: v for k, v in vars(r).items() if k != "name"}
                           for n, r in sorted(self.hosts.items())}}
 
@@ -128,7 +132,7 @@ def load(cluster: Cluster) -> State:
         hosts = {name: _record(name, r) for name, r in data.get("hosts", {}).items()}
         state = State(path=path, cluster=str(data["cluster"]), hosts=hosts,
                       serial=int(data.get("serial", 0)), updated_at=str(data.get("updated_at", "")),
-                      exists=True)
+                      exists=True, last_apply=_last_apply(data.get("last_apply")))
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"{path}: damaged state file ({exc.__class__.__name__}: {exc})",
                         hint=_HINT) from None
@@ -137,6 +141,12 @@ def load(cluster: Cluster) -> State:
                         f"{cluster.name!r}",
                         hint="a renamed cluster: rename `cluster` back, or " + _HINT)
     return state
+
+
+def _last_apply(raw) -> dict | None:
+    if raw is not None and not (isinstance(raw, dict) and isinstance(raw.get("steps", []), list)):
+        raise TypeError("last_apply is not an object with a list of steps")
+    return raw
 
 
 def _record(name: str, raw: dict) -> HostRecord:
@@ -166,10 +176,13 @@ def save(state: State) -> None:
 
 
 def after_apply(state: State, cluster: Cluster, hosts, destroyed: dict[str, bool],
-                ok: bool) -> None:
+                ok: bool, last: dict | None = None) -> None:
     """Record an apply: the file's hosts it covered, and the departed hosts it destroyed
     (name -> purged). A failed apply still records the file's hosts (what was attempted may
-    be there now); a departed host stays until its destroy has run."""
+    be there now); a departed host stays until its destroy has run. `last`: how the apply
+    ended and the steps that ran ({"result": ..., "steps": [...]})."""
+    if last is not None:
+        state.last_apply = {**last, "at": utc_now()}
     for host in hosts:
         state.hosts[host.name] = record_for(cluster, host)
     if ok:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import inflight, shell
 from meshdeploy.deploy.context import BuildOutcome, HostContext, Step, stored_teardown
 from meshdeploy.deploy.paths import installed_build
 from meshdeploy.deploy.paths import llama_cpp_paths as paths
@@ -74,7 +74,8 @@ def source(ctx: HostContext) -> Step:
                              AttrDiff("commit", None, short, known_after_apply=commit is None)])
         if commit is None:
             return Step(change)  # commands known after apply
-        return Step(change, [clone_script(src, repo, checked_commit(commit))])
+        return Step(change, [inflight.guarded("llama_cpp.source",
+                                              clone_script(src, repo, checked_commit(commit)))])
     if commit is not None and have["head"] == commit and have["url"] == repo:
         return Step(ctx.change(ROLE, "source", "no-op", f"at {short}"))
     diffs = [AttrDiff("commit", have["head"][:12], short, known_after_apply=commit is None)]
@@ -161,7 +162,8 @@ def build(ctx: HostContext) -> Step:
              AttrDiff("targets", None, " ".join(targets(cluster, host)))]
     return Step(ctx.change(ROLE, "build", "replace" if current else "create",
                            f"no build of {commit[:12]} for {host.backend} with these flags", diffs),
-                [build_script(ctx, key), activate_script(ctx, key)],
+                [inflight.guarded("llama_cpp.build", build_script(ctx, key)),
+                 activate_script(ctx, key)],
                 build=BuildOutcome(key, changed=True))
 
 

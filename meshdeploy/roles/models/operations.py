@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import inflight, shell
 from meshdeploy.deploy.context import HostContext, SecretStdin, Step, stored_teardown
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
@@ -59,16 +59,33 @@ _VERIFY = ('H=$( (sha256sum "$F" 2>/dev/null || shasum -a 256 "$F") | cut -d\' \
            'S=$(stat -Lc \'%s %Y\' "$F" 2>/dev/null || stat -Lf \'%z %m\' "$F")\n'
            'echo "$S $SHA" > "$MARKER.tmp" && mv -f "$MARKER.tmp" "$MARKER"')
 
+# After a failed curl: how far it got and, when the disk is what stopped it, the numbers (needed
+# vs free). The partial stays for the next run to resume; only a whole file whose sha256 matches
+# is ever renamed to F.
+_SHORT = ('S=$(stat -c %s "$P" 2>/dev/null || echo 0); '
+          'FREE=$(df -Pk "$(dirname "$F")" | awk \'NR == 2 {print $4 * 1024}\'); '
+          'NEED=$((SIZE - S)); '
+          'if [ "$rc" = 23 ] || [ "${FREE:-0}" -lt "$NEED" ]; then '
+          'echo "$F: the disk is full: needs $NEED more bytes ($((NEED >> 20)) MiB) of $SIZE, '
+          '${FREE:-0} bytes ($((${FREE:-0} >> 20)) MiB) free on $(dirname "$F"); $S bytes kept in '
+          '$P to resume" >&2; '
+          'else echo "$F: download failed at $S of $SIZE bytes (curl exit $rc); $P kept to '
+          'resume" >&2; fi')
+
 # Inputs: F, P (the partial), SIZE, SHA, URL, AUTH (non-empty: the Authorization header arrives
 # on standard input, read by curl -H @-), RETRIES, MARKER. A partial longer than the file, or a
 # finished one with the wrong bytes, starts over. curl keeps the header in memory for its
 # retries, and since 7.58 drops a custom Authorization header on a redirect to another host
 # (the Hub's CDN): the token goes to the endpoint only.
 _DOWNLOAD = ('mkdir -p "$(dirname "$F")"\n'
+             # An earlier run's download may have finished while this run was planning.
+             '[ -f "$F" ] && [ "$(cat "$MARKER" 2>/dev/null)" = "$(stat -Lc \'%s %Y\' "$F") $SHA" ] '
+             '&& { echo "$F: already downloaded and verified"; exit 0; }\n'
              'S=$(stat -c %s "$P" 2>/dev/null || echo 0); [ "$S" -le "$SIZE" ] || rm -f "$P"\n'
              'if [ -n "$AUTH" ]; then set -- -H @-; else set --; fi\n'
              'if [ "$(stat -c %s "$P" 2>/dev/null || echo 0)" -lt "$SIZE" ]; then '
-             'curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL"; fi\n'
+             'curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL" || '
+             '{ rc=$?; ' + _SHORT + '; exit "$rc"; }; fi\n'
              'S=$(stat -c %s "$P"); [ "$S" = "$SIZE" ] || '
              '{ echo "$F: downloaded $S bytes, expected $SIZE" >&2; exit 1; }\n'
              'H=$(sha256sum "$P" | cut -d\' \' -f1); [ "$H" = "$SHA" ] || '
@@ -140,10 +157,11 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
             # bytes are wrong. The subshell keeps the verify's exit from ending the command.
             actions.add("update")
             diffs.append(AttrDiff(f.name, "unverified", f"sha256 {f.sha256[:12]}"))
-            commands.append(fed(shell.subshell(verify_script(path, f.sha256)) + " || { "
-                                + shell.command("rm", "-f", path) + "; "
-                                + shell.subshell(download_script(path, f.url, f.size, f.sha256,
-                                                                 auth)) + "; }"))
+            commands.append(fed(inflight.guarded(
+                f"models.gguf[{name}/{f.name}]",
+                shell.subshell(verify_script(path, f.sha256)) + " || { "
+                + shell.command("rm", "-f", path) + "; "
+                + shell.subshell(download_script(path, f.url, f.size, f.sha256, auth)) + "; }")))
             continue
         have = fact["size"] if fact else None
         actions.add("create" if have is None else "replace")
@@ -154,7 +172,9 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
                               forces_replacement=have is not None))
         if have is not None:
             commands.append(shell.command("rm", "-f", path, path + d.models_verified_suffix))
-        commands.append(fed(download_script(path, f.url, f.size, f.sha256, auth)))
+        commands.append(fed(inflight.guarded(f"models.gguf[{name}/{f.name}]",
+                                             download_script(path, f.url, f.size, f.sha256,
+                                                             auth))))
     if not commands:
         return Step(ctx.change(ROLE, resource, "no-op", f"{name} present, sha256 verified"))
     free = ctx.fact("models.DiskFree")

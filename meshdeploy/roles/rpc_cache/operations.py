@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import inflight, shell
 from meshdeploy.deploy.context import HostContext, Step, stored_teardown
 from meshdeploy.deploy.model import rpc_unit_name
 from meshdeploy.deploy.errors import PlanError
@@ -182,7 +182,8 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
         action = "delete" if stale else "update"
         reason = "remove what no deployed model uses" if stale else "rewrite the seeding marker"
     return Step(ctx.change(ROLE, resource, action, reason, diffs),
-                [_seed_script(tool_path(ctx.prefix), cache_dir, marker_want, to_seed)])
+                [inflight.guarded(f"rpc_cache.seed[{port}]", _seed_script(
+                    tool_path(ctx.prefix), cache_dir, marker_want, to_seed))])
 
 
 # Inputs: D (the cache dir), M (its marker), HEX16 (a glob of entry names); seed_one's

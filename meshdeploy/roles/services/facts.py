@@ -13,8 +13,12 @@ class Units(FactBase):
     meshdeploy-server-*; other roles' units are not this role's to judge).
 
     ```python
-    {"meshdeploy-rpc-50052": {"active": "active", "enabled": "enabled", "content": "..."}}
+    {"meshdeploy-rpc-50052": {"active": "active", "enabled": "enabled", "content": "...",
+                              "started": 1700000100, "written": 1700000000}}
     ```
+    started: when its running process started (epoch seconds; None when not running or not
+    known); written: the unit file's mtime. A unit file written after its process started was
+    never applied (a run stopped between writing it and the restart).
     """
 
     def command(self):
@@ -24,8 +28,11 @@ class Units(FactBase):
                          for kind in d.services_unit_kinds)
         return (f"for f in {owned}; do "
                 "[ -f \"$f\" ] || continue; n=${f##*/}; n=${n%.service}; "
+                "t=$(systemctl show -p ExecMainStartTimestamp --value $n 2>/dev/null); "
+                "t=$( [ -n \"$t\" ] && date -d \"$t\" +%s 2>/dev/null || echo -); "
                 "echo \"@@unit $n $(systemctl is-active $n 2>/dev/null) "
-                "$(systemctl is-enabled $n 2>/dev/null)\"; cat \"$f\"; done; "
+                "$(systemctl is-enabled $n 2>/dev/null) $t $(stat -c %Y \"$f\")\"; "
+                "cat \"$f\"; done; "
                 f"for f in {d.services_launchd_dir}/{d.services_launchd_prefix}*.plist; do "
                 "[ -f \"$f\" ] || continue; n=${f##*/}; n=${n%.plist}; "
                 "st=$(launchctl print system/$n 2>/dev/null | awk '/^\\tstate = / {print $3; exit}'); "
@@ -41,6 +48,7 @@ class Units(FactBase):
                 lines = []
                 units[parts[1]] = {"active": parts[2] if len(parts) > 2 else "unknown",
                                    "enabled": parts[3] if len(parts) > 3 else "unknown",
+                                   "started": _epoch(parts, 4), "written": _epoch(parts, 5),
                                    "lines": lines}
             elif units:
                 lines.append(line)
@@ -51,6 +59,11 @@ class Units(FactBase):
     @staticmethod
     def default():
         return {}
+
+
+def _epoch(parts: list[str], index: int) -> int | None:
+    value = parts[index] if len(parts) > index else ""
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 class Rtt(FactBase):

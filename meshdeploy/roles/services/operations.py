@@ -310,6 +310,14 @@ def _unit_step(ctx, resource, unit, want, reason_restart=None):
         return Step(ctx.change(ROLE, resource, "update", reason_restart,
                                [AttrDiff("restart", None, "yes")]),
                     [mgr.restart(unit)]), True
+    if have["active"] == "active" and have.get("started") and have.get("written") and \
+            have["written"] > have["started"]:
+        # Written, never restarted: the process still runs the unit's previous binary or model.
+        return Step(ctx.change(ROLE, resource, "update",
+                               "unit file written after the running process started "
+                               "(an earlier apply stopped before the restart)",
+                               [AttrDiff("restart", None, "yes")]),
+                    [mgr.install(unit)]), True
     if have["active"] != "active" or have["enabled"] != "enabled":
         return Step(ctx.change(ROLE, resource, "update",
                                f"{have['active']}/{have['enabled']}: start it",
@@ -456,6 +464,14 @@ def llama_server(ctx: HostContext, name: str) -> Step:
                   for e in endpoints]
         step.commands = ([mgr.stop(unit)] if checks else []) + checks + step.commands + [
             health_wait(server, mgr.journal(unit))]
+        lost = sorted({e.host.name for e in endpoints} & ctx.failed_hosts)
+        if lost:
+            # Restarting now would stop a llama-server that still serves and start one that
+            # aborts on the missing worker: it stays as it is until the worker is back.
+            step.commands = [shell.command(
+                "echo", f"{ctx.host.name}: llama-server {name} left as it was: its worker "
+                f"host(s) {', '.join(lost)} failed in this run; bring it back, then apply again",
+                shell.TO_STDERR) + "; exit 1"]
     return step
 
 

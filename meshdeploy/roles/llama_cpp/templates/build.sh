@@ -2,6 +2,8 @@
 # $OUT. Inputs (assigned above by deploy.shell.template): SRC TREE OUT COMMIT NUMBER JOBS CCACHE
 # WANT_SERVER WANT_RPC RPC_TARGETS KEY BACKEND; "$@" = the cmake flags.
 set -e
+# An earlier run's build of this key may have finished while this run was planning.
+if [ -f "$OUT/manifest" ] && grep -qx "commit=$COMMIT" "$OUT/manifest"; then echo "$KEY: already built"; exit 0; fi
 if [ -n "$CCACHE" ]; then export CCACHE_DIR="$CCACHE"; fi
 [ -n "$JOBS" ] || JOBS=$(getconf _NPROCESSORS_ONLN 2>/dev/null || sysctl -n hw.ncpu)
 [ -n "$NUMBER" ] || NUMBER=$(git -C "$SRC" rev-list --count HEAD)
