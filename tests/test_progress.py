@@ -347,3 +347,15 @@ def test_tap_routes_marked_lines_and_keeps_the_rest():
     _, stdout, _ = client.exec_command("x")
     assert list(stdout) == [b"real output\n", "more\n"] and stdout.channel == "the channel"
     assert heard == [f"{MARKER} build [1/2] x"]
+
+
+def test_apply_json_refuses_to_ask_for_confirmation(tmp_path):
+    """stdout of --json is one document: no prompt can go there, so yes must be given first."""
+    import sys
+
+    lab = Path(__file__).resolve().parents[1] / "inventories" / "lab.yaml"
+    done = subprocess.run([sys.executable, "-m", "meshdeploy", "apply", str(lab), "--json"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    assert "apply --json cannot ask for confirmation" in done.stderr
+    assert "--auto-approve" in done.stderr
