@@ -21,7 +21,7 @@ class Run:
     (re-read where an earlier step changed them), the steps decided so far, the resolved values
     (a step may fix one, e.g. the commit), timings and the first failure."""
 
-    def __init__(self, session: Session, planned: Planned, progress):
+    def __init__(self, session: Session, planned: Planned, progress, reporter=None):
         self.session = session
         self.cluster = session.cluster
         self.resolved = planned.resolved
@@ -33,6 +33,7 @@ class Run:
         self.results: list[dict] = []
         self.failure: dict | None = None
         self.progress = progress
+        self.reporter = reporter  # live progress of the running steps (deploy/progress.py)
         self.started: dict = {}
         self.teardown = planned.teardown
         self.leaving = set(planned.leaving) | {h.name for h in session.departed}
@@ -72,6 +73,8 @@ class Run:
 
     def begin(self, host_name: str, slot: str) -> None:
         self.started[(host_name, slot)] = time.monotonic()
+        if self.reporter is not None:
+            self.reporter.begin(host_name, slot)
 
     def _run(self, host_name: str, command: str) -> tuple[bool, list[str]]:
         ok, output = self.session.run(host_name, command, sudo=False)
@@ -107,18 +110,20 @@ def begin(cluster, planned: Planned) -> None:
 
 
 def apply(session: Session, planned: Planned, progress=print, slots: bool = True,
-          ran: list | None = None) -> list[dict]:
+          ran: list | None = None, reporter=None) -> list[dict]:
     """Every slot on every host (unless slots is False: `meshdeploy destroy`), then each role's
     destroy on the hosts that leave, roles in reverse order. The hosts that stay converge first,
     so an orchestrator drops a departing worker from --rpc before that worker stops. `ran`, when
-    given, receives the summary rows as steps end (also when apply fails or is interrupted)."""
+    given, receives the summary rows as steps end (also when apply fails or is interrupted).
+    `reporter` (progress.Reporter) hears which step runs where and the steps' live progress
+    lines."""
     from pyinfra.api import BaseStateCallback
     from pyinfra.api.operation import add_op
     from pyinfra.api.operations import run_ops
     from pyinfra.api.state import StateStage
 
     cluster = session.cluster
-    run = Run(session, planned, progress)
+    run = Run(session, planned, progress, reporter)
     if ran is not None:
         run.results = ran
     state = session.state
@@ -198,6 +203,8 @@ def _record(run: Run, state, host, op_hash, status):
     names = state.get_op_meta(op_hash).names
     slot = next(iter(names)) if names else op_hash
     started = run.started.pop((host.name, slot), None)
+    if run.reporter is not None:
+        run.reporter.end(host.name, slot)
     if started is None and status == "ok":
         return  # a no-op: the summary lists only what ran
     seconds = time.monotonic() - started if started else 0.0

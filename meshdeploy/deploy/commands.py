@@ -19,7 +19,8 @@ from meshdeploy.deploy.session import Session  # noqa: E402
 from meshdeploy.deploy.errors import AbortedError, PlanError  # noqa: E402
 from meshdeploy.deploy.interrupt import InterruptedApply  # noqa: E402
 from meshdeploy.deploy.plan import check_fresh, load_plan, save_plan  # noqa: E402
-from meshdeploy.deploy.render import render_apply_summary, render_json, render_text  # noqa: E402
+from meshdeploy.deploy.render import (render_apply_json, render_apply_summary,  # noqa: E402
+                                      render_json, render_text)
 
 
 def _session(cluster, limit, args, departed=()):
@@ -91,14 +92,32 @@ def apply(args) -> int:
         limit = args.limit
         replacing = args.replace or ()
     purge = saved.purge if saved is not None else args.purge
+    if getattr(args, "json", False) and saved is None and not args.auto_approve:
+        raise PlanError("apply --json cannot ask for confirmation",
+                        hint="add --auto-approve, or apply a saved plan file")
     with Locked(cluster, args, "apply") as lock:
         return _apply(args, cluster, saved, limit, replacing, purge, lock)
 
 
-def _apply(args, cluster, saved, limit, replacing, purge, lock) -> int:
+def _run_apply(session, planned, json_output: bool = False, **kwargs) -> list[dict]:
+    """apply.apply with live progress: a line per host on a terminal, plain lines in a pipe,
+    none with --json (progress_view)."""
     from meshdeploy.deploy.apply import apply as run_apply
+    from meshdeploy.deploy.progress_view import reporter
+
+    with reporter([h.name for h in session.reached()], json_output) as live:
+        session.listener = live.line
+        try:
+            return run_apply(session, planned, progress=None if json_output else print,
+                             reporter=live, **kwargs)
+        finally:
+            session.listener = None
+
+
+def _apply(args, cluster, saved, limit, replacing, purge, lock) -> int:
     from meshdeploy.deploy.apply import begin
 
+    as_json = getattr(args, "json", False)
     state = states.load(cluster)
     session = _session(cluster, limit, args, state.departed(cluster, purge))
     try:
@@ -107,24 +126,27 @@ def _apply(args, cluster, saved, limit, replacing, purge, lock) -> int:
         planned = make_plan(session, replacing, purge)
         if saved is not None:
             check_fresh(saved, config_hash(cluster), planned.plan.fingerprints)
-        else:
+        elif not as_json:
             print(render_text(planned.plan, color=_color()))
         begin(cluster, planned)
         if not planned.plan.has_changes():
             departed = [h.name for h in session.departed]
             states.after_apply(state, cluster, session.hosts(),
                                {h: purge for h in planned.destroyed_hosts(departed)}, True)
-            if saved is not None:
+            if as_json:
+                print(render_apply_json(planned.plan, [], time.monotonic() - started))
+            elif saved is not None:
                 print("No changes. The cluster matches the configuration.")
             return errors.OK
         if saved is None and not args.auto_approve:
             if not _confirm():
                 raise AbortedError("apply cancelled: nothing was changed")
-        print("\nApplying:")
+        if not as_json:
+            print("\nApplying:")
         rows: list[dict] = []
         result = "failed"
         try:
-            run_apply(session, planned, progress=print, ran=rows)
+            _run_apply(session, planned, as_json, ran=rows)
             result = "complete"
         except InterruptedApply:
             result = "interrupted"
@@ -138,6 +160,9 @@ def _apply(args, cluster, saved, limit, replacing, purge, lock) -> int:
     finally:
         lock.release_hosts()
         session.close()
+    if as_json:
+        print(render_apply_json(planned.plan, rows, elapsed))
+        return errors.OK
     print()
     print(render_apply_summary(rows))
     print(f"\nApply complete in {elapsed:.1f} s.")
@@ -153,7 +178,6 @@ def destroy(args) -> int:
 
 
 def _destroy(args, cluster, lock) -> int:
-    from meshdeploy.deploy.apply import apply as run_apply
     from meshdeploy.deploy.engine import make_destroy_plan
 
     state = states.load(cluster)
@@ -170,7 +194,7 @@ def _destroy(args, cluster, lock) -> int:
             print("\nDestroying:")
             ok = False
             try:
-                rows = run_apply(session, planned, progress=print, slots=False)
+                rows = _run_apply(session, planned, slots=False)
                 ok = True
             finally:
                 _forget(state, planned, reached, args.purge, ok)

@@ -319,3 +319,12 @@ def render_apply_summary(rows: list[dict]) -> str:
             raise ValueError(f"apply summary row {i}: unknown key {unknown[0]!r}")
     return _table([{k: "" if r.get(k) is None else str(r.get(k)) for k in _APPLY_HEADERS}
                    for r in rows], _APPLY_HEADERS)
+
+
+def render_apply_json(plan: Plan, rows: list[dict], seconds: float) -> str:
+    """`apply --json`: the plan applied (render_json's document) and what ran, once at the end;
+    no live progress is ever part of it."""
+    doc = {"format_version": FORMAT_VERSION, "plan": json.loads(render_json(plan)),
+           "applied": [{k: r.get(k) for k in _APPLY_HEADERS} for r in rows],
+           "seconds": round(seconds, 3)}
+    return json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=False)

@@ -164,6 +164,8 @@ class Session:
     settings: dict[str, SshSettings] = field(default_factory=dict)
     # Hosts to reach that the file no longer has (from the state file): they are destroyed.
     departed: list = field(default_factory=list)
+    # (host name, marked output line) of apply's live progress (deploy/progress.py), or None.
+    listener: object = None
 
     def hosts(self):
         """The file's hosts this run covers."""
@@ -260,6 +262,7 @@ class Session:
         for name, host in self.pyhosts.items():
             if name not in errors:
                 self.state.activate_host(host)
+                self._tap(name, host)
         if errors:
             refused = host_key_error({n: (self.settings[n], offered[n], m)
                                       for n, m in errors.items()})
@@ -269,6 +272,13 @@ class Session:
             raise ConnectError("cannot connect over SSH to " + "; ".join(lines),
                                hint="check the host's address, ssh settings and that sshd runs "
                                     "(or leave it out with --limit)")
+
+    def _tap(self, name: str, host) -> None:
+        from meshdeploy.deploy.progress import tap
+
+        client = getattr(host.connector, "client", None)
+        if client is not None:  # an SSH host (pyinfra's @local has no paramiko client)
+            tap(client, lambda line: self.listener and self.listener(name, line))
 
     def run(self, host_name: str, command: str, sudo: bool | None = None):
         from pyinfra.api import StringCommand

@@ -87,25 +87,28 @@ def assign(name: str, value) -> str:
     return f"{name}={quote(value, name)}"
 
 
-def script(body: str, args=None, **variables) -> str:
+def script(body: str, args=None, prelude: str = "", **variables) -> str:
     """A fixed script body run with its inputs assigned above it.
 
     + body: fixed text; it reads its inputs as "$NAME" (and "$@" for args)
     + args: a list of values that become the positional parameters ("$@") via `set --`
+    + prelude: fixed text put before the body (shell functions it calls, e.g. progress.SHELL)
     + variables: NAME=value; None is the empty string
     """
     lines = [assign(k, "" if v is None else v) for k, v in variables.items()]
     if args is not None:
         lines.append(join(["set", "--", *args]) if args else "set --")
+    if prelude:
+        lines.append(prelude.strip("\n"))
     return "\n".join([*lines, body.strip("\n")])
 
 
-def template(path: Path, args=None, **variables) -> str:
+def template(path: Path, args=None, prelude: str = "", **variables) -> str:
     """script() of a .sh file under a role's templates/ (its leading comment lines dropped)."""
     lines = path.read_text().splitlines()
     while lines and (lines[0].startswith("#") or not lines[0].strip()):
         lines.pop(0)
-    return script("\n".join(lines), args=args, **variables)
+    return script("\n".join(lines), args=args, prelude=prelude, **variables)
 
 
 def heredoc(content: str) -> tuple[str, str]:

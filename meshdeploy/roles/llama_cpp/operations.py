@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from meshdeploy.deploy import inflight, shell
+from meshdeploy.deploy import inflight, progress, shell
 from meshdeploy.deploy.context import BuildOutcome, HostContext, Step, stored_teardown
 from meshdeploy.deploy.paths import installed_build
 from meshdeploy.deploy.paths import llama_cpp_paths as paths
@@ -112,7 +112,7 @@ def build_script(ctx: HostContext, key: str) -> str:
     wanted = targets(cluster, host)
     number = ctx.resolved.build_number
     return shell.template(
-        TEMPLATES / "build.sh", args=cmake_flags(cluster, host),
+        TEMPLATES / "build.sh", args=cmake_flags(cluster, host), prelude=progress.SHELL,
         SRC=p["src"], TREE=f"{p['build']}/{host.backend}-{flavour(cluster, host)}",
         OUT=installed_build(ctx.prefix, key), COMMIT=checked_commit(ctx.resolved.commit),
         NUMBER="" if number is None else int(number), JOBS=int(b.jobs) if b.jobs else "",

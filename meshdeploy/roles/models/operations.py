@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from meshdeploy.deploy import inflight, shell
+from meshdeploy.deploy import inflight, progress, shell
 from meshdeploy.deploy.context import HostContext, SecretStdin, Step, stored_teardown
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
@@ -83,9 +83,14 @@ _DOWNLOAD = ('mkdir -p "$(dirname "$F")"\n'
              '&& { echo "$F: already downloaded and verified"; exit 0; }\n'
              'S=$(stat -c %s "$P" 2>/dev/null || echo 0); [ "$S" -le "$SIZE" ] || rm -f "$P"\n'
              'if [ -n "$AUTH" ]; then set -- -H @-; else set --; fi\n'
-             'if [ "$(stat -c %s "$P" 2>/dev/null || echo 0)" -lt "$SIZE" ]; then '
-             'curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL" || '
-             '{ rc=$?; ' + _SHORT + '; exit "$rc"; }; fi\n'
+             # Live progress: the partial's size every 2 s, and what was there before (R).
+             'R=$(stat -c %s "$P" 2>/dev/null || echo 0)\n'
+             'download_progress() { md_progress download "$(stat -c %s "$P" 2>/dev/null || '
+             'echo 0)" "$SIZE" "$R" "${F##*/}"; }\n'
+             'if [ "$R" -lt "$SIZE" ]; then md_watch download_progress; rc=0; '
+             'curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL" || rc=$?; '
+             'md_unwatch; [ "$rc" = 0 ] || { ' + _SHORT + '; exit "$rc"; }; fi\n'
+             'md_progress phase verify sha256\n'
              'S=$(stat -c %s "$P"); [ "$S" = "$SIZE" ] || '
              '{ echo "$F: downloaded $S bytes, expected $SIZE" >&2; exit 1; }\n'
              'H=$(sha256sum "$P" | cut -d\' \' -f1); [ "$H" = "$SHA" ] || '
@@ -102,7 +107,7 @@ def verify_script(path: str, sha: str) -> str:
 def download_script(path: str, url: str, size: int, sha: str, auth: bool = False) -> str:
     """Download with resume, check size and sha256, rename; with `auth`, curl reads the
     Authorization header from the script's standard input (see SecretStdin)."""
-    return shell.script("set -e\n" + _DOWNLOAD + _VERIFY, F=path,
+    return shell.script("set -e\n" + _DOWNLOAD + _VERIFY, prelude=progress.SHELL, F=path,
                         P=f"{path}{d.models_partial_suffix}", SIZE=int(size), SHA=sha, URL=url,
                         AUTH="1" if auth else "", RETRIES=int(d.models_curl_retries),
                         MARKER=f"{path}{d.models_verified_suffix}")

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshdeploy.deploy import inflight, shell
+from meshdeploy.deploy import inflight, progress, shell
 from meshdeploy.deploy.context import HostContext, Step, stored_teardown
 from meshdeploy.deploy.model import rpc_unit_name
 from meshdeploy.deploy.errors import PlanError
@@ -194,11 +194,17 @@ _SEED = ('set -e\n'
          'O=$(stat -c \'%u:%g\' "$D/.." 2>/dev/null || stat -f \'%u:%g\' "$D/.."); '
          'chown "$O" "$D" 2>/dev/null || true\n'
          'L="$D/.meshdeploy-seed-list"\n'
+         'seed_progress() { md_progress seed "$(awk \'{ s += $2 } END { printf "%.0f", s }\' '
+         '"$L.out" 2>/dev/null || echo 0)" "$T" "$N"; }\n'
          'rm -f "$D"/.$HEX16.tmp "$M.tmp" "$L" "$L.out"\n'
          ': > "$M.tmp"\n'
          'seed_one() {\n'
          '  cat > "$L"\n'
-         '  "$1" "$2" "$D" < "$L" > "$L.out"\n'
+         # Live progress: the bytes of the tensors md-rpc-seed answered for so far, every 2 s.
+         '  T=$(awk \'{ s += $2 } END { printf "%.0f", s }\' "$L"); N=${2##*/}; : > "$L.out"\n'
+         '  md_watch seed_progress; C=0\n'
+         '  "$1" "$2" "$D" < "$L" > "$L.out" || C=$?\n'
+         '  md_unwatch; [ "$C" = 0 ] || exit "$C"\n'
          # md-rpc-seed answers line by line, in order: pair each answer with its request.
          '  [ "$(wc -l < "$L")" = "$(wc -l < "$L.out")" ] || '
          '{ echo "md-rpc-seed answered for fewer tensors than asked" >&2; exit 1; }\n'
@@ -230,7 +236,7 @@ def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list) -> 
         tag, listing = shell.heredoc("".join(f"{int(off)} {int(size)}\n" for off, size in missing))
         lines.append(shell.command("seed_one", tool, m.model_path, content_id(m.model_sha))
                      + f" <<'{tag}'\n{listing}{tag}")
-    return shell.script("\n".join([_SEED, *lines, _SEED_END]), D=cache_dir,
+    return shell.script("\n".join([_SEED, *lines, _SEED_END]), prelude=progress.SHELL, D=cache_dir,
                         M=f"{cache_dir}/{d.rpc_cache_marker}", HEX16=_HEX16_GLOB)
 
 
