@@ -370,12 +370,19 @@ def test_converged_cluster_runs_whole_verified_parts(killed_runs, ft_lab, cluste
     host_lock_free(info)
 
 
+def _comm(pid: int) -> str:
+    """A process's name, or "" once it has exited (a pid listed a moment ago may be gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def stop_host(ft_lab, host: str) -> None:
     """Power the lab host off (SIGTERM to its systemd-nspawn: a clean shutdown)."""
     info, lab = ft_lab
     ns = net.host_netns(info.name, host)
-    nspawns = [p for p in net.netns_pids(ns)
-               if Path(f"/proc/{p}/comm").read_text().strip() == "systemd-nspawn"]
+    nspawns = [p for p in net.netns_pids(ns) if _comm(p) == "systemd-nspawn"]
     assert nspawns, f"{host} is not running"
     assert procs.kill_all(nspawns, grace=30) == []
     deadline = time.monotonic() + 30
