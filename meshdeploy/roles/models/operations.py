@@ -63,7 +63,7 @@ _VERIFY = ('H=$( (sha256sum "$F" 2>/dev/null || shasum -a 256 "$F") | cut -d\' \
 # vs free). The partial stays for the next run to resume; only a whole file whose sha256 matches
 # is ever renamed to F.
 _SHORT = ('S=$(stat -c %s "$P" 2>/dev/null || echo 0); '
-          'FREE=$(df -Pk "$(dirname "$F")" | awk \'NR == 2 {print $4 * 1024}\'); '
+          'FREE=$(df -Pk "$(dirname "$F")" | awk \'NR == 2 {printf "%.0f", $4 * 1024}\'); '
           'NEED=$((SIZE - S)); '
           'if [ "$rc" = 23 ] || [ "${FREE:-0}" -lt "$NEED" ]; then '
           'echo "$F: the disk is full: needs $NEED more bytes ($((NEED >> 20)) MiB) of $SIZE, '
