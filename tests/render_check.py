@@ -162,7 +162,10 @@ def _render_host(ctx, cluster, extras, prefix, out):
         out.commands.append(_attempt(
             rpc_cache._seed_script, extras.seed_tool or f"{prefix}/tool",
             extras.seed_cache or f"{prefix}/cache", [("a" * 64, 0, 11 << 20, "0" * 16)],
-            [(rpc_cache.SeedModel(seed_model, "a" * 64, ()), [(0, 11 << 20)])]))
+            [(rpc_cache.SeedModel(seed_model, "a" * 64, ()), [(0, 11 << 20)])],
+            [(rpc_cache.SeedModel("", "a" * 64, (), seed_model, ctx.host.name),
+              f"http://{ctx.host.address}:50180/models/{seed_model}",
+              [(0, 11 << 20, "0" * 16, "b" * 64)])]))
     for server in ctx.servers():
         steps.append(_attempt(services.llama_server, ctx, server.name))
         out.units.append((server, _attempt(services.server_unit, cluster, ctx.host, server,

@@ -9,7 +9,9 @@ tests/facts/<role>.<Fact>/<case>.json
 tests/operations/<role>.<op>/<case>.json
     {"cluster": "inventories/lab.yaml" or inline YAML, "host": "node2", "arg": model/port/server,
      "facts": {section key: decoded value}, "peer_facts": {host: {section key: value}},
-     "resolved": {"commit", "build_number", "models", "restarted", "replace"},
+     "resolved": {"commit", "build_number", "models", "restarted", "replace", "shared",
+                  "seeds": {"host:port": [{"model_sha", "tensors": [[name, offset, size,
+                  layer]], "model_path", "model", "source"}]}},
      "run": {"build_key", "build_changed"}, "expected": {...}}
     "run" and "restarted" are what earlier steps decided (ctx.steps): llama_cpp.build's outcome
     on this host, and the rpc-servers (re)started anywhere.
@@ -39,6 +41,8 @@ from meshdeploy.deploy.context import HostContext, Resolved, Step
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.models.hf import HfFile, HfResolved
+from meshdeploy.roles.rpc_cache.operations import SeedModel
+from meshdeploy.roles.rpc_cache.tensors import Tensor
 from support.steps import decided
 
 TESTS = Path(__file__).resolve().parent
@@ -162,7 +166,13 @@ def load_case(path: Path, tmp_path: Path):
         replace=tuple(r.get("replace", ())),
         models={name: HfResolved(m["repo"], m["commit"], tuple(HfFile(**f) for f in m["files"]),
                                  m.get("auth"))
-                for name, m in r.get("models", {}).items()})
+                for name, m in r.get("models", {}).items()},
+        shared={name: tuple(tuple(t) for t in ts) for name, ts in r.get("shared", {}).items()},
+        seeds={ref: tuple(SeedModel(m.get("model_path", ""), m["model_sha"],
+                                    tuple(Tensor(*t) for t in m["tensors"]), m.get("model", ""),
+                                    m.get("source"))
+                          for m in models)
+               for ref, models in r.get("seeds", {}).items()})
     table = {}
     if resolved.commit:
         table[BUILD_KEY] = llama_cpp.build_key(cluster, host, resolved.commit)

@@ -15,6 +15,7 @@ from meshdeploy.deploy.plan import (
     AttrDiff,
     Change,
     Plan,
+    TransferRow,
     check_fresh,
     fingerprint,
     hash_files,
@@ -116,6 +117,9 @@ def realistic_plan() -> Plan:
         ],
         hosts=["node1", "node2", "node3"],
         warnings=["node3 has 2 GB of memory; the model needs about 0.3 GB per worker"],
+        # node1 downloads gemma; node2 fetches its share of the tensors from node1's copy.
+        transfers=[TransferRow("node1", 253113024, 0, 253113024, 12_300_000_000),
+                   TransferRow("node2", 0, 102_400_000, 102_400_000, None)],
         created_at="2025-01-01T00:00:00Z",
         meshdeploy_version="0.1.0",
     )
@@ -307,6 +311,7 @@ def test_to_dict_from_dict_identity():
     p.remote_commands, p.seconds = {"node1": 1, "node2": 1}, 2.5
     d = p.to_dict()
     assert d["format_version"] == 2
+    assert [t["host"] for t in d["transfers"]] == ["node1", "node2"]
     again = Plan.from_dict(json.loads(json.dumps(d)))
     assert again == p
     assert again.to_dict() == d

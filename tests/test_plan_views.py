@@ -2,9 +2,9 @@
 
 Plans are built as `meshdeploy plan` builds them, without hosts: the placement of a seed
 scenario (tests/test_placement_scenarios.py does the same for its goldens), the network section
-from measured RTT facts, warnings and a few changes. `disagreements` reads the text back
-(placement tables, network lines, warnings, per-host counts, changes, summary) and compares it
-with the JSON; a test feeds it deliberately broken JSON to prove it can fail.
+from measured RTT facts, model bytes per host, warnings and a few changes. `disagreements` reads
+the text back (placement tables, network lines, the model bytes table, warnings, per-host counts,
+changes, summary) and compares it with the JSON; a test feeds it deliberately broken JSON to prove it can fail.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import Resolved
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.model import HfFile, HfResolved
-from meshdeploy.deploy.plan import AttrDiff, Change, Plan, load_plan, save_plan
+from meshdeploy.deploy.plan import AttrDiff, Change, Plan, TransferRow, load_plan, save_plan
 from meshdeploy.deploy.render import render_json, render_text
 from meshdeploy.roles.rpc_cache import layout, seeding
 
@@ -69,6 +69,12 @@ def built_plan(scenario: str) -> Plan:
                Change(hosts[-1], "toolchain", "packages", "no-op"),
                Change(hosts[-1], "services", "rpc_server[50052]", "update",
                       [AttrDiff("port", 50051, 50052)], reason="port moved")]
+    # The first host downloads the model, the others fetch their share over the LAN; the mini
+    # that was not probed has no free disk space known.
+    transfers = [TransferRow(h, 253_113_024, 0, 253_113_024, 40_100_000_000) if i == 0 else
+                 TransferRow(h, 0, 102_400_000 * i, 102_400_000 * i,
+                             9_870_000_000 if h in facts else None)
+                 for i, h in enumerate(hosts)]
     return Plan(cluster_name=cluster.name, cluster_path=str(cluster.path), config_hash="c" * 64,
                 fingerprints={h: f"{i:064x}" for i, h in enumerate(hosts)}, changes=changes,
                 warnings=list(seed_plan.notes) + ["hosts run different llama.cpp builds\nsecond line of it"],
@@ -76,7 +82,7 @@ def built_plan(scenario: str) -> Plan:
                 commit="f" * 40, commit_source="lock file",
                 placement=layout.sections(seed_plan.layouts),
                 network=consistency.network(cluster, cluster.hosts, facts),
-                remote_commands={h: 1 for h in hosts}, seconds=1.5,
+                transfers=transfers, remote_commands={h: 1 for h in hosts}, seconds=1.5,
                 local_host=next((h.name for h in cluster.hosts if h.local), None))
 
 
@@ -89,6 +95,7 @@ _NETWORK = re.compile(r"Network \((\S+) on (\S+)\): RTT (.*); expected per-token
                       r"compute \+ (\d+) x RTT \(~([\d.]+) ms\)")
 _LAYERS = re.compile(r"(?:(\d+)(?:-(\d+))?|-)( \+ output)?")
 _SUMMARY = re.compile(r"Plan: (\d+) to add, (\d+) to change, (\d+) to destroy\.")
+_SIZE = re.compile(r"(\d+\.\d+) (GB|MB)")
 
 
 def _table(lines: list[str], start: int) -> tuple[list[dict], int]:
@@ -109,6 +116,32 @@ def _near(text: str, value, scale: float, places: int) -> bool:
     if text in ("?", "-"):
         return value is None
     return value is not None and abs(float(text) - value / scale) <= 0.5 * 10**-places + 1e-9
+
+
+def _size_near(text: str, value) -> bool:
+    """A printed size ("253.1 MB", "12.30 GB"; "-" for 0, "?" for unknown) is `value` bytes."""
+    if text in ("-", "?"):
+        return value == {"-": 0, "?": None}[text]
+    m = _SIZE.fullmatch(text)
+    return bool(m) and _near(m[1], value, *{"GB": (1e9, 2), "MB": (1e6, 1)}[m[2]])
+
+
+def _transfer_problems(rows: list[dict], doc: dict) -> list[str]:
+    *hosts, total = rows or [{}]
+    jt = doc.get("transfers") or []
+    if [r["host"] for r in hosts] != [t["host"] for t in jt] or total.get("host") != "total":
+        return ["model bytes per host: hosts differ"]
+    out = []
+    columns = [("from internet", "internet_bytes"), ("over LAN", "lan_bytes"),
+               ("disk needed", "disk_bytes")]
+    for t, j in zip(hosts, jt):
+        for col, key in [*columns, ("disk free", "disk_free")]:
+            if not _size_near(t[col], j[key]):
+                out.append(f"model bytes of {t['host']}: {col} {t[col]!r} vs {j[key]!r}")
+    for col, key in columns:
+        if not _size_near(total[col], sum(j[key] for j in jt)):
+            out.append(f"model bytes total: {col} {total[col]!r}")
+    return out
 
 
 def _row_problems(where: str, t: dict, j: dict) -> list[str]:
@@ -133,11 +166,15 @@ def disagreements(text: str, doc: dict) -> list[str]:
     """Facts the text shows that the JSON lacks or states differently (empty: they agree)."""
     lines, out = text.splitlines(), []
     placements, networks, warnings, counts, actions = [], [], [], None, []
+    transfers = None
     i = 0
     while i < len(lines):
         line = lines[i]
         if line.split() == ["host", "add", "change", "destroy", "unchanged"]:
             counts, i = _table(lines, i)
+            continue
+        if line == "Model bytes per host:":
+            transfers, i = _table(lines, i + 1)
             continue
         if m := _PLACEMENT_HEAD.fullmatch(line):
             rows, i = _table(lines, i + 1)
@@ -175,6 +212,9 @@ def disagreements(text: str, doc: dict) -> list[str]:
     if (summary is None) == doc.get("has_changes", False):
         out.append("has_changes differs from the summary line")
 
+    if transfers is not None or doc.get("transfers"):
+        out += _transfer_problems(transfers or [], doc)
+
     jp = doc.get("placement") or []
     if len(placements) != len(jp):
         out.append(f"{len(placements)} placement tables in text, {len(jp)} in JSON")
@@ -209,7 +249,8 @@ def disagreements(text: str, doc: dict) -> list[str]:
 def test_text_and_json_agree(scenario, headers):
     plan = built_plan(scenario)
     text, doc = render_text(plan), json.loads(render_json(plan))
-    assert "Placement of " in text and "Network (" in text  # the check has something to compare
+    # the check has something to compare
+    assert "Placement of " in text and "Network (" in text and "Model bytes per host:" in text
     assert disagreements(text, doc) == []
 
 
@@ -253,13 +294,20 @@ def _broken(doc: dict, how: str) -> dict:
         doc["host_counts"][0]["unchanged"] += 1
     elif how == "local host dropped":
         doc["local_host"] = None
+    elif how == "transfers dropped":
+        doc.pop("transfers")
+    elif how == "transfer figure changed":
+        doc["transfers"][1]["lan_bytes"] += 1_000_000
+    elif how == "free disk lost":
+        doc["transfers"][0]["disk_free"] = None
     return doc
 
 
 @pytest.mark.parametrize("how", ["placement dropped", "row figure changed", "estimate flag lost",
                                  "layers moved", "network dropped", "rtt changed",
                                  "warning dropped", "host count changed",
-                                 "local host dropped"])
+                                 "local host dropped", "transfers dropped",
+                                 "transfer figure changed", "free disk lost"])
 def test_the_agreement_check_catches_a_broken_json(how, headers):
     plan = built_plan("one-mac-local-workers" if how == "local host dropped" else "mac-fitted")
     text, doc = render_text(plan), json.loads(render_json(plan))
@@ -274,7 +322,7 @@ def test_saved_plan_round_trips_its_typed_sections(scenario, headers, tmp_path):
     save_plan(plan, tmp_path / "p.plan")
     again = load_plan(tmp_path / "p.plan")
     assert again == plan
-    assert again.placement and again.network  # the equality covered the sections
+    assert again.placement and again.network and again.transfers  # the equality covered them
     assert render_text(again) == render_text(plan)
     assert render_json(again) == render_json(plan)
 

@@ -21,7 +21,7 @@ from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.model import HfFile, HfResolved
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import seeding
-from meshdeploy.roles.rpc_cache.tensors import Header
+from meshdeploy.roles.rpc_cache.tensors import Header, weight_tensors
 
 from model_headers import gemma27_header
 
@@ -63,14 +63,19 @@ def test_only_the_cached_worker_seeds_its_own_layers():
     assert list(planned.seeds) == ["box11:50052"]
     (seed,) = planned.seeds["box11:50052"]
     assert seed.model_sha == SHA
-    assert seed.model_path == "/opt/meshdeploy/models/gemma27/gemma-3-27b-it-Q4_K_M.gguf"
+    # box11 loads no llama-server of gemma27: it fetches its tensors from box16's copy.
+    assert (seed.model_path, seed.model, seed.source) == ("", "gemma27", "box16")
     rpc_row = planned.layouts[0].rows[0]
     # -ts 11,16 over 62 layers + output: llama.cpp gives the RPC card layers 0..25.
     assert rpc_row["layers"] == "0-25"
     assert {t.layer for t in seed.tensors} == set(range(26))
     assert sum(t.size for t in seed.tensors if t.hashed) == rpc_row["seed"] > 0
-    # The worker must hold the GGUF to seed from it; the orchestrator loads it anyway.
-    assert models.needed(cluster, cluster.host("box11")) == ["gemma27"]
+    # Only the orchestrator keeps the GGUF (one download); the worker keeps its tensors.
+    assert models.needed(cluster, cluster.host("box11")) == []
+    assert models.needed(cluster, cluster.host("box16")) == ["gemma27"]
+    # The digest list covers every hashed tensor, whichever worker holds it.
+    assert planned.shared["gemma27"] == tuple(sorted(
+        (t.offset, t.size) for t in weight_tensors(gemma27_header()) if t.hashed))
 
 
 def test_auto_split_without_memory_facts_is_refused(tmp_path):

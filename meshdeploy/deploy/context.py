@@ -27,6 +27,9 @@ class Resolved:
     # roles.rpc_cache: "host:port" -> SeedModel tuple, and placement layouts.
     seeds: dict = field(default_factory=dict)
     layouts: tuple = ()
+    # roles.rpc_cache: model name -> the (offset, size) of every hashed tensor of a model that
+    # workers fetch from another host's copy (what that host's digest list covers).
+    shared: dict = field(default_factory=dict)
     # Resource addresses the run must replace (`-replace=ADDRESS`: "node2/network.wireguard",
     # or "network.wireguard" for every host), checked against the registry by the engine.
     replace: tuple[str, ...] = ()
@@ -154,10 +157,23 @@ class Step:
     build: BuildOutcome | None = None  # llama_cpp.build's decision (Steps.build)
     restarts: tuple[str, ...] = ()  # "host:port" of rpc-servers this step (re)starts
     resolves: dict = field(default_factory=dict)  # Resolved fields fixed for later steps
+    transfer: Transfer | None = None  # model bytes this step moves to its host
 
     @property
     def noop(self) -> bool:
         return self.change.action == "no-op" and not self.commands
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Model bytes a step brings to its host: from the internet (the model's source), over the
+    LAN (another host's copy), and the disk they take there (free: under the folder they go
+    to; None when unknown). The plan sums them per host (Plan.transfers)."""
+
+    internet_bytes: int = 0
+    lan_bytes: int = 0
+    disk_bytes: int = 0
+    disk_free: int | None = None
 
 
 def stored_teardown(ctx: HostContext, role: str, resource: str, stored: dict, what: str,

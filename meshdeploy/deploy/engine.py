@@ -21,7 +21,7 @@ from meshdeploy.deploy import probe as probes
 from meshdeploy.deploy.context import HostContext, Resolved, Steps
 from meshdeploy.deploy.errors import ConnectError, PlanError
 from meshdeploy.deploy.model import Cluster
-from meshdeploy.deploy.plan import Plan, hash_files, utc_now
+from meshdeploy.deploy.plan import Plan, TransferRow, hash_files, utc_now
 from meshdeploy.deploy.session import Session, SudoPasswordRequired
 
 log = logging.getLogger("meshdeploy")
@@ -197,9 +197,26 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
                 created_at=utc_now(), meshdeploy_version=__version__,
                 commit=resolved.commit, commit_source=resolved.commit_source,
                 limit=list(session.limit or []), placement=list(prepared.placement),
-                network=consistency.network(cluster, hosts, facts), replace=list(replacing),
-                kept=kept, purge=purge, local_host=_local_host(hosts + departed))
+                network=consistency.network(cluster, hosts, facts),
+                transfers=transfer_rows([h.name for h in hosts], steps),
+                replace=list(replacing), kept=kept, purge=purge,
+                local_host=_local_host(hosts + departed))
     return Planned(plan, resolved, facts, steps, torn)
+
+
+def transfer_rows(hosts: list[str], steps: Steps) -> list[TransferRow]:
+    """The model bytes each host receives: its steps' Transfers summed, one row per host (in
+    `hosts` order) that receives any; disk_free is the least one known (None: none known)."""
+    rows = []
+    for host in hosts:
+        moved = [s.transfer for s in steps.on(host).values() if s.transfer is not None]
+        row = TransferRow(host, sum(t.internet_bytes for t in moved),
+                          sum(t.lan_bytes for t in moved), sum(t.disk_bytes for t in moved),
+                          min((t.disk_free for t in moved if t.disk_free is not None),
+                              default=None))
+        if row.internet_bytes or row.lan_bytes or row.disk_bytes:
+            rows.append(row)
+    return rows
 
 
 def _local_host(hosts) -> str | None:

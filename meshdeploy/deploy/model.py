@@ -231,6 +231,14 @@ class ServerDevice(NamedTuple):
     endpoint: RpcEndpoint | None  # None for the orchestrator's own devices
 
 
+class TensorFetch(NamedTuple):
+    """`worker` fetches its tensors of `model` from the copy on host `source`."""
+
+    model: str
+    source: str
+    worker: str
+
+
 @dataclass(frozen=True)
 class HfSource:
     repo: str
@@ -381,6 +389,41 @@ class Cluster:
         """The address `host` connects to other hosts' rpc-servers from: its tunnel address
         under network.transport: wireguard, else its address."""
         return self.network.wireguard.address(host.name) if self.network.tunnel else host.address
+
+    def tensor_fetches(self) -> list[TensorFetch]:
+        """Who fetches only their tensors of a model, and from whom (model distribution).
+
+        A host with a cached rpc-server that some llama-server of a one-file Hub model uses,
+        and that loads no llama-server of that model itself, keeps no GGUF: it fetches the
+        byte ranges of the tensors its placement holds from the cluster's copy, on the host of
+        the first llama-server (file order) that loads the model. That copy is the one download
+        from the internet; the host that loads the model keeps it anyway.
+        """
+        out: dict[tuple[str, str], TensorFetch] = {}
+        for server in self.servers:
+            model = self.models.get(server.model)
+            if model is None or not isinstance(model.source, HfSource) \
+                    or len(model.source.files) != 1:
+                continue
+            loaders = {s.host for s in self.servers if s.model == server.model}
+            source = next(s.host for s in self.servers if s.model == server.model)
+            for e in self.rpc_endpoints(server):
+                if e.rpc.cache and e.host.name not in loaders:
+                    out.setdefault((server.model, e.host.name),
+                                   TensorFetch(server.model, source, e.host.name))
+        return list(out.values())
+
+    def fetched_models(self, host: Host) -> list[str]:
+        """Models whose tensors `host` fetches instead of keeping their GGUF."""
+        return [f.model for f in self.tensor_fetches() if f.worker == host.name]
+
+    def shares(self, host: Host) -> dict[str, list[Host]]:
+        """model -> the hosts fetching its tensors from `host`'s copy (file order)."""
+        out: dict[str, list[str]] = {}
+        for f in self.tensor_fetches():
+            if f.source == host.name:
+                out.setdefault(f.model, []).append(f.worker)
+        return {m: [h for h in self.hosts if h.name in names] for m, names in out.items()}
 
     def tunnel_peers(self, host: Host) -> list[Host]:
         """Hosts that `host` exchanges RPC with across hosts (its workers, its orchestrators),

@@ -22,6 +22,11 @@ llama_cpp_builds_dir = "builds"            # installed builds, one per (commit, 
 llama_cpp_current_link = "current"         # -> builds/<key>, flipped only after a good build
 models_dir = "models"                      # models/<name>/<file>
 
+# --- model distribution ----------------------------------------------------------------------
+# The port of md-share on a host whose verified copy of a model other hosts fetch tensors from
+# (rpc_cache serves it during apply; network opens it to those hosts alone).
+model_share_port = 50180
+
 OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
 
 

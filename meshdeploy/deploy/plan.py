@@ -1,9 +1,9 @@
 """The plan as data: what would change on which host, and why.
 
 Computing a plan and printing it are separate (as in Terraform): the engine builds `Change`
-records and typed sections (placement, network, warnings), `meshdeploy.deploy.render` turns the
-one structure into text or JSON (docs/plan-json.md), and `save_plan`/`load_plan` carry it from
-`plan -out FILE` to `apply FILE`. A saved plan records what it was computed from
+records and typed sections (placement, network, transfers, warnings), `meshdeploy.deploy.render`
+turns the one structure into text or JSON (docs/plan-json.md), and `save_plan`/`load_plan` carry
+it from `plan -out FILE` to `apply FILE`. A saved plan records what it was computed from
 (the cluster file's hash and each host's facts fingerprint) so `apply` can refuse a stale one.
 """
 
@@ -23,7 +23,9 @@ from typing import Any
 from meshdeploy.deploy.errors import PlanError, StalePlanError
 
 ACTIONS = ("create", "update", "replace", "delete", "no-op")
-FORMAT_VERSION = 2  # 2: typed placement/network/run fields replace `extra`
+# 2: typed placement/network/run fields replace `extra` (`transfers` was added within it).
+# A saved plan of another version is refused (run plan again): saved plans are short-lived.
+FORMAT_VERSION = 2
 
 _REPLAN_HINT = "run `meshdeploy plan` again to make a fresh plan"
 
@@ -122,6 +124,17 @@ class Network:
     per_token_ms: float = 0.0  # the sum of their RTTs, on top of compute
 
 
+@dataclass
+class TransferRow:
+    """The model bytes apply brings to one host (the sum of its steps' Transfers)."""
+
+    host: str
+    internet_bytes: int  # downloaded from the model's source
+    lan_bytes: int  # fetched from another host's copy
+    disk_bytes: int  # what they take on the host's disk
+    disk_free: int | None  # free under the folder they go to (the least of them); None: unknown
+
+
 def _count(changes: list[Change]) -> dict:
     n = {a: 0 for a in ACTIONS}
     for c in changes:
@@ -150,6 +163,7 @@ class Plan:
     limit: list[str] = field(default_factory=list)  # --limit hosts; apply FILE keeps them
     placement: list[Placement] = field(default_factory=list)
     network: list[Network] = field(default_factory=list)
+    transfers: list[TransferRow] = field(default_factory=list)  # hosts that receive model bytes
     remote_commands: dict[str, int] = field(default_factory=dict)  # host -> commands to plan
     seconds: float | None = None  # how long planning took
     replace: list[str] = field(default_factory=list)  # -replace addresses; apply FILE keeps them
@@ -249,7 +263,7 @@ _PLAN_FIELDS = {
     "meshdeploy_version": str,
 }
 # Typed fields read by _typed, against Plan's own annotations.
-_TYPED_PLAN_FIELDS = ("commit", "commit_source", "limit", "placement", "network",
+_TYPED_PLAN_FIELDS = ("commit", "commit_source", "limit", "placement", "network", "transfers",
                       "remote_commands", "seconds", "replace", "kept", "purge", "local_host")
 _REQUIRED_PLAN = ("cluster_name", "cluster_path", "config_hash", "fingerprints", "changes")
 _REQUIRED_CHANGE = ("host", "role", "resource", "action")

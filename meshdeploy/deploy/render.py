@@ -2,8 +2,8 @@
 
 Renderers only read `meshdeploy.deploy.plan` records; they never decide what changes. Text and
 JSON come from the same records, so the JSON carries every fact the text shows (placement,
-network, warnings, per-host counts; docs/plan-json.md). Returned strings carry no trailing
-newline: callers print() them.
+network, model bytes per host, warnings, per-host counts; docs/plan-json.md). Returned strings
+carry no trailing newline: callers print() them.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from meshdeploy.deploy.plan import (
     Placement,
     PlacementRow,
     Plan,
+    TransferRow,
+    size_text,
 )
 
 # Symbols are right-aligned to the width of "-/+" so resource lines line up, as in Terraform.
@@ -201,6 +203,24 @@ def render_network(network: list[Network]) -> list[str]:
     return lines
 
 
+_TRANSFER_HEADERS = ["host", "from internet", "over LAN", "disk needed", "disk free"]
+
+
+def render_transfers(transfers: list[TransferRow]) -> str:
+    """The model bytes apply brings to each host, and a total: "-" for none, "?" for free disk
+    space not known."""
+    def cells(host: str, internet: int, lan: int, disk: int, free: str) -> dict:
+        sizes = [size_text(n) if n else "-" for n in (internet, lan, disk)]
+        return dict(zip(_TRANSFER_HEADERS, [host, *sizes, free]))
+
+    rows = [cells(t.host, t.internet_bytes, t.lan_bytes, t.disk_bytes,
+                  "?" if t.disk_free is None else size_text(t.disk_free)) for t in transfers]
+    rows.append(cells("total", sum(t.internet_bytes for t in transfers),
+                      sum(t.lan_bytes for t in transfers), sum(t.disk_bytes for t in transfers),
+                      ""))
+    return "Model bytes per host:\n" + _table(rows, _TRANSFER_HEADERS)
+
+
 def local_host_note(host: str) -> str:
     return (f"{host} is this machine (connection: local): its commands run here, not over "
             "SSH, so no host-key policy applies to it.")
@@ -228,6 +248,8 @@ def render_text(plan: Plan, color: bool = False) -> str:
         out += [render_placement(plan.placement), ""]
     if plan.network:
         out += render_network(plan.network) + [""]
+    if plan.transfers:
+        out += [render_transfers(plan.transfers), ""]
     for w in plan.warnings:
         first, *rest = w.splitlines() or [""]
         out.append(f"{paint(_YELLOW, 'Warning:')} {first}".rstrip())
@@ -281,6 +303,7 @@ def render_json(plan: Plan) -> str:
         "warnings": list(plan.warnings),
         "placement": [asdict(p) for p in plan.placement],
         "network": [asdict(n) for n in plan.network],
+        "transfers": [asdict(t) for t in plan.transfers],
         "commit": plan.commit,
         "commit_source": plan.commit_source,
         "limit": list(plan.limit),

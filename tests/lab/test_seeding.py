@@ -57,6 +57,8 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
     placement = place(SMALL.n_layers, ["node2", "node3"], [1, 1])
     per_worker = {h: device_tensors(placement, tensors, i) for i, h in enumerate(["node2", "node3"])}
     results = {}
+    hf_log = Path(lab.state_dir) / "run" / "hf.log"
+    mark = hf_log.stat().st_size if hf_log.exists() else 0
     try:
         for cache in (False, True):
             folder = tmp_path / ("seeded" if cache else "stock")
@@ -64,10 +66,13 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
             cluster = folder / "synthetic.yaml"
             cluster.write_text(wire.cluster_yaml(lab, served["repo"], served["file"],
                                                  served["sha256"], cache))
+            received = {h: wire.tx_bytes(lab.name, h) for h in per_worker}
             applied = meshdeploy("apply", cluster, "--auto-approve")
             assert applied.returncode == 0, applied.stderr
+            received = {h: wire.tx_bytes(lab.name, h) - received[h] for h in per_worker}
             if cache:
                 assert "Placement of synthetic for llama-server main" in applied.stdout
+                _check_distribution(lab, per_worker, received, model.stat().st_size)
             before = {h: wire.tx_bytes(lab.name, h) for h in per_worker}
             seconds = wire.restart_server(lab)
             sent = {h: wire.tx_bytes(lab.name, h) - before[h] for h in per_worker}
@@ -77,6 +82,12 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
             assert again.returncode == 0, again.stdout
     finally:
         _restore(lab, tmp_path)
+    # One download from the internet for the whole test: node1's, full-body GETs answer 200
+    # (the control machine's header reads and any resume are ranged, 206).
+    fetched = [line for line in hf_log.read_text()[mark:].splitlines()
+               if f"GET /{served['repo']}/resolve/" in line and f"/{served['file']} " in line
+               and '" 200 ' in line]
+    assert len(fetched) == 1, fetched
     for host, mine in per_worker.items():
         hashed, small = wire_bytes(mine)
         assert hashed > 2 * 10 * 1024 * 1024, f"{host} gets too few large tensors to tell"
@@ -85,6 +96,31 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
         assert results[True]["sent"][host] <= small + SLACK, (host, results[True]["sent"], small)
     assert results[True]["text"] == results[False]["text"]
     assert results[True]["text"].strip()
+
+
+def _check_distribution(lab, per_worker: dict, received: dict, model_size: int) -> None:
+    """Cached workers keep no GGUF, only their cache entries, fetched from node1's copy by
+    md-share: each received about its share of the weights, not the model."""
+    log = lab.run("node1", "sudo cat /var/log/meshdeploy-share.log").stdout
+    served = {}
+    for line in log.splitlines():
+        words = line.split()
+        if len(words) == 7 and words[2] == "GET":
+            assert words[4] == "206", line  # ranged answers only, and never a refusal
+            served[words[1]] = served.get(words[1], 0) + int(words[6])
+    print(f"md-share served {served}; workers received {received} during the apply")
+    for i, (host, mine) in enumerate(per_worker.items()):
+        hashed, _ = wire_bytes(mine)
+        ggufs = lab.run(host, "sudo find /opt/meshdeploy/models -name '*.gguf*' 2>/dev/null; "
+                              "true").stdout.split()
+        assert ggufs == [], (host, ggufs)
+        entries = lab.run(host, "sudo sh -c 'cat /var/cache/meshdeploy-rpc-50052/rpc/"
+                                "[0-9a-f]* | wc -c'").stdout.strip()
+        assert int(entries) == hashed, (host, entries, hashed)
+        assert served.get(f"10.200.0.{12 + i}") == hashed, (host, served)
+        # Its share and the protocol's bytes, far from the whole model.
+        assert received[host] <= hashed + 8 * 1024 * 1024, (host, received[host], hashed)
+        assert received[host] < model_size * 0.75, (host, received[host], model_size)
 
 
 def test_seeding_from_a_file_already_on_the_hosts(lab, tmp_path):

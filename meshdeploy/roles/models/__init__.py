@@ -7,8 +7,8 @@ from meshdeploy.roles.models import operations as ops
 
 
 def _prepare(p: Prepare) -> Prepared:
-    """Resolve every Hub model some planned host needs to one commit and its files' sha256;
-    the token is read (once) only when one of them is gated or private."""
+    """Resolve every Hub model some planned host needs (or fetches tensors of) to one commit
+    and its files' sha256; the token is read (once) only when one of them is gated or private."""
     read = []
 
     def get_token(cluster):
@@ -19,7 +19,8 @@ def _prepare(p: Prepare) -> Prepared:
     resolved = {name: hf.resolve(p.cluster, model, get_token)
                 for name, model in p.cluster.models.items()
                 if isinstance(model.source, HfSource)
-                and any(name in ops.needed(p.cluster, h) for h in p.hosts)}
+                and any(name in ops.needed(p.cluster, h) or name in p.cluster.fetched_models(h)
+                        for h in p.hosts)}
     if not resolved:
         return Prepared()
     needed = any(r.auth for r in resolved.values())

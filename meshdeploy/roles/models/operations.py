@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 
 from meshdeploy.deploy import inflight, progress, shell
-from meshdeploy.deploy.context import HostContext, SecretStdin, Step, stored_teardown
+from meshdeploy.deploy.context import HostContext, SecretStdin, Step, Transfer, stored_teardown
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
 from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource  # noqa: F401 (engine)
@@ -19,11 +19,14 @@ ROLE = "models"
 
 
 def needed(cluster, host) -> list[str]:
-    """Models this host loads, in cluster order; a worker whose rpc-server cache is seeded
-    for a llama-server needs that server's GGUF too (seeding reads it locally)."""
+    """Models this host keeps a GGUF of, in cluster order: those it loads, and those its
+    seeded rpc-server cache is filled from locally (an Ollama store or a path). A one-file Hub
+    model a worker only caches is not kept there: the worker fetches its tensors from the
+    cluster's copy (Cluster.tensor_fetches)."""
     names = {s.model for s in cluster.servers if s.host == host.name}
     names |= {s.model for s in cluster.servers
               if any(e.host.name == host.name and e.rpc.cache for e in cluster.rpc_endpoints(s))}
+    names -= set(cluster.fetched_models(host))
     return [m for m in cluster.models if m in names]
 
 
@@ -187,13 +190,15 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
         raise PlanError(f"host {ctx.host.name}: {name} needs {missing_bytes / 2**30:.2f} GiB more "
                         f"under {ctx.prefix}, only {free / 2**30:.2f} GiB free",
                         hint="free disk space or set llama_cpp.prefix to a larger disk")
+    transfer = Transfer(internet_bytes=missing_bytes, disk_bytes=missing_bytes, disk_free=free) \
+        if missing_bytes else None
     if auth:
         diffs.append(AttrDiff("token", None, f"needed ({resolved.auth}), fed to curl on stdin"))
     action = "replace" if "replace" in actions else ("create" if "create" in actions else "update")
     reason = f"{resolved.repo}@{resolved.commit[:12]}"
     if missing_bytes:
         reason += f", {missing_bytes / 2**20:.1f} MiB to download"
-    return Step(ctx.change(ROLE, resource, action, reason, diffs), commands)
+    return Step(ctx.change(ROLE, resource, action, reason, diffs), commands, transfer=transfer)
 
 
 def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:

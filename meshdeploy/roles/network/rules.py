@@ -27,6 +27,7 @@ from string import Template
 
 from meshdeploy.deploy import shell
 from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.paths import model_share_port
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.roles.network import defaults as d
 
@@ -72,6 +73,14 @@ def ports(cluster, host) -> list[Port]:
     for server in (s for s in cluster.servers if s.host == host.name):
         allow = [_literal(a, f"servers.{server.name}.allow") for a in server.allow]
         _add(found, ("tcp", server.port), f"llama-server {server.name}", allow)
+    fetchers = {w.name: w for workers in cluster.shares(host).values() for w in workers}
+    if fetchers:
+        # md-share (rpc_cache.share) serves this host's model copy to the workers that fetch
+        # their tensors of it, over the tunnel when there is one.
+        sources = [_fetcher_address(cluster, host, w) for w in fetchers.values()]
+        if tunnel is not None:
+            sources = [f"{a}{VIA}{tunnel.interface}" for a in sources]
+        _add(found, ("tcp", model_share_port), "model share", sources)
     peers = cluster.tunnel_peers(host) if tunnel is not None else []
     if peers:
         _add(found, ("udp", tunnel.listen_port), "wireguard",
@@ -106,6 +115,17 @@ def _peer_address(cluster, host, rpc, server) -> str:
             "nftables and pf rules hold IP addresses",
             hint=f"give hosts.{orchestrator.name}.address as the IP address it connects from",
         ) from None
+
+
+def _fetcher_address(cluster, host, worker) -> str:
+    try:
+        return str(ipaddress.ip_address(cluster.source_address(worker)))
+    except ValueError:
+        raise PlanError(
+            f"hosts.{host.name}: its model share must accept {worker.name}, which fetches its "
+            f"tensors from there, but hosts.{worker.name}.address is {worker.address!r}, a DNS "
+            "name; nftables and pf rules hold IP addresses",
+            hint=f"give hosts.{worker.name}.address as the IP address it connects from") from None
 
 
 def _underlay_address(host, peer) -> str:

@@ -1,7 +1,7 @@
 """rpc_cache: device memory and placement, and rpc-server caches seeded from the worker's GGUF."""
 
 from meshdeploy.deploy.registry import Prepare, Prepared, Resource, Role
-from meshdeploy.roles.rpc_cache import layout, seeding
+from meshdeploy.roles.rpc_cache import layout, seeding, sharing
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache.tensors import GgufHeaderError, header_bytes
 
@@ -15,7 +15,8 @@ def _prepare(p: Prepare) -> Prepared:
 
     planned = seeding.prepare(p.cluster, p.hosts, p.facts, p.resolved, header_cache=p.header_cache,
                               read_remote=read if p.read_remote is not None else None)
-    return Prepared(values={"seeds": planned.seeds, "layouts": planned.layouts},
+    return Prepared(values={"seeds": planned.seeds, "layouts": planned.layouts,
+                            "shared": planned.shared},
                     warnings=planned.notes, placement=layout.sections(planned.layouts))
 
 
@@ -31,10 +32,15 @@ ROLE = Role(
     resources=(
         Resource("seed_tool", lambda ctx, key: ops.seed_tool(ctx),
                  "md-rpc-seed, compiled on the worker from the shipped source"),
+        Resource("share", lambda ctx, key: sharing.share(ctx),
+                 "digest lists of models fetched from this host's copy; md-share while needed",
+                 cluster_wide=True),
         Resource("seed", seeding.seed, "a cached rpc-server's entries for what its placement holds",
-                 keys=lambda cluster: cluster.rpc_ports(), cluster_wide=True),
+                 keys=lambda cluster: cluster.rpc_ports(), cluster_wide=True,
+                 rereads=(("rpc_cache.share", "rpc_cache.Digests"),)),
     ),
 )
 
 seed_tool = ROLE.operation("seed_tool")
+share = ROLE.operation("share")
 seed = ROLE.operation("seed")

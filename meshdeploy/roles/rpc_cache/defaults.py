@@ -15,6 +15,18 @@ rpc_cache_tool_source_suffix = ".source-sha256"
 # In the cache dir: "<gguf sha256> <offset> <size> <16hex>" per seeded tensor.
 rpc_cache_marker = ".meshdeploy-seeded"
 
+# --- model distribution: workers fetch their tensors from the cluster's copy ------------------
+# Beside the GGUF on the host whose copy others fetch from, made once from the verified file:
+# "<gguf sha256> <offset> <size> <16hex fnv> <sha256>" per hashed tensor.
+rpc_cache_digests_suffix = ".tensors"
+rpc_cache_share_name = "md-share.py"           # the range server, under tools/
+rpc_cache_share_python = "python3"
+rpc_cache_share_idle = 300                     # seconds without a request before md-share exits
+rpc_cache_share_max = 6 * 3600                 # and at the latest this long after it started
+rpc_cache_share_pid = "/run/meshdeploy/md-share.pid"
+rpc_cache_share_log = "/var/log/meshdeploy-share.log"
+rpc_cache_fetch_attempts = 3                   # per tensor, each a fresh ranged GET
+
 # --- reading a remote GGUF header ------------------------------------------------------------------
 rpc_cache_header_first_fetch = 1024 * 1024     # grown x4 until the tensor infos are complete
 rpc_cache_header_max = 512 * 1024 * 1024       # a header past this is not a model meshdeploy reads

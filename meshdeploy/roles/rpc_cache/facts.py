@@ -76,6 +76,39 @@ class CacheDir(FactBase):
         return out
 
 
+class Digests(FactBase):
+    """The per-tensor digest lists of the models this host shares (made by rpc_cache.share
+    from its sha256-verified copy), by model name.
+
+    ```python
+    {"gemma": {"<gguf sha256>": [[6527680, 178257920, "f42cfb619b3cade9", "<sha256>"]]}}
+    ```
+    A model without a list is absent; a damaged line is skipped (the list then covers less and
+    is made again). None: no list at all.
+    """
+
+    def command(self, paths):
+        # Arguments: model name, list path, ... ; names are the cluster file's model keys.
+        return shell.script('while [ $# -ge 2 ]; do [ -f "$2" ] && echo "model $1" && '
+                            'sed \'s/^/line /\' "$2"; shift 2; done; true',
+                            args=[w for name, path in sorted(paths.items()) for w in (name, path)])
+
+    def process(self, output):
+        out: dict = {}
+        model = None
+        for line in output or []:
+            kind, _, rest = line.partition(" ")
+            parts = rest.split()
+            if kind == "model" and len(parts) == 1:
+                model = out.setdefault(parts[0], {})
+            elif kind == "line" and model is not None and len(parts) == 5 \
+                    and _SHA256.match(parts[0]) and parts[1].isdigit() and parts[2].isdigit() \
+                    and HEX16.match(parts[3]) and _SHA256.match(parts[4]):
+                model.setdefault(parts[0], []).append([int(parts[1]), int(parts[2]), parts[3],
+                                                       parts[4]])
+        return out or None
+
+
 class DeviceMemory(FactBase):
     """Memory of the host's devices, as llama.cpp's backends report it (bytes, device order).
 

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshdeploy.deploy import inflight, progress, shell
-from meshdeploy.deploy.context import HostContext, Step, stored_teardown
-from meshdeploy.deploy.model import rpc_unit_name
+from meshdeploy.deploy.context import HostContext, Step, Transfer, stored_teardown
+from meshdeploy.deploy.model import rpc_ref, rpc_unit_name
+from meshdeploy.deploy.paths import model_path, model_share_port
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache.facts import CacheDir, DeviceMemory, SeedTool, Stored
+from meshdeploy.roles.rpc_cache.facts import CacheDir, DeviceMemory, Digests, SeedTool, Stored
 from meshdeploy.roles.rpc_cache.placement import wire_bytes
 from meshdeploy.roles.rpc_cache.tensors import Tensor
 
@@ -40,9 +41,11 @@ _PRIVILEGED_MEMORY = ("vulkan", "rocm")
 class SeedModel:
     """One model whose tensors a worker's cache should hold."""
 
-    model_path: str  # the GGUF on the worker
+    model_path: str  # the GGUF on the worker ("" when its tensors are fetched)
     model_sha: str  # its sha256 (any stable content id without spaces)
     tensors: tuple[Tensor, ...]  # what llama-server sends to this worker (placement.device_tensors)
+    model: str = ""  # the model's name in the cluster file
+    source: str | None = None  # the host whose copy the tensors are fetched from; None: local
 
 
 def tool_path(prefix: str) -> str:
@@ -66,15 +69,33 @@ def _in_server(cluster, host) -> bool:
     return False
 
 
+def digests_path(cluster, model: str) -> str:
+    """The digest list beside a shared model's GGUF (on the host that shares it)."""
+    return model_path(cluster, model) + d.rpc_cache_digests_suffix
+
+
+def _needs_tool(cluster, host) -> bool:
+    """md-rpc-seed writes cache entries on a cached worker and digest lists where models are
+    shared."""
+    return bool(_cached_ports(host)) or bool(cluster.shares(host))
+
+
 def sections(cluster, host) -> list[Section]:
-    """Probe sections: device memory (for the split), the tool, each cached cache dir."""
+    """Probe sections: device memory (for the split), the tool, each cached cache dir, the
+    digest lists of the models this host shares."""
     out = [Section("rpc_cache.DeviceMemory", DeviceMemory,
                    privileged=host.backend in _PRIVILEGED_MEMORY)] \
         if _in_server(cluster, host) else []
+    if _needs_tool(cluster, host):
+        out.append(Section("rpc_cache.SeedTool", SeedTool,
+                           {"path": tool_path(cluster.llama_cpp.prefix)}))
+    shared = cluster.shares(host)
+    if shared:
+        out.append(Section("rpc_cache.Digests", Digests,
+                           {"paths": {m: digests_path(cluster, m) for m in shared}}))
     ports = _cached_ports(host)
     if not ports:
         return out
-    out.append(Section("rpc_cache.SeedTool", SeedTool, {"path": tool_path(cluster.llama_cpp.prefix)}))
     # A DynamicUser's CacheDirectory lives under /var/cache/private (0700 root): only root reads it.
     out += [Section(f"rpc_cache.CacheDir[{p}]", CacheDir, {"path": d.cache_dir_for(p)},
                     privileged=True)
@@ -83,13 +104,15 @@ def sections(cluster, host) -> list[Section]:
 
 
 def seed_tool(ctx: HostContext) -> Step:
-    """rpc_cache.seed_tool: md-rpc-seed compiled on the worker from the shipped source.
+    """rpc_cache.seed_tool: md-rpc-seed compiled on the host from the shipped source (cached
+    workers seed with it; a host whose copy others fetch from makes digest lists with it).
 
     + facts: rpc_cache.SeedTool (the source sha256 the installed binary was built from)
     Example: no-op "md-rpc-seed built from source 3f2a9c01b7de"
     """
-    if not _cached_ports(ctx.host):
-        return Step(ctx.change(ROLE, "seed_tool", "no-op", "no cached rpc-server on this host"))
+    if not _needs_tool(ctx.cluster, ctx.host):
+        return Step(ctx.change(ROLE, "seed_tool", "no-op",
+                               "no cached rpc-server or shared model on this host"))
     want = source_sha256()
     have = ctx.fact("rpc_cache.SeedTool")
     if have and have.get("source_sha256") == want:
@@ -113,30 +136,24 @@ _BUILD_TOOL = ('command -v cc >/dev/null 2>&1 || { echo "$HOST: no C compiler (c
                'echo "$SHA" > "$STAMP.tmp" && mv -f "$STAMP.tmp" "$STAMP"')
 
 
-def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], cache_dir: str,
-         model_sha: str, also: tuple[SeedModel, ...] = ()) -> Step:
-    """rpc_cache.seed[port]: the worker's rpc-server cache holds every >10 MiB tensor it loads.
+@dataclass
+class Coverage:
+    """What a cache dir holds of the models it should hold (from its CacheDir fact)."""
 
-    + model_path, model_sha: the GGUF on this worker and its sha256
-    + tensors: what llama-server sends to this rpc-server (placement.device_tensors)
-    + cache_dir: rpc-server's $LLAMA_CACHE/rpc (defaults.cache_dir_for(port))
-    + also: further models served through the same rpc-server; their entries are kept too
-    Entries in the cache dir that no wanted model's marker line names are deleted.
-    Example: create "1.95 GB to seed from /opt/meshdeploy/models/m/m.gguf; 90.2 MB of small
-             tensors still cross the network at each load"
-    """
-    resource = f"seed[{port}]"
-    rpc = ctx.host.rpc_server(port)
-    if rpc is None:
-        return Step(ctx.change(ROLE, resource, "no-op", "no rpc-server on this port here"))
-    if not rpc.cache:
-        return Step(ctx.change(ROLE, resource, "no-op", "cache off for this rpc-server"))
-    models = (SeedModel(model_path, model_sha, tuple(tensors)),) + tuple(also)
-    for m in models:
-        if not m.model_sha or any(c.isspace() for c in m.model_sha):
-            raise PlanError(f"rpc_cache.seed[{port}] on {ctx.host.name}: model sha {m.model_sha!r} "
-                            "is empty or has spaces", hint="pass the GGUF's sha256")
-    fact = ctx.fact(f"rpc_cache.CacheDir[{port}]")
+    keep_lines: list  # marker lines (sha, offset, size, name) whose entries are in place
+    to_seed: list  # (SeedModel, [(offset, size), ...]) still missing
+    stale: list  # entry names no wanted model's marker line names
+    temporary: list  # leftovers of interrupted writes
+    marker_now: list  # the marker as it is
+
+    @property
+    def done(self) -> bool:
+        return not self.to_seed and not self.stale and not self.temporary \
+            and self.marker_now == sorted(set(self.keep_lines))
+
+
+def coverage(fact: dict | None, models) -> Coverage:
+    """Compare a cache dir (CacheDir fact) with the SeedModels it should hold."""
     entries = (fact or {}).get("entries", {})
     marker = (fact or {}).get("marker", [])
     keep_lines, to_seed, referenced, claimed = [], [], set(), set()
@@ -154,36 +171,95 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
         if missing:
             to_seed.append((m, missing))
     stale = sorted(n for n in entries if n not in referenced and n not in claimed)
-    temporary = (fact or {}).get("temporary", [])
-    marker_now = sorted(set(marker))
-    marker_want = sorted(set(keep_lines))
-    if not to_seed and not stale and not temporary and marker_now == marker_want:
-        n = len(keep_lines)
-        size = sum(line[2] for line in keep_lines)
+    return Coverage(keep_lines, to_seed, stale, (fact or {}).get("temporary", []),
+                    sorted(set(marker)))
+
+
+def digest_index(fact: dict | None, model: str, model_sha: str) -> dict:
+    """offset -> (size, fnv16, sha256) from a sharing host's Digests fact."""
+    lines = ((fact or {}).get(model) or {}).get(model_sha) or []
+    return {off: (size, fnv, sha) for off, size, fnv, sha in lines}
+
+
+def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], cache_dir: str,
+         model_sha: str, also: tuple[SeedModel, ...] = (), model: str = "",
+         source: str | None = None) -> Step:
+    """rpc_cache.seed[port]: the worker's rpc-server cache holds every >10 MiB tensor it loads.
+
+    + model_path, model_sha: the GGUF on this worker and its sha256
+    + tensors: what llama-server sends to this rpc-server (placement.device_tensors)
+    + cache_dir: rpc-server's $LLAMA_CACHE/rpc (defaults.cache_dir_for(port))
+    + also: further models served through the same rpc-server; their entries are kept too
+    + model, source: the model's name and, when this worker keeps no GGUF of it, the host whose
+      verified copy its tensors are fetched from (ranged GETs to md-share, each tensor checked
+      against that host's digest list before it is put in place)
+    Entries in the cache dir that no wanted model's marker line names are deleted.
+    Example: create "1.95 GB to seed from /opt/meshdeploy/models/m/m.gguf; 90.2 MB of small
+             tensors still cross the network at each load"
+    """
+    resource = f"seed[{port}]"
+    rpc = ctx.host.rpc_server(port)
+    if rpc is None:
+        return Step(ctx.change(ROLE, resource, "no-op", "no rpc-server on this port here"))
+    if not rpc.cache:
+        return Step(ctx.change(ROLE, resource, "no-op", "cache off for this rpc-server"))
+    models = (SeedModel(model_path, model_sha, tuple(tensors), model, source),) + tuple(also)
+    for m in models:
+        if not m.model_sha or any(c.isspace() for c in m.model_sha):
+            raise PlanError(f"rpc_cache.seed[{port}] on {ctx.host.name}: model sha {m.model_sha!r} "
+                            "is empty or has spaces", hint="pass the GGUF's sha256")
+    fact = ctx.fact(f"rpc_cache.CacheDir[{port}]")
+    cov = coverage(fact, models)
+    if cov.done:
+        n = len(cov.keep_lines)
+        size = sum(line[2] for line in cov.keep_lines)
         return Step(ctx.change(ROLE, resource, "no-op",
                                f"{n} tensors ({size / 1e9:.2f} GB) seeded for {model_sha[:12]}"))
-    seed_bytes = sum(size for _, missing in to_seed for _, size in missing)
+    entries = (fact or {}).get("entries", {})
+    seed_bytes = sum(size for _, missing in cov.to_seed for _, size in missing)
+    fetched = sum(size for m, missing in cov.to_seed if m.source for _, size in missing)
     small = sum(wire_bytes(list(m.tensors))[1] for m in models)
     diffs = []
-    if to_seed:
-        count = sum(len(missing) for _, missing in to_seed)
-        diffs.append(AttrDiff("seeded", f"{len(keep_lines)} tensors",
-                              f"{len(keep_lines) + count} tensors (+{seed_bytes / 1e6:.1f} MB)"))
-    if stale:
-        stale_bytes = sum(entries[n] for n in stale)
-        diffs.append(AttrDiff("stale entries", f"{len(stale)} ({stale_bytes / 1e6:.1f} MB)", None))
-    if temporary:
-        diffs.append(AttrDiff("interrupted writes", " ".join(temporary), None))
-    if to_seed:
-        action = "create" if not keep_lines else "update"
-        reason = (f"{seed_bytes / 1e9:.2f} GB to seed from {model_path}; {small / 1e6:.1f} MB of "
+    if cov.to_seed:
+        count = sum(len(missing) for _, missing in cov.to_seed)
+        diffs.append(AttrDiff("seeded", f"{len(cov.keep_lines)} tensors",
+                              f"{len(cov.keep_lines) + count} tensors (+{seed_bytes / 1e6:.1f} MB)"))
+    if cov.stale:
+        stale_bytes = sum(entries[n] for n in cov.stale)
+        diffs.append(AttrDiff("stale entries", f"{len(cov.stale)} ({stale_bytes / 1e6:.1f} MB)", None))
+    if cov.temporary:
+        diffs.append(AttrDiff("interrupted writes", " ".join(cov.temporary), None))
+    if cov.to_seed:
+        action = "create" if not cov.keep_lines else "update"
+        where = ", ".join(sorted({f"over the LAN from {m.source}" if m.source else
+                                  f"from {m.model_path}" for m, _ in cov.to_seed}))
+        reason = (f"{seed_bytes / 1e9:.2f} GB to seed {where}; {small / 1e6:.1f} MB of "
                   "small tensors still cross the network at each load")
     else:
-        action = "delete" if stale else "update"
-        reason = "remove what no deployed model uses" if stale else "rewrite the seeding marker"
-    return Step(ctx.change(ROLE, resource, action, reason, diffs),
+        action = "delete" if cov.stale else "update"
+        reason = "remove what no deployed model uses" if cov.stale else "rewrite the seeding marker"
+    transfer = Transfer(lan_bytes=fetched, disk_bytes=seed_bytes) if seed_bytes else None
+    change = ctx.change(ROLE, resource, action, reason, diffs)
+    fetches = []
+    for m, missing in cov.to_seed:
+        if not m.source:
+            continue
+        digests = digest_index(ctx.fact_of(m.source, "rpc_cache.Digests"), m.model, m.model_sha)
+        if any(off not in digests or digests[off][0] != size for off, size in missing):
+            if ctx.run_command is not None:  # apply: the sharing host's step ran before this one
+                raise PlanError(f"rpc_cache.seed[{port}] on {ctx.host.name}: {m.source} has no "
+                                f"digest list of {m.model} for these tensors (its "
+                                "rpc_cache.share step failed or did not run)",
+                                hint="run apply again; the plan shows what the share step does")
+            change.reason += f" (tensor digests known after apply on {m.source})"
+            return Step(change, transfer=transfer)
+        fetches.append((m, share_url(ctx.cluster, m.source, m.model),
+                        [(off, size) + digests[off][1:] for off, size in missing]))
+    return Step(change,
                 [inflight.guarded(f"rpc_cache.seed[{port}]", _seed_script(
-                    tool_path(ctx.prefix), cache_dir, marker_want, to_seed))])
+                    tool_path(ctx.prefix), cache_dir, sorted(set(cov.keep_lines)),
+                    [t for t in cov.to_seed if not t[0].source], fetches))],
+                transfer=transfer)
 
 
 # Inputs: D (the cache dir), M (its marker), HEX16 (a glob of entry names); seed_one's
@@ -210,6 +286,30 @@ _SEED = ('set -e\n'
          '{ echo "md-rpc-seed answered for fewer tensors than asked" >&2; exit 1; }\n'
          '  paste -d \' \' "$L" "$L.out" | awk -v s="$3" \'$2 != $4 { exit 1 } { print s, $1, $2, $3 }\' '
          '>> "$M.tmp" || { echo "md-rpc-seed answers do not match the tensor list" >&2; exit 1; }\n'
+         '}\n'
+         # fetch_one URL CONTENT_ID NAME, "<offset> <size> <16hex> <sha256>" lines on stdin: each
+         # tensor a ranged GET piped into md-rpc-seed --receive, which puts the entry in place only
+         # when its size, FNV-1a and sha256 are the digest list's (made from the verified file).
+         # A retry is a fresh GET: curl cannot take back bytes it already wrote to the pipe.
+         'fetch_one() {\n'
+         '  cat > "$L"\n'
+         '  T=$(awk \'{ s += $2 } END { printf "%.0f", s }\' "$L"); N=$3; : > "$L.out"\n'
+         '  md_watch seed_progress\n'
+         '  while read -r o s f h; do\n'
+         '    if [ "$(stat -c %s "$D/$f" 2>/dev/null || stat -f %z "$D/$f" 2>/dev/null)" = "$s" ]; then\n'
+         '      echo "$f $s kept" >> "$L.out"\n'
+         '    else\n'
+         '      a=1\n'
+         '      until curl -fsS --connect-timeout 10 -r "$o-$((o + s - 1))" "$1" | '
+         '"$TOOL" --receive "$D" "$s" "$f" "$h" >> "$L.out"; do\n'
+         '        [ "$a" -lt "$ATTEMPTS" ] || { md_unwatch; echo "$N: tensor at $o ($s bytes) not '
+         'fetched from $1 after $a attempts" >&2; exit 1; }\n'
+         '        a=$((a + 1)); sleep 2\n'
+         '      done\n'
+         '    fi\n'
+         '    echo "$2 $o $s $f" >> "$M.tmp"\n'
+         '  done < "$L"\n'
+         '  md_unwatch\n'
          '}')
 _SEED_END = ('mv -f "$M.tmp" "$M"\n'
              'rm -f "$L" "$L.out"\n'
@@ -224,9 +324,18 @@ def content_id(model_sha: str) -> str:
     return model_sha
 
 
-def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list) -> str:
+def share_url(cluster, source: str, model: str) -> str:
+    """Where a worker fetches `model`'s bytes from host `source` (md-share, rpc_cache.share)."""
+    address = cluster.source_address(cluster.host(source))
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{model_share_port}/models/{model}"
+
+
+def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list,
+                 fetches=()) -> str:
     """Seed, then write the marker, then delete entries it does not name, in that order: an
-    entry rpc-server wrote itself for a wanted tensor is kept by md-rpc-seed, not rewritten."""
+    entry rpc-server wrote itself for a wanted tensor is kept by md-rpc-seed, not rewritten.
+    fetches: (SeedModel, url, [(offset, size, fnv16, sha256), ...]) fetched from m.source."""
     lines = []
     if keep_lines:
         tag, body = shell.heredoc("".join(f"{content_id(sha)} {int(off)} {int(size)} {name}\n"
@@ -236,8 +345,27 @@ def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list) -> 
         tag, listing = shell.heredoc("".join(f"{int(off)} {int(size)}\n" for off, size in missing))
         lines.append(shell.command("seed_one", tool, m.model_path, content_id(m.model_sha))
                      + f" <<'{tag}'\n{listing}{tag}")
+    for m, url, missing in fetches:
+        tag, listing = shell.heredoc("".join(f"{int(off)} {int(size)} {_hex(fnv, 16)} "
+                                             f"{_hex(sha, 64)}\n"
+                                             for off, size, fnv, sha in missing))
+        lines.append(shell.command("fetch_one", url, content_id(m.model_sha), m.model)
+                     + f" <<'{tag}'\n{listing}{tag}")
+    fetching = {"TOOL": tool, "ATTEMPTS": int(d.rpc_cache_fetch_attempts)} if fetches else {}
     return shell.script("\n".join([_SEED, *lines, _SEED_END]), prelude=progress.SHELL, D=cache_dir,
-                        M=f"{cache_dir}/{d.rpc_cache_marker}", HEX16=_HEX16_GLOB)
+                        M=f"{cache_dir}/{d.rpc_cache_marker}", HEX16=_HEX16_GLOB, **fetching)
+
+
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def _hex(value: str, length: int) -> str:
+    """A digest as the digest list holds it (lower-case hex of `length`); anything else is
+    refused before it reaches a command."""
+    if not isinstance(value, str) or len(value) != length or not _HEX.fullmatch(value):
+        raise PlanError(f"digest {value!r} is not {length} lower-case hex digits",
+                        hint="the host's digest list is damaged: delete it and apply again")
+    return value
 
 
 def destroy(ctx: HostContext, purge: bool):

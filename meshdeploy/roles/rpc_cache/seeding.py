@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshdeploy.deploy.context import HostContext, Step
@@ -171,6 +171,7 @@ class SeedPlan:
     seeds: dict  # "host:port" -> tuple[SeedModel, ...]
     layouts: tuple
     notes: tuple[str, ...]
+    shared: dict  # model name -> ((offset, size), ...) of its hashed tensors, for digest lists
 
 
 def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
@@ -188,6 +189,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
     seeds: dict[str, list] = {}
     notes: list[str] = []
     layouts = []
+    shared: dict[str, tuple] = {}
+    fetches = {(f.model, f.worker): f.source for f in cluster.tensor_fetches()}
     for server in cluster.servers:
         endpoints = cluster.rpc_endpoints(server)
         involved = {server.host} | {e.host.name for e in endpoints}
@@ -214,26 +217,31 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
             notes.append(note)
         if header is None:
             continue
-        lay = layout.build(cluster, server, weight_tensors(header), model_shape(header), facts)
+        tensors = weight_tensors(header)
+        lay = layout.build(cluster, server, tensors, model_shape(header), facts)
         layouts.append(lay)
         notes += layout.warnings(lay)
+        if any(m == model.name for m, _ in fetches):
+            shared[model.name] = tuple(sorted((t.offset, t.size) for t in tensors if t.hashed))
         for row in lay.rows:
             if not row["cached"] or row["host"] not in names or row["host"] not in content:
                 continue
             key = rpc_ref(row["host"], row["port"])
-            seed = ops.SeedModel(model_path(cluster, model.name), content[row["host"]],
-                                 tuple(row["tensors"]))
+            source = fetches.get((model.name, row["host"]))
+            seed = ops.SeedModel("" if source else model_path(cluster, model.name),
+                                 content[row["host"]], tuple(row["tensors"]), model.name, source)
             merged = seeds.setdefault(key, [])
             # One rpc-server may expose several devices: one entry per model, tensors united.
             for i, have in enumerate(merged):
                 if have.model_sha == seed.model_sha:
                     union = {t.offset: t for t in have.tensors + seed.tensors}
-                    merged[i] = ops.SeedModel(have.model_path, have.model_sha,
-                                              tuple(sorted(union.values(), key=lambda t: t.offset)))
+                    merged[i] = replace(have, tensors=tuple(sorted(union.values(),
+                                                                   key=lambda t: t.offset)))
                     break
             else:
                 merged.append(seed)
-    return SeedPlan({k: tuple(v) for k, v in seeds.items()}, tuple(layouts), tuple(notes))
+    return SeedPlan({k: tuple(v) for k, v in seeds.items()}, tuple(layouts), tuple(notes),
+                    shared)
 
 
 def seed(ctx: HostContext, port: int) -> Step:
@@ -247,4 +255,4 @@ def seed(ctx: HostContext, port: int) -> Step:
         return ops.seed(ctx, port, "", [], d.cache_dir_for(port), "-")
     first, *also = wanted
     return ops.seed(ctx, port, first.model_path, list(first.tensors), d.cache_dir_for(port),
-                    first.model_sha, tuple(also))
+                    first.model_sha, tuple(also), first.model, first.source)

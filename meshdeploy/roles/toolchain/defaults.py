@@ -3,6 +3,7 @@
 # --- packages per package manager -------------------------------------------------------------
 toolchain_apt_packages = ("cmake", "g++", "git", "curl", "ca-certificates", "ninja-build")
 toolchain_dnf_packages = ("cmake", "gcc-c++", "git", "curl", "ca-certificates", "ninja-build")
+toolchain_python_package = "python3"  # on a host whose model copy others fetch tensors from
 toolchain_brew_packages = ("cmake", "git", "ninja")
 toolchain_ccache_package = "ccache"
 

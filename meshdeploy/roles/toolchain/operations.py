@@ -15,11 +15,13 @@ from meshdeploy.roles.toolchain.facts import AptProxy, DebPackages, Platform
 ROLE = "toolchain"
 
 
-def wanted_packages(cluster, manager: str) -> tuple[str, ...]:
+def wanted_packages(cluster, manager: str, host) -> tuple[str, ...]:
     base = {"apt": d.toolchain_apt_packages, "dnf": d.toolchain_dnf_packages,
             "brew": d.toolchain_brew_packages}[manager]
     if cluster.llama_cpp.build.ccache:
         base = base + (d.toolchain_ccache_package,)
+    if cluster.shares(host) and manager != "brew":  # macOS ships python3 with its CLT
+        base = base + (d.toolchain_python_package,)  # md-share serves the host's model copy
     return base
 
 
@@ -27,7 +29,7 @@ def sections(cluster, host) -> list[Section]:
     return [
         Section("toolchain.Platform", Platform),
         Section("toolchain.DebPackages", DebPackages,
-                {"packages": wanted_packages(cluster, "apt")}),
+                {"packages": wanted_packages(cluster, "apt", host)}),
         Section("toolchain.AptProxy", AptProxy),
     ]
 
@@ -113,7 +115,7 @@ def packages(ctx: HostContext) -> Step:
     manager = package_manager(platform)
     if manager is None:
         preflight(ctx)  # raises the plain "no supported package manager" error
-    wanted = wanted_packages(ctx.cluster, manager)
+    wanted = wanted_packages(ctx.cluster, manager, ctx.host)
     if manager == "apt":
         installed = ctx.fact("toolchain.DebPackages") or {}
         missing = [p for p in wanted if not installed.get(p)]

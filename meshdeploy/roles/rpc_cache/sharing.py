@@ -1,0 +1,156 @@
+"""rpc_cache.share: one host's verified copy of a model, served to the workers that fetch only
+their tensors of it.
+
+A worker with a seeded cache keeps no GGUF of a one-file Hub model it does not load itself
+(Cluster.tensor_fetches): the host of the model's first llama-server downloads it once from the
+internet and verifies its sha256 (models.gguf), and this step, on that host,
+
+- makes the model's digest list once from that verified file: "<gguf sha256> <offset> <size>
+  <16hex fnv> <sha256>" per hashed tensor (md-rpc-seed --digest), beside the GGUF;
+- when some worker misses tensors, starts md-share (templates/md-share.py, Python's standard
+  library only): ranged GETs of the GGUF, bound to the host's cluster address, answering only the
+  fetching hosts (network.allowlist opens its port to them alone), gone by itself once idle.
+
+The workers' rpc_cache.seed re-reads the digest list (Resource.rereads) and fetches each missing
+tensor's byte range into md-rpc-seed --receive, which puts an entry in place only when its size,
+FNV-1a and sha256 are the list's: a worker never caches bytes that differ from the verified file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshdeploy.deploy import inflight, shell
+from meshdeploy.deploy.context import HostContext, Step
+from meshdeploy.deploy.model import rpc_ref
+from meshdeploy.deploy.paths import model_path, model_share_port
+from meshdeploy.deploy.plan import AttrDiff
+from meshdeploy.roles.rpc_cache import defaults as d
+from meshdeploy.roles.rpc_cache import operations as ops
+
+ROLE = ops.ROLE
+SERVER = Path(__file__).with_name("templates") / d.rpc_cache_share_name
+
+# Inputs: TOOL, GGUF, OUT (the list), SHA (the GGUF's sha256); "<offset> <size>" lines on stdin.
+# Written under a temporary name and renamed only when md-rpc-seed answered every tensor.
+_DIGEST = ('set -e\n'
+           'digest() {\n'
+           '  cat > "$OUT.in"\n'
+           '  "$TOOL" --digest "$GGUF" < "$OUT.in" | awk -v s="$SHA" \'{ print s, $0 }\' > "$OUT.tmp"\n'
+           '  [ "$(wc -l < "$OUT.in")" = "$(wc -l < "$OUT.tmp")" ] || '
+           '{ echo "$GGUF: md-rpc-seed digested fewer tensors than asked" >&2; exit 1; }\n'
+           '  mv -f "$OUT.tmp" "$OUT"; rm -f "$OUT.in"\n'
+           '}')
+
+# Inputs: PY, SERVER (md-share.py), PID, LOG, HOST; its arguments in "$@". An md-share left by an
+# earlier run is stopped first (it may serve an older file). The server writes PID once it
+# listens; its output goes to LOG, so the SSH channel closes when this script ends.
+_START = ('command -v "$PY" >/dev/null 2>&1 || { echo "$HOST: no $PY to run md-share; the '
+          'toolchain role installs it" >&2; exit 1; }\n'
+          'if [ -f "$PID" ]; then kill "$(cat "$PID")" 2>/dev/null || true; i=0; '
+          'while [ -f "$PID" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done; '
+          'rm -f "$PID"; fi\n'
+          'mkdir -p "$(dirname "$PID")" "$(dirname "$LOG")"\n'
+          'setsid "$PY" "$SERVER" --pid-file "$PID" "$@" </dev/null >>"$LOG" 2>&1 &\n'
+          'S=$!; i=0\n'
+          'until [ -f "$PID" ]; do\n'
+          '  kill -0 "$S" 2>/dev/null || { echo "$HOST: md-share did not start:" >&2; '
+          'tail -n 5 "$LOG" >&2; exit 1; }\n'
+          '  i=$((i + 1)); [ $i -lt 100 ] || { echo "$HOST: md-share did not listen within 10 s" >&2; '
+          'exit 1; }\n'
+          '  sleep 0.1\n'
+          'done\n'
+          'echo "md-share serving on port $PORT"')
+
+
+def server_path(prefix: str) -> str:
+    return f"{prefix}/{d.rpc_cache_tools_dir}/{d.rpc_cache_share_name}"
+
+
+def _digested(fact, model: str, sha: str, wanted) -> bool:
+    """Whether the host's digest list of `model` covers every wanted (offset, size)."""
+    have = ops.digest_index(fact, model, sha)
+    return all(have.get(off, (None,))[0] == size for off, size in wanted)
+
+
+def _to_serve(ctx: HostContext, model: str, workers) -> dict[str, int]:
+    """worker -> bytes of `model` its caches still miss (from the workers' CacheDir facts)."""
+    out = {}
+    for worker in workers:
+        missing = 0
+        for port in sorted(r.port for r in worker.rpc_servers if r.cache):
+            mine = [m for m in ctx.resolved.seeds.get(rpc_ref(worker.name, port), ())
+                    if m.model == model and m.source == ctx.host.name]
+            cov = ops.coverage(ctx.fact_of(worker.name, f"rpc_cache.CacheDir[{port}]"), mine)
+            missing += sum(size for _, wanted in cov.to_seed for _, size in wanted)
+        if missing:
+            out[worker.name] = missing
+    return out
+
+
+def share(ctx: HostContext) -> Step:
+    """rpc_cache.share: digest lists of the models this host's copy serves, and md-share while
+    workers miss tensors.
+
+    + facts: rpc_cache.Digests (this host), rpc_cache.CacheDir[port] (the fetching workers)
+    Example: create "digest list of gemma; serve 1.20 GB to node2, node3 over the LAN"
+    """
+    cluster = ctx.cluster
+    shares = cluster.shares(ctx.host)
+    if not shares:
+        return Step(ctx.change(ROLE, "share", "no-op", "no host fetches tensors from this host"))
+    fact = ctx.fact("rpc_cache.Digests")
+    digest, serve, diffs, listed = [], {}, [], 0
+    for model, workers in shares.items():
+        hub = ctx.resolved.models.get(model)
+        wanted = ctx.resolved.shared.get(model)
+        if hub is None or wanted is None:
+            continue  # outside --limit, or its header is unknown (the plan warned)
+        sha = hub.files[0].sha256
+        if not _digested(fact, model, sha, wanted):
+            digest.append((model, sha, wanted))
+            diffs.append(AttrDiff(f"digests[{model}]", None, f"{len(wanted)} tensors"))
+        listed += len(wanted)
+        for worker, size in _to_serve(ctx, model, workers).items():
+            serve[worker] = serve.get(worker, 0) + size
+    if not digest and not serve:
+        return Step(ctx.change(ROLE, "share", "no-op",
+                               f"digest lists of {', '.join(shares)} ({listed} tensors); "
+                               "every fetching cache is seeded"))
+    commands = [inflight.guarded(f"rpc_cache.share[{model}]", _digest_script(ctx, model, sha, wanted))
+                for model, sha, wanted in digest]
+    reason = []
+    if digest:
+        reason.append(f"digest list of {', '.join(m for m, _, _ in digest)}")
+    if serve:
+        total = sum(serve.values())
+        reason.append(f"serve {total / 1e9:.2f} GB to {', '.join(sorted(serve))} over the LAN "
+                      f"(md-share, port {model_share_port}, until idle "
+                      f"{d.rpc_cache_share_idle} s)")
+        diffs.append(AttrDiff("md-share", None, f"{cluster.source_address(ctx.host)}:"
+                                                f"{model_share_port}"))
+        commands += [shell.write_file(server_path(ctx.prefix), SERVER.read_text(), "0755"),
+                     _start_script(ctx, shares)]
+    return Step(ctx.change(ROLE, "share", "create" if digest else "update", "; ".join(reason),
+                           diffs), commands)
+
+
+def _digest_script(ctx: HostContext, model: str, sha: str, wanted) -> str:
+    tag, listing = shell.heredoc("".join(f"{int(off)} {int(size)}\n" for off, size in wanted))
+    return shell.script(f"{_DIGEST}\ndigest <<'{tag}'\n{listing}{tag}",
+                        TOOL=ops.tool_path(ctx.prefix), GGUF=model_path(ctx.cluster, model),
+                        OUT=ops.digests_path(ctx.cluster, model), SHA=ops.content_id(sha))
+
+
+def _start_script(ctx: HostContext, shares: dict) -> str:
+    cluster = ctx.cluster
+    allow = sorted({cluster.source_address(w) for workers in shares.values() for w in workers})
+    args = ["--bind", cluster.source_address(ctx.host), "--port", model_share_port,
+            "--idle", d.rpc_cache_share_idle, "--max", d.rpc_cache_share_max]
+    for address in allow:
+        args += ["--allow", address]
+    for model in shares:
+        args += ["--file", f"{model}={model_path(cluster, model)}"]
+    return shell.script(_START, args=args, PY=d.rpc_cache_share_python,
+                        SERVER=server_path(ctx.prefix), PID=d.rpc_cache_share_pid,
+                        LOG=d.rpc_cache_share_log, HOST=ctx.host.name, PORT=model_share_port)
