@@ -228,3 +228,17 @@ def test_an_unreadable_header_on_a_host_is_one_error(tmp_path):
                                         r"not a GGUF file \(bad magic\)"):
         planned = seeding.prepare(cluster, cluster.hosts, facts, Resolved(),
                         read_remote=lambda h, p: b"NOPE" * 10)
+
+
+def test_fetch_false_keeps_a_whole_copy_on_the_worker(tmp_path):
+    text = (ROOT / "inventories" / "two-cuda-11-16.yaml").read_text()
+    text = text.replace("        cache: true ", "        fetch: false\n        cache: true ")
+    assert "fetch: false" in text
+    path = tmp_path / "two.yaml"
+    path.write_text(text)
+    cluster = load_cluster(path)
+    assert cluster.tensor_fetches() == []
+    assert models.needed(cluster, cluster.host("box11")) == ["gemma27"]
+    fetching = load_cluster(ROOT / "inventories" / "two-cuda-11-16.yaml")
+    assert [tuple(f) for f in fetching.tensor_fetches()] == [("gemma27", "box16", "box11")]
+    assert list(fetching.shares(fetching.host("box16"))) == ["gemma27"]

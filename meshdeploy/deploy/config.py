@@ -218,7 +218,8 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
     for name, h in data["hosts"].items():
         rpcs = tuple(
             RpcServer(port=r["port"], bind=resolve_bind(h, r, net["rpc_bind"]),
-                      device=unset(r["device"]), threads=r["threads"], cache=r["cache"])
+                      device=unset(r["device"]), threads=r["threads"], cache=r["cache"],
+                      fetch=r["fetch"])
             for r in h["rpc_servers"])
         s = h["ssh"]
         ssh = SSH(user=unset(s["user"]), port=s["port"], key=control_path(s["key"], base),

@@ -137,6 +137,9 @@ class RpcServer:
     device: str | None  # None = every device of the host
     threads: int  # 0 = rpc-server's default
     cache: bool
+    # With cache: fetch only its tensors of a one-file Hub model from the cluster's copy
+    # (Cluster.tensor_fetches); False: keep a whole GGUF on the host and seed from it.
+    fetch: bool = True
 
     @property
     def unit_name(self) -> str:
@@ -400,6 +403,7 @@ class Cluster:
         from the internet; the host that loads the model keeps it anyway.
         """
         out: dict[tuple[str, str], TensorFetch] = {}
+        keeps = set()  # (model, worker) where some cached rpc-server says fetch: false
         for server in self.servers:
             model = self.models.get(server.model)
             if model is None or not isinstance(model.source, HfSource) \
@@ -411,7 +415,9 @@ class Cluster:
                 if e.rpc.cache and e.host.name not in loaders:
                     out.setdefault((server.model, e.host.name),
                                    TensorFetch(server.model, source, e.host.name))
-        return list(out.values())
+                    if not e.rpc.fetch:
+                        keeps.add((server.model, e.host.name))
+        return [f for key, f in out.items() if key not in keeps]
 
     def fetched_models(self, host: Host) -> list[str]:
         """Models whose tensors `host` fetches instead of keeping their GGUF."""

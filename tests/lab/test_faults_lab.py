@@ -59,7 +59,10 @@ def cluster_file(ft_lab, tmp_path_factory):
     info, _ = ft_lab
     text = for_lab((REPO / "inventories" / "lab.yaml").read_text(), info)
     text = text.replace(text[text.index("  node3:\n"):text.index("models:\n")], "")
-    text = text.replace("      - port: 50052\n", "      - port: 50052\n        cache: true\n")
+    # fetch: false keeps a whole GGUF on node2 (downloaded and seeded from), so its download
+    # and disk faults are tried on a worker too.
+    text = text.replace("      - port: 50052\n",
+                        "      - port: 50052\n        cache: true\n        fetch: false\n")
     path = tmp_path_factory.mktemp("faults") / "lab.yaml"
     path.write_text(text)
     return path

@@ -385,7 +385,8 @@ _CACHE = rpc_unit_name(0).rsplit("-", 1)[0]  # "meshdeploy-rpc": every port's ca
 
 def destroy_sections(cluster) -> list[Section]:
     tool = tool_path(cluster.llama_cpp.prefix)
+    share = f"{cluster.llama_cpp.prefix}/{d.rpc_cache_tools_dir}/{d.rpc_cache_share_name}"
     return [Section("rpc_cache.Stored", Stored,
-                    {"paths": [tool, tool + d.rpc_cache_tool_source_suffix],
+                    {"paths": [tool, tool + d.rpc_cache_tool_source_suffix, share],
                      "folders": ["/var/cache", "/var/cache/private"], "prefix": _CACHE + "-"},
                     privileged=True)]
