@@ -105,37 +105,31 @@ def _rpc_clients(cluster, host, rpc) -> list:
 
 def _peer_address(cluster, host, rpc, server) -> str:
     orchestrator = cluster.host(server.host)
-    try:
-        return str(ipaddress.ip_address(cluster.source_address(orchestrator)))
-    except ValueError:
-        raise PlanError(
-            f"hosts.{host.name}.rpc_servers[{rpc.port}]: its allow-list needs the address of "
-            f"{orchestrator.name} (llama-server {server.name} uses it), but "
-            f"hosts.{orchestrator.name}.address is {orchestrator.address!r}, a DNS name; "
-            "nftables and pf rules hold IP addresses",
-            hint=f"give hosts.{orchestrator.name}.address as the IP address it connects from",
-        ) from None
+    return _ip_of(orchestrator, cluster.source_address(orchestrator),
+                  f"hosts.{host.name}.rpc_servers[{rpc.port}]: its allow-list needs the address "
+                  f"of {orchestrator.name} (llama-server {server.name} uses it)")
 
 
 def _fetcher_address(cluster, host, worker) -> str:
-    try:
-        return str(ipaddress.ip_address(cluster.source_address(worker)))
-    except ValueError:
-        raise PlanError(
-            f"hosts.{host.name}: its model share must accept {worker.name}, which fetches its "
-            f"tensors from there, but hosts.{worker.name}.address is {worker.address!r}, a DNS "
-            "name; nftables and pf rules hold IP addresses",
-            hint=f"give hosts.{worker.name}.address as the IP address it connects from") from None
+    return _ip_of(worker, cluster.source_address(worker),
+                  f"hosts.{host.name}: its model share must accept {worker.name}, which fetches "
+                  "its tensors from there")
 
 
 def _underlay_address(host, peer) -> str:
+    return _ip_of(peer, peer.address,
+                  f"hosts.{host.name}: its WireGuard port must accept {peer.name}")
+
+
+def _ip_of(peer, address: str, why: str) -> str:
+    """`address` (of host `peer`) as the IP literal a rule holds; a DNS name is one error that
+    says `why` the rule needs it."""
     try:
-        return str(ipaddress.ip_address(peer.address))
+        return str(ipaddress.ip_address(address))
     except ValueError:
         raise PlanError(
-            f"hosts.{host.name}: its WireGuard port must accept {peer.name}, but "
-            f"hosts.{peer.name}.address is {peer.address!r}, a DNS name; nftables and pf rules "
-            "hold IP addresses",
+            f"{why}, but hosts.{peer.name}.address is {peer.address!r}, a DNS name; nftables and "
+            "pf rules hold IP addresses",
             hint=f"give hosts.{peer.name}.address as the IP address it connects from") from None
 
 
