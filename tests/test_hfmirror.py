@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,63 @@ def test_errors_map_to_huggingface_hub_exceptions(mirror, tmp_path):
         api.model_info("acme/missing")
     with pytest.raises(RevisionNotFoundError):
         api.model_info(REPO, revision="0" * 40)
+
+
+def _timed_concurrent_gets(url: str, path: str, n: int) -> tuple[float, list[bytes]]:
+    """Seconds for `n` simultaneous GETs of `path` to all finish, and their bodies."""
+    bodies: list = [None] * n
+    ready = threading.Barrier(n + 1)
+
+    def get(i):
+        ready.wait()
+        resp, body = _request(url, "GET", path)
+        bodies[i] = body if resp.status == 200 else None
+
+    threads = [threading.Thread(target=get, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    started = time.monotonic()
+    for t in threads:
+        t.join(timeout=30)
+    return time.monotonic() - started, bodies
+
+
+def test_rate_limits_all_connections_together(tmp_path):
+    """--rate models one uplink: two downloads at once share it, they do not get it each."""
+    mib = 1024 * 1024
+    data = _bytes(5, 4 * mib)
+    (tmp_path / "four.gguf").write_bytes(data)
+    root = tmp_path / "root"
+    hfmirror.add_file(root, REPO, "four.gguf", tmp_path / "four.gguf")
+    path = f"/{REPO}/resolve/main/four.gguf"
+    took = {}
+    for rate in (None, 8 * mib):
+        server = hfmirror.make_server(root, "127.0.0.1", 0, rate=rate)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            url = f"http://127.0.0.1:{server.server_address[1]}"
+            took[rate], bodies = _timed_concurrent_gets(url, path, 2)
+        finally:
+            server.shutdown()
+            server.server_close()
+        assert bodies == [data, data], f"rate {rate}: wrong bytes"
+    limited, unlimited = took[8 * mib], took[None]
+    # 8 MiB in all at 8 MiB/s, less the bucket's first 256 KiB: about 0.97 s together (each
+    # download alone at that rate would have needed only 0.5 s).
+    assert limited >= 0.6, took
+    assert limited >= 3 * unlimited, took
+    assert limited < 10, took
+
+
+def test_rate_must_be_positive(tmp_path):
+    with pytest.raises(LabError, match="positive"):
+        hfmirror.make_server(tmp_path, "127.0.0.1", 0, rate=0)
+    server = hfmirror.make_server(tmp_path, "127.0.0.1", 0)
+    try:
+        assert server.RequestHandlerClass.bucket is None  # no --rate: bodies are not paced
+    finally:
+        server.server_close()
 
 
 def test_each_file_is_hashed_once(tmp_path, monkeypatch):

@@ -442,7 +442,8 @@ def test_seed_tool_steps():
     assert ops.seed_tool(ctx_for({}, host="node1")).change.action == "create"
     assert ops.seed_tool(ctx_for({}, host="node1", cache=False)).noop
     assert [s.key for s in ops.sections(ctx_for({}).cluster, ctx_for({}).host)] == \
-        ["rpc_cache.DeviceMemory", "rpc_cache.SeedTool", "rpc_cache.CacheDir[50052]"]
+        ["rpc_cache.DeviceMemory", "rpc_cache.SeedTool", "rpc_cache.CacheFree",
+         "rpc_cache.CacheDir[50052]"]
 
 
 # ---- the generated shell script, run for real -----------------------------------------------------

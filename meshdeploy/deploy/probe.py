@@ -110,6 +110,23 @@ def fingerprint(facts: dict[str, object], volatile: tuple[str, ...] = ()) -> str
     return hashlib.sha256(blob).hexdigest()
 
 
+class DiskFree(FactBase):
+    """Free bytes on the filesystem that holds `path` (or its nearest existing parent). Roles
+    subclass it (a FactBase per role folder, with fixtures)."""
+
+    _BODY = ('while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname -- "$p"); done\n'
+             'df -Pk -- "$p" | tail -n 1')
+
+    def command(self, path):
+        return shell.script(self._BODY, p=path)
+
+    def process(self, output):
+        try:
+            return int(output[-1].split()[3]) * 1024
+        except (IndexError, ValueError):
+            return None
+
+
 class Stored(FactBase):
     """What a role stored on the host, for its destroy hook: each existing path among `paths`,
     and each entry of a folder in `folders` whose name starts with `prefix`, with its size.

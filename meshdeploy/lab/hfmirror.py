@@ -17,13 +17,18 @@ metadata to anyone but its files only with a token from --token-file (401 GatedR
 403 with another); one named with --private answers 401 RepoNotFound to everything without a
 valid token. --verbose logs, per request, whether an Authorization header came (never its value).
 
+A slow internet, for benchmarks: --rate BYTES_PER_SECOND caps the mirror's total sending of file
+bodies, across all connections together (one shared token bucket), as one home uplink shared by
+every host would; bodies then go out in 256 KiB sendfile chunks, each paid for before it is sent.
+Metadata (API answers, headers, errors) is not limited. Without --rate nothing is paced.
+
 Why not olah (the PyPI Hub mirror): offline it serves a local git-lfs repo and hf_hub_download
 works, but it ignores Range (no resume), gives no size or sha256 in model_info(files_metadata=
 True), reads a whole file into memory per request and re-hashes it on every HEAD; none of that
 holds up with multi-GB GGUFs.
 
     python -m meshdeploy.lab.hfmirror --root DIR --bind ADDR --port PORT [--gemma]
-        [--token-file FILE --gated ORG/NAME ... --private ORG/NAME ...]
+        [--token-file FILE --gated ORG/NAME ... --private ORG/NAME ...] [--rate BYTES_PER_SECOND]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -57,6 +63,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _REVISION = re.compile(r"^[\w][\w.-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _CHUNK = 1 << 20
+_SEND_CHUNK = 256 * 1024  # bytes per sendfile call when --rate paces the bodies
 
 
 # ---- the served tree --------------------------------------------------------------------------
@@ -235,6 +242,34 @@ def _git_sha1(data: bytes) -> str:
 
 # ---- HTTP -------------------------------------------------------------------------------------
 
+class TokenBucket:
+    """One sending rate shared by every thread: `take(n)` returns once `n` bytes may go out.
+
+    Tokens (bytes) accrue at `rate` per second up to `burst`. A taker reserves its bytes at once,
+    possibly driving the balance below zero, then sleeps (outside the lock) until that debt is
+    repaid; so concurrent takers queue behind each other and their sum never beats `rate`.
+    """
+
+    def __init__(self, rate: float, burst: int = _SEND_CHUNK):
+        if not rate > 0:
+            raise LabError(f"the rate must be a positive number of bytes per second, got {rate}")
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self._tokens = float(burst)
+        self._stamp = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._tokens -= n
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+
+
 class HubError(Exception):
     def __init__(self, status: int, code: str | None, message: str, commit: str | None = None):
         super().__init__(message)
@@ -271,6 +306,7 @@ class MirrorHandler(BaseHTTPRequestHandler):
     store: Store  # set by make_server
     access: dict = {}  # repo id -> "gated" | "private"; set by make_server
     tokens: frozenset = frozenset()  # bearer tokens that may read gated and private repos
+    bucket: TokenBucket | None = None  # --rate: the one limit on every body sent; set by make_server
 
     def do_HEAD(self) -> None:
         self._dispatch(head=True)
@@ -359,9 +395,18 @@ class MirrorHandler(BaseHTTPRequestHandler):
                 self.send_body(f, start, end - start + 1)
 
     def send_body(self, f, offset: int, count: int) -> None:
-        """Copy `count` bytes from `offset` of `f` to the client, in the kernel when possible."""
+        """Copy `count` bytes from `offset` of `f` to the client, in the kernel when possible;
+        with a rate (make_server's `rate`), in chunks paced by the mirror's one token bucket."""
         self.wfile.flush()
-        self.connection.sendfile(f, offset, count)
+        if self.bucket is None:
+            self.connection.sendfile(f, offset, count)
+            return
+        while count > 0:
+            n = min(count, _SEND_CHUNK)
+            self.bucket.take(n)
+            self.connection.sendfile(f, offset, n)
+            offset += n
+            count -= n
 
     def _api(self, repo_id: str, rest: list[str], query: dict, head: bool) -> None:
         if not rest:
@@ -469,17 +514,20 @@ def _iso(ts: float) -> str:
 
 def make_server(root: Path, bind: str = "127.0.0.1", port: int = 0, *,
                 handler: type[MirrorHandler] = MirrorHandler, verbose: bool = False,
-                access: dict | None = None, tokens=()) -> ThreadingHTTPServer:
+                access: dict | None = None, tokens=(),
+                rate: float | None = None) -> ThreadingHTTPServer:
     """A threaded mirror server (not yet serving: call serve_forever, e.g. in a thread).
 
     + access: repo id -> "gated" or "private" (see the module's docstring); others are public
     + tokens: the bearer tokens that may read those
+    + rate: bytes per second for all file bodies together (one token bucket); None = unlimited
     """
     if any(mode not in ("gated", "private") for mode in (access or {}).values()):
         raise LabError(f"access modes are gated or private, got {access}")
+    bucket = TokenBucket(rate) if rate is not None else None
     handler_class = type("BoundMirrorHandler", (handler,), {
         "store": Store(Path(root)), "access": dict(access or {}),
-        "tokens": frozenset(t for t in tokens if t)})
+        "tokens": frozenset(t for t in tokens if t), "bucket": bucket})
     server = ThreadingHTTPServer((bind, port), handler_class)
     server.daemon_threads = True
     server.verbose = verbose
@@ -500,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="files only with a token, metadata to anyone (repeatable)")
     parser.add_argument("--private", action="append", default=[], metavar="ORG/NAME",
                         help="nothing without a token (repeatable)")
+    parser.add_argument("--rate", type=float, metavar="BYTES_PER_SECOND",
+                        help="cap the sending of file bodies, all connections together "
+                             "(e.g. 12.5e6 for 100 Mbit/s); default: unlimited")
     args = parser.parse_args(argv)
     try:
         args.root.mkdir(parents=True, exist_ok=True)
@@ -510,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LabError("--gated/--private need --token-file with at least one token")
         access = {**{r: "gated" for r in args.gated}, **{r: "private" for r in args.private}}
         server = make_server(args.root, args.bind, args.port, verbose=args.verbose,
-                             access=access, tokens=tokens)
+                             access=access, tokens=tokens, rate=args.rate)
     except (LabError, OSError) as exc:
         print(f"hfmirror: {exc}", file=sys.stderr)
         return 1

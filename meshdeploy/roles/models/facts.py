@@ -47,20 +47,8 @@ class ModelFile(FactBase):
                 "link": link[0] if link else None}
 
 
-class DiskFree(FactBase):
-    """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
-
-    _BODY = ('while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname -- "$p"); done\n'
-             'df -Pk -- "$p" | tail -n 1')
-
-    def command(self, path):
-        return shell.script(self._BODY, p=path)
-
-    def process(self, output):
-        try:
-            return int(output[-1].split()[3]) * 1024
-        except (IndexError, ValueError):
-            return None
+class DiskFree(probe.DiskFree):
+    """Free bytes where the models folder is (or its nearest existing parent)."""
 
 
 class OllamaManifest(FactBase):

@@ -26,7 +26,7 @@ ROLE = Role(
     facts=lambda req: ops.sections(req.cluster, req.host)
     + (ops.destroy_sections(req.cluster) if req.destroying else []),
     destroy=ops.destroy,
-    volatile=("rpc_cache.DeviceMemory",),
+    volatile=("rpc_cache.DeviceMemory", "rpc_cache.CacheFree"),
     prepare=_prepare,
     after=("models",),
     resources=(

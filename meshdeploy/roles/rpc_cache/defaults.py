@@ -26,6 +26,8 @@ rpc_cache_share_max = 6 * 3600                 # and at the latest this long aft
 rpc_cache_share_pid = "/run/meshdeploy/md-share.pid"
 rpc_cache_share_log = "/var/log/meshdeploy-share.log"
 rpc_cache_fetch_attempts = 3                   # per tensor, each a fresh ranged GET
+rpc_cache_fetch_lanes = 4                      # tensors fetched and hashed at once (<= cores)
+rpc_cache_disk_headroom_bytes = 512 * 1024 * 1024  # left free under /var/cache after seeding
 
 # --- reading a remote GGUF header ------------------------------------------------------------------
 rpc_cache_header_first_fetch = 1024 * 1024     # grown x4 until the tensor infos are complete

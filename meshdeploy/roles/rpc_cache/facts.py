@@ -12,7 +12,8 @@ from meshdeploy.roles.rpc_cache.memory import metal_working_set, vulkan_devices
 
 HEX16 = re.compile(r"\A[0-9a-f]{16}\Z")
 # What an interrupted md-rpc-seed or seeding script leaves (operations.seed removes these).
-LEFTOVER = re.compile(r"\A\.([0-9a-f]{16}\.tmp|meshdeploy-seeded\.tmp|meshdeploy-seed-list(\.out)?)\Z")
+LEFTOVER = re.compile(r"\A\.([0-9a-f]{16}\.tmp|meshdeploy-seeded\.tmp"
+                      r"|meshdeploy-seed-list(\.out|\.[0-9]+(\.m)?)?)\Z")
 _SHA256 = re.compile(r"\A[0-9a-f]{64}\Z")
 
 
@@ -74,6 +75,10 @@ class CacheDir(FactBase):
                 out["marker"].append((parts[0], int(parts[1]), int(parts[2]), parts[3]))
         out["temporary"].sort()
         return out
+
+
+class CacheFree(probe.DiskFree):
+    """Free bytes where rpc-server caches live (/var/cache, or its nearest existing parent)."""
 
 
 class Digests(FactBase):

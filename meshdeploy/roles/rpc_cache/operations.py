@@ -22,7 +22,8 @@ from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache.facts import CacheDir, DeviceMemory, Digests, SeedTool, Stored
+from meshdeploy.roles.rpc_cache.facts import (CacheDir, CacheFree, DeviceMemory, Digests, SeedTool,
+                                             Stored)
 from meshdeploy.roles.rpc_cache.placement import wire_bytes
 from meshdeploy.roles.rpc_cache.tensors import Tensor
 
@@ -96,6 +97,7 @@ def sections(cluster, host) -> list[Section]:
     ports = _cached_ports(host)
     if not ports:
         return out
+    out.append(Section("rpc_cache.CacheFree", CacheFree, {"path": _CACHE_ROOT}))
     # A DynamicUser's CacheDirectory lives under /var/cache/private (0700 root): only root reads it.
     out += [Section(f"rpc_cache.CacheDir[{p}]", CacheDir, {"path": d.cache_dir_for(p)},
                     privileged=True)
@@ -238,7 +240,14 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
     else:
         action = "delete" if cov.stale else "update"
         reason = "remove what no deployed model uses" if cov.stale else "rewrite the seeding marker"
-    transfer = Transfer(lan_bytes=fetched, disk_bytes=seed_bytes) if seed_bytes else None
+    free = ctx.fact("rpc_cache.CacheFree")
+    if free is not None and seed_bytes and seed_bytes + d.rpc_cache_disk_headroom_bytes > free:
+        raise PlanError(f"host {ctx.host.name}: rpc_cache.seed[{port}] needs "
+                        f"{seed_bytes / 2**30:.2f} GiB more under {_CACHE_ROOT}, only "
+                        f"{free / 2**30:.2f} GiB free", hint="free disk space there, or set "
+                        "cache: false on this rpc-server")
+    transfer = Transfer(lan_bytes=fetched, disk_bytes=seed_bytes, disk_free=free) \
+        if seed_bytes else None
     change = ctx.change(ROLE, resource, action, reason, diffs)
     fetches = []
     for m, missing in cov.to_seed:
@@ -272,7 +281,7 @@ _SEED = ('set -e\n'
          'L="$D/.meshdeploy-seed-list"\n'
          'seed_progress() { md_progress seed "$(awk \'{ s += $2 } END { printf "%.0f", s }\' '
          '"$L.out" 2>/dev/null || echo 0)" "$T" "$N"; }\n'
-         'rm -f "$D"/.$HEX16.tmp "$M.tmp" "$L" "$L.out"\n'
+         'rm -f "$D"/.$HEX16.tmp "$M.tmp" "$L" "$L.out" "$L".[0-9]*\n'
          ': > "$M.tmp"\n'
          'seed_one() {\n'
          '  cat > "$L"\n'
@@ -290,11 +299,27 @@ _SEED = ('set -e\n'
          # fetch_one URL CONTENT_ID NAME, "<offset> <size> <16hex> <sha256>" lines on stdin: each
          # tensor a ranged GET piped into md-rpc-seed --receive, which puts the entry in place only
          # when its size, FNV-1a and sha256 are the digest list's (made from the verified file).
-         # A retry is a fresh GET: curl cannot take back bytes it already wrote to the pipe.
+         # Up to $LANES lanes (one per core) fetch and hash at once; a tensor's lane is picked by
+         # its name, so two equal tensors never write one temporary file side by side.
          'fetch_one() {\n'
          '  cat > "$L"\n'
          '  T=$(awk \'{ s += $2 } END { printf "%.0f", s }\' "$L"); N=$3; : > "$L.out"\n'
-         '  md_watch seed_progress\n'
+         '  P=$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1)\n'
+         '  [ "$P" -le "$LANES" ] 2>/dev/null || P=$LANES\n'
+         '  md_watch seed_progress; i=0; W=\n'
+         '  while [ "$i" -lt "$P" ]; do\n'
+         '    awk -v n="$P" -v i="$i" \'(index("0123456789abcdef", substr($3, 16, 1)) - 1) % n == i\' '
+         '"$L" > "$L.$i"\n'
+         '    fetch_lane "$1" "$2" < "$L.$i" > "$L.$i.m" & W="$W $!"; i=$((i + 1))\n'
+         '  done\n'
+         '  C=0; for w in $W; do wait "$w" || C=1; done\n'
+         '  md_unwatch; [ "$C" = 0 ] || exit 1\n'
+         '  i=0; while [ "$i" -lt "$P" ]; do cat "$L.$i.m" >> "$M.tmp"; rm -f "$L.$i" "$L.$i.m"; '
+         'i=$((i + 1)); done\n'
+         '}\n'
+         # One lane: its tensors in order, a marker line for each on stdout. A retry is a fresh
+         # GET: curl cannot take back bytes it already wrote to the pipe.
+         'fetch_lane() {\n'
          '  while read -r o s f h; do\n'
          '    if [ "$(stat -c %s "$D/$f" 2>/dev/null || stat -f %z "$D/$f" 2>/dev/null)" = "$s" ]; then\n'
          '      echo "$f $s kept" >> "$L.out"\n'
@@ -302,14 +327,13 @@ _SEED = ('set -e\n'
          '      a=1\n'
          '      until curl -fsS --connect-timeout 10 -r "$o-$((o + s - 1))" "$1" | '
          '"$TOOL" --receive "$D" "$s" "$f" "$h" >> "$L.out"; do\n'
-         '        [ "$a" -lt "$ATTEMPTS" ] || { md_unwatch; echo "$N: tensor at $o ($s bytes) not '
-         'fetched from $1 after $a attempts" >&2; exit 1; }\n'
+         '        [ "$a" -lt "$ATTEMPTS" ] || { echo "$N: tensor at $o ($s bytes) not fetched from '
+         '$1 after $a attempts" >&2; exit 1; }\n'
          '        a=$((a + 1)); sleep 2\n'
          '      done\n'
          '    fi\n'
-         '    echo "$2 $o $s $f" >> "$M.tmp"\n'
-         '  done < "$L"\n'
-         '  md_unwatch\n'
+         '    echo "$2 $o $s $f"\n'
+         '  done\n'
          '}')
 _SEED_END = ('mv -f "$M.tmp" "$M"\n'
              'rm -f "$L" "$L.out"\n'
@@ -351,7 +375,8 @@ def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list,
                                              for off, size, fnv, sha in missing))
         lines.append(shell.command("fetch_one", url, content_id(m.model_sha), m.model)
                      + f" <<'{tag}'\n{listing}{tag}")
-    fetching = {"TOOL": tool, "ATTEMPTS": int(d.rpc_cache_fetch_attempts)} if fetches else {}
+    fetching = {"TOOL": tool, "ATTEMPTS": int(d.rpc_cache_fetch_attempts),
+                "LANES": int(d.rpc_cache_fetch_lanes)} if fetches else {}
     return shell.script("\n".join([_SEED, *lines, _SEED_END]), prelude=progress.SHELL, D=cache_dir,
                         M=f"{cache_dir}/{d.rpc_cache_marker}", HEX16=_HEX16_GLOB, **fetching)
 
@@ -381,6 +406,7 @@ def destroy(ctx: HostContext, purge: bool):
 
 
 _CACHE = rpc_unit_name(0).rsplit("-", 1)[0]  # "meshdeploy-rpc": every port's cache folder
+_CACHE_ROOT = d.cache_dir_for(0).split(f"/{_CACHE}-", 1)[0]  # /var/cache: every port's
 
 
 def destroy_sections(cluster) -> list[Section]:
