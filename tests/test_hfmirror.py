@@ -291,7 +291,7 @@ def test_rate_limits_all_connections_together(tmp_path):
     assert limited < 10, took
 
 
-def test_rate_must_be_positive(tmp_path):
+def test_rate_must_be_positive(tmp_path, capsys):
     with pytest.raises(LabError, match="positive"):
         hfmirror.make_server(tmp_path, "127.0.0.1", 0, rate=0)
     server = hfmirror.make_server(tmp_path, "127.0.0.1", 0)
@@ -299,6 +299,9 @@ def test_rate_must_be_positive(tmp_path):
         assert server.RequestHandlerClass.bucket is None  # no --rate: bodies are not paced
     finally:
         server.server_close()
+    # On the command line, a bad --rate is a one-line refusal, not a traceback.
+    assert hfmirror.main(["--root", str(tmp_path), "--port", "0", "--rate", "0"]) == 1
+    assert "positive" in capsys.readouterr().err
 
 
 def test_each_file_is_hashed_once(tmp_path, monkeypatch):
