@@ -306,7 +306,7 @@ class MirrorHandler(BaseHTTPRequestHandler):
     store: Store  # set by make_server
     access: dict = {}  # repo id -> "gated" | "private"; set by make_server
     tokens: frozenset = frozenset()  # bearer tokens that may read gated and private repos
-    bucket: TokenBucket | None = None  # --rate: the one limit on every body sent; set by make_server
+    bucket: TokenBucket | None = None  # --rate: one limit on all bodies; set by make_server
 
     def do_HEAD(self) -> None:
         self._dispatch(head=True)
