@@ -255,6 +255,10 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
             continue
         digests = digest_index(ctx.fact_of(m.source, "rpc_cache.Digests"), m.model, m.model_sha)
         if any(off not in digests or digests[off][0] != size for off, size in missing):
+            if ctx.cluster_facts is not None and m.source not in ctx.cluster_facts:
+                raise PlanError(f"rpc_cache.seed[{port}] on {ctx.host.name}: its tensors of "
+                                f"{m.model} come from {m.source}'s copy, and {m.source} is "
+                                "outside --limit", hint=f"add {m.source} to --limit")
             if ctx.run_command is not None:  # apply: the sharing host's step ran before this one
                 raise PlanError(f"rpc_cache.seed[{port}] on {ctx.host.name}: {m.source} has no "
                                 f"digest list of {m.model} for these tensors (its "
