@@ -19,7 +19,7 @@ import pytest
 
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
-from meshdeploy.roles.rpc_cache.sharing import SERVER
+from meshdeploy.deploy.share import SERVER
 
 from test_md_share import free_port
 

@@ -1,4 +1,4 @@
-"""md-share (rpc_cache/templates/md-share.py): the real script as a subprocess, on loopback only."""
+"""md-share (meshdeploy/deploy/templates/md-share.py): the real script as a subprocess, on loopback only."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "meshdeploy" / "roles" / "rpc_cache" / "templates" / "md-share.py"
+SCRIPT = ROOT / "meshdeploy" / "deploy" / "templates" / "md-share.py"
 SIZE = 3 * 1024 * 1024
 
 
@@ -280,3 +281,51 @@ def test_helpers():
     assert mod.parse_range("bytes=-20", 10) == (0, 9)
     assert mod.parse_range("bytes=-1", 0) is None and mod.parse_range("bytes=0-", 0) is None
     assert mod.parse_range("bytes=0-\u0661", 10) is None  # Unicode digits are not digits here
+
+
+def test_a_growing_file_is_served_as_it_arrives_then_whole(tmp_path):
+    """--growing: while the whole file is absent, a reply trails its partial as it grows (a
+    host copying a model while the source still downloads it); once renamed, the file."""
+    data = os.urandom(3 * 1024 * 1024 + 11)
+    partial = tmp_path / "blob.partial"
+    partial.write_bytes(data[:100_000])
+    share = Share(tmp_path, "--allow", "127.0.0.1", "--growing", f"blob={partial}:{len(data)}",
+                  "--wait", "5")
+    share.wait_listening()
+
+    def grow():
+        with open(partial, "ab") as f:
+            for i in range(100_000, len(data), 512 * 1024):
+                time.sleep(0.1)
+                f.write(data[i:i + 512 * 1024])
+                f.flush()
+    writer = threading.Thread(target=grow)
+    writer.start()
+    started = time.monotonic()
+    r, body = share.request()
+    writer.join()
+    assert r.status == 200 and body == data
+    assert time.monotonic() - started >= 0.5  # it waited for the bytes, it did not cut short
+    partial.rename(tmp_path / "blob")
+    r, body = share.request(Range="bytes=10-19")
+    assert r.status == 206 and body == data[10:20]
+    share.stop()
+
+
+def test_a_growing_file_that_stalls_is_cut_short(tmp_path):
+    partial = tmp_path / "blob.partial"
+    partial.write_bytes(b"x" * 1000)
+    share = Share(tmp_path, "--allow", "127.0.0.1", "--growing", f"blob={partial}:5000",
+                  "--wait", "1")
+    share.wait_listening()
+    conn = http.client.HTTPConnection("127.0.0.1", share.port, timeout=10)
+    conn.request("GET", "/models/blob")
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("Content-Length") == "5000"
+    with pytest.raises(http.client.IncompleteRead) as info:
+        r.read()
+    assert len(info.value.partial) == 1000  # never more than arrived, never made up
+    conn.close()
+    words = share.lines(at_least=1)[-1]
+    assert words[4:] == ["200", "0", "1000"], words
+    share.stop()

@@ -234,8 +234,9 @@ class ServerDevice(NamedTuple):
     endpoint: RpcEndpoint | None  # None for the orchestrator's own devices
 
 
-class TensorFetch(NamedTuple):
-    """`worker` fetches its tensors of `model` from the copy on host `source`."""
+class Fetch(NamedTuple):
+    """`worker` gets `model` from the copy on host `source`: its tensors (Cluster.tensor_fetches)
+    or a whole copy of the GGUF (Cluster.copies)."""
 
     model: str
     source: str
@@ -393,7 +394,7 @@ class Cluster:
         under network.transport: wireguard, else its address."""
         return self.network.wireguard.address(host.name) if self.network.tunnel else host.address
 
-    def tensor_fetches(self) -> list[TensorFetch]:
+    def tensor_fetches(self) -> list[Fetch]:
         """Who fetches only their tensors of a model, and from whom (model distribution).
 
         A host with a cached rpc-server that some llama-server of a one-file Hub model uses,
@@ -402,7 +403,7 @@ class Cluster:
         the first llama-server (file order) that loads the model. That copy is the one download
         from the internet; the host that loads the model keeps it anyway.
         """
-        out: dict[tuple[str, str], TensorFetch] = {}
+        out: dict[tuple[str, str], Fetch] = {}
         keeps = set()  # (model, worker) where some cached rpc-server says fetch: false
         for server in self.servers:
             model = self.models.get(server.model)
@@ -414,7 +415,7 @@ class Cluster:
             for e in self.rpc_endpoints(server):
                 if e.rpc.cache and e.host.name not in loaders:
                     out.setdefault((server.model, e.host.name),
-                                   TensorFetch(server.model, source, e.host.name))
+                                   Fetch(server.model, source, e.host.name))
                     if not e.rpc.fetch:
                         keeps.add((server.model, e.host.name))
         return [f for key, f in out.items() if key not in keeps]
@@ -422,6 +423,40 @@ class Cluster:
     def fetched_models(self, host: Host) -> list[str]:
         """Models whose tensors `host` fetches instead of keeping their GGUF."""
         return [f.model for f in self.tensor_fetches() if f.worker == host.name]
+
+    def keeps(self, host: Host) -> list[str]:
+        """Models `host` keeps a whole GGUF of, in file order: those it loads, and those a
+        cached rpc-server of it seeds from its own copy (`fetch: false`, an Ollama store, a
+        path); not the ones whose tensors it fetches."""
+        names = {s.model for s in self.servers if s.host == host.name}
+        names |= {s.model for s in self.servers
+                  if any(e.host.name == host.name and e.rpc.cache for e in self.rpc_endpoints(s))}
+        names -= set(self.fetched_models(host))
+        return [m for m in self.models if m in names]
+
+    def model_source(self, name: str) -> str | None:
+        """The host whose download of Hub model `name` is the cluster's one from the internet
+        (that of its first llama-server, file order); None for another source, or no server."""
+        model = self.models.get(name)
+        if model is None or not isinstance(model.source, HfSource):
+            return None
+        return next((s.host for s in self.servers if s.model == name), None)
+
+    def copies(self) -> list[Fetch]:
+        """Hosts keeping a whole GGUF of a Hub model that another host downloads: they copy it
+        from that host over the LAN (a second orchestrator, a `fetch: false` worker)."""
+        out = []
+        for host in self.hosts:
+            for name in self.keeps(host):
+                source = self.model_source(name)
+                if source is not None and source != host.name:
+                    out.append(Fetch(name, source, host.name))
+        return out
+
+    def share_clients(self, host: Host) -> list[Host]:
+        """The hosts that get tensors or copies from `host` (file order)."""
+        names = {f.worker for f in self.tensor_fetches() + self.copies() if f.source == host.name}
+        return [h for h in self.hosts if h.name in names]
 
     def shares(self, host: Host) -> dict[str, list[Host]]:
         """model -> the hosts fetching its tensors from `host`'s copy (file order)."""

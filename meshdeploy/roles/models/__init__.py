@@ -35,10 +35,11 @@ ROLE = Role(
     destroy=ops.destroy,
     volatile=("models.DiskFree",),
     prepare=_prepare,
-    after=("toolchain",),
+    # After network: a copy from another host travels through its allow-list and tunnel.
+    after=("toolchain", "network"),
     resources=(
         Resource("gguf", ops.gguf, "one model's GGUF, verified, where a host loads it",
-                 keys=lambda cluster: list(cluster.models)),
+                 keys=lambda cluster: list(cluster.models), cluster_wide=True),
     ),
 )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from meshdeploy.deploy import inflight, progress, shell
+from meshdeploy.deploy import inflight, progress, share, shell
 from meshdeploy.deploy.context import HostContext, SecretStdin, Step, Transfer, stored_teardown
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
@@ -19,15 +19,9 @@ ROLE = "models"
 
 
 def needed(cluster, host) -> list[str]:
-    """Models this host keeps a GGUF of, in cluster order: those it loads, and those its
-    seeded rpc-server cache is filled from locally (an Ollama store or a path). A one-file Hub
-    model a worker only caches is not kept there: the worker fetches its tensors from the
-    cluster's copy (Cluster.tensor_fetches)."""
-    names = {s.model for s in cluster.servers if s.host == host.name}
-    names |= {s.model for s in cluster.servers
-              if any(e.host.name == host.name and e.rpc.cache for e in cluster.rpc_endpoints(s))}
-    names -= set(cluster.fetched_models(host))
-    return [m for m in cluster.models if m in names]
+    """Models this host keeps a GGUF of (Cluster.keeps): a one-file Hub model a worker only
+    caches is not kept there, the worker fetches its tensors from the cluster's copy."""
+    return cluster.keeps(host)
 
 
 def ollama_registry_path(src: OllamaSource) -> str:
@@ -86,6 +80,9 @@ _DOWNLOAD = ('mkdir -p "$(dirname "$F")"\n'
              '&& { echo "$F: already downloaded and verified"; exit 0; }\n'
              'S=$(stat -c %s "$P" 2>/dev/null || echo 0); [ "$S" -le "$SIZE" ] || rm -f "$P"\n'
              'if [ -n "$AUTH" ]; then set -- -H @-; else set --; fi\n'
+             # From another host's md-share: it may start a moment after this step, and a reply
+             # it cuts short (its download stalled) is resumed, not an error.
+             '[ -z "$LAN" ] || set -- "$@" --retry-connrefused --retry-all-errors\n'
              # Live progress: the partial's size every 2 s, and what was there before (R).
              'R=$(stat -c %s "$P" 2>/dev/null || echo 0)\n'
              'download_progress() { md_progress download "$(stat -c %s "$P" 2>/dev/null || '
@@ -107,12 +104,15 @@ def verify_script(path: str, sha: str) -> str:
                         MARKER=f"{path}{d.models_verified_suffix}")
 
 
-def download_script(path: str, url: str, size: int, sha: str, auth: bool = False) -> str:
+def download_script(path: str, url: str, size: int, sha: str, auth: bool = False,
+                    lan: bool = False) -> str:
     """Download with resume, check size and sha256, rename; with `auth`, curl reads the
-    Authorization header from the script's standard input (see SecretStdin)."""
+    Authorization header from the script's standard input (see SecretStdin); `lan`: from
+    another host's md-share (connection refused and cut replies are retried)."""
     return shell.script("set -e\n" + _DOWNLOAD + _VERIFY, prelude=progress.SHELL, F=path,
                         P=f"{path}{d.models_partial_suffix}", SIZE=int(size), SHA=sha, URL=url,
-                        AUTH="1" if auth else "", RETRIES=int(d.models_curl_retries),
+                        AUTH="1" if auth else "", LAN="1" if lan else "",
+                        RETRIES=int(d.models_curl_retries),
                         MARKER=f"{path}{d.models_verified_suffix}")
 
 
@@ -144,10 +144,17 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     resource = f"gguf[{name}]"
     resolved = ctx.resolved.models[name]
     commands, diffs, missing_bytes, actions = [], [], 0, set()
+    # One download from the internet per model: a host that is not the model's source copies
+    # the source's file over the LAN (md-share), trailing its download when both run now.
+    source = ctx.cluster.model_source(name)
+    copying = source is not None and source != ctx.host.name
+
+    def url_of(i: int, f) -> str:
+        return share.url(ctx.cluster, source, share.file_name(name, i)) if copying else f.url
     # Only a gated or private repo gets the token (hf.resolve decided, and checked that its
     # endpoints are trusted with it). It reaches curl on standard input over the SSH channel:
     # never in arguments, a file on the host, units, logs or the plan.
-    auth = resolved.auth is not None
+    auth = resolved.auth is not None and not copying
     if auth and not ctx.resolved.hf_token:
         raise PlanError(f"models.{name}: {resolved.repo} is {resolved.auth} and no token was read",
                         hint="set huggingface.token_file or $HF_TOKEN")
@@ -155,7 +162,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     def fed(command: str) -> str:
         return SecretStdin(command, f"Authorization: Bearer {ctx.resolved.hf_token}\n") \
             if auth else command
-    for f in resolved.files:
+    for i, f in enumerate(resolved.files):
         path = f"{model_dir(ctx.prefix, name)}/{f.name}"
         fact = ctx.fact(f"models.ModelFile[{name}/{f.name}]")
         if _trusted(fact, f.sha256):
@@ -169,7 +176,8 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
                 f"models.gguf[{name}/{f.name}]",
                 shell.subshell(verify_script(path, f.sha256)) + " || { "
                 + shell.command("rm", "-f", path) + "; "
-                + shell.subshell(download_script(path, f.url, f.size, f.sha256, auth)) + "; }")))
+                + shell.subshell(download_script(path, url_of(i, f), f.size, f.sha256, auth,
+                                                 copying)) + "; }")))
             continue
         have = fact["size"] if fact else None
         actions.add("create" if have is None else "replace")
@@ -181,24 +189,51 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
         if have is not None:
             commands.append(shell.command("rm", "-f", path, path + d.models_verified_suffix))
         commands.append(fed(inflight.guarded(f"models.gguf[{name}/{f.name}]",
-                                             download_script(path, f.url, f.size, f.sha256,
-                                                             auth))))
-    if not commands:
+                                             download_script(path, url_of(i, f), f.size,
+                                                             f.sha256, auth, copying))))
+    serve, copiers = _serve(ctx, name, resolved)
+    if not commands and not serve:
         return Step(ctx.change(ROLE, resource, "no-op", f"{name} present, sha256 verified"))
     free = ctx.fact("models.DiskFree")
     if free is not None and missing_bytes + d.models_disk_headroom_bytes > free:
         raise PlanError(f"host {ctx.host.name}: {name} needs {missing_bytes / 2**30:.2f} GiB more "
                         f"under {ctx.prefix}, only {free / 2**30:.2f} GiB free",
                         hint="free disk space or set llama_cpp.prefix to a larger disk")
-    transfer = Transfer(internet_bytes=missing_bytes, disk_bytes=missing_bytes, disk_free=free) \
-        if missing_bytes else None
+    transfer = Transfer(lan_bytes=missing_bytes if copying else 0,
+                        internet_bytes=0 if copying else missing_bytes,
+                        disk_bytes=missing_bytes, disk_free=free) if missing_bytes else None
     if auth:
         diffs.append(AttrDiff("token", None, f"needed ({resolved.auth}), fed to curl on stdin"))
     action = "replace" if "replace" in actions else ("create" if "create" in actions else "update")
     reason = f"{resolved.repo}@{resolved.commit[:12]}"
     if missing_bytes:
-        reason += f", {missing_bytes / 2**20:.1f} MiB to download"
-    return Step(ctx.change(ROLE, resource, action, reason, diffs), commands, transfer=transfer)
+        reason += (f", {missing_bytes / 2**20:.1f} MiB to copy from {source} over the LAN"
+                   if copying else f", {missing_bytes / 2**20:.1f} MiB to download")
+    if serve:
+        reason += f"; served to {', '.join(copiers)} over the LAN while they copy it"
+        diffs.append(AttrDiff("md-share", None, f"{', '.join(copiers)}"))
+    # md-share first: the copies trail this host's download as its bytes arrive.
+    return Step(ctx.change(ROLE, resource, action, reason, diffs), serve + commands,
+                transfer=transfer)
+
+
+def _serve(ctx: HostContext, name: str, resolved) -> tuple[list[str], list[str]]:
+    """(md-share's start commands, the copying hosts) when this host is `name`'s source and some
+    host copying it lacks a verified file; ([], []) otherwise."""
+    copiers = [ctx.cluster.host(c.worker) for c in ctx.cluster.copies()
+               if c.model == name and c.source == ctx.host.name]
+    lacking = [h.name for h in copiers
+               if any(not _trusted(ctx.fact_of(h.name, f"models.ModelFile[{name}/{f.name}]"),
+                                   f.sha256) for f in resolved.files)]
+    if not lacking:
+        return [], []
+    folder = model_dir(ctx.prefix, name)
+    names = {share.file_name(name, i): f for i, f in enumerate(resolved.files)}
+    return share.start(ctx.cluster, ctx.host,
+                       {n: f"{folder}/{f.name}" for n, f in names.items()},
+                       copiers,
+                       {n: (f"{folder}/{f.name}{d.models_partial_suffix}", f.size)
+                        for n, f in names.items()}), lacking
 
 
 def _ollama(ctx: HostContext, name: str, src: OllamaSource) -> Step:

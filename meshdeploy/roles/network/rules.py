@@ -73,11 +73,11 @@ def ports(cluster, host) -> list[Port]:
     for server in (s for s in cluster.servers if s.host == host.name):
         allow = [_literal(a, f"servers.{server.name}.allow") for a in server.allow]
         _add(found, ("tcp", server.port), f"llama-server {server.name}", allow)
-    fetchers = {w.name: w for workers in cluster.shares(host).values() for w in workers}
+    fetchers = cluster.share_clients(host)
     if fetchers:
-        # md-share (rpc_cache.share) serves this host's model copy to the workers that fetch
-        # their tensors of it, over the tunnel when there is one.
-        sources = [_fetcher_address(cluster, host, w) for w in fetchers.values()]
+        # md-share serves this host's model copy to the hosts that fetch tensors or copies of
+        # it (models.gguf, rpc_cache.share), over the tunnel when there is one.
+        sources = [_fetcher_address(cluster, host, w) for w in fetchers]
         if tunnel is not None:
             sources = [f"{a}{VIA}{tunnel.interface}" for a in sources]
         _add(found, ("tcp", model_share_port), "model share", sources)
@@ -112,8 +112,8 @@ def _peer_address(cluster, host, rpc, server) -> str:
 
 def _fetcher_address(cluster, host, worker) -> str:
     return _ip_of(worker, cluster.source_address(worker),
-                  f"hosts.{host.name}: its model share must accept {worker.name}, which fetches "
-                  "its tensors from there")
+                  f"hosts.{host.name}: its model share must accept {worker.name}, which gets its "
+                  "model bytes from there")
 
 
 def _underlay_address(host, peer) -> str:

@@ -19,12 +19,6 @@ rpc_cache_marker = ".meshdeploy-seeded"
 # Beside the GGUF on the host whose copy others fetch from, made once from the verified file:
 # "<gguf sha256> <offset> <size> <16hex fnv> <sha256>" per hashed tensor.
 rpc_cache_digests_suffix = ".tensors"
-rpc_cache_share_name = "md-share.py"           # the range server, under tools/
-rpc_cache_share_python = "python3"
-rpc_cache_share_idle = 300                     # seconds without a request before md-share exits
-rpc_cache_share_max = 6 * 3600                 # and at the latest this long after it started
-rpc_cache_share_pid = "/run/meshdeploy/md-share.pid"
-rpc_cache_share_log = "/var/log/meshdeploy-share.log"
 rpc_cache_fetch_attempts = 3                   # per tensor, each a fresh ranged GET
 rpc_cache_fetch_lanes = 4                      # tensors fetched and hashed at once (<= cores)
 rpc_cache_disk_headroom_bytes = 512 * 1024 * 1024  # left free under /var/cache after seeding

@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshdeploy.deploy import inflight, progress, shell
+from meshdeploy.deploy import inflight, progress, share, shell
 from meshdeploy.deploy.context import HostContext, Step, Transfer, stored_teardown
 from meshdeploy.deploy.model import rpc_ref, rpc_unit_name
-from meshdeploy.deploy.paths import model_path, model_share_port
+from meshdeploy.deploy.paths import model_path
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.deploy.probe import Section
@@ -266,7 +266,7 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
                                 hint="run apply again; the plan shows what the share step does")
             change.reason += f" (tensor digests known after apply on {m.source})"
             return Step(change, transfer=transfer)
-        fetches.append((m, share_url(ctx.cluster, m.source, m.model),
+        fetches.append((m, share.url(ctx.cluster, m.source, share.file_name(m.model)),
                         [(off, size) + digests[off][1:] for off, size in missing]))
     return Step(change,
                 [inflight.guarded(f"rpc_cache.seed[{port}]", _seed_script(
@@ -352,13 +352,6 @@ def content_id(model_sha: str) -> str:
     return model_sha
 
 
-def share_url(cluster, source: str, model: str) -> str:
-    """Where a worker fetches `model`'s bytes from host `source` (md-share, rpc_cache.share)."""
-    address = cluster.source_address(cluster.host(source))
-    host = f"[{address}]" if ":" in address else address
-    return f"http://{host}:{model_share_port}/models/{model}"
-
-
 def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list,
                  fetches=()) -> str:
     """Seed, then write the marker, then delete entries it does not name, in that order: an
@@ -415,8 +408,8 @@ _CACHE_ROOT = d.cache_dir_for(0).split(f"/{_CACHE}-", 1)[0]  # /var/cache: every
 
 def destroy_sections(cluster) -> list[Section]:
     tool = tool_path(cluster.llama_cpp.prefix)
-    share = f"{cluster.llama_cpp.prefix}/{d.rpc_cache_tools_dir}/{d.rpc_cache_share_name}"
     return [Section("rpc_cache.Stored", Stored,
-                    {"paths": [tool, tool + d.rpc_cache_tool_source_suffix, share],
+                    {"paths": [tool, tool + d.rpc_cache_tool_source_suffix,
+                               share.server_path(cluster.llama_cpp.prefix)],
                      "folders": ["/var/cache", "/var/cache/private"], "prefix": _CACHE + "-"},
                     privileged=True)]

@@ -7,9 +7,9 @@ internet and verifies its sha256 (models.gguf), and this step, on that host,
 
 - makes the model's digest list once from that verified file: "<gguf sha256> <offset> <size>
   <16hex fnv> <sha256>" per hashed tensor (md-rpc-seed --digest), beside the GGUF;
-- when some worker misses tensors, starts md-share (templates/md-share.py, Python's standard
-  library only): ranged GETs of the GGUF, bound to the host's cluster address, answering only the
-  fetching hosts (network.allowlist opens its port to them alone), gone by itself once idle.
+- when some worker misses tensors, starts md-share (meshdeploy.deploy.share): ranged GETs of the
+  GGUF, bound to the host's cluster address, answering only the fetching hosts
+  (network.allowlist opens its port to them alone), gone by itself once idle.
 
 The workers' rpc_cache.seed re-reads the digest list (Resource.rereads) and fetches each missing
 tensor's byte range into md-rpc-seed --receive, which puts an entry in place only when its size,
@@ -18,19 +18,15 @@ FNV-1a and sha256 are the list's: a worker never caches bytes that differ from t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from meshdeploy.deploy import inflight, shell
+from meshdeploy.deploy import share as md_share
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.model import rpc_ref
 from meshdeploy.deploy.paths import model_path, model_share_port
 from meshdeploy.deploy.plan import AttrDiff
-from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
 
 ROLE = ops.ROLE
-SERVER = Path(__file__).with_name("templates") / d.rpc_cache_share_name
-
 # Inputs: TOOL, GGUF, OUT (the list), SHA (the GGUF's sha256); "<offset> <size>" lines on stdin.
 # Written under a temporary name and renamed only when md-rpc-seed answered every tensor.
 _DIGEST = ('set -e\n'
@@ -41,31 +37,6 @@ _DIGEST = ('set -e\n'
            '{ echo "$GGUF: md-rpc-seed digested fewer tensors than asked" >&2; exit 1; }\n'
            '  mv -f "$OUT.tmp" "$OUT"; rm -f "$OUT.in"\n'
            '}')
-
-# Inputs: PY, SERVER (md-share.py), PID, LOG, HOST; its arguments in "$@". An md-share left by an
-# earlier run is stopped first (it may serve an older file). The server writes PID once it
-# listens; its output goes to LOG, so the SSH channel closes when this script ends.
-_START = ('command -v "$PY" >/dev/null 2>&1 || { echo "$HOST: no $PY to run md-share; the '
-          'toolchain role installs it" >&2; exit 1; }\n'
-          'if [ -f "$PID" ]; then kill "$(cat "$PID")" 2>/dev/null || true; i=0; '
-          'while [ -f "$PID" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done; '
-          'rm -f "$PID"; fi\n'
-          'mkdir -p "$(dirname "$PID")" "$(dirname "$LOG")"\n'
-          'setsid "$PY" "$SERVER" --pid-file "$PID" "$@" </dev/null >>"$LOG" 2>&1 &\n'
-          'S=$!; i=0\n'
-          'until [ -f "$PID" ]; do\n'
-          '  kill -0 "$S" 2>/dev/null || { echo "$HOST: md-share did not start:" >&2; '
-          'tail -n 5 "$LOG" >&2; exit 1; }\n'
-          '  i=$((i + 1)); [ $i -lt 100 ] || { echo "$HOST: md-share did not listen within 10 s" >&2; '
-          'exit 1; }\n'
-          '  sleep 0.1\n'
-          'done\n'
-          'echo "md-share serving on port $PORT"')
-
-
-def server_path(prefix: str) -> str:
-    return f"{prefix}/{d.rpc_cache_tools_dir}/{d.rpc_cache_share_name}"
-
 
 def _digested(fact, model: str, sha: str, wanted) -> bool:
     """Whether the host's digest list of `model` covers every wanted (offset, size)."""
@@ -125,12 +96,12 @@ def share(ctx: HostContext) -> Step:
     if serve:
         total = sum(serve.values())
         reason.append(f"serve {total / 1e9:.2f} GB to {', '.join(sorted(serve))} over the LAN "
-                      f"(md-share, port {model_share_port}, until idle "
-                      f"{d.rpc_cache_share_idle} s)")
+                      f"(md-share, port {model_share_port}, until idle {md_share.IDLE} s)")
         diffs.append(AttrDiff("md-share", None, f"{cluster.source_address(ctx.host)}:"
                                                 f"{model_share_port}"))
-        commands += [shell.write_file(server_path(ctx.prefix), SERVER.read_text(), "0755"),
-                     _start_script(ctx, shares)]
+        clients = [w for workers in shares.values() for w in workers]
+        commands += md_share.start(cluster, ctx.host,
+                                {m: model_path(cluster, m) for m in shares}, clients)
     return Step(ctx.change(ROLE, "share", "create" if digest else "update", "; ".join(reason),
                            diffs), commands)
 
@@ -140,17 +111,3 @@ def _digest_script(ctx: HostContext, model: str, sha: str, wanted) -> str:
     return shell.script(f"{_DIGEST}\ndigest <<'{tag}'\n{listing}{tag}",
                         TOOL=ops.tool_path(ctx.prefix), GGUF=model_path(ctx.cluster, model),
                         OUT=ops.digests_path(ctx.cluster, model), SHA=ops.content_id(sha))
-
-
-def _start_script(ctx: HostContext, shares: dict) -> str:
-    cluster = ctx.cluster
-    allow = sorted({cluster.source_address(w) for workers in shares.values() for w in workers})
-    args = ["--bind", cluster.source_address(ctx.host), "--port", model_share_port,
-            "--idle", d.rpc_cache_share_idle, "--max", d.rpc_cache_share_max]
-    for address in allow:
-        args += ["--allow", address]
-    for model in shares:
-        args += ["--file", f"{model}={model_path(cluster, model)}"]
-    return shell.script(_START, args=args, PY=d.rpc_cache_share_python,
-                        SERVER=server_path(ctx.prefix), PID=d.rpc_cache_share_pid,
-                        LOG=d.rpc_cache_share_log, HOST=ctx.host.name, PORT=model_share_port)

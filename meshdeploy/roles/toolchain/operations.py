@@ -20,7 +20,7 @@ def wanted_packages(cluster, manager: str, host) -> tuple[str, ...]:
             "brew": d.toolchain_brew_packages}[manager]
     if cluster.llama_cpp.build.ccache:
         base = base + (d.toolchain_ccache_package,)
-    if cluster.shares(host) and manager != "brew":  # macOS ships python3 with its CLT
+    if cluster.share_clients(host) and manager != "brew":  # macOS ships python3 with its CLT
         base = base + (d.toolchain_python_package,)  # md-share serves the host's model copy
     return base
 

@@ -12,7 +12,10 @@ to be safe to leave running by mistake:
 - one purpose: GET/HEAD of /models/<NAME> for the files named on the command line, nothing else;
 - range-only semantics kept strict (one range per request) so a fetch can never be misread;
 - allow-list: the firewall restricts the port, and this is the second fence;
-- zero-copy: bodies go out with sendfile, so serving a multi-GiB model costs little CPU.
+- zero-copy: bodies go out with sendfile, so serving a multi-GiB model costs little CPU;
+- pipelined: a file still being downloaded (--growing) is served from its partial as its bytes
+  arrive, so a host copying the model trails the download instead of waiting for its end. The
+  copy is verified whole (sha256) by the host that receives it, before anything uses it.
 
 Python 3.9+, standard library only: it runs on hosts where meshdeploy is not installed.
 """
@@ -111,16 +114,51 @@ class Handler(BaseHTTPRequestHandler):
     def do_HEAD(self):
         self.do_GET(body=False)
 
+    def open_file(self, name):
+        """(file, size): the whole file, or, while it is still arriving (--growing), its partial
+        and the size it will have; None when neither appears within --wait seconds."""
+        path, growing = self.server.files[name], self.server.growing.get(name)
+        deadline = time.monotonic() + self.server.wait
+        while True:
+            for candidate in (path,) + ((growing[0],) if growing else ()):
+                try:
+                    f = open(candidate, "rb")
+                except FileNotFoundError:
+                    continue  # renamed between two looks: the next round finds the whole file
+                if candidate == path:
+                    return f, os.fstat(f.fileno()).st_size
+                return f, growing[1]
+            if growing is None or time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+
+    def send_growing(self, f, first, count):
+        """sendfile what has arrived of [first, first+count), waiting for the rest; stops
+        (short) when the file has not grown for --wait seconds. Returns the bytes sent."""
+        sent, grew = 0, time.monotonic()
+        while sent < count:
+            have = os.fstat(f.fileno()).st_size - (first + sent)
+            if have <= 0:
+                if time.monotonic() - grew > self.server.wait:
+                    break
+                time.sleep(0.1)
+                continue
+            sent += self.connection.sendfile(f, first + sent, min(have, count - sent))
+            grew = time.monotonic()
+        return sent
+
     def do_GET(self, body=True):
         name = self.path[len("/models/"):] if self.path.startswith("/models/") else None
         if name not in self.server.files:
             return self.reply(404)
         try:
-            f = open(self.server.files[name], "rb")
+            opened = self.open_file(name)
         except OSError:
             return self.reply(500)
+        if opened is None:
+            return self.reply(503, close=True)
+        f, size = opened
         with f:
-            size = os.fstat(f.fileno()).st_size
             ranges = self.headers.get_all("Range") or []
             span = parse_range(ranges[0], size) if len(ranges) == 1 else (0, size - 1)
             if span is None or len(ranges) > 1:
@@ -135,10 +173,13 @@ class Handler(BaseHTTPRequestHandler):
             self.first = first
             f.seek(first)  # sendfile leaves the position after what went out, even on error
             try:
-                self.connection.sendfile(f, first, count)
+                if size > os.fstat(f.fileno()).st_size:
+                    self.sent = self.send_growing(f, first, count)
+                else:
+                    self.connection.sendfile(f, first, count)
+                    self.sent = f.tell() - first
             except OSError:  # the client went away or stopped reading: the byte count says so
-                pass
-            self.sent = f.tell() - first
+                self.sent = f.tell() - first
             if self.sent != count:  # cut short (or the file shrank): this connection is done
                 self.close_connection = True
 
@@ -178,6 +219,10 @@ def main():
                    help="refuse even the host itself (loopback is allowed by default)")
     p.add_argument("--file", required=True, action="append", metavar="NAME=PATH",
                    help="serve PATH as /models/NAME (repeatable)")
+    p.add_argument("--growing", action="append", default=[], metavar="NAME=PARTIAL:SIZE",
+                   help="while NAME's PATH is absent, serve PARTIAL as it grows to SIZE bytes")
+    p.add_argument("--wait", type=float, default=120, metavar="SECONDS",
+                   help="how long a growing file may stall before its reply is cut short")
     p.add_argument("--idle", required=True, type=float, metavar="SECONDS",
                    help="exit after this long with no request in flight")
     p.add_argument("--max", required=True, type=float, metavar="SECONDS",
@@ -193,11 +238,20 @@ def main():
     allow = {plain_ip(a) for a in args.allow}
     if None in allow:
         p.error(f"--allow {args.allow}: want IP addresses")
+    growing = {}
+    for spec in args.growing:
+        name, _, rest = spec.partition("=")
+        partial, _, size = rest.rpartition(":")
+        if name in growing or not partial or not size.isdigit():
+            p.error(f"--growing {spec!r}: want NAME=PARTIAL:SIZE, NAME new")
+        growing[name] = (partial, int(size))
     files = {}
     for spec in args.file:
         name, _, path = spec.partition("=")
-        if name in files or not re.fullmatch(r"[A-Za-z0-9._-]+", name) or not os.path.isfile(path):
-            p.error(f"--file {spec!r}: want NAME=PATH, NAME plain and new, PATH an existing file")
+        if name in files or not re.fullmatch(r"[A-Za-z0-9._-]+", name) or \
+                not (os.path.isfile(path) or name in growing):
+            p.error(f"--file {spec!r}: want NAME=PATH, NAME plain and new, PATH an existing file "
+                    "(or one --growing names)")
         files[name] = path
 
     stop = []  # the signal handler only appends: taking locks there could deadlock
@@ -221,6 +275,7 @@ def main():
               file=sys.stderr)
         return 1
     server.files, server.allow, server.loopback = files, allow, not args.no_loopback
+    server.growing, server.wait = growing, args.wait
     server.log = log
     log(f"listening {server.server_address[0]} {server.server_address[1]}")
 
