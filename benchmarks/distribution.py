@@ -9,8 +9,9 @@ writes a ~2.1 GB synthetic llama GGUF (tests/support/synthetic.py LARGE) and ser
 second Hugging Face mirror, `hf-slow`, that sends file bodies at --internet for all hosts
 together (hfmirror --rate: the one home uplink). Every bridge -> host link is shaped to --lan
 (tc tbf). One untimed apply builds llama.cpp everywhere (through the lab's unlimited mirror);
-then for today's way (rpc_servers[].fetch: false: every host downloads the whole GGUF from the
-mirror and seeds from it) and the new one (fetch: true: node1 downloads it once, the workers
+then for today's way (rpc_servers[].fetch: false; at commit aa9b7df every such host
+downloaded the whole GGUF from the mirror and seeded from it, since then it copies node1's over
+the LAN: docs/benchmarks.md says which commit measured what) and the new one (fetch: true: node1 downloads it once, the workers
 fetch the byte ranges of their tensors from node1's copy), it stops the services, deletes the
 model and the rpc caches on every host and times `meshdeploy apply` (which returns once
 llama-server answers /health 200). Counted per host: internet bytes (nft counters in the lab

@@ -138,7 +138,8 @@ class RpcServer:
     threads: int  # 0 = rpc-server's default
     cache: bool
     # With cache: fetch only its tensors of a one-file Hub model from the cluster's copy
-    # (Cluster.tensor_fetches); False: keep a whole GGUF on the host and seed from it.
+    # (Cluster.tensor_fetches); False: keep a whole GGUF on the host (Cluster.copies), seed
+    # from it.
     fetch: bool = True
 
     @property

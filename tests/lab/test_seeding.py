@@ -59,6 +59,7 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
     results = {}
     hf_log = Path(lab.state_dir) / "run" / "hf.log"
     mark = hf_log.stat().st_size if hf_log.exists() else 0
+    share_mark = len(_share_log(lab))
     try:
         for cache in (False, True):
             folder = tmp_path / ("seeded" if cache else "stock")
@@ -72,7 +73,8 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
             received = {h: wire.tx_bytes(lab.name, h) - received[h] for h in per_worker}
             if cache:
                 assert "Placement of synthetic for llama-server main" in applied.stdout
-                _check_distribution(lab, per_worker, received, model.stat().st_size)
+                _check_distribution(lab, per_worker, received, model.stat().st_size,
+                                    share_mark)
             before = {h: wire.tx_bytes(lab.name, h) for h in per_worker}
             seconds = wire.restart_server(lab)
             sent = {h: wire.tx_bytes(lab.name, h) - before[h] for h in per_worker}
@@ -98,12 +100,57 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
     assert results[True]["text"].strip()
 
 
-def _check_distribution(lab, per_worker: dict, received: dict, model_size: int) -> None:
+def test_whole_copies_come_from_the_orchestrator_not_the_internet(lab, tmp_path):
+    """Workers with `fetch: false` keep a whole GGUF: they copy node1's over the LAN while node1
+    downloads it (md-share serves the growing partial), so the mirror still serves it once."""
+    model = write_llama(tmp_path / "copied.gguf", SMALL, seed=4321)
+    served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-copied",
+                               "copied.gguf", model)
+    size = model.stat().st_size
+    text = wire.cluster_yaml(lab, served["repo"], served["file"], served["sha256"], True)
+    assert text.count("cache: true}") == 2
+    cluster = tmp_path / "copied.yaml"
+    cluster.write_text(text.replace("cache: true}", "cache: true, fetch: false}"))
+    hf_log = Path(lab.state_dir) / "run" / "hf.log"
+    mark = hf_log.stat().st_size if hf_log.exists() else 0
+    share_mark = len(_share_log(lab))
+    try:
+        plan = meshdeploy("plan", cluster)
+        assert "to copy from node1 over the LAN" in plan.stdout, plan.stdout[-3000:]
+        applied = meshdeploy("apply", cluster, "--auto-approve")
+        assert applied.returncode == 0, applied.stderr
+        for host in ("node1", "node2", "node3"):
+            got = lab.run(host, "sudo sha256sum /opt/meshdeploy/models/synthetic/copied.gguf")
+            assert got.stdout.split()[:1] == [served["sha256"]], (host, got.stdout, got.stderr)
+        copied = {}
+        for line in _share_log(lab)[share_mark:]:
+            words = line.split()
+            if len(words) == 7 and words[2] == "GET" and words[3] == "/models/synthetic":
+                assert words[4] in ("200", "206"), line
+                copied[words[1]] = copied.get(words[1], 0) + int(words[6])
+        print(f"md-share copied {copied} of a {size}-byte model")
+        assert copied.get("10.200.0.12", 0) >= size and copied.get("10.200.0.13", 0) >= size
+        again = meshdeploy("plan", cluster, "--detailed-exitcode")
+        assert again.returncode == 0, again.stdout
+    finally:
+        _restore(lab, tmp_path)
+    fetched = [line for line in hf_log.read_text()[mark:].splitlines()
+               if f"GET /{served['repo']}/resolve/" in line and f"/{served['file']} " in line
+               and '" 200 ' in line]
+    assert len(fetched) == 1, fetched  # node1's: the copies came from node1
+
+
+def _share_log(lab) -> list[str]:
+    return lab.run("node1", "sudo cat /var/log/meshdeploy-share.log 2>/dev/null; "
+                            "true").stdout.splitlines()
+
+
+def _check_distribution(lab, per_worker: dict, received: dict, model_size: int,
+                        mark: int) -> None:
     """Cached workers keep no GGUF, only their cache entries, fetched from node1's copy by
     md-share: each received about its share of the weights, not the model."""
-    log = lab.run("node1", "sudo cat /var/log/meshdeploy-share.log").stdout
-    served = {}
-    for line in log.splitlines():
+    served = {}  # this test's tensor fetches: ranged (206) GETs of /models/synthetic
+    for line in _share_log(lab)[mark:]:
         words = line.split()
         if len(words) == 7 and words[2] == "GET":
             assert words[4] == "206", line  # ranged answers only, and never a refusal
