@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from meshdeploy.deploy import distribution
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.context import Resolved
 from meshdeploy.deploy.errors import PlanError
@@ -237,8 +238,8 @@ def test_fetch_false_keeps_a_whole_copy_on_the_worker(tmp_path):
     path = tmp_path / "two.yaml"
     path.write_text(text)
     cluster = load_cluster(path)
-    assert cluster.tensor_fetches() == []
+    assert distribution.tensor_fetches(cluster) == []
     assert models.needed(cluster, cluster.host("box11")) == ["gemma27"]
     fetching = load_cluster(ROOT / "inventories" / "two-cuda-11-16.yaml")
-    assert [tuple(f) for f in fetching.tensor_fetches()] == [("gemma27", "box16", "box11")]
-    assert list(fetching.shares(fetching.host("box16"))) == ["gemma27"]
+    assert [tuple(f) for f in distribution.tensor_fetches(fetching)] == [("gemma27", "box16", "box11")]
+    assert list(distribution.shares(fetching, fetching.host("box16"))) == ["gemma27"]

@@ -138,8 +138,8 @@ class RpcServer:
     threads: int  # 0 = rpc-server's default
     cache: bool
     # With cache: fetch only its tensors of a one-file Hub model from the cluster's copy
-    # (Cluster.tensor_fetches); False: keep a whole GGUF on the host (Cluster.copies), seed
-    # from it.
+    # (deploy.distribution.tensor_fetches); False: keep a whole GGUF on the host (copies),
+    # seed from it.
     fetch: bool = True
 
     @property
@@ -233,15 +233,6 @@ class ServerDevice(NamedTuple):
     host: Host
     device: str
     endpoint: RpcEndpoint | None  # None for the orchestrator's own devices
-
-
-class Fetch(NamedTuple):
-    """`worker` gets `model` from the copy on host `source`: its tensors (Cluster.tensor_fetches)
-    or a whole copy of the GGUF (Cluster.copies)."""
-
-    model: str
-    source: str
-    worker: str
 
 
 @dataclass(frozen=True)
@@ -394,78 +385,6 @@ class Cluster:
         """The address `host` connects to other hosts' rpc-servers from: its tunnel address
         under network.transport: wireguard, else its address."""
         return self.network.wireguard.address(host.name) if self.network.tunnel else host.address
-
-    def tensor_fetches(self) -> list[Fetch]:
-        """Who fetches only their tensors of a model, and from whom (model distribution).
-
-        A host with a cached rpc-server that some llama-server of a one-file Hub model uses,
-        and that loads no llama-server of that model itself, keeps no GGUF: it fetches the
-        byte ranges of the tensors its placement holds from the cluster's copy, on the host of
-        the first llama-server (file order) that loads the model. That copy is the one download
-        from the internet; the host that loads the model keeps it anyway.
-        """
-        out: dict[tuple[str, str], Fetch] = {}
-        keeps = set()  # (model, worker) where some cached rpc-server says fetch: false
-        for server in self.servers:
-            model = self.models.get(server.model)
-            if model is None or not isinstance(model.source, HfSource) \
-                    or len(model.source.files) != 1:
-                continue
-            loaders = {s.host for s in self.servers if s.model == server.model}
-            source = next(s.host for s in self.servers if s.model == server.model)
-            for e in self.rpc_endpoints(server):
-                if e.rpc.cache and e.host.name not in loaders:
-                    out.setdefault((server.model, e.host.name),
-                                   Fetch(server.model, source, e.host.name))
-                    if not e.rpc.fetch:
-                        keeps.add((server.model, e.host.name))
-        return [f for key, f in out.items() if key not in keeps]
-
-    def fetched_models(self, host: Host) -> list[str]:
-        """Models whose tensors `host` fetches instead of keeping their GGUF."""
-        return [f.model for f in self.tensor_fetches() if f.worker == host.name]
-
-    def keeps(self, host: Host) -> list[str]:
-        """Models `host` keeps a whole GGUF of, in file order: those it loads, and those a
-        cached rpc-server of it seeds from its own copy (`fetch: false`, an Ollama store, a
-        path); not the ones whose tensors it fetches."""
-        names = {s.model for s in self.servers if s.host == host.name}
-        names |= {s.model for s in self.servers
-                  if any(e.host.name == host.name and e.rpc.cache for e in self.rpc_endpoints(s))}
-        names -= set(self.fetched_models(host))
-        return [m for m in self.models if m in names]
-
-    def model_source(self, name: str) -> str | None:
-        """The host whose download of Hub model `name` is the cluster's one from the internet
-        (that of its first llama-server, file order); None for another source, or no server."""
-        model = self.models.get(name)
-        if model is None or not isinstance(model.source, HfSource):
-            return None
-        return next((s.host for s in self.servers if s.model == name), None)
-
-    def copies(self) -> list[Fetch]:
-        """Hosts keeping a whole GGUF of a Hub model that another host downloads: they copy it
-        from that host over the LAN (a second orchestrator, a `fetch: false` worker)."""
-        out = []
-        for host in self.hosts:
-            for name in self.keeps(host):
-                source = self.model_source(name)
-                if source is not None and source != host.name:
-                    out.append(Fetch(name, source, host.name))
-        return out
-
-    def share_clients(self, host: Host) -> list[Host]:
-        """The hosts that get tensors or copies from `host` (file order)."""
-        names = {f.worker for f in self.tensor_fetches() + self.copies() if f.source == host.name}
-        return [h for h in self.hosts if h.name in names]
-
-    def shares(self, host: Host) -> dict[str, list[Host]]:
-        """model -> the hosts fetching its tensors from `host`'s copy (file order)."""
-        out: dict[str, list[str]] = {}
-        for f in self.tensor_fetches():
-            if f.source == host.name:
-                out.setdefault(f.model, []).append(f.worker)
-        return {m: [h for h in self.hosts if h.name in names] for m, names in out.items()}
 
     def tunnel_peers(self, host: Host) -> list[Host]:
         """Hosts that `host` exchanges RPC with across hosts (its workers, its orchestrators),

@@ -84,11 +84,8 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
             assert again.returncode == 0, again.stdout
     finally:
         _restore(lab, tmp_path)
-    # One download from the internet for the whole test: node1's, full-body GETs answer 200
-    # (the control machine's header reads and any resume are ranged, 206).
-    fetched = [line for line in hf_log.read_text()[mark:].splitlines()
-               if f"GET /{served['repo']}/resolve/" in line and f"/{served['file']} " in line
-               and '" 200 ' in line]
+    # One download from the internet for the whole test: node1's.
+    fetched = _full_downloads(hf_log, mark, served)
     assert len(fetched) == 1, fetched
     for host, mine in per_worker.items():
         hashed, small = wire_bytes(mine)
@@ -134,10 +131,16 @@ def test_whole_copies_come_from_the_orchestrator_not_the_internet(lab, tmp_path)
         assert again.returncode == 0, again.stdout
     finally:
         _restore(lab, tmp_path)
-    fetched = [line for line in hf_log.read_text()[mark:].splitlines()
-               if f"GET /{served['repo']}/resolve/" in line and f"/{served['file']} " in line
-               and '" 200 ' in line]
+    fetched = _full_downloads(hf_log, mark, served)
     assert len(fetched) == 1, fetched  # node1's: the copies came from node1
+
+
+def _full_downloads(hf_log: Path, mark: int, served: dict) -> list[str]:
+    """The mirror's full-body GETs of the served file since `mark`: they answer 200 (the
+    control machine's header reads and any resume are ranged, 206)."""
+    return [line for line in hf_log.read_text()[mark:].splitlines()
+            if f"GET /{served['repo']}/resolve/" in line and f"/{served['file']} " in line
+            and '" 200 ' in line]
 
 
 def _share_log(lab) -> list[str]:

@@ -1,5 +1,6 @@
 """models: GGUF files from Hugging Face (or a mirror), an Ollama store, or a path."""
 
+from meshdeploy.deploy import distribution
 from meshdeploy.deploy.model import HfSource
 from meshdeploy.deploy.registry import Prepare, Prepared, Resource, Role
 from meshdeploy.roles.models import hf
@@ -19,7 +20,7 @@ def _prepare(p: Prepare) -> Prepared:
     resolved = {name: hf.resolve(p.cluster, model, get_token)
                 for name, model in p.cluster.models.items()
                 if isinstance(model.source, HfSource)
-                and any(name in ops.needed(p.cluster, h) or name in p.cluster.fetched_models(h)
+                and any(name in ops.needed(p.cluster, h) or name in distribution.fetched_models(p.cluster, h)
                         for h in p.hosts)}
     if not resolved:
         return Prepared()

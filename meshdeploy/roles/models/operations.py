@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from meshdeploy.deploy import inflight, progress, share, shell
+from meshdeploy.deploy import distribution, inflight, progress, share, shell
 from meshdeploy.deploy.context import HostContext, SecretStdin, Step, Transfer, stored_teardown
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
@@ -19,9 +19,9 @@ ROLE = "models"
 
 
 def needed(cluster, host) -> list[str]:
-    """Models this host keeps a GGUF of (Cluster.keeps): a one-file Hub model a worker only
+    """Models this host keeps a GGUF of (distribution.keeps): a one-file Hub model a worker only
     caches is not kept there, the worker fetches its tensors from the cluster's copy."""
-    return cluster.keeps(host)
+    return distribution.keeps(cluster, host)
 
 
 def ollama_registry_path(src: OllamaSource) -> str:
@@ -146,7 +146,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     commands, diffs, missing_bytes, actions = [], [], 0, set()
     # One download from the internet per model: a host that is not the model's source copies
     # the source's file over the LAN (md-share), trailing its download when both run now.
-    source = ctx.cluster.model_source(name)
+    source = distribution.model_source(ctx.cluster, name)
     copying = source is not None and source != ctx.host.name
 
     def url_of(i: int, f) -> str:
@@ -220,7 +220,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
 def _serve(ctx: HostContext, name: str, resolved) -> tuple[list[str], list[str]]:
     """(md-share's start commands, the copying hosts) when this host is `name`'s source and some
     host copying it lacks a verified file; ([], []) otherwise."""
-    copiers = [ctx.cluster.host(c.worker) for c in ctx.cluster.copies()
+    copiers = [ctx.cluster.host(c.worker) for c in distribution.copies(ctx.cluster)
                if c.model == name and c.source == ctx.host.name]
     lacking = [h.name for h in copiers
                if any(not _trusted(ctx.fact_of(h.name, f"models.ModelFile[{name}/{f.name}]"),

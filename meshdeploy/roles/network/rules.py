@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import distribution, shell
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.paths import model_share_port
 from meshdeploy.deploy.plan import AttrDiff
@@ -73,7 +73,7 @@ def ports(cluster, host) -> list[Port]:
     for server in (s for s in cluster.servers if s.host == host.name):
         allow = [_literal(a, f"servers.{server.name}.allow") for a in server.allow]
         _add(found, ("tcp", server.port), f"llama-server {server.name}", allow)
-    fetchers = cluster.share_clients(host)
+    fetchers = distribution.share_clients(cluster, host)
     if fetchers:
         # md-share serves this host's model copy to the hosts that fetch tensors or copies of
         # it (models.gguf, rpc_cache.share), over the tunnel when there is one.

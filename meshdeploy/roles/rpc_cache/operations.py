@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshdeploy.deploy import inflight, progress, share, shell
+from meshdeploy.deploy import distribution, inflight, progress, share, shell
 from meshdeploy.deploy.context import HostContext, Step, Transfer, stored_teardown
 from meshdeploy.deploy.model import rpc_ref, rpc_unit_name
 from meshdeploy.deploy.paths import model_path
@@ -78,7 +78,7 @@ def digests_path(cluster, model: str) -> str:
 def _needs_tool(cluster, host) -> bool:
     """md-rpc-seed writes cache entries on a cached worker and digest lists where models are
     shared."""
-    return bool(_cached_ports(host)) or bool(cluster.shares(host))
+    return bool(_cached_ports(host)) or bool(distribution.shares(cluster, host))
 
 
 def sections(cluster, host) -> list[Section]:
@@ -90,7 +90,7 @@ def sections(cluster, host) -> list[Section]:
     if _needs_tool(cluster, host):
         out.append(Section("rpc_cache.SeedTool", SeedTool,
                            {"path": tool_path(cluster.llama_cpp.prefix)}))
-    shared = cluster.shares(host)
+    shared = distribution.shares(cluster, host)
     if shared:
         out.append(Section("rpc_cache.Digests", Digests,
                            {"paths": {m: digests_path(cluster, m) for m in shared}}))

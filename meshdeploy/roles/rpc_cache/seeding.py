@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from meshdeploy.deploy import distribution
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.model import HfSource, OllamaSource, rpc_ref
@@ -190,7 +191,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
     notes: list[str] = []
     layouts = []
     shared: dict[str, tuple] = {}
-    fetches = {(f.model, f.worker): f.source for f in cluster.tensor_fetches()}
+    fetches = {(f.model, f.worker): f.source for f in distribution.tensor_fetches(cluster)}
     for server in cluster.servers:
         endpoints = cluster.rpc_endpoints(server)
         involved = {server.host} | {e.host.name for e in endpoints}

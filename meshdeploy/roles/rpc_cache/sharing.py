@@ -2,7 +2,7 @@
 their tensors of it.
 
 A worker with a seeded cache keeps no GGUF of a one-file Hub model it does not load itself
-(Cluster.tensor_fetches): the host of the model's first llama-server downloads it once from the
+(deploy.distribution.tensor_fetches): the host of the model's first llama-server downloads it once from the
 internet and verifies its sha256 (models.gguf), and this step, on that host,
 
 - makes the model's digest list once from that verified file: "<gguf sha256> <offset> <size>
@@ -18,7 +18,7 @@ FNV-1a and sha256 are the list's: a worker never caches bytes that differ from t
 
 from __future__ import annotations
 
-from meshdeploy.deploy import inflight, shell
+from meshdeploy.deploy import distribution, inflight, shell
 from meshdeploy.deploy import share as md_share
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.model import rpc_ref
@@ -67,7 +67,7 @@ def share(ctx: HostContext) -> Step:
     Example: create "digest list of gemma; serve 1.20 GB to node2, node3 over the LAN"
     """
     cluster = ctx.cluster
-    shares = cluster.shares(ctx.host)
+    shares = distribution.shares(cluster, ctx.host)
     if not shares:
         return Step(ctx.change(ROLE, "share", "no-op", "no host fetches tensors from this host"))
     fact = ctx.fact("rpc_cache.Digests")

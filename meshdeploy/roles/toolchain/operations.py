@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import distribution, shell
 from meshdeploy.deploy.context import HostContext, Step
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
@@ -20,7 +20,7 @@ def wanted_packages(cluster, manager: str, host) -> tuple[str, ...]:
             "brew": d.toolchain_brew_packages}[manager]
     if cluster.llama_cpp.build.ccache:
         base = base + (d.toolchain_ccache_package,)
-    if cluster.share_clients(host) and manager != "brew":  # macOS ships python3 with its CLT
+    if distribution.share_clients(cluster, host) and manager != "brew":  # macOS ships python3 with its CLT
         base = base + (d.toolchain_python_package,)  # md-share serves the host's model copy
     return base
 
