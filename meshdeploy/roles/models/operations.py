@@ -80,9 +80,9 @@ _DOWNLOAD = ('mkdir -p "$(dirname "$F")"\n'
              '&& { echo "$F: already downloaded and verified"; exit 0; }\n'
              'S=$(stat -c %s "$P" 2>/dev/null || echo 0); [ "$S" -le "$SIZE" ] || rm -f "$P"\n'
              'if [ -n "$AUTH" ]; then set -- -H @-; else set --; fi\n'
-             # From another host's md-share: it may start a moment after this step, and a reply
-             # it cuts short (its download stalled) is resumed, not an error.
-             '[ -z "$LAN" ] || set -- "$@" --retry-connrefused --retry-all-errors\n'
+             # From another host's md-share: it may start a moment after this step. (Not
+             # --retry-all-errors: a full disk must fail at once, with its numbers.)
+             '[ -z "$LAN" ] || set -- "$@" --retry-connrefused\n'
              # Live progress: the partial's size every 2 s, and what was there before (R).
              'R=$(stat -c %s "$P" 2>/dev/null || echo 0)\n'
              'download_progress() { md_progress download "$(stat -c %s "$P" 2>/dev/null || '
@@ -108,7 +108,7 @@ def download_script(path: str, url: str, size: int, sha: str, auth: bool = False
                     lan: bool = False) -> str:
     """Download with resume, check size and sha256, rename; with `auth`, curl reads the
     Authorization header from the script's standard input (see SecretStdin); `lan`: from
-    another host's md-share (connection refused and cut replies are retried)."""
+    another host's md-share (a refused connection is retried: it may start a moment later)."""
     return shell.script("set -e\n" + _DOWNLOAD + _VERIFY, prelude=progress.SHELL, F=path,
                         P=f"{path}{d.models_partial_suffix}", SIZE=int(size), SHA=sha, URL=url,
                         AUTH="1" if auth else "", LAN="1" if lan else "",
