@@ -12,14 +12,16 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from meshdeploy.deploy.share import SERVER
+from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
-from meshdeploy.deploy.share import SERVER
 
 from test_md_share import free_port
 
@@ -104,3 +106,57 @@ def test_a_tensor_that_does_not_match_its_digest_is_never_cached(seed_bin, serve
     assert [p.name for p in cache.iterdir() if p.name.endswith(".tmp")] == [
         f"{d.rpc_cache_marker}.tmp"]
     assert not (cache / d.rpc_cache_marker).exists()  # the marker is only renamed at the end
+
+
+def _md_share(tmp_path: Path, port: int, *args: str) -> subprocess.Popen:
+    pid = tmp_path / f"share-{time.monotonic_ns()}.pid"
+    proc = subprocess.Popen([sys.executable, str(SERVER), "--bind", "127.0.0.1", "--port",
+                             str(port), "--allow", "127.0.0.1", "--idle", "30", "--max", "120",
+                             "--pid-file", str(pid), *args],
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not pid.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    return proc
+
+
+def test_a_copy_trails_the_download_and_outlives_a_restart_of_md_share(tmp_path):
+    """models.gguf on a host that copies: the source's partial is served as it grows, and when
+    md-share is restarted under the copy (the source's next step does that), the copy resumes
+    where it was cut and ends whole and verified."""
+    data = os.urandom(6 * MiB + 5)
+    source = tmp_path / "source"
+    source.mkdir()
+    final, partial = source / "m.gguf", source / "m.gguf.part"
+    partial.write_bytes(data[:MiB])
+    port = free_port()
+    files = ["--file", f"m={final}", "--growing", f"m={partial}:{len(data)}", "--wait", "20"]
+    server = [_md_share(tmp_path, port, *files)]
+
+    def download():  # the source's own download, 512 KiB every 0.1 s, then the rename
+        with open(partial, "ab") as f:
+            for i in range(MiB, len(data), MiB // 2):
+                time.sleep(0.1)
+                f.write(data[i:i + MiB // 2])
+                f.flush()
+                if i >= 3 * MiB and len(server) == 1:  # mid-copy: md-share restarted
+                    server[0].terminate()
+                    server[0].wait(10)
+                    server.append(_md_share(tmp_path, port, *files))
+        partial.rename(final)
+    writer = threading.Thread(target=download)
+    target = tmp_path / "copy" / "m.gguf"
+    script = models.download_script(str(target), f"http://127.0.0.1:{port}/models/m", len(data),
+                                    hashlib.sha256(data).hexdigest(), lan=True)
+    writer.start()
+    try:
+        done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=120)
+    finally:
+        writer.join()
+        for proc in server:
+            proc.terminate()
+            proc.wait(10)
+    assert len(server) == 2  # the restart did happen during the copy
+    assert done.returncode == 0, done.stderr
+    assert target.read_bytes() == data

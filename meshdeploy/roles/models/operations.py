@@ -87,8 +87,15 @@ _DOWNLOAD = ('mkdir -p "$(dirname "$F")"\n'
              'R=$(stat -c %s "$P" 2>/dev/null || echo 0)\n'
              'download_progress() { md_progress download "$(stat -c %s "$P" 2>/dev/null || '
              'echo 0)" "$SIZE" "$R" "${F##*/}"; }\n'
-             'if [ "$R" -lt "$SIZE" ]; then md_watch download_progress; rc=0; '
-             'curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL" || rc=$?; '
+             'if [ "$R" -lt "$SIZE" ]; then md_watch download_progress; a=0\n'
+             'while :; do rc=0\n'
+             '  curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL" || rc=$?\n'
+             # From md-share, a reply cut short (the source's step restarted md-share, or its
+             # own download stalled) is resumed where it stopped; curl retries none of these.
+             '  if [ -n "$LAN" ] && [ "$a" -lt "$RETRIES" ] && '
+             '{ [ "$rc" = 18 ] || [ "$rc" = 52 ] || [ "$rc" = 56 ]; }; then '
+             'a=$((a + 1)); sleep 2; else break; fi\n'
+             'done\n'
              'md_unwatch; [ "$rc" = 0 ] || { ' + _SHORT + '; exit "$rc"; }; fi\n'
              'md_progress phase verify sha256\n'
              'S=$(stat -c %s "$P"); [ "$S" = "$SIZE" ] || '
@@ -108,7 +115,7 @@ def download_script(path: str, url: str, size: int, sha: str, auth: bool = False
                     lan: bool = False) -> str:
     """Download with resume, check size and sha256, rename; with `auth`, curl reads the
     Authorization header from the script's standard input (see SecretStdin); `lan`: from
-    another host's md-share (a refused connection is retried: it may start a moment later)."""
+    another host's md-share (a refused connection, and a reply cut short, are retried)."""
     return shell.script("set -e\n" + _DOWNLOAD + _VERIFY, prelude=progress.SHELL, F=path,
                         P=f"{path}{d.models_partial_suffix}", SIZE=int(size), SHA=sha, URL=url,
                         AUTH="1" if auth else "", LAN="1" if lan else "",
