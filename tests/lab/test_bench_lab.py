@@ -43,6 +43,12 @@ def cluster_file(bn_lab, tmp_path_factory):
     target = tmp_path_factory.mktemp("bench") / "lab.yaml"
     text = (REPO / "inventories" / "lab.yaml").read_text()
     text = for_lab(text, info)
+    # --compare-local runs every layer on node1's own CPU. Some VMs advertise AMX that they
+    # cannot run: a -march=native build then faults in ggml's AMX matmul (ldtilecfg: general
+    # protection fault, seen on this kind of machine), while RPC-only loads never reach it.
+    # GGML_NATIVE=OFF builds for AVX2 and leaves AMX out.
+    text = text.replace("  build:\n", "  build:\n    cmake_flags: [-DGGML_NATIVE=OFF]\n", 1)
+    assert "GGML_NATIVE=OFF" in text
     target.write_text(text)
     applied = meshdeploy("apply", target, "--auto-approve")
     assert applied.returncode == 0, applied.stderr

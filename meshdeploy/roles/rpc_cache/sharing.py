@@ -38,6 +38,7 @@ _DIGEST = ('set -e\n'
            '  mv -f "$OUT.tmp" "$OUT"; rm -f "$OUT.in"\n'
            '}')
 
+
 def _digested(fact, model: str, sha: str, wanted) -> bool:
     """Whether the host's digest list of `model` covers every wanted (offset, size)."""
     have = ops.digest_index(fact, model, sha)
@@ -88,7 +89,8 @@ def share(ctx: HostContext) -> Step:
         return Step(ctx.change(ROLE, "share", "no-op",
                                f"digest lists of {', '.join(shares)} ({listed} tensors); "
                                "every fetching cache is seeded"))
-    commands = [inflight.guarded(f"rpc_cache.share[{model}]", _digest_script(ctx, model, sha, wanted))
+    commands = [inflight.guarded(f"rpc_cache.share[{model}]",
+                                 _digest_script(ctx, model, sha, wanted))
                 for model, sha, wanted in digest]
     reason = []
     if digest:
@@ -100,8 +102,8 @@ def share(ctx: HostContext) -> Step:
         diffs.append(AttrDiff("md-share", None, f"{cluster.source_address(ctx.host)}:"
                                                 f"{model_share_port}"))
         clients = [w for workers in shares.values() for w in workers]
-        commands += md_share.start(cluster, ctx.host,
-                                {m: model_path(cluster, m) for m in shares}, clients)
+        commands += md_share.start(cluster, ctx.host, {md_share.file_name(m): model_path(cluster, m)
+                                                       for m in shares}, clients)
     return Step(ctx.change(ROLE, "share", "create" if digest else "update", "; ".join(reason),
                            diffs), commands)
 
