@@ -4,6 +4,7 @@ references, and --receive putting an entry in place only for the exact bytes ann
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import subprocess
 from pathlib import Path
@@ -66,6 +67,19 @@ def test_digest_matches_hashlib_and_fnv_reference(seed_bin, source, ranges):
         h = subprocess.run([str(seed_bin), "--hash", str(path), off, size], capture_output=True,
                            text=True, check=True)
         assert h.stdout == fnv + "\n"
+
+
+def test_sha_extensions_and_portable_code_agree(seed_bin, source, ranges):
+    """Where the CPU has the SHA extensions md-rpc-seed uses them; MD_RPC_SEED_PORTABLE=1
+    forces the portable code. Both must give hashlib's answer (on a CPU without them, both runs
+    take the portable code and this checks it twice)."""
+    path, data = source
+    listing = "".join(f"{o} {s}\n" for o, s in ranges)
+    for portable in ("0", "1"):
+        r = subprocess.run([str(seed_bin), "--digest", str(path)], input=listing, text=True,
+                           capture_output=True, env={**os.environ, "MD_RPC_SEED_PORTABLE": portable})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines() == expected_lines(data, ranges), portable
 
 
 def test_digest_across_mapping_windows(tmp_path, source, ranges):
