@@ -55,23 +55,23 @@ def server_path(prefix: str) -> str:
     return f"{prefix}/tools/{NAME}"
 
 
-def file_name(model: str, index: int = 0) -> str:
-    """A model file's name under /models/ (the first file is the model's own name)."""
-    return model if index == 0 else f"{model}.{index}"
+def url(cluster, source: str, sha256: str) -> str:
+    """Where another host fetches the file whose content is `sha256` from host `source`.
 
-
-def url(cluster, source: str, name: str) -> str:
-    """Where another host fetches file `name` (file_name) from host `source`."""
+    md-share names files by their sha256, never by model: an md-share an earlier step or run
+    left running (it stays until idle) may serve other bytes under a model's name, and a
+    client that read those would only find out at its final sha256 check. By content, such a
+    server answers 404 until the new one replaces it, and the client tries again."""
     address = cluster.source_address(cluster.host(source))
     host = f"[{address}]" if ":" in address else address
-    return f"http://{host}:{model_share_port}/models/{name}"
+    return f"http://{host}:{model_share_port}/models/{sha256}"
 
 
 def start(cluster, host, files: dict[str, str], clients, growing: dict | None = None) -> list[str]:
     """The commands that (re)start md-share on `host` for `clients` (Hosts).
 
-    + files: name (file_name) -> path of the file on `host`
-    + growing: name -> (partial path, final size), for a file still being downloaded
+    + files: sha256 of a file -> its path on `host`
+    + growing: sha256 -> (partial path, final size), for a file still being downloaded
     """
     args = ["--bind", cluster.source_address(host), "--port", model_share_port,
             "--idle", IDLE, "--max", MAX, "--wait", WAIT]

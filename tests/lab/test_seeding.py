@@ -122,7 +122,7 @@ def test_whole_copies_come_from_the_orchestrator_not_the_internet(lab, tmp_path)
         copied = {}
         for line in _share_log(lab)[share_mark:]:
             words = line.split()
-            if len(words) == 7 and words[2] == "GET" and words[3] == "/models/synthetic":
+            if len(words) == 7 and words[2] == "GET" and words[3] == f"/models/{served['sha256']}":
                 assert words[4] in ("200", "206"), line
                 copied[words[1]] = copied.get(words[1], 0) + int(words[6])
         print(f"md-share copied {copied} of a {size}-byte model")

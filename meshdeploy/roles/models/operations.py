@@ -91,9 +91,12 @@ _DOWNLOAD = ('mkdir -p "$(dirname "$F")"\n'
              'while :; do rc=0\n'
              '  curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL" || rc=$?\n'
              # From md-share, a reply cut short (the source's step restarted md-share, or its
-             # own download stalled) is resumed where it stopped; curl retries none of these.
+             # own download stalled) is resumed where it stopped, and a 404 or 503 (an earlier
+             # md-share that does not serve this content yet, a partial not there yet) or a
+             # refused connection is asked again; curl retries none of these by itself.
              '  if [ -n "$LAN" ] && [ "$a" -lt "$RETRIES" ] && '
-             '{ [ "$rc" = 18 ] || [ "$rc" = 52 ] || [ "$rc" = 56 ]; }; then '
+             '{ [ "$rc" = 18 ] || [ "$rc" = 52 ] || [ "$rc" = 56 ] || [ "$rc" = 22 ] || '
+             '[ "$rc" = 7 ]; }; then '
              'a=$((a + 1)); sleep 2; else break; fi\n'
              'done\n'
              'md_unwatch; [ "$rc" = 0 ] || { ' + _SHORT + '; exit "$rc"; }; fi\n'
@@ -156,8 +159,8 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     source = distribution.model_source(ctx.cluster, name)
     copying = source is not None and source != ctx.host.name
 
-    def url_of(i: int, f) -> str:
-        return share.url(ctx.cluster, source, share.file_name(name, i)) if copying else f.url
+    def url_of(f) -> str:
+        return share.url(ctx.cluster, source, f.sha256) if copying else f.url
     # Only a gated or private repo gets the token (hf.resolve decided, and checked that its
     # endpoints are trusted with it). It reaches curl on standard input over the SSH channel:
     # never in arguments, a file on the host, units, logs or the plan.
@@ -169,7 +172,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     def fed(command: str) -> str:
         return SecretStdin(command, f"Authorization: Bearer {ctx.resolved.hf_token}\n") \
             if auth else command
-    for i, f in enumerate(resolved.files):
+    for f in resolved.files:
         path = f"{model_dir(ctx.prefix, name)}/{f.name}"
         fact = ctx.fact(f"models.ModelFile[{name}/{f.name}]")
         if _trusted(fact, f.sha256):
@@ -183,7 +186,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
                 f"models.gguf[{name}/{f.name}]",
                 shell.subshell(verify_script(path, f.sha256)) + " || { "
                 + shell.command("rm", "-f", path) + "; "
-                + shell.subshell(download_script(path, url_of(i, f), f.size, f.sha256, auth,
+                + shell.subshell(download_script(path, url_of(f), f.size, f.sha256, auth,
                                                  copying)) + "; }")))
             continue
         have = fact["size"] if fact else None
@@ -196,7 +199,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
         if have is not None:
             commands.append(shell.command("rm", "-f", path, path + d.models_verified_suffix))
         commands.append(fed(inflight.guarded(f"models.gguf[{name}/{f.name}]",
-                                             download_script(path, url_of(i, f), f.size,
+                                             download_script(path, url_of(f), f.size,
                                                              f.sha256, auth, copying))))
     serve, copiers = _serve(ctx, name, resolved)
     if not commands and not serve:
@@ -235,7 +238,7 @@ def _serve(ctx: HostContext, name: str, resolved) -> tuple[list[str], list[str]]
     if not lacking:
         return [], []
     folder = model_dir(ctx.prefix, name)
-    names = {share.file_name(name, i): f for i, f in enumerate(resolved.files)}
+    names = {f.sha256: f for f in resolved.files}
     return share.start(ctx.cluster, ctx.host,
                        {n: f"{folder}/{f.name}" for n, f in names.items()},
                        copiers,

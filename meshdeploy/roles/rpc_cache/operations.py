@@ -266,7 +266,7 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
                                 hint="run apply again; the plan shows what the share step does")
             change.reason += f" (tensor digests known after apply on {m.source})"
             return Step(change, transfer=transfer)
-        fetches.append((m, share.url(ctx.cluster, m.source, share.file_name(m.model)),
+        fetches.append((m, share.url(ctx.cluster, m.source, m.model_sha),
                         [(off, size) + digests[off][1:] for off, size in missing]))
     return Step(change,
                 [inflight.guarded(f"rpc_cache.seed[{port}]", _seed_script(

@@ -102,8 +102,9 @@ def share(ctx: HostContext) -> Step:
         diffs.append(AttrDiff("md-share", None, f"{cluster.source_address(ctx.host)}:"
                                                 f"{model_share_port}"))
         clients = [w for workers in shares.values() for w in workers]
-        commands += md_share.start(cluster, ctx.host, {md_share.file_name(m): model_path(cluster, m)
-                                                       for m in shares}, clients)
+        files = {ctx.resolved.models[m].files[0].sha256: model_path(cluster, m) for m in shares
+                 if m in ctx.resolved.models}
+        commands += md_share.start(cluster, ctx.host, files, clients)
     return Step(ctx.change(ROLE, "share", "create" if digest else "update", "; ".join(reason),
                            diffs), commands)
 
