@@ -467,8 +467,10 @@ def small_disk(host_stopped, ft_lab, cluster_file):
         shape(info, "node2", "40mbit")
         run = Apply(cluster_file, "disk-full")
         wait_on_host(info, "node2", f"[ -s {MODEL}.part ]")
-        sh(info, "node2", f"fallocate -l $(( $(df -Pk {models} | awk 'NR==2 {{print $4}}') "
-                          f"* 1024 )) {models}/filler || true")
+        # Fill what is left, whatever the download wrote meanwhile: a size read first and then
+        # allocated can already be too large, and then nothing is filled at all.
+        sh(info, "node2", f"dd if=/dev/zero of={models}/filler bs=1M 2>/dev/null; "
+                          f"df -Pk {models} | tail -n 1", timeout=120)
         out["code"] = run.end()
         out["text"] = run.text()
         shape(info, "node2", None)
