@@ -123,8 +123,11 @@ def test_whole_copies_come_from_the_orchestrator_not_the_internet(lab, tmp_path)
         for line in _share_log(lab)[share_mark:]:
             words = line.split()
             if len(words) == 7 and words[2] == "GET" and words[3] == f"/models/{served['sha256']}":
-                assert words[4] in ("200", "206"), line
-                copied[words[1]] = copied.get(words[1], 0) + int(words[6])
+                # 404: asked of the md-share an earlier step left running (it serves other
+                # content) before node1's step replaced it; the copy asks again.
+                assert words[4] in ("200", "206", "404"), line
+                if words[4] != "404":
+                    copied[words[1]] = copied.get(words[1], 0) + int(words[6])
         print(f"md-share copied {copied} of a {size}-byte model")
         assert copied.get("10.200.0.12", 0) >= size and copied.get("10.200.0.13", 0) >= size
         again = meshdeploy("plan", cluster, "--detailed-exitcode")
