@@ -23,8 +23,8 @@ llama_cpp_current_link = "current"         # -> builds/<key>, flipped only after
 models_dir = "models"                      # models/<name>/<file>
 
 # --- model distribution ----------------------------------------------------------------------
-# The port of md-share on a host whose verified copy of a model other hosts fetch tensors from
-# (rpc_cache serves it during apply; network opens it to those hosts alone).
+# The port of md-share (deploy/share.py) on a host whose verified copy of a model other hosts
+# copy or fetch tensors of (models and rpc_cache start it; network opens it to them alone).
 model_share_port = 50180
 
 OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"

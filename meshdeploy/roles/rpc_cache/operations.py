@@ -16,7 +16,7 @@ from pathlib import Path
 
 from meshdeploy.deploy import distribution, inflight, progress, share, shell
 from meshdeploy.deploy.context import HostContext, Step, Transfer, stored_teardown
-from meshdeploy.deploy.model import rpc_ref, rpc_unit_name
+from meshdeploy.deploy.model import rpc_unit_name
 from meshdeploy.deploy.paths import model_path
 from meshdeploy.deploy.errors import PlanError
 from meshdeploy.deploy.plan import AttrDiff
