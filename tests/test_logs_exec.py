@@ -228,7 +228,7 @@ def test_journal_json_becomes_lines_of_the_right_service(sources):
     lines = parse(node1, out)
     assert [(l.time, l.text) for l in lines] == [(1, "Started x"), (2, "hi\ufffd"),
                                                  (3, "model loaded"), (4, "two"),
-                                                 (4, "lines?[31m")]
+                                                 (4, "lines\\x1b[31m")]
     assert {l.service for l in lines} == {"llama-server:main"}
 
 

@@ -17,7 +17,7 @@ from tabulate import tabulate
 from meshdeploy.deploy import errors, registry, remote, shell, ssh_settings
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.logs import (DEFAULT_LINES, FOLLOW, HostStream, host_script, merge,
-                                    parse, render, select, since_value, width)
+                                    parse, render, select, since_value, terminal_text, width)
 
 
 def _open(cluster, names: list[str], args) -> remote.Hosts:
@@ -28,7 +28,7 @@ def _open(cluster, names: list[str], args) -> remote.Hosts:
         print(f"warning: {warning}", file=sys.stderr)
     hosts = remote.connect(settings)
     for name, reason in hosts.unreachable.items():
-        print(f"{name}: unreachable ({reason})", file=sys.stderr)
+        print(f"{name}: unreachable ({terminal_text(reason)})", file=sys.stderr)
     return hosts
 
 
@@ -78,11 +78,12 @@ def _backlog(hosts, streams, scripts, shown) -> int:
 
 def _failed(name, result) -> bool:
     if isinstance(result, Exception):
-        print(f"{name}: unreachable ({remote.reason(result)})", file=sys.stderr)
+        print(f"{name}: unreachable ({terminal_text(remote.reason(result))})", file=sys.stderr)
         return True
     if result.exited != 0:
         said = (result.stderr.strip().splitlines() or ["no message"])[-1]
-        print(f"{name}: reading the logs failed (exit {result.exited}): {said}", file=sys.stderr)
+        print(f"{name}: reading the logs failed (exit {result.exited}): {terminal_text(said)}",
+              file=sys.stderr)
         return True
     return False
 
@@ -196,16 +197,17 @@ def run_exec(args) -> int:
     rows = []
     for name in names:
         if name in hosts.unreachable:
-            rows.append([name, "unreachable", "-", hosts.unreachable[name]])
+            rows.append([name, "unreachable", "-", terminal_text(hosts.unreachable[name])])
             continue
         conn, result = by_name[name]
         if isinstance(result, Exception):
             hosts.unreachable[name] = remote.reason(result)
-            rows.append([name, "unreachable", "-", hosts.unreachable[name]])
+            rows.append([name, "unreachable", "-", terminal_text(hosts.unreachable[name])])
             continue
+        # The host's output, failed or not, is shown, never run by the terminal.
+        output = terminal_text(result.stdout)
         print(f"== {name} (exit {result.exited}, {conn.seconds:.2f} s) ==")
-        sys.stdout.write(result.stdout if result.stdout.endswith("\n") or not result.stdout
-                         else result.stdout + "\n")
+        sys.stdout.write(output if output.endswith("\n") or not output else output + "\n")
         rows.append([name, result.exited, f"{conn.seconds:.2f}", ""])
     print()
     print(tabulate(rows, headers=["host", "exit", "seconds", "note"]))
