@@ -168,7 +168,11 @@ def test_a_departed_local_host_beside_the_files_local_host_is_refused(tmp_path):
     states.save(state)
     recorded = json.loads(states.state_path(path).read_text())["hosts"]["node0"]
     assert recorded["connection"] == "local"
-    departed = states.load(cluster).departed(cluster)
+    # The state alone cannot make a departed host local (docs/security.md, "The state file") ...
+    with pytest.raises(ConfigError, match="hosts.node0.connection: node0 left the cluster file"):
+        states.load(cluster)
+    # ... and a session refuses a second local host wherever it comes from.
+    departed = [state.hosts["node0"].host()]
     assert [(h.name, h.local) for h in departed] == [("node0", True)]
     with pytest.raises(PlanError, match="node1 and node0 are all this machine"):
         Session(cluster, departed=departed).open()

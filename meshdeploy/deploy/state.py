@@ -12,15 +12,23 @@ state holds no secret (addresses, SSH settings, names), so committing it is safe
 JSON with a format_version, written atomically (temporary file, fsync, os.replace, fsync of the
 folder); updated after every apply, also a failed one (what was attempted is recorded: a host
 is forgotten only once its destroy ran).
+
+The state is checked as strictly as the cluster file (its hosts against the file's own host
+schema), and trusted less: a host that left the file is reached only with settings the file
+itself uses (docs/security.md, "The state file"). Whoever can write the state must not make
+meshdeploy run a command on this machine: no `connection: local`, no ssh_config (its
+ProxyCommand runs here) that no host of the file names, no host-key check turned off.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
-from meshdeploy.deploy.errors import PlanError
+from meshdeploy.deploy.errors import ConfigError, ConfigIssue, PlanError
 from meshdeploy.deploy.model import SSH, Cluster, Host
 from meshdeploy.deploy.plan import utc_now, write_atomic
 
@@ -140,6 +148,9 @@ def load(cluster: Cluster) -> State:
         raise PlanError(f"{path}: the state is of cluster {state.cluster!r}, the file names "
                         f"{cluster.name!r}",
                         hint="a renamed cluster: rename `cluster` back, or " + _HINT)
+    issues = _untrusted(_document(path, raw), data, state, cluster)
+    if issues:
+        raise ConfigError(issues)
     return state
 
 
@@ -165,6 +176,114 @@ def _record(name: str, raw: dict) -> HostRecord:
     if record.connection not in ("ssh", "local"):
         raise ValueError(f"hosts.{name}.connection {record.connection!r}")
     return record
+
+
+# -- what a state file is trusted with ---------------------------------------------------------
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+@lru_cache(maxsize=1)
+def _validator():
+    """The state's `hosts` checked with the cluster file's own schema for what a host record
+    shares with a file's host (names, address, connection, backend, ssh port, sudo, host key),
+    by the same strict validator; what only the state holds beside it."""
+    from meshdeploy.deploy.schema_errors import load_schema, schema_validator
+
+    schema = load_schema()
+    host = schema["$defs"]["host"]["properties"]
+    ssh = host["ssh"]["properties"]
+    name = schema["properties"]["hosts"]["propertyNames"]
+    # How the state writes an unset user, key or config (error_issues reads one type a branch).
+    optional = {"anyOf": [{"type": "null"}, {"type": "string"}]}
+    ssh_record = {"type": "object", "additionalProperties": False,
+                  "required": ["user", "port", "key", "config", "sudo"],
+                  "properties": {"user": optional, "port": ssh["port"], "key": optional,
+                                 "config": optional, "sudo": ssh["sudo"],
+                                 "host_key": {"enum": [None] + [v for v in
+                                                                ssh["host_key"]["enum"] if v]}}}
+    interface = schema["properties"]["network"]["properties"]["wireguard"]["properties"][
+        "interface"]
+    record = {"type": "object", "additionalProperties": False, "required": ["address", "ssh"],
+              "properties": {
+                  "address": host["address"], "connection": host["connection"],
+                  "backend": host["backend"], "ssh": ssh_record,
+                  "status": {"enum": [MANAGED, RETIRED]},
+                  "units": {"type": "array", "items": {
+                      "type": "string", "pattern": "^meshdeploy-(rpc|server)-[A-Za-z0-9_.-]+$"}},
+                  "models": {"type": "array", "items": {"type": "string", **name}},
+                  "firewall": {"type": "boolean"},
+                  "tunnel": {"anyOf": [{"type": "null"}, interface]},
+                  "updated_at": {"type": "string"}}}
+    return type(schema_validator())({"type": "object", "properties": {"hosts": {
+        "type": "object", "propertyNames": name, "additionalProperties": record}}})
+
+
+def _document(path: Path, raw: bytes):
+    """The state as a config Document, for file:line:col in its errors (valid JSON is YAML;
+    already read as JSON, so it holds no alias or tag). Without positions when ruamel balks."""
+    from ruamel.yaml import YAML
+
+    from meshdeploy.deploy.config import Document
+
+    try:
+        root = YAML(typ="rt").load(raw.decode("utf-8"))
+    except Exception:  # ruamel raises many classes; positions are a nicety here
+        root = None
+    return Document(str(path), path, raw, root if isinstance(root, dict) else {})
+
+
+def _untrusted(doc, data: dict, state: State, cluster: Cluster) -> list[ConfigIssue]:
+    """What the state may not say: anything the cluster file's schema refuses, and for a host
+    that left the file, a way to reach it that the file itself does not use."""
+    from meshdeploy.deploy.schema_errors import error_issues
+
+    issues = [i for e in _validator().iter_errors(data) for i in error_issues(doc, e)]
+    for record in state.hosts.values():
+        where = ("hosts", record.name, "ssh")
+        for key in ("user", "key", "config"):
+            value = record.ssh.get(key)
+            if isinstance(value, str) and _CONTROL.search(value):
+                issues.append(doc.issue(where + (key,), "contains a control character",
+                                        "no meshdeploy writes one: " + _HINT))
+            elif key != "user" and isinstance(value, str) and not value.startswith("/"):
+                issues.append(doc.issue(where + (key,), f"'{value}' is not an absolute path",
+                                        "the state records resolved paths: " + _HINT))
+    if issues:
+        return issues
+    in_file = {h.name for h in cluster.hosts}
+    for record in state.hosts.values():
+        if record.name not in in_file:
+            issues += _departed_issues(doc, record, cluster)
+    return issues
+
+
+def _departed_issues(doc, record: HostRecord, cluster: Cluster) -> list[ConfigIssue]:
+    name, path = record.name, ("hosts", record.name)
+    left = f"{name} left the cluster file, and only the state file says to reach it"
+
+    def fix(setting: str) -> str:
+        return (f"if {name} must be destroyed that way, add it back to the cluster file with "
+                f"{setting}, run `meshdeploy destroy FILE --limit {name}`, then remove it "
+                f"again; otherwise delete hosts.{name} from the state file")
+
+    issues = []
+    if record.connection == "local":
+        issues.append(doc.issue(path + ("connection",), f"{left} with connection: local "
+                                "(its destroy would run on this machine, through sudo)",
+                                fix("connection: local")))
+    config = record.ssh.get("config")
+    if config is not None and config not in {h.ssh.config for h in cluster.hosts}:
+        issues.append(doc.issue(path + ("ssh", "config"), f"{left} through the ssh_config "
+                                f"{config}, which no host of the cluster file uses (an "
+                                "ssh_config's ProxyCommand runs on this machine)",
+                                fix(f"ssh.config: {config}")))
+    if record.ssh.get("host_key") == "no" and \
+            not any(h.ssh.host_key == "no" for h in cluster.hosts):
+        issues.append(doc.issue(path + ("ssh", "host_key"), f"{left} without checking its "
+                                "host key (host_key: no), which no host of the cluster file "
+                                "does", fix("ssh.host_key: no")))
+    return issues
 
 
 def save(state: State) -> None:
