@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -19,6 +20,13 @@ from pyinfra.api import FactBase
 from meshdeploy.deploy import shell
 
 MARKER = "@@meshdeploy-section "
+# A number a host prints (a size, a time, a count): ASCII digits, at most 20 (2**64 has 20).
+# str.isdigit() also takes "³" and "١٢٣", which int() refuses or reads as another number, and
+# int() takes "1_0" and " 7" and refuses more than 4300 digits.
+_UINT = re.compile(r"[0-9]{1,20}")
+_SHOWN = 80  # characters of a rejected line a plan quotes
+_NOTED = 3  # rejected lines a fact quotes; the rest are counted
+
 
 def new_nonce() -> str:
     """A per-probe secret in every section marker: no fact's output (a file name, an Ollama
@@ -48,6 +56,27 @@ class Section:
 
 def marker(nonce: str, index: int) -> str:
     return f"{MARKER}{nonce} {index}"
+
+
+# -- what every fact's process() uses on host text: it never raises ------------------------------
+
+def uint(text: str) -> int | None:
+    """The number `text` spells in ASCII digits (at most 20 of them), else None."""
+    return int(text) if _UINT.fullmatch(text) else None
+
+
+def quoted(text: str) -> str:
+    """A host's line as a message may show it: ASCII with escapes, cut short."""
+    return ascii(text[:_SHOWN]) + ("..." if len(text) > _SHOWN else "")
+
+
+def damaged(rejected: list[tuple[int, str]]) -> list[str]:
+    """Notes on the lines a fact skipped from a file that matters, for the plan to warn with:
+    ["line 2: 'x y 3 f42cfb619b3cade9'", ..., "7 more"]; [] when none."""
+    notes = [f"line {n}: {quoted(text)}" for n, text in rejected[:_NOTED]]
+    if len(rejected) > _NOTED:
+        notes.append(f"{len(rejected) - _NOTED} more")
+    return notes
 
 
 class SudoCheck(FactBase):
@@ -121,10 +150,9 @@ class DiskFree(FactBase):
         return shell.script(self._BODY, p=path)
 
     def process(self, output):
-        try:
-            return int(output[-1].split()[3]) * 1024
-        except (IndexError, ValueError):
-            return None
+        words = output[-1].split() if output else []
+        kib = uint(words[3]) if len(words) > 3 else None
+        return None if kib is None else kib * 1024
 
 
 class Stored(FactBase):
@@ -151,8 +179,9 @@ class Stored(FactBase):
         out = {}
         for line in output:
             size, _, path = line.partition(" ")
-            if size.isdigit() and path.startswith("/"):
-                out[path] = int(size) * 1024
+            kib = uint(size)
+            if kib is not None and path.startswith("/"):
+                out[path] = kib * 1024
         return out
 
     @staticmethod

@@ -29,22 +29,24 @@ class ModelFile(FactBase):
                             P=f"{path}{d.models_partial_suffix}")
 
     def process(self, output):
-        values = {}
+        words = {}
         for line in output:
             key, _, rest = line.partition(" ")
-            values[key] = rest.split()
-        if len(values.get("file", [])) != 2:
-            part = values.get("part", [])
-            return {"size": None, "mtime": None, "verified": None,
-                    "partial": int(part[0]) if len(part) == 2 else None, "link": None}
-        size, mtime = (int(v) for v in values["file"])
-        marker = values.get("marker", [])
-        verified = (int(marker[0]), int(marker[1]), marker[2]) if len(marker) == 3 else None
-        part = values.get("part", [])
-        link = values.get("link") or None
-        return {"size": size, "mtime": mtime, "verified": verified,
-                "partial": int(part[0]) if len(part) == 2 else None,
+            words[key] = rest.split()
+        part, stat, marker = (_numbers(words.get(k, [])) for k in ("part", "file", "marker"))
+        partial = part[0] if len(part) == 2 else None
+        if len(stat) != 2 or None in stat:
+            return {"size": None, "mtime": None, "verified": None, "partial": partial,
+                    "link": None}
+        verified = (marker[0], marker[1], words["marker"][2]) \
+            if len(marker) == 3 and None not in marker[:2] else None
+        link = words.get("link")
+        return {"size": stat[0], "mtime": stat[1], "verified": verified, "partial": partial,
                 "link": link[0] if link else None}
+
+
+def _numbers(words: list[str]) -> list[int | None]:
+    return [probe.uint(w) for w in words]
 
 
 class DiskFree(probe.DiskFree):
@@ -91,8 +93,9 @@ class OllamaManifest(FactBase):
                 out["heads"][digest] = head.strip()
             elif key == "blob":
                 parts = rest.split()
-                if len(parts) == 3:
-                    out["blobs"][parts[0]] = (int(parts[1]), int(parts[2]))
+                numbers = _numbers(parts[1:])
+                if len(parts) == 3 and None not in numbers:
+                    out["blobs"][parts[0]] = tuple(numbers)
         return out if out["manifest"] else None
 
 

@@ -7,7 +7,7 @@ import json
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import probe, shell
 from meshdeploy.roles.network import defaults as d
 from meshdeploy.roles.network.rules import LOOPBACK, VIA, normalize, port_key
 
@@ -41,7 +41,8 @@ class Allowlist(FactBase):
         try:
             items = json.loads("\n".join(output))["nftables"]
             return read_table(items)
-        except (ValueError, TypeError, KeyError, AttributeError):
+        # RecursionError: JSON nested deeper than the parser's stack (nft never prints that).
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return {"other": ["`nft -j list table` printed something that is not a ruleset"]}
 
     @staticmethod
@@ -133,7 +134,8 @@ def _sources(right, family: str) -> list[str] | None:
                 nets = [ipaddress.ip_network(e)]
             elif isinstance(e, dict) and "prefix" in e:
                 nets = [ipaddress.ip_network(f"{e['prefix']['addr']}/{e['prefix']['len']}")]
-            elif isinstance(e, dict) and "range" in e:
+            elif isinstance(e, dict) and "range" in e and all(isinstance(a, str)
+                                                               for a in e["range"]):
                 low, high = (ipaddress.ip_address(a) for a in e["range"])
                 nets = list(ipaddress.summarize_address_range(low, high))
             else:
@@ -223,7 +225,7 @@ class WireGuard(FactBase):
             elif name in ("public_key", "conf_sha256", "live_key"):
                 out[name] = value or None
             elif name == "listen_port":
-                out[name] = int(value) if value.isdigit() else None
+                out[name] = probe.uint(value)
             elif name == "address":
                 out["addresses"].append(value)
             elif name in ("peer", "endpoint"):

@@ -15,6 +15,10 @@ HEX16 = re.compile(r"\A[0-9a-f]{16}\Z")
 LEFTOVER = re.compile(r"\A\.([0-9a-f]{16}\.tmp|meshdeploy-seeded\.tmp"
                       r"|meshdeploy-seed-list(\.out|\.[0-9]+(\.m)?)?)\Z")
 _SHA256 = re.compile(r"\A[0-9a-f]{64}\Z")
+# A file a service user may write, as lines a probe can carry: bytes that are not printable
+# ASCII become "?" (what arrives must decode as UTF-8: paramiko is strict) and lines are cut at
+# 256 characters (a marker or digest list line is shorter).
+_PRINTABLE = "export LC_ALL=C\nprintable() { tr -c '\\n -~' '?' < \"$1\" | cut -c 1-256; }"
 
 
 class SeedTool(FactBase):
@@ -45,36 +49,72 @@ class CacheDir(FactBase):
      "temporary": [".f42cfb619b3cade9.tmp"],          # left by an interrupted seeding
      "marker": [("<gguf sha256>", 6527680, 178257920, "f42cfb619b3cade9")]}
     ```
-    None: the directory does not exist.
+    Two keys appear only when the folder's service user left something odd (it owns the folder,
+    and this fact runs as root):
+    - "link": True: the folder itself is a symbolic link (or was swapped for one while being
+      read); nothing in it was listed or read, entries/temporary/marker are empty. Seeding must
+      refuse such a folder, never write through it.
+    - "damaged": ["line 2: 'x y 3 f42cfb619b3cade9'", "the marker is a symbolic link; not
+      read", ...]: marker lines that are not marker records (the first few, quoted, then a
+      count), skipped, for the plan to warn about.
+    Only regular files whose names rpc-server or seeding use are listed, so a name cannot
+    forge a line. None: the directory does not exist.
     """
 
+    # The folder by its physical path, compared with its parent's: a link swapped in after the
+    # -L test is caught, and once inside only relative names are used.
+    _BODY = r"""[ -L "$D" ] && { echo link; exit 0; }
+cd -P "$D" 2>/dev/null || exit 0
+P=$(cd -P "${D%/*}/" && pwd -P) && [ "$(pwd -P)" = "${P%/}/${D##*/}" ] || { echo link; exit 0; }
+echo dir
+if stat -c %s . >/dev/null 2>&1; then F=-c S='file %s %n'; else F=-f S='file %z %N'; fi
+find . -maxdepth 1 -type f \( -name "$H" -o -name ".$H.tmp" -o -name '.meshdeploy-seed*' \) \
+  ! -name '*[!0-9a-z.-]*' -exec stat "$F" "$S" {} + 2>/dev/null
+if [ -L "$MARKER" ]; then echo markerlink
+elif [ -f "$MARKER" ]; then printable "$MARKER" | sed 's/^/marker /'
+fi; true"""
+
     def command(self, path):
-        # One stat for every file (a cache holds hundreds of entries); GNU stat, then BSD stat.
-        return shell.script(
-            'cd "$D" 2>/dev/null || exit 0; echo dir\n'
-            'set -- $(ls -A); [ $# -gt 0 ] && '
-            "{ stat -c 'file %s %n' -- \"$@\" 2>/dev/null || stat -f 'file %z %N' -- \"$@\"; }\n"
-            "sed 's/^/marker /' \"$MARKER\" 2>/dev/null; true",
-            D=path, MARKER=d.rpc_cache_marker)
+        # One stat for every file (a cache holds hundreds of entries); GNU stat, else BSD stat.
+        return shell.script(self._BODY, prelude=_PRINTABLE, D=path, MARKER=d.rpc_cache_marker,
+                            H="[0-9a-f]" * 16)
 
     def process(self, output):
-        if not output or output[0].strip() != "dir":
-            return None
+        head = output[0].strip() if output else ""
         out = {"entries": {}, "temporary": [], "marker": []}
+        if head == "link":
+            return {**out, "link": True}
+        if head != "dir":
+            return None
+        notes, rejected, number = [], [], 0
         for line in output[1:]:
             kind, _, rest = line.partition(" ")
-            parts = rest.split()
-            if kind == "file" and len(parts) == 2 and parts[0].isdigit():
-                size, name = int(parts[0]), parts[1]
-                if HEX16.match(name):
+            if kind == "file":
+                size, _, name = rest.partition(" ")
+                size, name = probe.uint(size), name.removeprefix("./")
+                if size is not None and HEX16.match(name):
                     out["entries"][name] = size
-                elif LEFTOVER.match(name):
+                elif size is not None and LEFTOVER.match(name):
                     out["temporary"].append(name)
-            elif kind == "marker" and len(parts) == 4 and parts[1].isdigit() \
-                    and parts[2].isdigit() and HEX16.match(parts[3]):
-                out["marker"].append((parts[0], int(parts[1]), int(parts[2]), parts[3]))
+            elif kind == "marker":
+                number += 1
+                record = _marker_record(rest.split())
+                if record:
+                    out["marker"].append(record)
+                else:
+                    rejected.append((number, rest))
+            elif line.strip() == "markerlink":
+                notes.append("the marker is a symbolic link; not read")
         out["temporary"].sort()
-        return out
+        notes += probe.damaged(rejected)
+        return {**out, "damaged": notes} if notes else out
+
+
+def _marker_record(parts: list[str]) -> tuple | None:
+    offset, size = (probe.uint(p) for p in parts[1:3]) if len(parts) == 4 else (None, None)
+    if offset is None or size is None or not HEX16.match(parts[3]):
+        return None
+    return parts[0], offset, size, parts[3]
 
 
 class CacheFree(probe.DiskFree):
@@ -92,26 +132,41 @@ class Digests(FactBase):
     is made again). None: no list at all.
     """
 
+    _BODY = r"""while [ $# -ge 2 ]; do
+  [ -f "$2" ] && echo "model $1" && printable "$2" | sed 's/^/line /'; shift 2
+done; true"""
+
     def command(self, paths):
         # Arguments: model name, list path, ... ; names are the cluster file's model keys.
-        return shell.script('while [ $# -ge 2 ]; do [ -f "$2" ] && echo "model $1" && '
-                            'sed \'s/^/line /\' "$2"; shift 2; done; true',
+        return shell.script(self._BODY, prelude=_PRINTABLE,
                             args=[w for name, path in sorted(paths.items()) for w in (name, path)])
 
     def process(self, output):
         out: dict = {}
-        model = None
+        model, rejected, number = None, [], 0
         for line in output or []:
             kind, _, rest = line.partition(" ")
             parts = rest.split()
             if kind == "model" and len(parts) == 1:
-                model = out.setdefault(parts[0], {})
-            elif kind == "line" and model is not None and len(parts) == 5 \
-                    and _SHA256.match(parts[0]) and parts[1].isdigit() and parts[2].isdigit() \
-                    and HEX16.match(parts[3]) and _SHA256.match(parts[4]):
-                model.setdefault(parts[0], []).append([int(parts[1]), int(parts[2]), parts[3],
-                                                       parts[4]])
+                model, rejected, number = out.setdefault(parts[0], {}), [], 0
+            elif kind == "line" and model is not None:
+                number += 1
+                record = _digest_record(parts)
+                if record:
+                    model.setdefault(parts[0], []).append(record)
+                else:
+                    rejected.append((number, rest))
+                    model["damaged"] = probe.damaged(rejected)
         return out or None
+
+
+def _digest_record(parts: list[str]) -> list | None:
+    """[offset, size, fnv16, sha256] of a digest list line's words, after the model's sha."""
+    if len(parts) != 5 or not (_SHA256.match(parts[0]) and HEX16.match(parts[3])
+                               and _SHA256.match(parts[4])):
+        return None
+    offset, size = probe.uint(parts[1]), probe.uint(parts[2])
+    return None if offset is None or size is None else [offset, size, parts[3], parts[4]]
 
 
 class DeviceMemory(FactBase):
@@ -180,21 +235,23 @@ class DeviceMemory(FactBase):
         cpu, cuda, rocm, vk, mac = {}, [], [], [], {}
         for line in output or []:
             words = line.replace(",", " ").split()
+            n = [probe.uint(w) for w in words]
             if len(words) == 3 and words[0] in ("MemTotal:", "MemAvailable:") \
-                    and words[1].isdigit() and words[2] == "kB":
-                cpu["total" if words[0] == "MemTotal:" else "available"] = int(words[1]) * 1024
+                    and n[1] is not None and words[2] == "kB":
+                cpu["total" if words[0] == "MemTotal:" else "available"] = n[1] * 1024
             elif len(words) == 3 and words[0] == "cuda":
                 # "[N/A]" rows keep their place: CUDA1 must not take CUDA0's numbers.
-                cuda.append({"total": int(words[1]) << 20, "free": int(words[2]) << 20}
-                            if words[1].isdigit() and words[2].isdigit() else None)
+                cuda.append({"total": n[1] << 20, "free": n[2] << 20}
+                            if None not in n[1:] else None)
             elif len(words) == 4 and words[0] == "rocm":
-                ok = words[2].isdigit() and words[3].isdigit() and int(words[3]) <= int(words[2])
-                rocm.append({"total": int(words[2]), "free": int(words[2]) - int(words[3])}
-                            if ok else None)
+                ok = None not in n[2:] and n[3] <= n[2]
+                rocm.append({"total": n[2], "free": n[2] - n[3]} if ok else None)
             elif words and words[0] == "vk":
-                vk.append(words[1:])
-            elif len(words) == 3 and words[0] == "mac" and words[2].isdigit():
-                mac[words[1]] = int(words[2])
+                # vulkan_devices reads numbers by str.isdigit(): only ASCII digits reach it.
+                numeric = words[1:2] in (["size"], ["budget"], ["usage"])
+                vk.append(words[1:2] if numeric and None in n[2:] else words[1:])
+            elif len(words) == 3 and words[0] == "mac" and n[2] is not None:
+                mac[words[1]] = n[2]
         if cpu:
             cpu["source"] = "/proc/meminfo"
         elif mac.get("hw.memsize"):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import probe, shell
 from meshdeploy.roles.services import defaults as d
+
+_MODE = re.compile(r"[0-7]{1,6}")  # stat's %a / %Lp: octal digits only
 
 
 class Units(FactBase):
@@ -43,8 +47,8 @@ class Units(FactBase):
         units: dict[str, dict] = {}
         lines: list[str] = []
         for line in output:
-            if line.startswith("@@unit "):
-                parts = line.split()
+            parts = line.split() if line.startswith("@@unit ") else []
+            if len(parts) > 1:
                 lines = []
                 units[parts[1]] = {"active": parts[2] if len(parts) > 2 else "unknown",
                                    "enabled": parts[3] if len(parts) > 3 else "unknown",
@@ -62,8 +66,8 @@ class Units(FactBase):
 
 
 def _epoch(parts: list[str], index: int) -> int | None:
-    value = parts[index] if len(parts) > index else ""
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    value = probe.uint(parts[index]) if len(parts) > index else None
+    return value or None
 
 
 class Rtt(FactBase):
@@ -96,8 +100,9 @@ class Rtt(FactBase):
         out = {}
         for line in output:
             parts = line.split()
-            if len(parts) == 2 and parts[1].isdigit():
-                out[parts[0]] = int(parts[1])
+            micros = probe.uint(parts[1]) if len(parts) == 2 else None
+            if micros is not None:
+                out[parts[0]] = micros
         return out
 
     @staticmethod
@@ -127,10 +132,7 @@ class KeyFile(FactBase):
         words = " ".join(output).split()
         if words == ["missing"]:
             return {"exists": False}
-        if len(words) != 3 or not words[1].isdigit():
+        uid = probe.uint(words[1]) if len(words) == 3 else None
+        if uid is None or not _MODE.fullmatch(words[0]):
             return None
-        try:
-            mode = int(words[0], 8)
-        except ValueError:
-            return None
-        return {"exists": True, "mode": mode, "uid": int(words[1]), "owner": words[2]}
+        return {"exists": True, "mode": int(words[0], 8), "uid": uid, "owner": words[2]}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import probe, shell
 from meshdeploy.roles.toolchain import defaults as d
 
 _TOOLS = ("cmake", "cc", "c++", "g++", "git", "curl", "ninja", "ccache", "nvcc", "nvidia-smi",
@@ -30,12 +30,11 @@ class Platform(FactBase):
     def process(self, output):
         kernel, machine, distro_line, tools_line = (output + ["", "", "", ""])[:4]
         distro, _, version = distro_line.partition(" ")
+        words = output[4].split() if len(output) > 4 else []
         cmake_version = None
-        if len(output) > 4 and output[4].startswith("cmake version"):
-            try:
-                cmake_version = tuple(int(p) for p in output[4].split()[2].split("-")[0].split(".")[:3])
-            except ValueError:
-                cmake_version = None
+        if words[:2] == ["cmake", "version"] and len(words) > 2:
+            numbers = tuple(probe.uint(p) for p in words[2].split("-")[0].split(".")[:3])
+            cmake_version = None if None in numbers else numbers
         return {"kernel": kernel, "machine": machine, "distro": distro, "version": version,
                 "tools": sorted(tools_line.split()), "cmake_version": cmake_version}
 
