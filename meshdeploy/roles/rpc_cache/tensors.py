@@ -162,12 +162,28 @@ def _per_layer(value, n_layers: int) -> list[int]:
 
 # ---- header over HTTP ----------------------------------------------------------------------------
 
-class _DropAuthOnOtherHost(urllib.request.HTTPRedirectHandler):
-    """The Hub redirects LFS files to a CDN with a signed URL: the token stays with the Hub."""
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), \
+        parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+
+
+def token_follows(old: str, new: str) -> bool:
+    """Whether the token goes on from `old` to the redirect `new`: only to the same origin
+    (scheme, host and port), or from http on port 80 up to https on 443 of the same host, as
+    httpx and curl decide. Never from https down to http: same host:port is not enough."""
+    was, now = _origin(old), _origin(new)
+    return now == was or (was[1] == now[1] and (was[0], was[2]) == ("http", 80)
+                          and (now[0], now[2]) == ("https", 443))
+
+
+class _DropAuthOffOrigin(urllib.request.HTTPRedirectHandler):
+    """The Hub redirects LFS files to a CDN with a signed URL: the token stays with the Hub,
+    and never follows a redirect to plain http (token_follows)."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and urlsplit(newurl).netloc != urlsplit(req.full_url).netloc:
+        if new is not None and not token_follows(req.full_url, new.full_url):
             for key in list(new.headers):
                 if key.lower() == "authorization":
                     del new.headers[key]
@@ -196,14 +212,14 @@ def header_from_http(url: str, size: int, token: str | None = None,
 
     + url: a resolve URL (meshdeploy's hfmirror, huggingface.co, any server honouring Range)
     + size: the file's full size (the Hub's X-Linked-Size / model_info)
-    + token: sent as "Authorization: Bearer <token>", never to a redirect's other host
+    + token: sent as "Authorization: Bearer <token>", never to a redirect's other origin
     + dest: where to write; default a new temporary file. The caller deletes it.
     Example: weight_tensors(header_from_http(url, 253113024))
     """
     hdrs = dict(headers or {})
     if token:
         hdrs["Authorization"] = f"Bearer {token}"
-    opener = urllib.request.build_opener(_DropAuthOnOtherHost)
+    opener = urllib.request.build_opener(_DropAuthOffOrigin)
     buf = b""
     want = d.rpc_cache_header_first_fetch
     while True:
