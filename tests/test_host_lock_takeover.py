@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -105,4 +104,4 @@ def test_a_run_that_meets_a_take_over_in_progress_waits_instead_of_spinning(tmp_
     assert "another run is taking it over" in str(err.value)
     assert locks.HOST_LOCK in err.value.hint
     assert (lock / "owner").read_text().strip() == stale  # nothing removed
-    assert Path(lock / "taking").is_dir()
+    assert (lock / "taking").is_dir()

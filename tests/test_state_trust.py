@@ -19,7 +19,6 @@ from meshdeploy.deploy import state as states
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.deploy.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 # One host on a port nothing listens on: every connection fails at once, none hangs.
 CLUSTER = """cluster: t
 llama_cpp: {ref: b11312}
