@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from meshdeploy.deploy import share
 from meshdeploy.deploy.config import load_cluster
 from meshdeploy.roles.services import operations as services
 
@@ -27,6 +28,7 @@ CASES = [
     ("tests/data/vulkan-rocm.yaml", None, "llama-server", 1.8),
     ("tests/data/vulkan-rocm.yaml", "vulkan-box", "rpc-server", 1.8),
 ]
+MD_SHARE_MOST = 1.2  # md-share's transient unit; with none of HARDENING it scores 9.6 UNSAFE
 SCORE = re.compile(r"Overall exposure level for \S+: (\d+\.\d+) ")
 
 
@@ -58,6 +60,16 @@ def test_exposure_score(inventory, host, kind, most, tmp_path):
     unit = render(inventory, host, kind)
     score = exposure(unit, tmp_path)
     assert score <= most, f"{kind} on {inventory} scores {score} (pinned {most}):\n{unit}"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is missing (Debian package systemd)")
+def test_md_share_exposure_score(tmp_path):
+    """md-share's transient unit: the settings systemd-run gets (deploy/share.py), as a file."""
+    unit = ("[Service]\nExecStart=/usr/bin/python3 /opt/meshdeploy/tools/md-share.py\n"
+            + "".join(f"{p}\n" for p in share.properties(["10.200.0.12", "10.200.0.13"])))
+    score = exposure(unit, tmp_path)
+    assert score <= MD_SHARE_MOST, f"md-share scores {score} (pinned {MD_SHARE_MOST}):\n{unit}"
 
 
 def test_backend_device_lines():

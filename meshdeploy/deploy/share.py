@@ -9,13 +9,23 @@ that host, each with what its step needs:
   partial as it arrives (`--growing`), so the copy trails the download;
 - rpc_cache.share, while a worker misses tensors: the verified file, for ranged GETs.
 
-A later start replaces an earlier one (the pid file); md-share answers loopback and the hosts
-named, on the host's cluster address (its tunnel address under WireGuard), and exits by itself
-once idle. network.allowlist opens its port to the same hosts alone.
+A later start replaces an earlier one; md-share answers loopback and the hosts named, on the
+host's cluster address (its tunnel address under WireGuard), and exits by itself once idle.
+network.allowlist opens its port to the same hosts alone.
+
+md-share never runs as root. Where systemd is PID 1 (the lab's Debian 12, systemd 252) it is a
+transient unit, `systemd-run --unit=meshdeploy-share --collect` with a dynamic user and the
+sandbox of HARDENING (pinned by tests/test_unit_hardening.py): systemd owns its lifecycle, and
+`systemctl stop` ends an earlier one. Elsewhere (macOS, a Linux without systemd) it runs as
+`nobody`, through setpriv where util-linux has it, else sudo -u. Either way it reads the files as
+any user may (the models role leaves 0644 files under 0755 folders; the llama-servers' own
+DynamicUser units read them too), and its lines go to LOG, opened for it by root (systemd's
+StandardOutput=append:, the shell's >>).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from meshdeploy.deploy import shell
@@ -27,28 +37,102 @@ PYTHON = "python3"
 IDLE = 300  # seconds without a request before md-share exits
 MAX = 6 * 3600  # and at the latest this long after it started
 WAIT = 120  # seconds a growing file may stall before a reply is cut short
-PID = "/run/meshdeploy/md-share.pid"
+UNIT = "meshdeploy-share"
+# Where md-share writes its pid file once it listens: the unit's RuntimeDirectory= under systemd
+# (/var/run is /run there), a folder root makes for nobody elsewhere (macOS has no /run).
+PID = f"/var/run/{UNIT}/md-share.pid"
+OLD_PID = "/run/meshdeploy/md-share.pid"  # a root md-share's, before it ran unprivileged
 LOG = "/var/log/meshdeploy-share.log"
+BOOTED = "/run/systemd/system"  # present when systemd is PID 1 (sd_booted)
 
-# Inputs: PY, SERVER (md-share.py), PID, LOG, HOST, PORT; its arguments in "$@". An md-share left
-# by an earlier step or run is stopped first (it may serve other files). The server writes PID
-# once it listens; its output goes to LOG, so the SSH channel closes when this script ends.
-_START = ('command -v "$PY" >/dev/null 2>&1 || { echo "$HOST: no $PY to run md-share; the '
-          'toolchain role installs it" >&2; exit 1; }\n'
-          'if [ -f "$PID" ]; then kill "$(cat "$PID")" 2>/dev/null || true; i=0; '
-          'while [ -f "$PID" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done; '
-          'rm -f "$PID"; fi\n'
-          'mkdir -p "$(dirname "$PID")" "$(dirname "$LOG")"\n'
-          'setsid "$PY" "$SERVER" --pid-file "$PID" "$@" </dev/null >>"$LOG" 2>&1 &\n'
-          'S=$!; i=0\n'
-          'until [ -f "$PID" ]; do\n'
-          '  kill -0 "$S" 2>/dev/null || { echo "$HOST: md-share did not start:" >&2; '
-          'tail -n 5 "$LOG" >&2; exit 1; }\n'
-          '  i=$((i + 1)); [ $i -lt 100 ] || { echo "$HOST: md-share did not listen within 10 s" >&2; '
-          'exit 1; }\n'
-          '  sleep 0.1\n'
-          'done\n'
-          'echo "md-share serving on port $PORT"')
+# The transient unit's settings (systemd-run -p), and the unit file that test_unit_hardening
+# scores: one list for both.
+HARDENING = (
+    "DynamicUser=yes", f"RuntimeDirectory={UNIT}", "UMask=0077", "NoNewPrivileges=yes",
+    "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes", "PrivateDevices=yes",
+    "PrivateMounts=yes", "ProtectKernelTunables=yes", "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes", "ProtectControlGroups=yes", "ProtectClock=yes",
+    "ProtectHostname=yes", "ProtectProc=invisible", "ProcSubset=pid",
+    "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX", "RestrictNamespaces=yes",
+    "RestrictRealtime=yes", "RestrictSUIDSGID=yes", "RemoveIPC=yes", "LockPersonality=yes",
+    "MemoryDenyWriteExecute=yes", "CapabilityBoundingSet=", "AmbientCapabilities=",
+    "SystemCallArchitectures=native", "SystemCallFilter=@system-service",
+    "SystemCallFilter=~@privileged @resources", "SystemCallErrorNumber=EPERM",
+    "TimeoutStopSec=10",
+)
+
+# Inputs: PY, SERVER (md-share.py), PID, OLD_PID, LOG, BOOTED, UNIT, HOST, PORT; md-share's
+# arguments in "$@"; md_share_unit (the prelude) is systemd-run with the unit's settings. An
+# md-share left by an earlier step or run is stopped first (it may serve other files). md-share
+# writes PID once it listens; its output goes to LOG, so the SSH channel closes when this ends.
+_START = r"""command -v "$PY" >/dev/null 2>&1 ||
+  { echo "$HOST: no $PY to run md-share; the toolchain role installs it" >&2; exit 1; }
+PY=$(command -v "$PY")
+# stop_pid FILE: a stale FILE may name any process by now: signal it only while it runs this
+# md-share with that very pid file.
+stop_pid() {
+  [ -f "$1" ] || return 0
+  p=; read -r p <"$1" || true
+  case "$p" in ''|*[!0-9]*) ;; *)
+    case "$(ps -ww -o args= -p "$p" 2>/dev/null) " in *" $SERVER --pid-file $1 "*)
+      kill "$p" 2>/dev/null; i=0
+      while [ -f "$1" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done ;;
+    esac ;;
+  esac
+  rm -f "$1"
+}
+stop_pid "$OLD_PID"
+mkdir -p "$(dirname "$LOG")"
+if [ -d "$BOOTED" ] && command -v systemd-run >/dev/null 2>&1; then
+  systemctl stop "$UNIT.service" 2>/dev/null; systemctl reset-failed "$UNIT.service" 2>/dev/null
+  # A transient unit's name is free again once systemd has unloaded the stopped one.
+  i=0
+  while [ "$(systemctl show -p LoadState --value "$UNIT.service" 2>/dev/null)" = loaded ] &&
+    [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+  md_share_unit "$PY" "$SERVER" --pid-file "$PID" "$@" ||
+    { echo "$HOST: md-share did not start (systemd-run)" >&2; exit 1; }
+  alive() { systemctl is-active --quiet "$UNIT.service"; }
+  why() { tail -n 5 "$LOG"; journalctl -u "$UNIT.service" -n 5 --no-pager -o cat 2>/dev/null; }
+else
+  stop_pid "$PID"
+  D=$(dirname "$PID"); mkdir -p "$D" && chown nobody "$D" && chmod 755 "$D" || exit 1
+  if command -v setpriv >/dev/null 2>&1; then
+    set -- setpriv --reuid="$(id -u nobody)" --regid="$(id -g nobody)" --clear-groups \
+      --no-new-privs "$PY" "$SERVER" --pid-file "$PID" "$@"
+  elif command -v sudo >/dev/null 2>&1; then
+    set -- sudo -n -u nobody "$PY" "$SERVER" --pid-file "$PID" "$@"
+  else
+    echo "$HOST: md-share runs as nobody through setpriv or sudo; this host has neither" >&2
+    exit 1
+  fi
+  if command -v setsid >/dev/null 2>&1; then set -- setsid "$@"; else set -- nohup "$@"; fi
+  "$@" </dev/null >>"$LOG" 2>&1 &
+  S=$!
+  alive() { kill -0 "$S" 2>/dev/null; }
+  why() { tail -n 5 "$LOG"; }
+fi
+i=0
+until [ -f "$PID" ]; do
+  alive || { echo "$HOST: md-share did not start:" >&2; why >&2; exit 1; }
+  i=$((i + 1))
+  [ $i -lt 100 ] || { echo "$HOST: md-share did not listen within 10 s" >&2; exit 1; }
+  sleep 0.1
+done
+echo "md-share serving on port $PORT"
+"""
+
+
+def properties(allow) -> list[str]:
+    """The transient unit's settings: HARDENING, LOG, and the addresses it may talk to
+    (`allow`: the clients' addresses; one that is not an IP literal md-share refuses itself)."""
+    ips = []
+    for a in allow:
+        try:
+            ips.append(str(ipaddress.ip_address(a)))
+        except ValueError:
+            pass
+    return [*HARDENING, f"StandardOutput=append:{LOG}", f"StandardError=append:{LOG}",
+            "IPAddressDeny=any", " ".join(["IPAddressAllow=127.0.0.0/8 ::1/128", *ips])]
 
 
 def server_path(prefix: str) -> str:
@@ -75,12 +159,25 @@ def start(cluster, host, files: dict[str, str], clients, growing: dict | None = 
     """
     args = ["--bind", cluster.source_address(host), "--port", model_share_port,
             "--idle", IDLE, "--max", MAX, "--wait", WAIT]
-    for address in sorted({cluster.source_address(c) for c in clients}):
+    allow = sorted({cluster.source_address(c) for c in clients})
+    for address in allow:
         args += ["--allow", address]
     for name, path in files.items():
         args += ["--file", f"{name}={path}"]
     for name, (partial, size) in (growing or {}).items():
         args += ["--growing", f"{name}={partial}:{int(size)}"]
-    return [shell.write_file(server_path(cluster.llama_cpp.prefix), SERVER.read_text(), "0755"),
-            shell.script(_START, args=args, PY=PYTHON, SERVER=server_path(cluster.llama_cpp.prefix),
-                         PID=PID, LOG=LOG, HOST=host.name, PORT=model_share_port)]
+    server = server_path(cluster.llama_cpp.prefix)
+    return [shell.write_file(server, SERVER.read_text(), "0755"),
+            start_script(server, args, host.name, allow)]
+
+
+def start_script(server: str, args: list, host_name: str, allow, **paths: str) -> str:
+    """The script that (re)starts md-share `server` with `args` (`allow`: the clients' addresses);
+    `paths` replace PID, OLD_PID, LOG and BOOTED (tests run it in a folder of their own)."""
+    unit = shell.join(["systemd-run", "--quiet", "--collect", f"--unit={UNIT}",
+                       "--description=md-share: model files for the cluster (meshdeploy)",
+                       *(w for p in properties(allow) for w in ("-p", p))])
+    where = {"PID": PID, "OLD_PID": OLD_PID, "LOG": LOG, "BOOTED": BOOTED, **paths}
+    return shell.script(_START, args=args, prelude=f'md_share_unit() {{ {unit} "$@"; }}',
+                        PY=PYTHON, SERVER=server, UNIT=UNIT, HOST=host_name,
+                        PORT=model_share_port, **where)

@@ -9,9 +9,14 @@ to be safe to leave running by mistake:
 - short-lived: it exits by itself after --idle seconds with no request in flight, or --max
   seconds after start, or on SIGTERM/SIGINT; the pid file (written atomically once listening)
   tells the starter it is up, and is removed on exit;
-- one purpose: GET/HEAD of /models/<NAME> for the files named on the command line, nothing else;
+- unprivileged: the starter runs it as a DynamicUser systemd unit, or as nobody (deploy/share.py);
+- one purpose: GET/HEAD of /models/<NAME> for the files named on the command line, nothing else,
+  each opened once (a symlink there is refused) and read through that descriptor;
 - range-only semantics kept strict (one range per request) so a fetch can never be misread;
-- allow-list: the firewall restricts the port, and this is the second fence;
+- allow-list: the firewall restricts the port, and this is the second fence. A peer it refuses
+  is closed as it is accepted, before a thread or a byte read; the others share
+  --max-connections slots, and a request head must arrive whole within --head-timeout, so no
+  client, refused or slow, can hold md-share up past --idle or crowd the hosts it serves out;
 - zero-copy: bodies go out with sendfile, so serving a multi-GiB model costs little CPU;
 - pipelined: a file still being downloaded (--growing) is served from its partial as its bytes
   arrive, so a host copying the model trails the download instead of waiting for its end. The
@@ -21,19 +26,27 @@ Python 3.9+, standard library only: it runs on hosts where meshdeploy is not ins
 """
 
 import argparse
+import errno
+import io
 import ipaddress
 import os
 import re
 import signal
 import socket
 import socketserver
+import stat
 import sys
 import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
+# At most 19 digits a bound (more than any file has bytes): int() of a long run of digits is
+# slow, and past 4300 digits it raises instead of answering.
+RANGE = re.compile(r"bytes=([0-9]{0,19})-([0-9]{0,19})")
+# Past --max-connections: answered before anything is read, so it costs no thread.
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n"
+        b"Connection: close\r\n\r\n")
 
 
 def parse_range(value, size):
@@ -60,12 +73,68 @@ def plain_ip(text):
     return (ip.ipv4_mapped or ip) if ip.version == 6 else ip
 
 
+def open_regular(path):
+    """A descriptor of the regular file at `path`, never through a symlink there (O_NOFOLLOW):
+    md-share serves the file the starter named, not whatever a link points to. O_NONBLOCK: a
+    FIFO put there cannot hang the open. FileNotFoundError when absent, OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd
+
+
+class Reader:
+    """One reply's view of a descriptor that replies share: socket.sendfile sends from explicit
+    offsets and records where it stopped with seek(), here, never in the shared descriptor."""
+
+    def __init__(self, fd, pos=0):
+        self.fd, self.pos = fd, pos
+
+    def fileno(self):
+        return self.fd
+
+    def seek(self, pos, whence=0):
+        self.pos = pos
+        return pos
+
+    def tell(self):
+        return self.pos
+
+    def read(self, n):  # sendfile's fallback where the platform lacks it
+        data = os.pread(self.fd, n, self.pos)
+        self.pos += len(data)
+        return data
+
+
+class HeadClock(socket.SocketIO):
+    """A connection's reads. A request head (its line and headers) must arrive whole before
+    `deadline`: a per-read timeout alone lets a client that trickles a byte at a time hold its
+    slot (and, counted in flight, md-share itself) for as long as it likes."""
+    deadline = None
+
+    def readinto(self, b):
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("request head too slow")
+            self._sock.settimeout(left)
+        return super().readinto(b)
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: every reply carries Content-Length
-    timeout = 120  # drop idle keep-alive connections and clients that stop reading
+    timeout = 120  # while a body goes out: drop clients that stop reading
+
+    def setup(self):
+        super().setup()
+        self.clock = HeadClock(self.connection, "rb")
+        self.rfile = io.BufferedReader(self.clock)
 
     def handle_one_request(self):
         self.status, self.first, self.sent, self.busy = None, "-", 0, False
+        # Waiting on a kept-alive connection counts too: an idle one gives its slot back.
+        self.clock.deadline = time.monotonic() + self.server.head_timeout
         try:
             super().handle_one_request()
         finally:
@@ -88,14 +157,14 @@ class Handler(BaseHTTPRequestHandler):
         return "md-share"
 
     def parse_request(self):
+        if not super().parse_request():  # the headers are read here
+            return False
+        # In flight from here on, not while the head still arrives: only a whole request of an
+        # allowed peer (Server.verify_request) keeps md-share from its --idle exit.
+        self.clock.deadline = None
+        self.connection.settimeout(self.timeout)
         self.server.track(+1)
         self.busy = True
-        if not super().parse_request():
-            return False
-        ip = plain_ip(self.client_address[0])
-        if ip is None or not (ip in self.server.allow or ip.is_loopback and self.server.loopback):
-            self.reply(403, close=True)
-            return False
         if self.command not in ("GET", "HEAD"):
             self.reply(405, {"Allow": "GET, HEAD"}, close=True)  # its body is left unread
             return False
@@ -115,19 +184,20 @@ class Handler(BaseHTTPRequestHandler):
         self.do_GET(body=False)
 
     def open_file(self, name):
-        """(file, size): the whole file, or, while it is still arriving (--growing), its partial
-        and the size it will have; None when neither appears within --wait seconds."""
-        path, growing = self.server.files[name], self.server.growing.get(name)
+        """(fd, size, own): the whole file's kept descriptor, or, while it is still arriving
+        (--growing), its partial opened for this reply alone (own: close it after) and the size
+        it will have; None when neither appears within --wait seconds."""
+        growing = self.server.growing.get(name)
         deadline = time.monotonic() + self.server.wait
         while True:
-            for candidate in (path,) + ((growing[0],) if growing else ()):
-                try:
-                    f = open(candidate, "rb")
+            fd = self.server.whole(name)
+            if fd is not None:
+                return fd, os.fstat(fd).st_size, False
+            if growing is not None:
+                try:  # a partial may be removed and begun again: never kept
+                    return open_regular(growing[0]), growing[1], True
                 except FileNotFoundError:
-                    continue  # renamed between two looks: the next round finds the whole file
-                if candidate == path:
-                    return f, os.fstat(f.fileno()).st_size
-                return f, growing[1]
+                    pass  # renamed since the look above: the next round finds the whole file
             if growing is None or time.monotonic() > deadline:
                 return None
             time.sleep(0.2)
@@ -157,36 +227,85 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(500)
         if opened is None:
             return self.reply(503, close=True)
-        f, size = opened
-        with f:
-            ranges = self.headers.get_all("Range") or []
-            span = parse_range(ranges[0], size) if len(ranges) == 1 else (0, size - 1)
-            if span is None or len(ranges) > 1:
-                return self.reply(416, {"Content-Range": f"bytes */{size}"})
-            first, count = span[0], span[1] - span[0] + 1
-            headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
-            if ranges:
-                headers["Content-Range"] = f"bytes {first}-{span[1]}/{size}"
-            self.reply(206 if ranges else 200, headers, count)
-            if not body or count == 0:
-                return
-            self.first = first
-            f.seek(first)  # sendfile leaves the position after what went out, even on error
-            try:
-                if size > os.fstat(f.fileno()).st_size:
-                    self.sent = self.send_growing(f, first, count)
-                else:
-                    self.connection.sendfile(f, first, count)
-                    self.sent = f.tell() - first
-            except OSError:  # the client went away or stopped reading: the byte count says so
+        fd, size, own = opened
+        try:
+            self.send_body(Reader(fd), size, body)
+        finally:
+            if own:
+                os.close(fd)
+
+    def send_body(self, f, size, body):
+        """The reply from `f` (a Reader), one range or the whole file."""
+        ranges = self.headers.get_all("Range") or []
+        span = parse_range(ranges[0], size) if len(ranges) == 1 else (0, size - 1)
+        if span is None or len(ranges) > 1:
+            return self.reply(416, {"Content-Range": f"bytes */{size}"})
+        first, count = span[0], span[1] - span[0] + 1
+        headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+        if ranges:
+            headers["Content-Range"] = f"bytes {first}-{span[1]}/{size}"
+        self.reply(206 if ranges else 200, headers, count)
+        if not body or count == 0:
+            return
+        self.first = first
+        f.seek(first)  # sendfile leaves the position after what went out, even on error
+        try:
+            if size > os.fstat(f.fileno()).st_size:
+                self.sent = self.send_growing(f, first, count)
+            else:
+                self.connection.sendfile(f, first, count)
                 self.sent = f.tell() - first
-            if self.sent != count:  # cut short (or the file shrank): this connection is done
-                self.close_connection = True
+        except OSError:  # the client went away or stopped reading: the byte count says so
+            self.sent = f.tell() - first
+        if self.sent != count:  # cut short (or the file shrank): this connection is done
+            self.close_connection = True
 
 
 class Server(ThreadingHTTPServer):
     allow_reuse_address = True  # daemon_threads: exit never waits on keep-alive connections
+    request_queue_size = 64  # a burst of lanes connecting at once is queued, not dropped
     in_flight, last, lock = 0, time.monotonic(), threading.Lock()  # idle counts from start
+
+    def verify_request(self, request, client_address):
+        """In the accepting thread, before any handler thread or read: a peer the allow-list
+        refuses is closed unanswered, and a connection past --max-connections gets 503."""
+        ip = plain_ip(client_address[0])
+        if ip is None or not (ip in self.allow or ip.is_loopback and self.loopback):
+            self.log(f"{ip or '-'} refused")
+            return False
+        if not self.slots.acquire(blocking=False):
+            self.log(f"{ip} busy 503")
+            try:
+                request.setblocking(False)
+                request.send(BUSY)
+            except OSError:
+                pass
+            return False
+        return True
+
+    def process_request(self, request, client_address):
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: none will give the slot back
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def whole(self, name):
+        """The kept descriptor of `name`'s whole file: opened at start, or (--growing) once it
+        first appears; None while it is absent."""
+        with self.open_lock:
+            if name not in self.fds:
+                try:
+                    self.fds[name] = open_regular(self.files[name])
+                except FileNotFoundError:
+                    return None
+            return self.fds[name]
 
     def track(self, delta):
         """Requests in flight and when one last began or ended: what --idle watches."""
@@ -227,6 +346,10 @@ def main():
                    help="exit after this long with no request in flight")
     p.add_argument("--max", required=True, type=float, metavar="SECONDS",
                    help="exit this long after start, busy or not")
+    p.add_argument("--max-connections", type=int, default=64, metavar="N",
+                   help="connections served at once; more are answered 503")
+    p.add_argument("--head-timeout", type=float, default=10, metavar="SECONDS",
+                   help="how long a request's line and headers (or a kept-alive wait) may take")
     p.add_argument("--pid-file", required=True, metavar="PATH",
                    help="written once listening, removed on exit")
     p.add_argument("--log", metavar="PATH", help="log file (default: stderr)")
@@ -245,14 +368,20 @@ def main():
         if name in growing or not partial or not size.isdigit():
             p.error(f"--growing {spec!r}: want NAME=PARTIAL:SIZE, NAME new")
         growing[name] = (partial, int(size))
-    files = {}
+    files, fds = {}, {}
     for spec in args.file:
         name, _, path = spec.partition("=")
-        if name in files or not re.fullmatch(r"[A-Za-z0-9._-]+", name) or \
-                not (os.path.isfile(path) or name in growing):
-            p.error(f"--file {spec!r}: want NAME=PATH, NAME plain and new, PATH an existing file "
-                    "(or one --growing names)")
+        if name in files or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            p.error(f"--file {spec!r}: want NAME=PATH, NAME plain and new")
         files[name] = path
+        try:  # opened once, here, and kept: a later swap of the path changes nothing served
+            fds[name] = open_regular(path)
+        except FileNotFoundError:
+            if name not in growing:
+                p.error(f"--file {spec!r}: no such file (and no --growing names it)")
+        except OSError as e:
+            why = "a symbolic link" if e.errno in (errno.ELOOP, errno.EMLINK) else e.strerror
+            p.error(f"--file {spec!r}: {why}; want a regular file")
 
     stop = []  # the signal handler only appends: taking locks there could deadlock
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -275,7 +404,9 @@ def main():
               file=sys.stderr)
         return 1
     server.files, server.allow, server.loopback = files, allow, not args.no_loopback
-    server.growing, server.wait = growing, args.wait
+    server.fds, server.open_lock = fds, threading.Lock()
+    server.slots = threading.BoundedSemaphore(max(1, args.max_connections))
+    server.growing, server.wait, server.head_timeout = growing, args.wait, args.head_timeout
     server.log = log
     log(f"listening {server.server_address[0]} {server.server_address[1]}")
 
