@@ -102,9 +102,11 @@ def test_a_tensor_that_does_not_match_its_digest_is_never_cached(seed_bin, serve
     assert failed.returncode != 0
     assert "not fetched" in failed.stderr and "SHA-256" in failed.stderr, failed.stderr
     assert not (cache / fnv).exists()
-    # No partial entry either (the next run removes the unfinished marker it finds).
-    assert [p.name for p in cache.iterdir() if p.name.endswith(".tmp")] == [
-        f"{d.rpc_cache_marker}.tmp"]
+    # No partial entry either: what is unfinished stays in the run's work folder, which the
+    # next run removes.
+    assert [p.name for p in cache.iterdir() if p.name.endswith(".tmp")] == []
+    assert [p.name.split(".")[1] for p in cache.iterdir() if p.name.startswith(".")] == [
+        "meshdeploy-work"]
     assert not (cache / d.rpc_cache_marker).exists()  # the marker is only renamed at the end
 
 

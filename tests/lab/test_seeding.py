@@ -10,6 +10,7 @@ Runs after test_cluster.py and puts the gemma cluster back when done.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -221,3 +222,90 @@ def test_seeding_from_a_file_already_on_the_hosts(lab, tmp_path):
         _restore(lab, tmp_path)
         for host in ("node1", "node2", "node3"):
             lab.run(host, "sudo rm -rf /srv/models")
+
+
+CACHE = "/var/cache/meshdeploy-rpc-50052"
+# Root's files a worker's rpc-server must never reach through the seeding step: the planted
+# links' targets, a folder of entry-like names, and files any host has.
+_VICTIMS = "/etc/md-victim-* /root/md-victims/* /etc/passwd /etc/shadow /etc/sudoers"
+
+
+def _as_rpc_server(lab, host: str, script: str):
+    """`script` as node's rpc-server itself: its user, in its own sandbox (mount namespace)."""
+    pid = lab.run(host, "systemctl show -P MainPID meshdeploy-rpc-50052").stdout.strip()
+    assert pid.isdigit() and pid != "0", pid
+    uid = lab.run(host, f"stat -c %u /proc/{pid}").stdout.strip()
+    got = lab.run(host, f"sudo nsenter -t {pid} -m -S {uid} -G {uid} sh -c {shlex.quote(script)}")
+    assert got.returncode == 0, got.stderr
+    return got
+
+
+def _root_files(lab, host: str) -> str:
+    return lab.run(host, f"sudo sh -c 'sha256sum {_VICTIMS}; ls /etc /root'").stdout
+
+
+def _check_entries(lab, host: str) -> int:
+    """Every entry is a regular file whose bytes hash to its name, and the marker names them
+    all; gives how many there are."""
+    got = lab.run(host, f"sudo sh -c 'cd {CACHE}/rpc && test ! -L . && "
+                        "for f in [0-9a-f]*; do test -f \"$f\" && test ! -L \"$f\" || exit 1; "
+                        "h=$(/opt/meshdeploy/tools/md-rpc-seed --hash \"$f\" 0 $(stat -c %s \"$f\")); "
+                        "test \"$h\" = \"$f\" || exit 1; grep -q \" $f\\$\" .meshdeploy-seeded || "
+                        "exit 1; echo \"$f\"; done'")
+    assert got.returncode == 0, (host, got.stdout, got.stderr)
+    return len(got.stdout.split())
+
+
+def test_links_planted_by_the_rpc_server_are_never_followed(lab, tmp_path):
+    """A taken-over rpc-server prepares its cache folder for the next apply: a link at every
+    name the seeding step writes, to root's files (and dangling ones, to make new files), then
+    the folder itself as a link to a root folder. Each apply re-seeds: root's files are as they
+    were and the cache is right."""
+    model = write_llama(tmp_path / "planted.gguf", SMALL, seed=99)
+    served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-planted",
+                               "planted.gguf", model)
+    cluster = tmp_path / "planted.yaml"
+    cluster.write_text(wire.cluster_yaml(lab, served["repo"], served["file"], served["sha256"],
+                                         True))
+    lab.run("node2", "sudo sh -c 'mkdir -p /root/md-victims; for i in 0 1 2 3 4 5 6 7 8 9; do "
+                     "echo victim $i > /etc/md-victim-$i; done; "
+                     "echo keep > /root/md-victims/0123456789abcdef; "
+                     "echo keep > /root/md-victims/.meshdeploy-seeded'")
+    try:
+        applied = meshdeploy("apply", cluster, "--auto-approve")
+        assert applied.returncode == 0, applied.stderr
+        entries = _check_entries(lab, "node2")
+        assert entries > 0
+        before = _root_files(lab, "node2")
+        # Round 1: links at every name, old releases' work names included; entries removed.
+        _as_rpc_server(lab, "node2", f"""set -e
+cd {CACHE}/rpc
+i=0
+for f in [0-9a-f]*; do
+  rm -f "$f"; ln -s /etc/md-victim-$((i % 10)) "$f"; ln -s /etc/md-victim-$((i % 10)) ".$f.tmp"
+  ln -s /etc/md-created-$i ".$f.tmp.dangling"; i=$((i + 1))
+done
+for n in .meshdeploy-seeded .meshdeploy-seeded.tmp .meshdeploy-seed-list \
+         .meshdeploy-seed-list.out .meshdeploy-seed-list.0 .meshdeploy-seed-list.0.m; do
+  rm -f "$n"; ln -s /etc/md-victim-$((i % 10)) "$n"; i=$((i + 1))
+done
+ls -la""")
+        plan = meshdeploy("plan", cluster)
+        assert "rpc_cache.seed[50052]" in plan.stdout, plan.stdout[-3000:]
+        applied = meshdeploy("apply", cluster, "--auto-approve")
+        assert applied.returncode == 0, applied.stderr
+        assert _root_files(lab, "node2") == before
+        assert lab.run("node2", "ls /etc/md-created-* 2>/dev/null").stdout == ""
+        assert _check_entries(lab, "node2") == entries
+        # Round 2: the folder itself becomes a link to a root folder of entry-like names.
+        _as_rpc_server(lab, "node2", f"cd {CACHE} && rm -rf rpc && ln -s /root/md-victims rpc")
+        applied = meshdeploy("apply", cluster, "--auto-approve")
+        assert applied.returncode == 0, applied.stderr
+        assert _root_files(lab, "node2") == before
+        assert _check_entries(lab, "node2") == entries
+        again = meshdeploy("plan", cluster, "--detailed-exitcode")
+        assert again.returncode == 0, again.stdout
+        assert wire.complete(lab).strip()
+    finally:
+        lab.run("node2", "sudo rm -rf /etc/md-victim-* /etc/md-created-* /root/md-victims")
+        _restore(lab, tmp_path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshdeploy.deploy import distribution, inflight, progress, share, shell
@@ -28,7 +28,8 @@ from meshdeploy.roles.rpc_cache.placement import wire_bytes
 from meshdeploy.roles.rpc_cache.tensors import Tensor
 
 ROLE = "rpc_cache"
-SOURCE = Path(__file__).with_name("templates") / "md-rpc-seed.c"
+TEMPLATES = Path(__file__).with_name("templates")
+SOURCE = TEMPLATES / "md-rpc-seed.c"
 _HEX16_GLOB = "[0-9a-f]" * 16
 # A model's content id goes into the marker file and md-rpc-seed's answers (awk -v): a sha256,
 # or "path-<size>-<mtime>".
@@ -147,10 +148,15 @@ class Coverage:
     stale: list  # entry names no wanted model's marker line names
     temporary: list  # leftovers of interrupted writes
     marker_now: list  # the marker as it is
+    # What the rpc-server's user may have left: lines of the marker no seeding wrote (the fact's
+    # notes), or a link where the folder belongs; either makes the step rewrite the folder.
+    damaged: list = field(default_factory=list)
+    link: bool = False
 
     @property
     def done(self) -> bool:
         return not self.to_seed and not self.stale and not self.temporary \
+            and not self.damaged and not self.link \
             and self.marker_now == sorted(set(self.keep_lines))
 
 
@@ -174,7 +180,8 @@ def coverage(fact: dict | None, models) -> Coverage:
             to_seed.append((m, missing))
     stale = sorted(n for n in entries if n not in referenced and n not in claimed)
     return Coverage(keep_lines, to_seed, stale, (fact or {}).get("temporary", []),
-                    sorted(set(marker)))
+                    sorted(set(marker)), list((fact or {}).get("damaged", [])),
+                    bool((fact or {}).get("link")))
 
 
 def digest_index(fact: dict | None, model: str, model_sha: str) -> dict:
@@ -231,6 +238,10 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
         diffs.append(AttrDiff("stale entries", f"{len(cov.stale)} ({stale_bytes / 1e6:.1f} MB)", None))
     if cov.temporary:
         diffs.append(AttrDiff("interrupted writes", " ".join(cov.temporary), None))
+    if cov.link:
+        diffs.append(AttrDiff("cache folder", "a symbolic link (never followed)", "a folder"))
+    if cov.damaged:
+        diffs.append(AttrDiff("marker", "damaged: " + "; ".join(cov.damaged), "rewritten"))
     if cov.to_seed:
         action = "create" if not cov.keep_lines else "update"
         where = ", ".join(sorted({f"over the LAN from {m.source}" if m.source else
@@ -269,80 +280,10 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
         fetches.append((m, share.url(ctx.cluster, m.source, m.model_sha),
                         [(off, size) + digests[off][1:] for off, size in missing]))
     return Step(change,
-                [inflight.guarded(f"rpc_cache.seed[{port}]", _seed_script(
+                [inflight.guarded(f"rpc_cache.seed[{port}]", as_service_user(port, _seed_script(
                     tool_path(ctx.prefix), cache_dir, sorted(set(cov.keep_lines)),
-                    [t for t in cov.to_seed if not t[0].source], fetches))],
+                    [t for t in cov.to_seed if not t[0].source], fetches)))],
                 transfer=transfer)
-
-
-# Inputs: D (the cache dir), M (its marker), HEX16 (a glob of entry names); seed_one's
-# arguments: the tool, the GGUF, its content id; the tensor list "<offset> <size>" on stdin.
-_SEED = ('set -e\n'
-         'mkdir -p "$D"\n'
-         # rpc-server (a DynamicUser) stores what is not seeded here too: give it the dir.
-         'O=$(stat -c \'%u:%g\' "$D/.." 2>/dev/null || stat -f \'%u:%g\' "$D/.."); '
-         'chown "$O" "$D" 2>/dev/null || true\n'
-         'L="$D/.meshdeploy-seed-list"\n'
-         'seed_progress() { md_progress seed "$(awk \'{ s += $2 } END { printf "%.0f", s }\' '
-         '"$L.out" 2>/dev/null || echo 0)" "$T" "$N"; }\n'
-         'rm -f "$D"/.$HEX16.tmp "$M.tmp" "$L" "$L.out" "$L".[0-9]*\n'
-         ': > "$M.tmp"\n'
-         'seed_one() {\n'
-         '  cat > "$L"\n'
-         # Live progress: the bytes of the tensors md-rpc-seed answered for so far, every 2 s.
-         '  T=$(awk \'{ s += $2 } END { printf "%.0f", s }\' "$L"); N=${2##*/}; : > "$L.out"\n'
-         '  md_watch seed_progress; C=0\n'
-         '  "$1" "$2" "$D" < "$L" > "$L.out" || C=$?\n'
-         '  md_unwatch; [ "$C" = 0 ] || exit "$C"\n'
-         # md-rpc-seed answers line by line, in order: pair each answer with its request.
-         '  [ "$(wc -l < "$L")" = "$(wc -l < "$L.out")" ] || '
-         '{ echo "md-rpc-seed answered for fewer tensors than asked" >&2; exit 1; }\n'
-         '  paste -d \' \' "$L" "$L.out" | awk -v s="$3" \'$2 != $4 { exit 1 } { print s, $1, $2, $3 }\' '
-         '>> "$M.tmp" || { echo "md-rpc-seed answers do not match the tensor list" >&2; exit 1; }\n'
-         '}\n'
-         # fetch_one URL CONTENT_ID NAME, "<offset> <size> <16hex> <sha256>" lines on stdin: each
-         # tensor a ranged GET piped into md-rpc-seed --receive, which puts the entry in place only
-         # when its size, FNV-1a and sha256 are the digest list's (made from the verified file).
-         # Up to $LANES lanes (one per core) fetch and hash at once; a tensor's lane is picked by
-         # its name, so two equal tensors never write one temporary file side by side.
-         'fetch_one() {\n'
-         '  cat > "$L"\n'
-         '  T=$(awk \'{ s += $2 } END { printf "%.0f", s }\' "$L"); N=$3; : > "$L.out"\n'
-         '  P=$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1)\n'
-         '  [ "$P" -le "$LANES" ] 2>/dev/null || P=$LANES\n'
-         '  md_watch seed_progress; i=0; W=\n'
-         '  while [ "$i" -lt "$P" ]; do\n'
-         '    awk -v n="$P" -v i="$i" \'(index("0123456789abcdef", substr($3, 16, 1)) - 1) % n == i\' '
-         '"$L" > "$L.$i"\n'
-         '    fetch_lane "$1" "$2" < "$L.$i" > "$L.$i.m" & W="$W $!"; i=$((i + 1))\n'
-         '  done\n'
-         '  C=0; for w in $W; do wait "$w" || C=1; done\n'
-         '  md_unwatch; [ "$C" = 0 ] || exit 1\n'
-         '  i=0; while [ "$i" -lt "$P" ]; do cat "$L.$i.m" >> "$M.tmp"; rm -f "$L.$i" "$L.$i.m"; '
-         'i=$((i + 1)); done\n'
-         '}\n'
-         # One lane: its tensors in order, a marker line for each on stdout. A retry is a fresh
-         # GET: curl cannot take back bytes it already wrote to the pipe.
-         'fetch_lane() {\n'
-         '  while read -r o s f h; do\n'
-         '    if [ "$(stat -c %s "$D/$f" 2>/dev/null || stat -f %z "$D/$f" 2>/dev/null)" = "$s" ]; then\n'
-         '      echo "$f $s kept" >> "$L.out"\n'
-         '    else\n'
-         '      a=1\n'
-         '      until curl -fsS --connect-timeout 10 -r "$o-$((o + s - 1))" "$1" | '
-         '"$TOOL" --receive "$D" "$s" "$f" "$h" >> "$L.out"; do\n'
-         '        [ "$a" -lt "$ATTEMPTS" ] || { echo "$N: tensor at $o ($s bytes) not fetched from '
-         '$1 after $a attempts" >&2; exit 1; }\n'
-         '        a=$((a + 1)); sleep 2\n'
-         '      done\n'
-         '    fi\n'
-         '    echo "$2 $o $s $f"\n'
-         '  done\n'
-         '}')
-_SEED_END = ('mv -f "$M.tmp" "$M"\n'
-             'rm -f "$L" "$L.out"\n'
-             'for f in "$D"/$HEX16; do [ -e "$f" ] || continue; '
-             'grep -q " ${f##*/}\\$" "$M" || rm -f "$f"; done')
 
 
 def content_id(model_sha: str) -> str:
@@ -361,7 +302,7 @@ def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list,
     if keep_lines:
         tag, body = shell.heredoc("".join(f"{content_id(sha)} {int(off)} {int(size)} {name}\n"
                                           for sha, off, size, name in keep_lines))
-        lines.append(f"cat >> \"$M.tmp\" <<'{tag}'\n{body}{tag}")
+        lines.append(f"cat >> \"$MT\" <<'{tag}'\n{body}{tag}")
     for m, missing in to_seed:
         tag, listing = shell.heredoc("".join(f"{int(off)} {int(size)}\n" for off, size in missing))
         lines.append(shell.command("seed_one", tool, m.model_path, content_id(m.model_sha))
@@ -374,8 +315,22 @@ def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list,
                      + f" <<'{tag}'\n{listing}{tag}")
     fetching = {"TOOL": tool, "ATTEMPTS": int(d.rpc_cache_fetch_attempts),
                 "LANES": int(d.rpc_cache_fetch_lanes)} if fetches else {}
-    return shell.script("\n".join([_SEED, *lines, _SEED_END]), prelude=progress.SHELL, D=cache_dir,
+    body = "\n".join([_template_body("seed.sh"), *lines, "seed_finish"])
+    return shell.script(body, prelude=progress.SHELL, D=cache_dir,
                         M=f"{cache_dir}/{d.rpc_cache_marker}", HEX16=_HEX16_GLOB, **fetching)
+
+
+def _template_body(name: str) -> str:
+    return shell.template(TEMPLATES / name).strip("\n")
+
+
+def as_service_user(port: int, seed_script: str) -> str:
+    """`seed_script` run as rpc-server[port]'s own user (templates/seed-as-service.sh): a
+    transient unit sharing its DynamicUser and CacheDirectory on systemd hosts; as it is
+    elsewhere, where the script refuses a folder its user does not own."""
+    unit = rpc_unit_name(port)
+    return shell.assign_text("SEED", seed_script) + "\n" + shell.template(
+        TEMPLATES / "seed-as-service.sh", UNIT=unit, CACHE=unit)
 
 
 _HEX = re.compile(r"[0-9a-f]+")

@@ -1,0 +1,27 @@
+# Run the seeding script SEED as the rpc-server's own user. Inputs (assigned above by
+# rpc_cache.operations): UNIT (the rpc-server's unit, whose DynamicUser has the same name),
+# CACHE (its CacheDirectory), SEED (seed.sh with its inputs and calls).
+#
+# rpc-server is an unauthenticated network service and owns its cache folder: root never writes
+# there. On systemd hosts the script runs in a transient unit with the same dynamic user and
+# CacheDirectory, so systemd gives it the rpc-server's UID and the same view of the folder
+# (/var/cache/private is root's alone outside the unit), and nothing more than the rpc-server
+# has. Elsewhere (macOS, no systemd) it runs as is: seed.sh refuses a folder it does not own.
+if [ -d /run/systemd/system ] && command -v systemd-run >/dev/null 2>&1; then
+  U="$UNIT-seed"
+  # We hold this step's lock (inflight.guarded): a unit of that name is an earlier run's orphan.
+  systemctl stop "$U" 2>/dev/null || true
+  systemctl reset-failed "$U" 2>/dev/null || true
+  systemd-run --quiet --wait --pipe --collect --unit="$U" --service-type=exec \
+    -p DynamicUser=yes -p User="$UNIT" -p Group="$UNIT" -p CacheDirectory="$CACHE" \
+    -p ProtectHome=read-only -p PrivateTmp=yes -p NoNewPrivileges=yes -p UMask=0077 \
+    -p CapabilityBoundingSet= -p RestrictSUIDSGID=yes \
+    -- /bin/sh -c "$SEED" </dev/null &
+  S=$!
+  # A stopped step (Ctrl-C twice, a dead run's lock taken over) stops the unit with it.
+  trap 'systemctl stop "$U" 2>/dev/null; wait "$S"; exit 143' TERM INT HUP
+  C=0
+  wait "$S" || C=$?
+  exit "$C"
+fi
+exec /bin/sh -c "$SEED"

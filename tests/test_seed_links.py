@@ -1,0 +1,173 @@
+"""The seeding step against a cache folder its rpc-server's user has prepared (issue: root never
+works where a service can write).
+
+rpc-server is an unauthenticated network service that owns its cache folder, so whoever takes it
+over can plant links there before the next apply seeds. These tests run the step's commands for
+real (the host's path without systemd: the script seeds as whoever runs it) against a folder with
+a link at every name the step writes, and at the folder itself, and check that nothing outside
+the folder changed and the cache is right. On systemd hosts the same script runs as the
+rpc-server's own user (tests/lab/test_seeding.py plants the links there as that user).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+from test_rpc_cache import SHA, ctx_for, fnv1a, synthetic  # noqa: F401 (fixture)
+
+from meshdeploy.roles.rpc_cache import defaults as d
+from meshdeploy.roles.rpc_cache import operations as ops
+from meshdeploy.roles.rpc_cache import tensors as T
+from meshdeploy.roles.rpc_cache.facts import CacheDir
+
+
+def _hashes(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def _apply(seed_bin: Path, gguf: Path, cache: Path, tensors, prefix: Path):
+    """Plan the seed step from the folder's fact, then run its commands as the host would."""
+    tool = prefix / "tools" / "md-rpc-seed"
+    tool.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(seed_bin, tool)
+    out = subprocess.run(["sh", "-c", CacheDir().command(path=str(cache))],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    step = ops.seed(ctx_for({"rpc_cache.CacheDir[50052]": CacheDir().process(out)}), 50052,
+                    str(gguf), tensors, str(cache), SHA)
+    return [subprocess.run(["sh", "-c", c.replace(ops.tool_path("/opt/meshdeploy"), str(tool))],
+                           capture_output=True, text=True) for c in step.commands]
+
+
+def _wanted(gguf: Path, tensors) -> dict:
+    data = gguf.read_bytes()
+    return {fnv1a(data[t.offset:t.offset + t.size]): data[t.offset:t.offset + t.size]
+            for t in tensors if t.hashed}
+
+
+def _check_cache(cache: Path, wanted: dict) -> None:
+    assert cache.is_dir() and not cache.is_symlink()
+    for name, data in wanted.items():
+        entry = cache / name
+        assert not entry.is_symlink() and entry.read_bytes() == data, name
+    marker = (cache / d.rpc_cache_marker)
+    assert not marker.is_symlink()
+    assert sorted(line.split()[3] for line in marker.read_text().splitlines()) == sorted(wanted)
+
+
+def test_links_at_every_name_the_step_writes_are_never_followed(seed_bin, synthetic, tmp_path):
+    tensors = [t for t in T.weight_tensors(synthetic) if t.layer in (0, 1)]
+    wanted = _wanted(synthetic, tensors)
+    victims = tmp_path / "victims"  # stands for /etc, /root: files the seeder could write
+    victims.mkdir()
+    cache = tmp_path / "var-cache" / "rpc"
+    cache.mkdir(parents=True)
+    names = [d.rpc_cache_marker, f"{d.rpc_cache_marker}.tmp", ".meshdeploy-seed-list",
+             ".meshdeploy-seed-list.out", ".meshdeploy-seed-list.0", ".meshdeploy-seed-list.0.m"]
+    names += [f".{n}.tmp" for n in wanted] + list(wanted)
+    for i, name in enumerate(names):
+        victim = victims / f"file-{i}"
+        victim.write_text(f"victim {i}\n")
+        (cache / name).symlink_to(victim)
+        # A dangling link: following it would create a file of the attacker's choosing.
+        (cache / f".{name}.dangling").symlink_to(victims / f"created-{i}")
+    before = _hashes(victims)
+    ran = _apply(seed_bin, synthetic, cache, tensors, tmp_path / "prefix")
+    assert [r.returncode for r in ran] == [0], [r.stderr for r in ran]
+    assert _hashes(victims) == before
+    assert not list(victims.glob("created-*"))
+    _check_cache(cache, wanted)
+
+
+def test_links_planted_while_the_step_runs_are_never_followed(seed_bin, synthetic, tmp_path):
+    """The rpc-server runs while its cache is seeded: it can plant a link at a temporary's name
+    after the step cleared it and before md-rpc-seed opens it. Written through, that link would
+    truncate and overwrite root's file; now the open refuses it (the step may fail: it never
+    writes elsewhere)."""
+    tensors = [t for t in T.weight_tensors(synthetic) if t.layer in (0, 1, 2)]
+    wanted = _wanted(synthetic, tensors)
+    victim = tmp_path / "victim"
+    victim.write_text("root's file\n")
+    cache = tmp_path / "var-cache" / "rpc"
+    cache.mkdir(parents=True)
+    stop = threading.Event()
+
+    def plant():
+        while not stop.is_set():
+            for name in wanted:
+                try:
+                    (cache / f".{name}.tmp").symlink_to(victim)
+                except (FileExistsError, FileNotFoundError):
+                    pass
+
+    planter = threading.Thread(target=plant)
+    planter.start()
+    try:
+        ran = _apply(seed_bin, synthetic, cache, tensors, tmp_path / "prefix")
+    finally:
+        stop.set()
+        planter.join()
+    assert victim.read_text() == "root's file\n", "the seeding step wrote through a link"
+    if ran[0].returncode == 0:
+        _check_cache(cache, wanted)
+    else:
+        assert "File exists" in ran[0].stderr or "link" in ran[0].stderr, ran[0].stderr
+
+
+def test_a_link_where_the_cache_folder_belongs_is_replaced(seed_bin, synthetic, tmp_path):
+    tensors = [t for t in T.weight_tensors(synthetic) if t.layer == 0]
+    wanted = _wanted(synthetic, tensors)
+    elsewhere = tmp_path / "root-only"  # a folder with entry-like names the old step deleted
+    elsewhere.mkdir()
+    for name in ("0123456789abcdef", "fedcba9876543210"):
+        (elsewhere / name).write_text("keep me\n")
+    before = _hashes(elsewhere)
+    cache = tmp_path / "var-cache" / "rpc"
+    cache.parent.mkdir()
+    cache.symlink_to(elsewhere)
+    ran = _apply(seed_bin, synthetic, cache, tensors, tmp_path / "prefix")
+    assert [r.returncode for r in ran] == [0], [r.stderr for r in ran]
+    assert _hashes(elsewhere) == before and sorted(os.listdir(elsewhere)) == sorted(before)
+    assert "removed a link (or file) where the cache folder" in ran[0].stderr
+    _check_cache(cache, wanted)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_root_refuses_a_folder_another_user_owns(seed_bin, synthetic, tmp_path):
+    """Without systemd the step runs as whoever runs it: as root it writes nothing into a folder
+    that another user (the rpc-server's, were it a DynamicUser) owns."""
+    tensors = [t for t in T.weight_tensors(synthetic) if t.layer == 0]
+    cache = tmp_path / "var-cache" / "rpc"
+    cache.mkdir(parents=True)
+    tmp_path.chmod(0o755)
+    os.chown(cache.parent, 65534, 65534)
+    os.chown(cache, 65534, 65534)
+    ran = _apply(seed_bin, synthetic, cache, tensors, tmp_path / "prefix")
+    assert ran[0].returncode != 0
+    assert "belongs to uid 65534, not to uid 0 that seeds it" in ran[0].stderr
+    assert os.listdir(cache) == []
+
+
+def test_a_linked_folder_or_a_damaged_marker_is_rewritten():
+    """The CacheDir fact reports what the rpc-server's user left; the plan rewrites it even when
+    the lines it could read say the cache is complete."""
+    tensors = [T.Tensor("blk.0.ffn_up.weight", 1000, 12 << 20, 0)]
+    done = {"entries": {"f42cfb619b3cade9": 12 << 20}, "temporary": [],
+            "marker": [(SHA, 1000, 12 << 20, "f42cfb619b3cade9")]}
+
+    def step(fact):
+        return ops.seed(ctx_for({"rpc_cache.CacheDir[50052]": fact}), 50052, "/m.gguf", tensors,
+                        "/var/cache/meshdeploy-rpc-50052/rpc", SHA)
+
+    assert step(done).noop
+    damaged = step({**done, "damaged": ["line 2: 'x 1 ³ f42cfb619b3cade9'"]})
+    assert not damaged.noop and "rewritten" in str(damaged.change.diffs)
+    linked = step({"entries": {}, "temporary": [], "marker": [], "link": True})
+    assert linked.change.action == "create"
+    assert "a symbolic link (never followed)" in str(linked.change.diffs)
