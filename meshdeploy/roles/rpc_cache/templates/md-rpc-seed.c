@@ -8,12 +8,25 @@
  * only ever put in place complete: written under a temporary name, fsynced, size-checked,
  * renamed.
  *
+ * The cache directory belongs to rpc-server's user (network-facing, so untrusted), and this
+ * program may run as root. It opens the directory once, refusing a symbolic link, and does
+ * every entry operation relative to that descriptor: a temporary is created exclusively
+ * (O_EXCL|O_NOFOLLOW) after unlinking whatever holds its name, an entry is replaced by rename,
+ * and a name that is a symbolic link or not a regular file counts as no entry. Nothing it
+ * writes can land outside the directory, and nothing there is followed.
+ *
+ * The GGUF is read with pread, not mapped: a file that shrinks while it is read ends the run
+ * with an error (a mapping would die of SIGBUS), and so does one whose size or modification
+ * time, checked after each range is read and before its answer is given, differs from when it
+ * was opened.
+ *
  * A worker without the GGUF can instead fetch each tensor's byte range from another host's
  * verified copy (--digest there lists FNV and SHA-256 per range; --receive here caches one
  * fetched range). The entry's name is only an FNV hash, which anyone can collide, so --receive
  * puts nothing in place unless the size, the FNV and the SHA-256 all match.
  *
- *   md-rpc-seed [--verify] GGUF CACHE_DIR < list     one "<offset> <size>" per line
+ *   md-rpc-seed [--verify] GGUF CACHE_DIR < list     one "<offset> <size>" per line (decimal
+ *                                                     digits, one space; a blank line is skipped)
  *   md-rpc-seed --hash FILE OFFSET SIZE               print the hash of one byte range
  *   md-rpc-seed --digest GGUF < list                  "<offset> <size> <16hex> <sha256>" each
  *   md-rpc-seed --receive CACHE_DIR SIZE FNV16 SHA256 < bytes
@@ -34,18 +47,22 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
 #define FNV_BASIS 0xcbf29ce484222325ULL
 #define FNV_PRIME 0x100000001b3ULL
-/* Map the source in windows: a 32-bit host cannot map a multi-GB GGUF at once. Tests build
- * with a tiny one (-DWINDOW=...) to cross window edges without a file of gigabytes. */
+/* Read the source in windows of this many bytes, each hashed (and copied) while it is still in
+ * the CPU's cache. Tests build with a tiny one (-DWINDOW=...) to cross many window edges. */
 #ifndef WINDOW
-#define WINDOW ((size_t)256 << 20)
+#define WINDOW ((size_t)256 << 10)
 #endif
+/* The longest list line read: "<offset> <size>" as the callers write it takes at most 41
+ * characters (two 20-digit numbers and a space); a longer line is refused whole. */
+#define LINE_MAX_CHARS 64
+#define STR_(x) #x
+#define STR(x) STR_(x)
 
 static const char *prog = "md-rpc-seed";
 
@@ -318,101 +335,205 @@ static uint64_t fnv1a_sha256(uint64_t h, struct sha256 *sha, const unsigned char
     return h;
 }
 
+/* What hash_range and the checks after it report besides 0. */
+enum { READ_ERROR = -1, SOURCE_ENDED = -2, WRITE_ERROR = -3 };
+
+/* n bytes of fd at offset into buf: 0, or READ_ERROR, or SOURCE_ENDED when the file ends
+ * first. */
+static int read_at(int fd, unsigned char *buf, size_t n, uint64_t offset)
+{
+    for (size_t got = 0; got < n;) {
+        ssize_t r = pread(fd, buf + got, n - got, (off_t)(offset + got));
+        if (r < 0 && errno != EINTR)
+            return READ_ERROR;
+        if (r == 0)
+            return SOURCE_ENDED;
+        if (r > 0)
+            got += (size_t)r;
+    }
+    return 0;
+}
+
+static int write_all(int fd, const unsigned char *buf, size_t n)
+{
+    for (size_t w = 0; w < n;) {
+        ssize_t r = write(fd, buf + w, n - w);
+        if (r < 0 && errno != EINTR)
+            return WRITE_ERROR;
+        if (r > 0)
+            w += (size_t)r;
+    }
+    return 0;
+}
+
 /* Hash [offset, offset+size) of fd; when out >= 0 also copy the bytes there, and when sha is
- * given also feed them to it (in the same pass). */
+ * given also feed them to it (in the same pass). pread, not mmap: a file that shrinks under a
+ * mapping kills the process with SIGBUS, while pread returns short and the caller can say so. */
 static int hash_range(int fd, uint64_t offset, uint64_t size, int out, uint64_t *hash,
                       struct sha256 *sha)
 {
-    long page = sysconf(_SC_PAGESIZE);
+    static unsigned char *buf;
+    if (!buf) {
+        void *p;
+        if (posix_memalign(&p, 4096, WINDOW) != 0)
+            die("out of memory", NULL);
+        buf = p;
+    }
     uint64_t h = FNV_BASIS, done = 0;
     while (done < size) {
-        uint64_t pos = offset + done;
-        uint64_t base = pos - pos % (uint64_t)page;
-        size_t lead = (size_t)(pos - base);
         size_t n = (size - done) > WINDOW ? WINDOW : (size_t)(size - done);
-        unsigned char *m = mmap(NULL, lead + n, PROT_READ, MAP_SHARED, fd, (off_t)base);
-        if (m == MAP_FAILED)
-            return -1;
-        posix_madvise(m, lead + n, POSIX_MADV_SEQUENTIAL);
-        h = sha ? fnv1a_sha256(h, sha, m + lead, n) : fnv1a(h, m + lead, n);
-        if (out >= 0) {
-            size_t w = 0;
-            while (w < n) {
-                ssize_t r = write(out, m + lead + w, n - w);
-                if (r < 0) {
-                    if (errno == EINTR)
-                        continue;
-                    munmap(m, lead + n);
-                    return -1;
-                }
-                w += (size_t)r;
-            }
-        }
-        munmap(m, lead + n);
+        int rc = read_at(fd, buf, n, offset + done);
+        if (rc < 0)
+            return rc;
+        h = sha ? fnv1a_sha256(h, sha, buf, n) : fnv1a(h, buf, n);
+        if (out >= 0 && (rc = write_all(out, buf, n)) < 0)
+            return rc;
         done += n;
     }
     *hash = h;
     return 0;
 }
 
-static int file_hash(const char *path, uint64_t size, uint64_t *hash)
+/* The source as it was opened, to tell at the end whether it changed while it was read. */
+struct source {
+    const char *path;
+    int fd;
+    struct stat st;
+};
+
+#ifdef __APPLE__
+#define MTIME_NSEC(st) 0L /* macOS names it otherwise under _POSIX_C_SOURCE; seconds will do */
+#else
+#define MTIME_NSEC(st) ((long)(st).st_mtim.tv_nsec)
+#endif
+
+static void open_source(struct source *src, const char *path)
 {
-    int fd = open(path, O_RDONLY);
-    if (fd < 0)
-        return -1;
-    int rc = hash_range(fd, 0, size, -1, hash, NULL);
-    int saved = errno;
-    close(fd);
-    errno = saved;
-    return rc;
+    src->path = path;
+    src->fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (src->fd < 0 || fstat(src->fd, &src->st) < 0)
+        die("cannot open", path);
+#ifdef POSIX_FADV_SEQUENTIAL /* not on macOS */
+    posix_fadvise(src->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+#endif
 }
 
+/* After a read of [off, off+size) that returned rc: 0 when it succeeded and the source still has
+ * the size and modification time it had when opened; else says what happened and returns 1.
+ * Checked before each answer is given, so that an answer read from a file being rewritten
+ * (which may be of neither version) is never printed, and the callers, which count answers,
+ * stop there. A shrunk file ends a read early (pread returns short, where a mapping would have
+ * died of SIGBUS). */
+static int source_check(const struct source *src, int rc, uint64_t off, uint64_t size)
+{
+    struct stat now;
+    if (rc == SOURCE_ENDED) {
+        fprintf(stderr, "%s: %s changed while it was read: it ends before byte %" PRIu64
+                " now (%jd bytes when opened)\n", prog, src->path, off + size,
+                (intmax_t)src->st.st_size);
+        return 1;
+    }
+    if (rc < 0 || fstat(src->fd, &now) < 0) {
+        fprintf(stderr, "%s: cannot read %s: %s\n", prog, src->path, strerror(errno));
+        return 1;
+    }
+    if (now.st_size != src->st.st_size || now.st_mtime != src->st.st_mtime ||
+        MTIME_NSEC(now) != MTIME_NSEC(src->st)) {
+        fprintf(stderr, "%s: %s changed while it was read (its size or modification time "
+                "differ from when it was opened)\n", prog, src->path);
+        return 1;
+    }
+    return 0;
+}
+
+/* A number of decimal digits only (no sign, space or base prefix) that fits 64 bits, from
+ * [*p, end); *p moves past it. */
+static int parse_digits(const char **p, const char *end, uint64_t *v)
+{
+    const char *s = *p;
+    uint64_t x = 0;
+    for (; s < end && *s >= '0' && *s <= '9'; s++) {
+        unsigned d = (unsigned)(*s - '0');
+        if (x > (UINT64_MAX - d) / 10)
+            return -1;
+        x = x * 10 + d;
+    }
+    if (s == *p)
+        return -1;
+    *p = s;
+    *v = x;
+    return 0;
+}
+
+/* A whole argument as a number (strtoull would take " -1" for 2^64-1). */
 static int parse_u64(const char *s, uint64_t *v)
 {
-    char *end;
-    errno = 0;
-    unsigned long long x = strtoull(s, &end, 10);
-    if (errno || end == s || *end || s[0] == '-')
-        return -1;
-    *v = (uint64_t)x;
-    return 0;
+    const char *end = s + strlen(s), *p = s;
+    return parse_digits(&p, end, v) == 0 && p == end ? 0 : -1;
 }
 
 static int hash_mode(const char *path, const char *off_s, const char *size_s)
 {
     uint64_t off, size, h;
-    struct stat st;
+    struct source src;
     if (parse_u64(off_s, &off) || parse_u64(size_s, &size))
         die("OFFSET and SIZE must be non-negative integers", NULL);
-    int fd = open(path, O_RDONLY);
-    if (fd < 0 || fstat(fd, &st) < 0)
-        die("cannot open", path);
-    if (off > (uint64_t)st.st_size || size > (uint64_t)st.st_size - off) {
+    open_source(&src, path);
+    if (off > (uint64_t)src.st.st_size || size > (uint64_t)src.st.st_size - off) {
         fprintf(stderr, "%s: range %" PRIu64 "+%" PRIu64 " is past the end of %s (%jd bytes)\n",
-                prog, off, size, path, (intmax_t)st.st_size);
+                prog, off, size, path, (intmax_t)src.st.st_size);
         return 1;
     }
-    if (hash_range(fd, off, size, -1, &h, NULL) < 0)
-        die("cannot read", path);
+    if (source_check(&src, hash_range(src.fd, off, size, -1, &h, NULL), off, size))
+        return 1;
     printf("%016" PRIx64 "\n", h);
     return 0;
 }
 
+/* One line of stdin into buf without its newline: 1, or 0 at the end of the input, or -1 for a
+ * line longer than cap - 1 (read to its end all the same: it is one bad line, not two). */
+static int read_line(char *buf, size_t cap, size_t *len)
+{
+    size_t n = 0;
+    int c, over = 0;
+    while ((c = getchar()) != EOF && c != '\n') {
+        if (n + 1 < cap)
+            buf[n++] = (char)c;
+        else
+            over = 1;
+    }
+    if (c == EOF && ferror(stdin))
+        die("cannot read the tensor list from stdin", NULL);
+    buf[n] = '\0';
+    *len = n;
+    if (c == EOF && n == 0)
+        return 0;
+    return over ? -1 : 1;
+}
+
 /* Next "<offset> <size>" line of stdin, checked against a file of fsize bytes: 1 when one was
- * read, 0 at the end, -1 after saying why not. Shared so that every mode reads a list alike. */
+ * read, 0 at the end, -1 after saying why not. Shared so that every mode reads a list alike.
+ * The callers write exactly "%d %d\n"; anything else is refused whole, with its line number. */
 static int next_range(const char *path, off_t fsize, unsigned long *lineno, uint64_t *off,
                       uint64_t *size)
 {
-    char line[256];
-    while (fgets(line, sizeof line, stdin)) {
+    char line[LINE_MAX_CHARS + 1];
+    size_t len;
+    int got;
+    while ((got = read_line(line, sizeof line, &len)) != 0) {
         ++*lineno;
-        char a[64], b[64], extra[2];
-        if (line[0] == '\n' || line[0] == '\0')
+        if (got > 0 && len == 0)
             continue;
-        int n = sscanf(line, "%63s %63s %1s", a, b, extra);
-        if (n != 2 || parse_u64(a, off) || parse_u64(b, size)) {
-            fprintf(stderr, "%s: stdin line %lu: expected \"<offset> <size>\", got: %s", prog,
-                    *lineno, line);
+        const char *p = line, *end = line + len;
+        if (got < 0 || parse_digits(&p, end, off) || p == end || *p++ != ' ' ||
+            parse_digits(&p, end, size) || p != end) {
+            /* Shown as read, up to the limit; a byte that is not printable ASCII as '?'. */
+            for (size_t i = 0; i < len; i++)
+                if (line[i] < ' ' || line[i] > '~')
+                    line[i] = '?';
+            fprintf(stderr, "%s: stdin line %lu: expected \"<offset> <size>\", got: %s%s\n",
+                    prog, *lineno, line,
+                    got < 0 ? "... (longer than " STR(LINE_MAX_CHARS) " characters)" : "");
             return -1;
         }
         if (*off > (uint64_t)fsize || *size > (uint64_t)fsize - *off) {
@@ -423,103 +544,197 @@ static int next_range(const char *path, off_t fsize, unsigned long *lineno, uint
         }
         return 1;
     }
-    if (ferror(stdin))
-        die("cannot read the tensor list from stdin", NULL);
     return 0;
 }
 
-/* Copy one tensor into tmp (hashing it again on the way); exits with a message on error. */
-static void write_entry(int src, const char *dir, uint64_t off, uint64_t size, uint64_t name,
-                        uint64_t *hash, char *tmp, size_t tmplen)
+/* ---- the cache directory ---------------------------------------------------------------- */
+
+/* CACHE_DIR opened once (O_NOFOLLOW: not through a symbolic link of its own name; a trailing
+ * slash would make open follow one, so it is dropped first). Returns the descriptor, or -1
+ * with errno set, or -2 when it is a symbolic link. */
+static int open_cache_dir(const char *dir)
 {
-    snprintf(tmp, tmplen, "%s/.%016" PRIx64 ".tmp", dir, name);
-    int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (out < 0)
-        die("cannot create", tmp);
-    if (hash_range(src, off, size, out, hash, NULL) < 0) {
+    size_t n = strlen(dir);
+    char *p = malloc(n + 1);
+    if (!p)
+        die("out of memory", NULL);
+    memcpy(p, dir, n + 1);
+    while (n > 1 && p[n - 1] == '/')
+        p[--n] = '\0';
+    int fd = open(p, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
         int saved = errno;
-        unlink(tmp);
+        struct stat st;
+        if (lstat(p, &st) == 0 && S_ISLNK(st.st_mode))
+            fd = -2;
         errno = saved;
-        die("cannot copy tensor bytes into", tmp);
     }
+    free(p);
+    return fd;
+}
+
+/* The renames are durable only once the directory itself is synced. */
+static void sync_cache_dir(int dfd, const char *dir)
+{
+    if (fsync(dfd) < 0 && errno != EINVAL && errno != ENOTSUP)
+        die("cannot sync the cache directory", dir);
+}
+
+/* An entry being written: the temporary ".<16hex>.tmp" in the cache directory, renamed over
+ * "<16hex>" when complete. */
+struct entry {
+    int dfd, fd;
+    const char *dir;
+    char name[17], tmp[24];
+    dev_t dev;
+    ino_t ino;
+};
+
+/* Says what failed, about DIR/name (errno's text when errno is set), removes the temporary when
+ * it is this run's, and exits 1. */
+static void entry_die(struct entry *e, const char *what, const char *name, int remove_tmp)
+{
+    int saved = errno;
+    if (e->fd >= 0)
+        close(e->fd);
+    if (remove_tmp)
+        unlinkat(e->dfd, e->tmp, 0);
+    if (saved)
+        fprintf(stderr, "%s: %s %s/%s: %s\n", prog, what, e->dir, name, strerror(saved));
+    else
+        fprintf(stderr, "%s: %s %s/%s\n", prog, what, e->dir, name);
+    exit(1);
+}
+
+static void entry_create(struct entry *e, int dfd, const char *dir, const char *name16)
+{
     struct stat st;
-    if (fsync(out) < 0 || fstat(out, &st) < 0 || close(out) < 0) {
-        int saved = errno;
-        unlink(tmp);
-        errno = saved;
-        die("cannot flush", tmp);
+    e->dfd = dfd;
+    e->fd = -1;
+    e->dir = dir;
+    snprintf(e->name, sizeof e->name, "%s", name16);
+    snprintf(e->tmp, sizeof e->tmp, ".%s.tmp", name16);
+    /* A temporary an interrupted run left, or whatever else holds the name: unlinking a name
+     * never follows it, and O_EXCL|O_NOFOLLOW then refuses anything put back in between. */
+    if (unlinkat(dfd, e->tmp, 0) < 0 && errno != ENOENT)
+        entry_die(e, "cannot remove the stale temporary", e->tmp, 0);
+    e->fd = openat(dfd, e->tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (e->fd < 0)
+        entry_die(e, "cannot create", e->tmp, 0);
+    if (fstat(e->fd, &st) < 0)
+        entry_die(e, "cannot stat", e->tmp, 1);
+    if (!S_ISREG(st.st_mode)) {
+        errno = 0;
+        entry_die(e, "not a regular file:", e->tmp, 0);
     }
+    e->dev = st.st_dev;
+    e->ino = st.st_ino;
+}
+
+/* Syncs the temporary, checks it holds size bytes and still has its name, renames it over the
+ * entry's name (replacing a symbolic link or anything else there, never following it). */
+static void entry_commit(struct entry *e, uint64_t size)
+{
+    struct stat st, now;
+    if (fsync(e->fd) < 0 || fstat(e->fd, &st) < 0)
+        entry_die(e, "cannot flush", e->tmp, 1);
+    int rc = close(e->fd);
+    e->fd = -1;
+    if (rc < 0)
+        entry_die(e, "cannot flush", e->tmp, 1);
     if ((uint64_t)st.st_size != size) {
-        unlink(tmp);
-        fprintf(stderr, "%s: %s holds %jd bytes, expected %" PRIu64 "\n", prog, tmp,
-                (intmax_t)st.st_size, size);
+        unlinkat(e->dfd, e->tmp, 0);
+        fprintf(stderr, "%s: %s/%s holds %jd bytes, expected %" PRIu64 "\n", prog, e->dir,
+                e->tmp, (intmax_t)st.st_size, size);
         exit(1);
     }
+    /* Another writer's file under the same temporary name would go in place of this one. */
+    if (fstatat(e->dfd, e->tmp, &now, AT_SYMLINK_NOFOLLOW) < 0 || now.st_dev != e->dev ||
+        now.st_ino != e->ino) {
+        errno = 0;
+        entry_die(e, "the temporary was replaced while it was written:", e->tmp, 0);
+    }
+    if (renameat(e->dfd, e->tmp, e->dfd, e->name) < 0)
+        entry_die(e, "cannot rename into", e->name, 1);
 }
+
+/* Whether the cache holds a regular file of size bytes named name (a symbolic link, or anything
+ * but a regular file, counts as no entry and is replaced); with verify, also that its bytes
+ * hash to want. */
+static int entry_present(int dfd, const char *name, uint64_t size, int verify, uint64_t want)
+{
+    struct stat st;
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0 || !S_ISREG(st.st_mode) ||
+        (uint64_t)st.st_size != size)
+        return 0;
+    if (!verify)
+        return 1;
+    /* O_NONBLOCK: should a FIFO be swapped in meanwhile, the open must not wait for a writer. */
+    int fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    uint64_t h;
+    int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_size == size &&
+             hash_range(fd, 0, size, -1, &h, NULL) == 0 && h == want;
+    close(fd);
+    return ok;
+}
+
+/* ---- modes ------------------------------------------------------------------------------- */
 
 static int seed_mode(const char *gguf, const char *dir, int verify)
 {
-    struct stat gst;
-    int src = open(gguf, O_RDONLY);
-    if (src < 0 || fstat(src, &gst) < 0)
-        die("cannot open", gguf);
-    struct stat dst;
-    if (stat(dir, &dst) < 0 || !S_ISDIR(dst.st_mode)) {
-        if (errno == 0)
-            errno = ENOTDIR;
-        die("cache directory", dir);
+    struct source src;
+    open_source(&src, gguf);
+    int dfd = open_cache_dir(dir);
+    if (dfd == -2) {
+        fprintf(stderr, "%s: cache directory %s is a symbolic link: refused (name the "
+                "directory itself)\n", prog, dir);
+        exit(1);
     }
-    size_t plen = strlen(dir) + 64;
-    char *tmp = malloc(plen), *final = malloc(plen);
-    if (!tmp || !final)
-        die("out of memory", NULL);
+    if (dfd < 0)
+        die("cache directory", dir);
 
     unsigned long lineno = 0;
     uint64_t off, size;
     int got;
-    while ((got = next_range(gguf, gst.st_size, &lineno, &off, &size)) > 0) {
+    while ((got = next_range(gguf, src.st.st_size, &lineno, &off, &size)) > 0) {
         uint64_t h;
+        char name[17];
         /* The name is only known after hashing; hash the source first, then decide. */
-        if (hash_range(src, off, size, -1, &h, NULL) < 0)
-            die("cannot read", gguf);
-        snprintf(final, plen, "%s/%016" PRIx64, dir, h);
-        struct stat est;
-        int keep = stat(final, &est) == 0 && S_ISREG(est.st_mode) &&
-                   (uint64_t)est.st_size == size;
-        if (keep && verify) {
-            uint64_t eh;
-            keep = file_hash(final, size, &eh) == 0 && eh == h;
-        }
+        if (source_check(&src, hash_range(src.fd, off, size, -1, &h, NULL), off, size))
+            return 1;
+        snprintf(name, sizeof name, "%016" PRIx64, h);
+        int keep = entry_present(dfd, name, size, verify, h);
         if (!keep) {
-            uint64_t wh;
-            write_entry(src, dir, off, size, h, &wh, tmp, plen);
+            struct entry e;
+            uint64_t wh = 0;
+            entry_create(&e, dfd, dir, name);
+            int rc = hash_range(src.fd, off, size, e.fd, &wh, NULL);
+            if (rc == WRITE_ERROR)
+                entry_die(&e, "cannot copy tensor bytes into", e.tmp, 1);
+            if (source_check(&src, rc, off, size)) {
+                close(e.fd);
+                unlinkat(dfd, e.tmp, 0);
+                return 1;
+            }
             if (wh != h) {
-                unlink(tmp);
+                close(e.fd);
+                unlinkat(dfd, e.tmp, 0);
                 fprintf(stderr, "%s: %s changed while being read (hash %016" PRIx64
                         " then %016" PRIx64 ")\n", prog, gguf, h, wh);
                 return 1;
             }
-            if (rename(tmp, final) < 0) {
-                int saved = errno;
-                unlink(tmp);
-                errno = saved;
-                die("cannot rename into", final);
-            }
+            entry_commit(&e, size);
         }
         printf("%016" PRIx64 " %" PRIu64 " %s\n", h, size, keep ? "kept" : "written");
         fflush(stdout);
     }
     if (got < 0)
         return 1;
-    /* The renames are durable only once the directory itself is synced. */
-    int dfd = open(dir, O_RDONLY);
-    if (dfd >= 0) {
-        fsync(dfd);
-        close(dfd);
-    }
-    free(tmp);
-    free(final);
-    close(src);
+    sync_cache_dir(dfd, dir);
+    close(dfd);
+    close(src.fd);
     return 0;
 }
 
@@ -527,27 +742,25 @@ static int seed_mode(const char *gguf, const char *dir, int verify)
  * can check each one before caching it. */
 static int digest_mode(const char *gguf)
 {
-    struct stat gst;
-    int src = open(gguf, O_RDONLY);
-    if (src < 0 || fstat(src, &gst) < 0)
-        die("cannot open", gguf);
+    struct source src;
+    open_source(&src, gguf);
     unsigned long lineno = 0;
     uint64_t off, size;
     int got;
-    while ((got = next_range(gguf, gst.st_size, &lineno, &off, &size)) > 0) {
+    while ((got = next_range(gguf, src.st.st_size, &lineno, &off, &size)) > 0) {
         uint64_t h;
         struct sha256 sha;
         unsigned char d[32];
         char hex[65];
         sha256_init(&sha);
-        if (hash_range(src, off, size, -1, &h, &sha) < 0)
-            die("cannot read", gguf);
+        if (source_check(&src, hash_range(src.fd, off, size, -1, &h, &sha), off, size))
+            return 1;
         sha256_final(&sha, d);
         sha256_hex(d, hex);
         printf("%" PRIu64 " %" PRIu64 " %016" PRIx64 " %s\n", off, size, h, hex);
         fflush(stdout);
     }
-    close(src);
+    close(src.fd);
     return got < 0;
 }
 
@@ -569,31 +782,19 @@ static ssize_t read_some(int fd, unsigned char *buf, size_t n)
     return r;
 }
 
-static void fail_receive(const char *tmp, const char *what, const char *path)
-{
-    int saved = errno;
-    unlink(tmp);
-    errno = saved;
-    die(what, path);
-}
-
 /* Cache one tensor whose bytes come on stdin (a fetch of its range from another host). The
  * hashes are taken from the stream, not re-read from the file, so that what is checked is what
- * was written; the entry is put in place only when size, FNV and SHA-256 all match. */
-static int receive_mode(const char *dir, uint64_t size, const char *want_fnv,
+ * was written; the bytes go only into this run's own temporary (created O_EXCL), which is
+ * renamed into place only when size, FNV and SHA-256 all match. */
+static int receive_mode(int dfd, const char *dir, uint64_t size, const char *want_fnv,
                         const char *want_sha)
 {
-    size_t plen = strlen(dir) + 64;
-    char *tmp = malloc(plen), *final = malloc(plen);
     const size_t bufsize = (size_t)1 << 20;
     unsigned char *buf = malloc(bufsize);
-    if (!tmp || !final || !buf)
+    if (!buf)
         die("out of memory", NULL);
-    snprintf(tmp, plen, "%s/.%s.tmp", dir, want_fnv);
-    snprintf(final, plen, "%s/%s", dir, want_fnv);
-    int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (out < 0)
-        die("cannot create", tmp);
+    struct entry e;
+    entry_create(&e, dfd, dir, want_fnv);
 
     uint64_t h = FNV_BASIS, got = 0;
     struct sha256 sha;
@@ -602,14 +803,14 @@ static int receive_mode(const char *dir, uint64_t size, const char *want_fnv,
         size_t want = size - got < bufsize ? (size_t)(size - got) : bufsize;
         ssize_t r = read_some(STDIN_FILENO, buf, want);
         if (r < 0)
-            fail_receive(tmp, "cannot read stdin for", tmp);
+            entry_die(&e, "cannot read stdin for", e.tmp, 1);
         if (r == 0)
             break;
         h = fnv1a_sha256(h, &sha, buf, (size_t)r);
         for (ssize_t w = 0; w < r;) {
-            ssize_t k = write(out, buf + w, (size_t)(r - w));
+            ssize_t k = write(e.fd, buf + w, (size_t)(r - w));
             if (k < 0 && errno != EINTR)
-                fail_receive(tmp, "cannot write", tmp);
+                entry_die(&e, "cannot write", e.tmp, 1);
             if (k > 0)
                 w += k;
         }
@@ -621,7 +822,7 @@ static int receive_mode(const char *dir, uint64_t size, const char *want_fnv,
     if (got == size) {
         ssize_t r = read_some(STDIN_FILENO, buf, 1);
         if (r < 0)
-            fail_receive(tmp, "cannot read stdin for", tmp);
+            entry_die(&e, "cannot read stdin for", e.tmp, 1);
         more = r > 0;
     }
     unsigned char d[32];
@@ -631,8 +832,8 @@ static int receive_mode(const char *dir, uint64_t size, const char *want_fnv,
     snprintf(fnv_hex, sizeof fnv_hex, "%016" PRIx64, h);
     int bad_fnv = strcmp(fnv_hex, want_fnv) != 0, bad_sha = strcmp(sha_hex, want_sha) != 0;
     if (got != size || more || bad_fnv || bad_sha) {
-        close(out);
-        unlink(tmp);
+        close(e.fd);
+        unlinkat(dfd, e.tmp, 0);
         if (got < size)
             fprintf(stderr, "%s: received %" PRIu64 " bytes, expected %" PRIu64 " (the input "
                     "ended early)\n", prog, got, size);
@@ -650,26 +851,11 @@ static int receive_mode(const char *dir, uint64_t size, const char *want_fnv,
         fprintf(stderr, "%s: nothing cached for %s\n", prog, want_fnv);
         return 1;
     }
-    struct stat st;
-    if (fsync(out) < 0 || fstat(out, &st) < 0 || close(out) < 0)
-        fail_receive(tmp, "cannot flush", tmp);
-    if ((uint64_t)st.st_size != size) {
-        unlink(tmp);
-        fprintf(stderr, "%s: %s holds %jd bytes, expected %" PRIu64 "\n", prog, tmp,
-                (intmax_t)st.st_size, size);
-        return 1;
-    }
-    if (rename(tmp, final) < 0)
-        fail_receive(tmp, "cannot rename into", final);
-    int dfd = open(dir, O_RDONLY);
-    if (dfd >= 0) {
-        fsync(dfd);
-        close(dfd);
-    }
+    entry_commit(&e, size);
+    sync_cache_dir(dfd, dir);
     printf("%s %" PRIu64 " written\n", want_fnv, size);
     free(buf);
-    free(tmp);
-    free(final);
+    close(dfd);
     return 0;
 }
 
@@ -687,9 +873,11 @@ static void usage(void)
 static int receive_args(char **argv)
 {
     uint64_t size;
-    struct stat st;
     const char *why = NULL;
-    if (stat(argv[2], &st) < 0 || !S_ISDIR(st.st_mode))
+    int dfd = open_cache_dir(argv[2]);
+    if (dfd == -2)
+        why = "CACHE_DIR must be the directory itself, not a symbolic link";
+    else if (dfd < 0)
         why = "CACHE_DIR must be an existing directory";
     else if (parse_u64(argv[3], &size))
         why = "SIZE must be a non-negative integer";
@@ -702,7 +890,7 @@ static int receive_args(char **argv)
         usage();
         return 2;
     }
-    return receive_mode(argv[2], size, argv[4], argv[5]);
+    return receive_mode(dfd, argv[2], size, argv[4], argv[5]);
 }
 
 int main(int argc, char **argv)
