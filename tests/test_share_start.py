@@ -191,6 +191,8 @@ def test_under_systemd_it_is_a_transient_unit_with_the_hardening(place):
     assert "DynamicUser=yes" in props and "--unit=meshdeploy-share" in argv
     assert "--collect" in argv
     command = argv[argv.index("-p") + 2 * len(props):]
+    assert command[0] == "--"  # what follows is the command, written so systemd expands nothing
+    command = command[1:]
     assert command[0].startswith("/") and command[1:4] == [
         str(d / "tools" / "md-share.py"), "--pid-file", str(pid_file)]
     assert command[4:8] == ["--bind", "127.0.0.1", "--port", str(port)]

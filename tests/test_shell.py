@@ -86,3 +86,20 @@ def test_only_deploy_shell_quotes_for_the_shell():
         if re.search(r"\bshlex\b|\bdef q\(|\bpipes\.quote", text):
             offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders
+
+
+def test_systemd_run_words_after_the_double_dash_reach_the_unit_unexpanded(tmp_path):
+    """systemd expands ${VAR} in a unit's command line and reads $$ as $ (systemd 252, checked
+    in the lab: `systemd-run --pipe /bin/echo 'a$$b ${HOME}'` prints `a$b ` ); md_systemd_run
+    writes each word after `--` so that this reading gives it back exactly."""
+    stub = tmp_path / "systemd-run"
+    stub.write_text('#!/bin/sh\nfor a; do printf "%s\\0" "$a"; done\n')
+    stub.chmod(0o755)
+    words = ["/bin/sh", "-c", 'D=/x/y\nP=${D%/*}; echo "$P" $$ ${HOME}\n', "p$q", "end\n\n"]
+    got = subprocess.run(["sh", "-c", shell.SYSTEMD_RUN + "\nmd_systemd_run -p 'A=$1' -- \"$@\"",
+                          "sh", *words], capture_output=True, text=True,
+                         env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, check=True).stdout
+    argv = got.split("\0")[:-1]
+    assert argv[:3] == ["-p", "A=$1", "--"]  # options are not rewritten
+    assert argv[3:] != words  # "$" doubled: without it systemd would expand ${D%/*}
+    assert [w.replace("$$", "$") for w in argv[3:]] == words

@@ -174,10 +174,10 @@ def start(cluster, host, files: dict[str, str], clients, growing: dict | None = 
 def start_script(server: str, args: list, host_name: str, allow, **paths: str) -> str:
     """The script that (re)starts md-share `server` with `args` (`allow`: the clients' addresses);
     `paths` replace PID, OLD_PID, LOG and BOOTED (tests run it in a folder of their own)."""
-    unit = shell.join(["systemd-run", "--quiet", "--collect", f"--unit={UNIT}",
+    unit = shell.join(["md_systemd_run", "--quiet", "--collect", f"--unit={UNIT}",
                        "--description=md-share: model files for the cluster (meshdeploy)",
-                       *(w for p in properties(allow) for w in ("-p", p))])
+                       *(w for p in properties(allow) for w in ("-p", p)), "--"])
     where = {"PID": PID, "OLD_PID": OLD_PID, "LOG": LOG, "BOOTED": BOOTED, **paths}
-    return shell.script(_START, args=args, prelude=f'md_share_unit() {{ {unit} "$@"; }}',
+    return shell.script(_START, args=args, prelude=shell.SYSTEMD_RUN + f'\nmd_share_unit() {{ {unit} "$@"; }}',
                         PY=PYTHON, SERVER=server, UNIT=UNIT, HOST=host_name,
                         PORT=model_share_port, **where)

@@ -330,7 +330,7 @@ def as_service_user(port: int, seed_script: str) -> str:
     elsewhere, where the script refuses a folder its user does not own."""
     unit = rpc_unit_name(port)
     return shell.assign_text("SEED", seed_script) + "\n" + shell.template(
-        TEMPLATES / "seed-as-service.sh", UNIT=unit, CACHE=unit)
+        TEMPLATES / "seed-as-service.sh", prelude=shell.SYSTEMD_RUN, UNIT=unit, CACHE=unit)
 
 
 _HEX = re.compile(r"[0-9a-f]+")

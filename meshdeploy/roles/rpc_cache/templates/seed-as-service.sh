@@ -1,6 +1,7 @@
 # Run the seeding script SEED as the rpc-server's own user. Inputs (assigned above by
 # rpc_cache.operations): UNIT (the rpc-server's unit, whose DynamicUser has the same name),
-# CACHE (its CacheDirectory), SEED (seed.sh with its inputs and calls).
+# CACHE (its CacheDirectory), SEED (seed.sh with its inputs and calls); md_systemd_run is
+# deploy.shell.SYSTEMD_RUN (systemd-run, the command written so systemd expands nothing in it).
 #
 # rpc-server is an unauthenticated network service and owns its cache folder: root never writes
 # there. On systemd hosts the script runs in a transient unit with the same dynamic user and
@@ -9,19 +10,25 @@
 # has. Elsewhere (macOS, no systemd) it runs as is: seed.sh refuses a folder it does not own.
 if [ -d /run/systemd/system ] && command -v systemd-run >/dev/null 2>&1; then
   U="$UNIT-seed"
-  # We hold this step's lock (inflight.guarded): a unit of that name is an earlier run's orphan.
+  # The script goes in a file root keeps (a unit's command line cannot carry its newlines:
+  # systemd writes them into the transient unit file). We hold this step's lock
+  # (inflight.guarded): the name is ours, and a unit of that name is an earlier run's orphan.
+  R=/run/meshdeploy/seed
+  mkdir -p "$R" && chmod 0755 /run/meshdeploy "$R"
+  printf '%s\n' "$SEED" > "$R/$U.sh.tmp" && chmod 0644 "$R/$U.sh.tmp" && mv -f "$R/$U.sh.tmp" "$R/$U.sh"
   systemctl stop "$U" 2>/dev/null || true
   systemctl reset-failed "$U" 2>/dev/null || true
-  systemd-run --quiet --wait --pipe --collect --unit="$U" --service-type=exec \
+  md_systemd_run --quiet --wait --pipe --collect --unit="$U" --service-type=exec \
     -p DynamicUser=yes -p User="$UNIT" -p Group="$UNIT" -p CacheDirectory="$CACHE" \
     -p ProtectHome=read-only -p PrivateTmp=yes -p NoNewPrivileges=yes -p UMask=0077 \
     -p CapabilityBoundingSet= -p RestrictSUIDSGID=yes \
-    -- /bin/sh -c "$SEED" </dev/null &
+    -- /bin/sh "$R/$U.sh" </dev/null &
   S=$!
   # A stopped step (Ctrl-C twice, a dead run's lock taken over) stops the unit with it.
-  trap 'systemctl stop "$U" 2>/dev/null; wait "$S"; exit 143' TERM INT HUP
+  trap 'systemctl stop "$U" 2>/dev/null; wait "$S"; rm -f "$R/$U.sh"; exit 143' TERM INT HUP
   C=0
   wait "$S" || C=$?
+  rm -f "$R/$U.sh"
   exit "$C"
 fi
 exec /bin/sh -c "$SEED"
