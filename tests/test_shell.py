@@ -103,3 +103,14 @@ def test_systemd_run_words_after_the_double_dash_reach_the_unit_unexpanded(tmp_p
     assert argv[:3] == ["-p", "A=$1", "--"]  # options are not rewritten
     assert argv[3:] != words  # "$" doubled: without it systemd would expand ${D%/*}
     assert [w.replace("$$", "$") for w in argv[3:]] == words
+
+
+def test_template_sends_the_body_without_its_header_and_lint_directives(tmp_path):
+    """A .sh template's leading comment (what it does, its inputs) and its shellcheck
+    directives are for readers and the linter; the host gets the body, other comments kept."""
+    path = tmp_path / "t.sh"
+    path.write_text("# Say X. Inputs: X.\n#\n\nset -e\n# why: kept\n"
+                    "  # shellcheck disable=SC2086 # split on purpose\necho $X\n")
+    assert shell.body(path) == "set -e\n# why: kept\necho $X"
+    assert shell.template(path, X="a b") == "X='a b'\nset -e\n# why: kept\necho $X"
+    assert bash(shell.template(path, X="a b"), tmp_path) == b"a b\n"

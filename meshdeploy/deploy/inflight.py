@@ -28,36 +28,6 @@ from meshdeploy.deploy import shell
 STEPS_DIR = "/run/meshdeploy/steps"
 GRACE = 20  # seconds a stopped step gets to exit on SIGTERM before SIGKILL
 
-# Inputs: DIR, NAME (the lock's file name), SLOT (the step's address), BODY (its script); <name>.pid
-# gets the step's session id and address. fd 9 holds the lock; the step's processes inherit it, so the lock
-# lives exactly as long as the step does.
-_GUARD = r'''
-if ! command -v flock >/dev/null 2>&1 || ! command -v setsid >/dev/null 2>&1 || \
-   ! mkdir -p "$DIR" 2>/dev/null; then exec sh -c "$BODY"; fi
-L="$DIR/$NAME"
-exec 9>>"$L.lock"
-if ! flock -n 9; then
-  echo "$SLOT: waiting for the same step of an earlier run to end" >&2
-  flock 9
-fi
-exec setsid -w sh -c 'printf "%s\\n%s\\n" $$ "$3" > "$1.pid"; exec sh -c "$2"' guard "$L" "$BODY" "$SLOT"
-'''
-
-# Inputs: DIR, GRACE. Prints "stopped <session> <step>" for every step it ended.
-_STOP = r'''
-[ -d "$DIR" ] && command -v flock >/dev/null 2>&1 || exit 0
-for l in "$DIR"/*.lock; do
-  [ -e "$l" ] || continue
-  flock -n "$l" true && continue
-  n=${l%.lock}; pg=$(head -n 1 "$n.pid" 2>/dev/null)
-  case "$pg" in ''|*[!0-9]*) continue ;; esac
-  kill -TERM "-$pg" 2>/dev/null; kill -CONT "-$pg" 2>/dev/null
-  flock -w "$GRACE" "$l" true || { kill -KILL "-$pg" 2>/dev/null; flock -w 10 "$l" true; }
-  echo "stopped $pg $(sed -n 2p "$n.pid" 2>/dev/null)"
-done
-true
-'''
-
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -69,13 +39,13 @@ def lock_name(slot: str) -> str:
 def guarded(slot: str, body: str) -> str:
     """`body` run as the step `slot` on its host: never beside another run of the same step,
     in a session `stop_script` can end. Its exit status and standard input are the body's."""
-    return shell.assign_text("BODY", body) + "\n" + shell.script(
-        _GUARD, DIR=STEPS_DIR, NAME=lock_name(slot), SLOT=slot)
+    return shell.assign_text("BODY", body) + "\n" + shell.template(
+        shell.TEMPLATES / "step-guard.sh", DIR=STEPS_DIR, NAME=lock_name(slot), SLOT=slot)
 
 
 def stop_script(grace: int = GRACE) -> str:
     """End every guarded step still running on the host (root); prints what it stopped."""
-    return shell.script(_STOP, DIR=STEPS_DIR, GRACE=int(grace))
+    return shell.template(shell.TEMPLATES / "step-stop.sh", DIR=STEPS_DIR, GRACE=int(grace))
 
 
 def parse_stopped(lines) -> list[str]:

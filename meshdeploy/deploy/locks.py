@@ -141,29 +141,6 @@ class ControlLock:
             self.fd = None
 
 
-# On the host, as root. Prints "acquired", or "held <seconds since the heartbeat> <owner line>".
-# TAKE non-empty: replace a lock whose owner line is exactly TAKE (the stale one just read).
-# Several runs may take one stale lock over at once: `mkdir "$LOCK/taking"` lets one of them
-# through (mkdir is atomic); it checks the owner line again (the folder may already be a newer
-# lock: then it withdraws) and moves the lock aside in one rename before removing it, so no run
-# sees a half-removed lock, and every run then competes for the plain `mkdir "$LOCK"`: one wins.
-_ACQUIRE = r'''
-mkdir -p "$DIR" && chmod 755 "$DIR" || exit 1
-if [ -n "$TAKE" ] && [ "$(cat "$LOCK/owner" 2>/dev/null)" = "$TAKE" ] \
-        && mkdir "$LOCK/taking" 2>/dev/null; then
-    if [ "$(cat "$LOCK/owner" 2>/dev/null)" = "$TAKE" ]; then
-        mv "$LOCK" "$LOCK.gone.$TOKEN" && rm -rf "$LOCK.gone.$TOKEN"
-    else
-        rmdir "$LOCK/taking" 2>/dev/null
-    fi
-fi
-if mkdir "$LOCK" 2>/dev/null; then printf '%s\n' "$OWNER" > "$LOCK/owner"; echo acquired; exit 0; fi
-now=$(date +%s)
-if stat -c %Y / >/dev/null 2>&1; then then=$(stat -c %Y "$LOCK/owner" 2>/dev/null)
-else then=$(stat -f %m "$LOCK/owner" 2>/dev/null); fi
-case $then in ""|*[!0-9]*) then=$now ;; esac
-echo "held $((now - then)) $(cat "$LOCK/owner" 2>/dev/null)"
-'''
 _REFRESH = r'grep -qF "$TOKEN" "$LOCK/owner" 2>/dev/null && touch "$LOCK/owner"'
 # Moved aside first, like a taken-over lock: never a lock folder without its owner line.
 _RELEASE = (r'if grep -qF "$TOKEN" "$LOCK/owner" 2>/dev/null; then '
@@ -171,8 +148,10 @@ _RELEASE = (r'if grep -qF "$TOKEN" "$LOCK/owner" 2>/dev/null; then '
 
 
 def acquire_script(holder: Holder, take: str = "", lock: str = HOST_LOCK) -> str:
-    return shell.script(_ACQUIRE, DIR=lock.rsplit("/", 1)[0], LOCK=lock,
-                        OWNER=json.dumps(asdict(holder)), TAKE=take, TOKEN=holder.token)
+    # templates/lock-acquire.sh: how several runs take one stale lock over at once.
+    return shell.template(shell.TEMPLATES / "lock-acquire.sh", DIR=lock.rsplit("/", 1)[0],
+                          LOCK=lock, OWNER=json.dumps(asdict(holder)), TAKE=take,
+                          TOKEN=holder.token)
 
 
 def refresh_script(holder: Holder, lock: str = HOST_LOCK) -> str:

@@ -73,53 +73,14 @@ def since_value(text: str | None) -> str | None:
     return f"-{m['n']}{m['unit']}" if m["n"] else m.group(0)
 
 
-# Inputs: LINES, SINCE, FOLLOW (empty or 1); "$@" = unit, launchd log file, unit, file, ...
-# Every value arrives as a variable or a positional parameter, never as shell text.
-_SCRIPT = r"""
-if [ -n "$FOLLOW" ]; then
-    exec 3<&0
-    { cat <&3 >/dev/null 2>&1; kill 0; } >/dev/null 2>&1 &
-fi
-if [ "$(uname -s)" = Darwin ]; then
-    printf '@launchd\n'
-    unit=
-    for a; do
-        if [ -z "$unit" ]; then unit=$a; continue; fi
-        printf '@unit %s\n' "$unit"
-        tail -n "${LINES:-10}" "$a" 2>/dev/null
-        unit=
-    done
-    [ -n "$FOLLOW" ] || exit 0
-    printf '@follow\n'
-    n=$#; unit=
-    for a; do if [ -z "$unit" ]; then unit=$a; else set -- "$@" "$a"; unit=; fi; done
-    shift "$n"
-    exec tail -F -n 0 "$@"
-fi
-start=$(date '+%Y-%m-%d %H:%M:%S')
-unit=
-for a; do
-    if [ -n "$unit" ]; then unit=; continue; fi
-    unit=$a
-    printf '@unit %s\n' "$unit"
-    journalctl --no-pager -o json -u "$unit" ${LINES:+-n "$LINES"} \
-        ${SINCE:+--since "$SINCE"} || exit
-done
-[ -n "$FOLLOW" ] || exit 0
-printf '@follow\n'
-n=$#; unit=
-for a; do if [ -z "$unit" ]; then unit=$a; set -- "$@" -u "$a"; else unit=; fi; done
-shift "$n"
-exec journalctl --no-pager -o json -f -n all --since "$start" "$@"
-"""
 
 
 def host_script(sources: list[LogSource], lines: int | None, since: str | None,
                 follow: bool) -> str:
     """The one command that reads (and with `follow` then follows) one host's logs."""
     args = [v for s in sources for v in (s.unit, s.launchd_log)]
-    return shell.script(_SCRIPT, args=args, LINES=lines, SINCE=since,
-                        FOLLOW="1" if follow else None)
+    return shell.template(shell.TEMPLATES / "logs.sh", args=args, LINES=lines, SINCE=since,
+                          FOLLOW="1" if follow else None)
 
 
 class Line(NamedTuple):

@@ -34,20 +34,24 @@ THEN = Raw(";")
 QUIET = Raw("2>/dev/null")
 TO_STDERR = Raw(">&2")
 
-# A shell function for a script's prelude: md_systemd_run OPTIONS... -- COMMAND ARGS... is
-# systemd-run with every word after `--` written so that the unit runs exactly it. systemd expands
-# "${VAR}" (and a whole-word "$VAR") in a unit's command line when it starts it, and reads "$$"
-# as "$" (checked with systemd 252); specifiers are not expanded on a transient unit's command.
-SYSTEMD_RUN = Raw(r"""md_systemd_run() {
-  n=$#; e=
-  while [ "$n" -gt 0 ]; do
-    a=$1; shift; n=$((n - 1))
-    if [ -n "$e" ]; then a=$(printf '%s.' "$a" | sed 's/\$/$$/g'); a=${a%.}; fi
-    [ "$a" = -- ] && e=1
-    set -- "$@" "$a"
-  done
-  systemd-run "$@"
-}""")
+# The core's own script templates (each file's leading comment names its inputs).
+TEMPLATES = Path(__file__).with_name("templates")
+# A line that only tells shellcheck something (tests/test_shellcheck.py): not sent to hosts.
+_DIRECTIVE = re.compile(r"\s*# shellcheck ")
+
+
+def body(path: Path) -> Raw:
+    """The fixed script text of a .sh template: its leading comment lines (what it does, its
+    inputs) and its shellcheck directives dropped; they are for readers and the linter."""
+    lines = path.read_text().splitlines()
+    while lines and (lines[0].startswith("#") or not lines[0].strip()):
+        lines.pop(0)
+    return Raw("\n".join(line for line in lines if not _DIRECTIVE.match(line)))
+
+
+# md_systemd_run OPTIONS... -- COMMAND ARGS...: systemd-run whose unit runs exactly the words
+# after `--` (systemd would expand "${VAR}" in them); a prelude for scripts that start units.
+SYSTEMD_RUN = body(TEMPLATES / "systemd-run.sh")
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODE = re.compile(r"[0-7]{3,4}")
@@ -119,11 +123,8 @@ def script(body: str, args=None, prelude: str = "", **variables) -> str:
 
 
 def template(path: Path, args=None, prelude: str = "", **variables) -> str:
-    """script() of a .sh file under a role's templates/ (its leading comment lines dropped)."""
-    lines = path.read_text().splitlines()
-    while lines and (lines[0].startswith("#") or not lines[0].strip()):
-        lines.pop(0)
-    return script("\n".join(lines), args=args, prelude=prelude, **variables)
+    """script() of a .sh file under a templates/ folder (the core's or a role's; see body())."""
+    return script(body(path), args=args, prelude=prelude, **variables)
 
 
 def heredoc(content: str) -> tuple[str, str]:

@@ -121,17 +121,12 @@ def build_script(ctx: HostContext, key: str) -> str:
         RPC_TARGETS=" ".join(d.llama_cpp_rpc_targets), KEY=key, BACKEND=host.backend)
 
 
-_ACTIVATE = ('set -e\n'
-             'ln -sfn "$TARGET" "$CURRENT.tmp" && mv -Tf "$CURRENT.tmp" "$CURRENT"\n'
-             'cd "$BUILDS" && ls -1t | grep -vxF -- "$KEY" | grep -v \'\\.tmp$\' | '
-             'tail -n +"$((KEEP + 1))" | while read -r old; do rm -rf -- "$old"; done')
-
-
 def activate_script(ctx: HostContext, key: str) -> str:
     """Flip `current` atomically and prune old builds beyond keep_builds (never the current)."""
     p = paths(ctx.prefix)
-    return shell.script(_ACTIVATE, TARGET=f"{d.llama_cpp_builds_dir}/{key}", CURRENT=p["current"],
-                        BUILDS=p["builds"], KEY=key, KEEP=int(ctx.cluster.llama_cpp.keep_builds))
+    return shell.template(TEMPLATES / "activate.sh", TARGET=f"{d.llama_cpp_builds_dir}/{key}",
+                          CURRENT=p["current"], BUILDS=p["builds"], KEY=key,
+                          KEEP=int(ctx.cluster.llama_cpp.keep_builds))
 
 
 def build(ctx: HostContext) -> Step:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pyinfra.api import FactBase
 
 from meshdeploy.deploy import probe, shell
 from meshdeploy.roles.models import defaults as d
+
+TEMPLATES = Path(__file__).with_name("templates")
 
 # GNU stat, then BSD stat, of "$1": "<size> <mtime>".
 _STAT = "st() { stat -c '%s %Y' \"$1\" 2>/dev/null || stat -f '%z %m' \"$1\" 2>/dev/null; }\n"
@@ -65,20 +69,14 @@ class OllamaManifest(FactBase):
     """
 
     _DEFAULT_STORE = "S=${OLLAMA_MODELS:-$HOME/.ollama/models}\n"
-    _BODY = (_STAT + 'M="$S/manifests/$R"\n'
-             '[ -f "$M" ] || exit 0; echo "store $S"; echo "manifest $(tr -d \'\\n\' < "$M")"\n'
-             "for dg in $(grep -o 'sha256:[0-9a-f]\\{64\\}' \"$M\" | sort -u); do "
-             'f="$S/blobs/sha256-${dg#sha256:}"; echo "blob $dg $(st "$f")"; '
-             # The model blob's header: enough for its architecture string, not its weights.
-             '[ "$(head -c 4 "$f" 2>/dev/null)" = GGUF ] && '
-             'echo "gguf $dg $(head -c 65536 "$f" | base64 | tr -d \'\\n\')"; done')
 
     def command(self, store, registry_path):
         # No store: the login user's ($OLLAMA_MODELS, else ~/.ollama/models); the probe is not
         # root, so this is the store of the user meshdeploy logs in as.
-        if store:
-            return shell.script(self._BODY, S=store, R=registry_path)
-        return shell.script(self._DEFAULT_STORE + self._BODY, R=registry_path)
+        store_var = {"S": store} if store else {}
+        return shell.template(TEMPLATES / "ollama-manifest.sh",
+                              prelude=("" if store else self._DEFAULT_STORE) + _STAT,
+                              **store_var, R=registry_path)
 
     def process(self, output):
         out = {"manifest": None, "blobs": {}, "heads": {}, "store": None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 from meshdeploy.deploy import distribution, inflight, progress, share, shell
 from meshdeploy.deploy.context import HostContext, SecretStdin, Step, Transfer, stored_teardown
@@ -16,6 +17,7 @@ from meshdeploy.roles.models import defaults as d
 from meshdeploy.roles.models.facts import DiskFree, ModelFile, OllamaManifest, Stored
 
 ROLE = "models"
+TEMPLATES = Path(__file__).with_name("templates")
 
 
 def needed(cluster, host) -> list[str]:
@@ -49,68 +51,9 @@ def sections(cluster, host) -> list[Section]:
     return out
 
 
-# Inputs: F (the file), SHA (its sha256), MARKER; hash once, and on a match leave a marker
-# "<size> <mtime> <sha>" that later plans trust.
-_VERIFY = ('H=$( (sha256sum "$F" 2>/dev/null || shasum -a 256 "$F") | cut -d\' \' -f1)\n'
-           'if [ "$H" != "$SHA" ]; then echo "$F: sha256 $H, expected $SHA" >&2; exit 1; fi\n'
-           'S=$(stat -Lc \'%s %Y\' "$F" 2>/dev/null || stat -Lf \'%z %m\' "$F")\n'
-           'echo "$S $SHA" > "$MARKER.tmp" && mv -f "$MARKER.tmp" "$MARKER"')
-
-# After a failed curl: how far it got and, when the disk is what stopped it, the numbers (needed
-# vs free). The partial stays for the next run to resume; only a whole file whose sha256 matches
-# is ever renamed to F.
-_SHORT = ('S=$(stat -c %s "$P" 2>/dev/null || echo 0); '
-          'FREE=$(df -Pk "$(dirname "$F")" | awk \'NR == 2 {printf "%.0f", $4 * 1024}\'); '
-          'NEED=$((SIZE - S)); '
-          'if [ "$rc" = 23 ] || [ "${FREE:-0}" -lt "$NEED" ]; then '
-          'echo "$F: the disk is full: needs $NEED more bytes ($((NEED >> 20)) MiB) of $SIZE, '
-          '${FREE:-0} bytes ($((${FREE:-0} >> 20)) MiB) free on $(dirname "$F"); $S bytes kept in '
-          '$P to resume" >&2; '
-          'else echo "$F: download failed at $S of $SIZE bytes (curl exit $rc); $P kept to '
-          'resume" >&2; fi')
-
-# Inputs: F, P (the partial), SIZE, SHA, URL, AUTH (non-empty: the Authorization header arrives
-# on standard input, read by curl -H @-), RETRIES, MARKER. A partial longer than the file, or a
-# finished one with the wrong bytes, starts over. curl keeps the header in memory for its
-# retries, and since 7.58 drops a custom Authorization header on a redirect to another host
-# (the Hub's CDN): the token goes to the endpoint only.
-_DOWNLOAD = ('mkdir -p "$(dirname "$F")"\n'
-             # An earlier run's download may have finished while this run was planning.
-             '[ -f "$F" ] && [ "$(cat "$MARKER" 2>/dev/null)" = "$(stat -Lc \'%s %Y\' "$F") $SHA" ] '
-             '&& { echo "$F: already downloaded and verified"; exit 0; }\n'
-             'S=$(stat -c %s "$P" 2>/dev/null || echo 0); [ "$S" -le "$SIZE" ] || rm -f "$P"\n'
-             'if [ -n "$AUTH" ]; then set -- -H @-; else set --; fi\n'
-             # From another host's md-share: it may start a moment after this step. (Not
-             # --retry-all-errors: a full disk must fail at once, with its numbers.)
-             '[ -z "$LAN" ] || set -- "$@" --retry-connrefused\n'
-             # Live progress: the partial's size every 2 s, and what was there before (R).
-             'R=$(stat -c %s "$P" 2>/dev/null || echo 0)\n'
-             'download_progress() { md_progress download "$(stat -c %s "$P" 2>/dev/null || '
-             'echo 0)" "$SIZE" "$R" "${F##*/}"; }\n'
-             'if [ "$R" -lt "$SIZE" ]; then md_watch download_progress; a=0\n'
-             'while :; do rc=0\n'
-             '  curl -fsSL --retry "$RETRIES" --retry-delay 2 -C - "$@" -o "$P" "$URL" || rc=$?\n'
-             # From md-share, a reply cut short (the source's step restarted md-share, or its
-             # own download stalled) is resumed where it stopped, and a 404 or 503 (an earlier
-             # md-share that does not serve this content yet, a partial not there yet) or a
-             # refused connection is asked again; curl retries none of these by itself.
-             '  if [ -n "$LAN" ] && [ "$a" -lt "$RETRIES" ] && '
-             '{ [ "$rc" = 18 ] || [ "$rc" = 52 ] || [ "$rc" = 56 ] || [ "$rc" = 22 ] || '
-             '[ "$rc" = 7 ]; }; then '
-             'a=$((a + 1)); sleep 2; else break; fi\n'
-             'done\n'
-             'md_unwatch; [ "$rc" = 0 ] || { ' + _SHORT + '; exit "$rc"; }; fi\n'
-             'md_progress phase verify sha256\n'
-             'S=$(stat -c %s "$P"); [ "$S" = "$SIZE" ] || '
-             '{ echo "$F: downloaded $S bytes, expected $SIZE" >&2; exit 1; }\n'
-             'H=$(sha256sum "$P" | cut -d\' \' -f1); [ "$H" = "$SHA" ] || '
-             '{ rm -f "$P"; echo "$F: sha256 $H, expected $SHA; partial removed" >&2; exit 1; }\n'
-             'mv -f "$P" "$F"\n')
-
-
 def verify_script(path: str, sha: str) -> str:
     """Hash once; on a match leave a marker (size mtime sha) that later plans trust."""
-    return shell.script("set -e\n" + _VERIFY, F=path, SHA=sha,
+    return shell.script("set -e\n" + shell.body(TEMPLATES / "verify.sh"), F=path, SHA=sha,
                         MARKER=f"{path}{d.models_verified_suffix}")
 
 
@@ -119,7 +62,8 @@ def download_script(path: str, url: str, size: int, sha: str, auth: bool = False
     """Download with resume, check size and sha256, rename; with `auth`, curl reads the
     Authorization header from the script's standard input (see SecretStdin); `lan`: from
     another host's md-share (a refused connection, and a reply cut short, are retried)."""
-    return shell.script("set -e\n" + _DOWNLOAD + _VERIFY, prelude=progress.SHELL, F=path,
+    script = shell.body(TEMPLATES / "download.sh") + "\n" + shell.body(TEMPLATES / "verify.sh")
+    return shell.script(script, prelude=progress.SHELL, F=path,
                         P=f"{path}{d.models_partial_suffix}", SIZE=int(size), SHA=sha, URL=url,
                         AUTH="1" if auth else "", LAN="1" if lan else "",
                         RETRIES=int(d.models_curl_retries),

@@ -9,7 +9,7 @@ from pyinfra.api import FactBase
 
 from meshdeploy.deploy import probe, shell
 from meshdeploy.roles.network import defaults as d
-from meshdeploy.roles.network.rules import LOOPBACK, VIA, normalize, port_key
+from meshdeploy.roles.network.rules import LOOPBACK, TEMPLATES, VIA, normalize, port_key
 
 _DPORT = {proto: {"payload": {"protocol": proto, "field": "dport"}} for proto in ("tcp", "udp")}
 _SADDR = {"ip": {"payload": {"protocol": "ip", "field": "saddr"}},
@@ -174,24 +174,6 @@ class Tools(FactBase):
         return []
 
 
-_WG_PROBE = r'''
-PATH="$PATH:/usr/sbin:/sbin:/usr/local/bin"
-printf 'tools='; for t in wg wg-quick wireguard-go; do command -v "$t" >/dev/null 2>&1 && printf '%s ' "$t"; done; echo
-if [ -e /sys/module/wireguard ] || modprobe -nq wireguard 2>/dev/null; then echo kernel=yes; fi
-command -v wg >/dev/null 2>&1 || exit 0
-[ -s "$KEY" ] && echo "public_key=$(wg pubkey < "$KEY" 2>/dev/null)"
-[ -f "$CONF" ] && echo "conf_sha256=$(sha256sum < "$CONF" | cut -d' ' -f1)"
-systemctl is-enabled --quiet "wg-quick@$IFACE" 2>/dev/null && echo enabled=yes
-wg show "$IFACE" public-key >/dev/null 2>&1 || exit 0
-echo up=yes
-echo "live_key=$(wg show "$IFACE" public-key)"
-echo "listen_port=$(wg show "$IFACE" listen-port)"
-ip -o -4 addr show dev "$IFACE" | while read -r _ _ _ a _; do echo "address=$a"; done
-wg show "$IFACE" allowed-ips | while read -r k ips; do echo "peer=$k $ips"; done
-wg show "$IFACE" endpoints | while read -r k e; do echo "endpoint=$k $e"; done
-'''
-
-
 class WireGuard(FactBase):
     """The host's WireGuard interface as meshdeploy manages it; never its private key.
 
@@ -210,7 +192,7 @@ class WireGuard(FactBase):
     """
 
     def command(self, interface, key, conf):
-        return shell.script(_WG_PROBE, IFACE=interface, KEY=key, CONF=conf)
+        return shell.template(TEMPLATES / "wg-probe.sh", IFACE=interface, KEY=key, CONF=conf)
 
     def process(self, output):
         out = {"tools": [], "kernel": False, "public_key": None, "conf_sha256": None,

@@ -117,16 +117,6 @@ def allowlist(ctx: HostContext) -> Step:
 
 WG_OPT_OUT = "network.transport: plain"
 
-# Generate the key pair on the host: the private key goes from `wg genkey` into a root-only file
-# and never into an argument, the probe, the plan or a log; a running interface takes it at once.
-_GENKEY = r'''
-PATH="$PATH:/usr/sbin:/sbin"
-umask 077
-mkdir -p "$DIR" && chmod 700 "$DIR" && wg genkey > "$KEY.new" && mv -f "$KEY.new" "$KEY"
-if wg show "$IFACE" public-key >/dev/null 2>&1; then wg set "$IFACE" private-key "$KEY"; fi
-'''
-
-
 def _in_mesh(ctx) -> bool:
     return ctx.cluster.network.tunnel and bool(ctx.cluster.tunnel_peers(ctx.host))
 
@@ -176,9 +166,9 @@ def wireguard_key(ctx: HostContext) -> Step:
               "leaves it)")
     return Step(ctx.change(ROLE, "wireguard_key", "replace" if have else "create", reason,
                            [diff]),
-                [c for c in install if c] + [shell.script(
-                    _GENKEY, DIR=d.network_wg_key_dir, KEY=wgr.key_file(cluster),
-                    IFACE=cluster.network.wireguard.interface)])
+                [c for c in install if c] + [shell.template(
+                    rules.TEMPLATES / "wg-genkey.sh", DIR=d.network_wg_key_dir,
+                    KEY=wgr.key_file(cluster), IFACE=cluster.network.wireguard.interface)])
 
 
 def _peer_key(ctx, peer) -> str | None:

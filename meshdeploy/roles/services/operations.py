@@ -419,19 +419,13 @@ def model_sha(ctx: HostContext, name: str) -> str | None:
     return None
 
 
-# Each attempt reports itself (deploy/progress.py): `503` while the model loads.
-_HEALTH = ('for i in $(seq "$RETRIES"); do c=$(curl -s -o /dev/null -w \'%{http_code}\' '
-           '--max-time 5 "$URL"); [ "$c" = 200 ] && exit 0; '
-           'md_progress health "$i" "$RETRIES" "${c:-0}" "$UNIT"; sleep "$INTERVAL"; done\n'
-           'echo "$UNIT: /health not 200 after $BUDGET s (last: $c)" >&2')
-
-
 def health_wait(server, journal: str | None = None) -> str:
     """llama-server answers 503 while loading; 200 on /health means ready."""
     h = server.health
-    return (shell.script(_HEALTH, prelude=progress.REPORT, RETRIES=int(h.retries),
-                         INTERVAL=f"{h.interval:g}", URL=f"{server.local_url}/health",
-                         UNIT=server.unit_name, BUDGET=f"{h.budget:g}")
+    return (shell.template(TEMPLATES / "health.sh", prelude=progress.REPORT,
+                           RETRIES=int(h.retries), INTERVAL=f"{h.interval:g}",
+                           URL=f"{server.local_url}/health", UNIT=server.unit_name,
+                           BUDGET=f"{h.budget:g}")
             + "\n" + (journal or journal_tail(server.unit_name)) + "; exit 1")
 
 

@@ -24,6 +24,7 @@ cmake -S "$SRC" -B "$TREE" -G Ninja "$@" "-DLLAMA_BUILD_NUMBER=$NUMBER" "-DLLAMA
 build_progress() { L=$(tail -n 200 "$TREE.build.log" 2>/dev/null | grep -a '^\[[0-9]*/[0-9]*\]' | tail -n 1); [ -z "$L" ] || md_progress build "$L"; }
 export NINJA_STATUS='[%f/%t] '
 : > "$TREE.build.log"; md_watch build_progress; C=0
+# shellcheck disable=SC2086 # TARGETS: one or two target names, split into words on purpose
 cmake --build "$TREE" --target $TARGETS -j "$JOBS" > "$TREE.build.log" 2>&1 || C=$?
 md_unwatch; [ "$C" = 0 ] || { tail -n 40 "$TREE.build.log" >&2; exit 1; }
 md_progress phase install

@@ -1,0 +1,15 @@
+# A shell function for a script's prelude (loaded as deploy.shell.SYSTEMD_RUN; no inputs):
+# md_systemd_run OPTIONS... -- COMMAND ARGS... is systemd-run with every word after `--` written
+# so that the unit runs exactly it. systemd expands "${VAR}" (and a whole-word "$VAR") in a
+# unit's command line when it starts it, and reads "$$" as "$" (checked with systemd 252);
+# specifiers are not expanded on a transient unit's command.
+md_systemd_run() {
+  n=$#; e=
+  while [ "$n" -gt 0 ]; do
+    a=$1; shift; n=$((n - 1))
+    if [ -n "$e" ]; then a=$(printf '%s.' "$a" | sed 's/\$/$$/g'); a=${a%.}; fi
+    [ "$a" = -- ] && e=1
+    set -- "$@" "$a"
+  done
+  systemd-run "$@"
+}
