@@ -171,3 +171,79 @@ def test_a_linked_folder_or_a_damaged_marker_is_rewritten():
     linked = step({"entries": {}, "temporary": [], "marker": [], "link": True})
     assert linked.change.action == "create"
     assert "a symbolic link (never followed)" in str(linked.change.diffs)
+
+
+def _systemd_stubs(bin_dir: Path) -> None:
+    """systemd-run and systemctl as the wrapper meets them on a systemd host: systemd-run records
+    its words, then runs the command after `--` as systemd would ("$$" read as "$"), here as the
+    test's own user."""
+    bin_dir.mkdir()
+    (bin_dir / "systemd-run").write_text(
+        '#!/bin/sh\nfor a; do printf "%s\\n" "$a"; done > "${0%/*}/run.args"\n'
+        'while [ "$1" != -- ]; do shift; done; shift\n'
+        'set -- $(printf "%s\\n" "$@" | sed "s/[$][$]/$/g")\nexec "$@"\n')
+    (bin_dir / "systemctl").write_text('#!/bin/sh\necho "$*" >> "${0%/*}/systemctl.calls"\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+
+
+def test_on_systemd_it_runs_in_a_transient_unit_with_the_rpc_servers_user(seed_bin, synthetic,
+                                                                            tmp_path, monkeypatch):
+    """The systemd branch of seed-as-service.sh, with systemd-run stubbed: the unit gets the
+    rpc-server's user and CacheDirectory and the sandbox, the script from a file root keeps
+    (gone afterwards), and the seeding's exit status comes back."""
+    booted, rundir, stubs = tmp_path / "booted", tmp_path / "run" / "seed", tmp_path / "bin"
+    booted.mkdir()
+    _systemd_stubs(stubs)
+    monkeypatch.setattr(ops, "BOOTED", str(booted))
+    monkeypatch.setattr(ops, "RUNDIR", str(rundir))
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    tensors = [t for t in T.weight_tensors(synthetic) if t.layer == 0]
+    cache = tmp_path / "var-cache" / "rpc"
+    ran = _apply(seed_bin, synthetic, cache, tensors, tmp_path / "prefix")
+    assert [r.returncode for r in ran] == [0], [r.stderr for r in ran]
+    _check_cache(cache, _wanted(synthetic, tensors))
+    argv = (stubs / "run.args").read_text().splitlines()
+    props = [argv[i + 1] for i, a in enumerate(argv) if a == "-p"]
+    assert props == ops.seed_properties(50052)
+    assert "IPAddressDeny=any" in props and "CacheDirectory=meshdeploy-rpc-50052" in props
+    assert {"--wait", "--pipe", "--collect", "--unit=meshdeploy-rpc-50052-seed"} <= set(argv)
+    assert argv[-3:-1] == ["--", "/bin/sh"] and argv[-1].startswith(str(rundir))
+    assert os.listdir(rundir) == []  # the script file is gone
+    assert (stubs / "systemctl.calls").read_text().startswith("stop meshdeploy-rpc-50052-seed")
+    # A seeding that fails fails the step: the GGUF gone, md-rpc-seed exits non-zero.
+    shutil.rmtree(cache)
+    gone = tmp_path / "gone.gguf"
+    ran = _apply(seed_bin, gone, cache, tensors, tmp_path / "prefix")
+    assert ran[0].returncode != 0 and "gone.gguf" in ran[0].stderr
+
+
+def test_a_seed_unit_may_reach_only_the_host_it_fetches_from():
+    props = ops.seed_properties(50052, ["10.200.0.11", "10.200.0.11", "fd00::1"])
+    assert props[-2:] == ["IPAddressDeny=any", "IPAddressAllow=10.200.0.11 fd00::1"]
+    # IPAddressAllow= takes no names: a source given by name leaves the addresses open.
+    assert not any(p.startswith("IPAddress") for p in ops.seed_properties(50052, ["node1.lan"]))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="a folder of another user's, read by root through setpriv")
+def test_the_probe_reads_a_service_users_marker_as_that_user(tmp_path):
+    """The probe runs as root; the marker is the rpc-server's to write, and it can swap in a link
+    to a file only root may read after the probe checked it is a plain file. Read as the folder's
+    owner, such a file gives nothing (here: a root-only file under the marker's name)."""
+    cache = tmp_path / "var-cache" / "rpc"
+    cache.mkdir(parents=True)
+    tmp_path.chmod(0o755)
+    (tmp_path / "var-cache").chmod(0o755)
+    os.chown(cache, 65534, 65534)
+    line = f"{SHA} 1000 12582912 f42cfb619b3cade9\n"
+    secret = cache / d.rpc_cache_marker
+    secret.write_text(line)
+    secret.chmod(0o600)  # root's alone, as /etc/shadow would be
+    out = subprocess.run(["sh", "-c", CacheDir().command(path=str(cache))],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert CacheDir().process(out)["marker"] == []
+    os.chown(secret, 65534, 65534)  # the owner's own marker is read as before
+    out = subprocess.run(["sh", "-c", CacheDir().command(path=str(cache))],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert CacheDir().process(out)["marker"] == [(SHA, 1000, 12582912, "f42cfb619b3cade9")]

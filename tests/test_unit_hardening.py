@@ -15,6 +15,7 @@ import pytest
 
 from meshdeploy.deploy import share
 from meshdeploy.deploy.config import load_cluster
+from meshdeploy.roles.rpc_cache.operations import seed_properties
 from meshdeploy.roles.services import operations as services
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +29,7 @@ CASES = [
     ("tests/data/vulkan-rocm.yaml", None, "llama-server", 1.8),
     ("tests/data/vulkan-rocm.yaml", "vulkan-box", "rpc-server", 1.8),
 ]
+SEED_MOST = 1.5  # rpc_cache.seed's transient unit: 1.4 local, 1.5 fetching (5.9 with its first settings)
 MD_SHARE_MOST = 1.2  # md-share's transient unit; with none of HARDENING it scores 9.6 UNSAFE
 SCORE = re.compile(r"Overall exposure level for \S+: (\d+\.\d+) ")
 
@@ -70,6 +72,20 @@ def test_md_share_exposure_score(tmp_path):
             + "".join(f"{p}\n" for p in share.properties(["10.200.0.12", "10.200.0.13"])))
     score = exposure(unit, tmp_path)
     assert score <= MD_SHARE_MOST, f"md-share scores {score} (pinned {MD_SHARE_MOST}):\n{unit}"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is missing (Debian package systemd)")
+@pytest.mark.parametrize("sources", [[], ["10.200.0.11"]], ids=["local", "fetching"])
+def test_seed_unit_exposure_score(sources, tmp_path):
+    """The unit that seeds a worker's cache as its rpc-server's user (rpc_cache.seed): the
+    settings systemd-run gets, as a file; no higher than the rpc-server it shares a user with."""
+    unit = ("[Service]\nExecStart=/bin/sh /run/meshdeploy/seed/meshdeploy-rpc-50052-seed.sh\n"
+            + "".join(f"{p}\n" for p in seed_properties(50052, sources)))
+    score = exposure(unit, tmp_path)
+    rpc = exposure(render("inventories/lab.yaml", "node2", "rpc-server"), tmp_path)
+    print(f"seed unit {score}, its rpc-server {rpc}")
+    assert score <= SEED_MOST and score <= rpc, f"the seed unit scores {score}:\n{unit}"
 
 
 def test_backend_device_lines():

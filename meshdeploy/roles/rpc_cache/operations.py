@@ -10,6 +10,7 @@ wanted (offset, size) of the model is listed and each listed entry exists with i
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,7 +283,8 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
     return Step(change,
                 [inflight.guarded(f"rpc_cache.seed[{port}]", as_service_user(port, _seed_script(
                     tool_path(ctx.prefix), cache_dir, sorted(set(cov.keep_lines)),
-                    [t for t in cov.to_seed if not t[0].source], fetches)))],
+                    [t for t in cov.to_seed if not t[0].source], fetches),
+                    [ctx.cluster.source_address(ctx.cluster.host(m.source)) for m, _, _ in fetches]))],
                 transfer=transfer)
 
 
@@ -324,13 +326,53 @@ def _template_body(name: str) -> str:
     return shell.template(TEMPLATES / name).strip("\n")
 
 
-def as_service_user(port: int, seed_script: str) -> str:
-    """`seed_script` run as rpc-server[port]'s own user (templates/seed-as-service.sh): a
-    transient unit sharing its DynamicUser and CacheDirectory on systemd hosts; as it is
-    elsewhere, where the script refuses a folder its user does not own."""
+# The seed unit's sandbox: every setting of the rpc-server's own unit (services' template) and
+# more, so that a taken-over rpc-server, which shares its user, gains nothing by reaching into it.
+# Pinned by tests/test_unit_hardening.py.
+SEED_HARDENING = (
+    "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes", "PrivateDevices=yes",
+    "NoNewPrivileges=yes", "UMask=0077", "ProtectKernelTunables=yes", "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes", "ProtectControlGroups=yes", "ProtectClock=yes",
+    "ProtectHostname=yes", "ProtectProc=invisible", "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
+    "RestrictNamespaces=yes", "RestrictRealtime=yes", "RestrictSUIDSGID=yes",
+    "LockPersonality=yes", "MemoryDenyWriteExecute=yes", "RemoveIPC=yes",
+    "CapabilityBoundingSet=", "AmbientCapabilities=", "SystemCallArchitectures=native",
+    "SystemCallFilter=@system-service", "SystemCallFilter=~@privileged",
+    "SystemCallErrorNumber=EPERM",
+)
+BOOTED = "/run/systemd/system"  # present when systemd is PID 1 (sd_booted)
+RUNDIR = "/run/meshdeploy/seed"  # the seed scripts, root's
+
+
+def seed_properties(port: int, sources=()) -> list[str]:
+    """The seed unit's settings: rpc-server[port]'s DynamicUser and CacheDirectory (units that
+    name one dynamic user share its UID), SEED_HARDENING, and the network: only the addresses
+    it fetches from (`sources`), none when it seeds from a local GGUF. A source that is not an
+    IP literal leaves the addresses open (IPAddressAllow= takes no names)."""
     unit = rpc_unit_name(port)
+    ips = []
+    for address in sources:
+        try:
+            ips.append(str(ipaddress.ip_address(address)))
+        except ValueError:
+            ips = None
+            break
+    network = [] if ips is None else ["IPAddressDeny=any"]
+    if ips:
+        network.append("IPAddressAllow=" + " ".join(sorted(set(ips))))
+    return ["DynamicUser=yes", f"User={unit}", f"Group={unit}", f"CacheDirectory={unit}",
+            *SEED_HARDENING, *network]
+
+
+def as_service_user(port: int, seed_script: str, sources=()) -> str:
+    """`seed_script` run as rpc-server[port]'s own user (templates/seed-as-service.sh): a
+    transient unit sharing its DynamicUser and CacheDirectory on systemd hosts (BOOTED
+    exists), reaching only `sources`; as it is elsewhere, where the script refuses a folder its
+    user does not own."""
+    props = [w for p in seed_properties(port, sources) for w in ("-p", p)]
     return shell.assign_text("SEED", seed_script) + "\n" + shell.template(
-        TEMPLATES / "seed-as-service.sh", prelude=shell.SYSTEMD_RUN, UNIT=unit, CACHE=unit)
+        TEMPLATES / "seed-as-service.sh", args=props, prelude=shell.SYSTEMD_RUN,
+        UNIT=rpc_unit_name(port), BOOTED=BOOTED, RUNDIR=RUNDIR)
 
 
 _HEX = re.compile(r"[0-9a-f]+")

@@ -1,6 +1,8 @@
 # Run the seeding script SEED as the rpc-server's own user. Inputs (assigned above by
 # rpc_cache.operations): UNIT (the rpc-server's unit, whose DynamicUser has the same name),
-# CACHE (its CacheDirectory), SEED (seed.sh with its inputs and calls); md_systemd_run is
+# SEED (seed.sh with its inputs and calls), BOOTED (present when systemd is PID 1), RUNDIR (a
+# folder root keeps for the script); "$@": the transient unit's settings (seed_properties: the
+# same user and CacheDirectory, and a sandbox at least the rpc-server's). md_systemd_run is
 # deploy.shell.SYSTEMD_RUN (systemd-run, the command written so systemd expands nothing in it).
 #
 # rpc-server is an unauthenticated network service and owns its cache folder: root never writes
@@ -8,27 +10,29 @@
 # CacheDirectory, so systemd gives it the rpc-server's UID and the same view of the folder
 # (/var/cache/private is root's alone outside the unit), and nothing more than the rpc-server
 # has. Elsewhere (macOS, no systemd) it runs as is: seed.sh refuses a folder it does not own.
-if [ -d /run/systemd/system ] && command -v systemd-run >/dev/null 2>&1; then
+if [ -d "$BOOTED" ] && command -v systemd-run >/dev/null 2>&1; then
   U="$UNIT-seed"
   # The script goes in a file root keeps (a unit's command line cannot carry its newlines:
   # systemd writes them into the transient unit file). We hold this step's lock
   # (inflight.guarded): the name is ours, and a unit of that name is an earlier run's orphan.
-  R=/run/meshdeploy/seed
-  mkdir -p "$R" && chmod 0755 /run/meshdeploy "$R"
-  printf '%s\n' "$SEED" > "$R/$U.sh.tmp" && chmod 0644 "$R/$U.sh.tmp" && mv -f "$R/$U.sh.tmp" "$R/$U.sh"
+  mkdir -p "$RUNDIR" && chmod 0755 "${RUNDIR%/*}" "$RUNDIR"
+  F="$RUNDIR/$U.sh"
+  printf '%s\n' "$SEED" > "$F.tmp" && chmod 0644 "$F.tmp" && mv -f "$F.tmp" "$F"
   systemctl stop "$U" 2>/dev/null || true
   systemctl reset-failed "$U" 2>/dev/null || true
-  md_systemd_run --quiet --wait --pipe --collect --unit="$U" --service-type=exec \
-    -p DynamicUser=yes -p User="$UNIT" -p Group="$UNIT" -p CacheDirectory="$CACHE" \
-    -p ProtectHome=read-only -p PrivateTmp=yes -p NoNewPrivileges=yes -p UMask=0077 \
-    -p CapabilityBoundingSet= -p RestrictSUIDSGID=yes \
-    -- /bin/sh "$R/$U.sh" </dev/null &
+  # A transient unit's name is free again once systemd has unloaded the stopped one.
+  i=0
+  while [ "$(systemctl show -p LoadState --value "$U" 2>/dev/null)" = loaded ] && [ $i -lt 50 ]; do
+    sleep 0.1; i=$((i + 1))
+  done
+  set -- --quiet --wait --pipe --collect --unit="$U" --service-type=exec "$@"
+  md_systemd_run "$@" -- /bin/sh "$F" </dev/null &
   S=$!
   # A stopped step (Ctrl-C twice, a dead run's lock taken over) stops the unit with it.
-  trap 'systemctl stop "$U" 2>/dev/null; wait "$S"; rm -f "$R/$U.sh"; exit 143' TERM INT HUP
+  trap 'systemctl stop "$U" 2>/dev/null; wait "$S"; rm -f "$F"; exit 143' TERM INT HUP
   C=0
   wait "$S" || C=$?
-  rm -f "$R/$U.sh"
+  rm -f "$F"
   exit "$C"
 fi
 exec /bin/sh -c "$SEED"

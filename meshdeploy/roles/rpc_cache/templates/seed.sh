@@ -23,6 +23,11 @@ if [ -L "$D" ] || { [ -e "$D" ] && [ ! -d "$D" ]; }; then
   rm -f "$D"
 fi
 mkdir -p "$D"
+owner=$(stat -c %u "$D" 2>/dev/null || stat -f %u "$D")
+if [ "$owner" != "$me" ]; then
+  echo "$D belongs to uid $owner, not to uid $me that seeds it: refusing to write there" >&2
+  exit 1
+fi
 # Leftovers of an interrupted run, and the work names of earlier releases ($HEX16 is a glob).
 # shellcheck disable=SC2086
 rm -rf "$D"/.meshdeploy-work.* "$D"/.$HEX16.tmp "$M.tmp" "$D/.meshdeploy-seed-list" \
@@ -39,6 +44,7 @@ seed_progress() {
 # seed_one TOOL GGUF CONTENT_ID, "<offset> <size>" lines on stdin: md-rpc-seed hashes each tensor
 # of the local GGUF and writes the entries it lacks.
 seed_one() {
+  [ ! -e "$2" ] || [ -r "$2" ] || { echo "$2: uid $me, which seeds the cache as the rpc-server's user, cannot read it; make it readable by all (mode 0644, folders 0755)" >&2; exit 1; }
   cat > "$L"
   # Live progress: the bytes of the tensors md-rpc-seed answered for so far, every 2 s.
   T=$(awk '{ s += $2 } END { printf "%.0f", s }' "$L"); N=${2##*/}; : > "$L.out"
