@@ -463,3 +463,15 @@ def test_a_growing_file_that_stalls_is_cut_short(tmp_path):
     words = share.lines(at_least=1)[-1]
     assert words[4:] == ["200", "0", "1000"], words
     share.stop()
+
+
+def test_a_method_with_controls_is_logged_inert(share):
+    """The log is shown to the operator when md-share fails to start: a request line's method
+    (any token a client sends) is logged with controls replaced, like its path."""
+    with socket.create_connection(("127.0.0.1", share.port), timeout=5) as s:
+        s.sendall(b"G\x1b]0;owned\x07T /models/blob\x9b HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.recv(4096)
+    lines = share.lines(at_least=2)
+    text = share.log.read_text()
+    assert len(lines) >= 2 and "\x1b" not in text and "\x07" not in text and "\x9b" not in text
+    assert any(w[2:3] == ["G?]0;owned?T"] for w in lines), lines

@@ -88,3 +88,36 @@ def test_failure_lines_and_unreachable_reasons_are_shown_escaped(capsys):
     assert f"node2: reading the logs failed (exit 1): journalctl: {shown}" in err
     assert f"node3: unreachable (banner {shown})" in err
     assert not ACTIVE.search(err.replace("\t", "").replace("\n", ""))
+
+
+def test_every_error_the_cli_prints_is_made_inert(capsys):
+    """An apply's error quotes the hosts' stderr (a seeding step's comes from a service's user):
+    the CLI prints every MeshdeployError and internal error through terminal_text."""
+    from argparse import Namespace
+
+    from meshdeploy.deploy import cli
+    from meshdeploy.deploy.errors import ApplyError
+
+    def failing(args):
+        raise ApplyError(f"node2: rpc_cache.seed[50052] failed:\n    {HOSTILE}", hint="fix it")
+
+    def crashing(args):
+        raise RuntimeError(HOSTILE)
+
+    for handler in (failing, crashing):
+        code = cli.run(handler, Namespace(debug=False, verbose=False))
+        err = capsys.readouterr().err
+        assert code != 0 and SHOWN in err, err
+        assert not ACTIVE.search(err.replace("\t", "").replace("\n", ""))
+
+
+def test_live_progress_shows_a_hosts_label_inert():
+    from meshdeploy.deploy import progress, progress_view
+
+    event = progress.parse(f"{progress.MARKER} download 10 20 0 model\x1b]52;c;x\x07")
+    assert event is not None and "\x1b" in event.label
+    h = progress.HostProgress("node2", "models.gguf[m]", since=0.0, event=event)
+    line = progress_view.describe(h, 5.0)
+    assert "model\\x1b]52;c;x\\x07" in line and not ACTIVE.search(line), line
+    # "³" is a digit to str.isdigit() and not to int(): the line is ignored, nothing raises.
+    assert progress.parse(f"{progress.MARKER} seed ³ 20 model") is None

@@ -268,7 +268,8 @@ def run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
     except MeshdeployError as exc:
         if args.debug:
             traceback.print_exc()
-        print(exc.render(verbose=args.verbose), file=sys.stderr)
+        # An apply's error quotes what hosts printed: shown, never run by the terminal.
+        print(errors.terminal_text(exc.render(verbose=args.verbose)), file=sys.stderr)
         # Terraform's convention: with --detailed-exitcode, 2 means "changes", so errors
         # collapse to 1 and cannot be mistaken for it.
         return errors.ERROR if detailed else exc.exit_code
@@ -276,6 +277,7 @@ def run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
         if args.debug:
             traceback.print_exc()
         else:
-            print(f"internal error: {type(exc).__name__}: {exc}\n"
-                  "rerun with --debug for the traceback, and report it", file=sys.stderr)
+            print(errors.terminal_text(f"internal error: {type(exc).__name__}: {exc}\n"
+                                       "rerun with --debug for the traceback, and report it"),
+                  file=sys.stderr)
         return errors.ERROR

@@ -6,6 +6,7 @@ can tell "your file is wrong" from "a host was unreachable" without parsing text
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 OK = 0
@@ -139,3 +140,16 @@ class AbortedError(MeshdeployError):
     """The user declined the confirmation prompt."""
 
     exit_code = ABORTED
+
+
+# What a terminal acts on instead of showing: C0 controls but tab and newline, DEL, and C1
+# (U+009B is CSI and U+009D OSC to a terminal that reads 8-bit controls, as ESC [ and ESC ]).
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_text(text: str) -> str:
+    """What a host sent (a log line, a command's output, an error), made inert for the terminal:
+    every control character but tab and newline written as an escape (`\\x1b`, `\\x9b`, `\\r`), so
+    the reader sees that it was there and the terminal runs no sequence of the host's. Every
+    error meshdeploy prints passes through it (cli), as do logs, exec and live progress."""
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)

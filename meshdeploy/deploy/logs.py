@@ -20,26 +20,16 @@ from datetime import datetime
 from typing import Iterable, NamedTuple
 
 from meshdeploy.deploy import shell
-from meshdeploy.deploy.errors import MeshdeployError
+from meshdeploy.deploy.errors import MeshdeployError, terminal_text  # noqa: F401 (logs' own use)
 from meshdeploy.deploy.registry import LogSource
 
 DEFAULT_LINES = 10  # per service, when neither -n nor --since is given
 _SINCE = re.compile(r"(?P<n>\d+)(?P<unit>s|m|h|d)"
                     r"|\d{4}-\d\d-\d\d( \d\d:\d\d(:\d\d)?)?|today|yesterday")
-# What a terminal acts on instead of showing: C0 controls but tab and newline, DEL, and C1
-# (U+009B is CSI and U+009D OSC to a terminal that reads 8-bit controls, as ESC [ and ESC ]).
-_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 class SelectionError(MeshdeployError):
     """A HOST or SERVICE word names nothing in the cluster file."""
-
-
-def terminal_text(text: str) -> str:
-    """What a host sent (a log line, a command's output, an error), made inert for the terminal:
-    every control character but tab and newline written as an escape (`\\x1b`, `\\x9b`, `\\r`), so
-    the reader sees that it was there and the terminal runs no sequence of the host's."""
-    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def select(sources: list[LogSource], hosts: list[str], words: list[str]) -> list[LogSource]:

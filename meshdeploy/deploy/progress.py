@@ -75,7 +75,8 @@ def parse_ninja(text: str) -> Event | None:
 def _counts(kind: str, text: str, n: int) -> Event | None:
     """`N integers, then a label` fields of the download, seed and health lines."""
     words = text.split(None, n)
-    if len(words) < n or not all(w.isdigit() for w in words[:n]):
+    # ASCII digits only, and few: "³".isdigit() is true and int() refuses it.
+    if len(words) < n or not all(w.isascii() and w.isdigit() and len(w) <= 20 for w in words[:n]):
         return None
     label = words[n] if len(words) > n else ""
     values = [int(w) for w in words[:n]]

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+from meshdeploy.deploy.errors import terminal_text
 from meshdeploy.deploy.progress import HostProgress, Reporter
 
 _LOADING = {"503": "503 Loading model", "000": "no answer yet"}
@@ -29,7 +30,12 @@ def _percent(done: int | None, total: int | None) -> str:
 
 def describe(h: HostProgress, now: float) -> str:
     """One line for a host's running step: `llama_cpp.build: [45/120] 37%, 52 steps/min, ETA
-    1 min 30 s (1 min 10 s)`; a step without events says how long it has run."""
+    1 min 30 s (1 min 10 s)`; a step without events says how long it has run. Labels and notes
+    come from the host (a seeding step runs as a service's user): shown, never run."""
+    return terminal_text(_describe(h, now))
+
+
+def _describe(h: HostProgress, now: float) -> str:
     ran = f"({duration(now - h.since)})" if h.since is not None else ""
     e, rate, eta = h.event, h.rate(), h.eta()
     if e is None:

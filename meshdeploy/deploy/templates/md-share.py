@@ -142,9 +142,10 @@ class Handler(BaseHTTPRequestHandler):
                 self.server.track(-1)
             if self.status is not None:  # None: the client closed without asking anything
                 ip = plain_ip(self.client_address[0]) or "-"
-                path = "".join(c if c.isprintable() and c != " " else "?"
-                               for c in getattr(self, "path", "-"))[:300]  # one line, always
-                self.server.log(f"{ip} {self.command or '-'} {path} "
+                path, method = (
+                    "".join(c if c.isprintable() and c != " " else "?" for c in text)[:300]
+                    for text in (getattr(self, "path", "-"), self.command or "-"))  # one line
+                self.server.log(f"{ip} {method} {path} "
                                 f"{self.status} {self.first} {self.sent}")
 
     def log_request(self, code="-", size="-"):
