@@ -192,6 +192,7 @@ def test_header_fetch_keeps_the_token_on_the_same_origin(mirror, tmp_path):
     ("https://hub.example/a", "https://cdn.example/b", False),
     ("https://hub.example/a", "https://hub.example:8443/b", False),
     ("http://10.0.0.1:8080/a", "https://10.0.0.1:8443/b", False),
+    ("https://hub.example/a", "https://hub.example:abc/b", False),  # no port: no origin
 ])
 def test_which_redirects_the_token_follows(old, new, keeps):
     assert tensors.token_follows(old, new) is keeps

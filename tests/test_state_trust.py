@@ -119,9 +119,12 @@ def test_a_departed_local_host_from_the_state_is_refused(tmp_path):
     assert "connection: local" in text
 
 
-def test_host_key_checking_is_not_turned_off_by_the_state(tmp_path):
-    text = _refusal(tmp_path, _record(ssh={"host_key": "no"}))
+@pytest.mark.parametrize("weaker", ["no", "accept-new"])
+def test_host_key_checking_is_not_weakened_by_the_state(tmp_path, weaker):
+    """`accept-new` would pin whatever key the state's address offers first."""
+    text = _refusal(tmp_path, _record(ssh={"host_key": weaker}))
     assert "hosts.evil.ssh.host_key: evil left the cluster file" in text
+    assert f"(host_key: {weaker})" in text
 
 
 @pytest.mark.parametrize("record, message", [

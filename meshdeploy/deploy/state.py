@@ -278,11 +278,14 @@ def _departed_issues(doc, record: HostRecord, cluster: Cluster) -> list[ConfigIs
                                 f"{config}, which no host of the cluster file uses (an "
                                 "ssh_config's ProxyCommand runs on this machine)",
                                 fix(f"ssh.config: {config}")))
-    if record.ssh.get("host_key") == "no" and \
-            not any(h.ssh.host_key == "no" for h in cluster.hosts):
-        issues.append(doc.issue(path + ("ssh", "host_key"), f"{left} without checking its "
-                                "host key (host_key: no), which no host of the cluster file "
-                                "does", fix("ssh.host_key: no")))
+    # `no` skips the check; `accept-new` pins whatever key the (state's) address offers first.
+    for weaker, what in (("no", "without checking its host key"),
+                         ("accept-new", "accepting a host key it has never seen")):
+        if record.ssh.get("host_key") == weaker and \
+                not any(h.ssh.host_key == weaker for h in cluster.hosts):
+            issues.append(doc.issue(path + ("ssh", "host_key"), f"{left} {what} (host_key: "
+                                    f"{weaker}), which no host of the cluster file does",
+                                    fix(f"ssh.host_key: {weaker}")))
     return issues
 
 

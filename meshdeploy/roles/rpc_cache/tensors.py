@@ -162,10 +162,16 @@ def _per_layer(value, n_layers: int) -> list[int]:
 
 # ---- header over HTTP ----------------------------------------------------------------------------
 
-def _origin(url: str) -> tuple[str, str, int | None]:
+def _origin(url: str) -> tuple[str, str, int | None] | None:
+    """(scheme, host, port), or None for a URL whose port is not a number (a redirect's
+    Location is the server's to write): such a URL is no origin the token may follow to."""
     parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
     return parts.scheme, (parts.hostname or "").lower(), \
-        parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        port or {"http": 80, "https": 443}.get(parts.scheme)
 
 
 def token_follows(old: str, new: str) -> bool:
@@ -173,6 +179,8 @@ def token_follows(old: str, new: str) -> bool:
     (scheme, host and port), or from http on port 80 up to https on 443 of the same host, as
     httpx and curl decide. Never from https down to http: same host:port is not enough."""
     was, now = _origin(old), _origin(new)
+    if was is None or now is None:
+        return False
     return now == was or (was[1] == now[1] and (was[0], was[2]) == ("http", 80)
                           and (now[0], now[2]) == ("https", 443))
 
@@ -204,6 +212,8 @@ def _fetch(opener, url: str, start: int, end: int, headers: dict) -> bytes:
         raise GgufHeaderError(f"{url}: HTTP {exc.code}{f' ({code})' if code else ''}") from None
     except urllib.error.URLError as exc:
         raise GgufHeaderError(f"{url}: {exc.reason}") from None
+    except (ValueError, OSError) as exc:  # a redirect to a malformed URL, a reset connection
+        raise GgufHeaderError(f"{url}: {exc}") from None
 
 
 def header_from_http(url: str, size: int, token: str | None = None,
