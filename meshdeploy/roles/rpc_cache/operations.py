@@ -124,20 +124,13 @@ def seed_tool(ctx: HostContext) -> Step:
     binary = tool_path(ctx.prefix)
     src = f"{binary}.c"
     stamp = f"{binary}{d.rpc_cache_tool_source_suffix}"
-    build = shell.script(_BUILD_TOOL, HOST=ctx.host.name, CC=d.rpc_cache_tool_cc, BIN=binary,
+    build = shell.template(TEMPLATES / "build-tool.sh", HOST=ctx.host.name, CC=d.rpc_cache_tool_cc, BIN=binary,
                          SRC=src, SHA=want, STAMP=stamp)
     before = None if have is None else ((have.get("source_sha256") or "unknown")[:12])
     return Step(ctx.change(ROLE, "seed_tool", "create" if have is None else "update",
                            "build md-rpc-seed" if have is None else "source changed; rebuild",
                            [AttrDiff("source_sha256", before, want[:12])]),
                 [shell.write_file(src, SOURCE.read_text()), build])
-
-
-# $CC is a fixed default ("cc -O2"): split on purpose.
-_BUILD_TOOL = ('command -v cc >/dev/null 2>&1 || { echo "$HOST: no C compiler (cc) to build '
-               'md-rpc-seed; the toolchain role installs one" >&2; exit 1; }\n'
-               '$CC -o "$BIN.tmp" "$SRC" && mv -f "$BIN.tmp" "$BIN" && '
-               'echo "$SHA" > "$STAMP.tmp" && mv -f "$STAMP.tmp" "$STAMP"')
 
 
 @dataclass

@@ -27,16 +27,6 @@ from meshdeploy.deploy.plan import AttrDiff
 from meshdeploy.roles.rpc_cache import operations as ops
 
 ROLE = ops.ROLE
-# Inputs: TOOL, GGUF, OUT (the list), SHA (the GGUF's sha256); "<offset> <size>" lines on stdin.
-# Written under a temporary name and renamed only when md-rpc-seed answered every tensor.
-_DIGEST = ('set -e\n'
-           'digest() {\n'
-           '  cat > "$OUT.in"\n'
-           '  "$TOOL" --digest "$GGUF" < "$OUT.in" | awk -v s="$SHA" \'{ print s, $0 }\' > "$OUT.tmp"\n'
-           '  [ "$(wc -l < "$OUT.in")" = "$(wc -l < "$OUT.tmp")" ] || '
-           '{ echo "$GGUF: md-rpc-seed digested fewer tensors than asked" >&2; exit 1; }\n'
-           '  mv -f "$OUT.tmp" "$OUT"; rm -f "$OUT.in"\n'
-           '}')
 
 
 def _digested(fact, model: str, sha: str, wanted) -> bool:
@@ -115,6 +105,6 @@ def share(ctx: HostContext) -> Step:
 
 def _digest_script(ctx: HostContext, model: str, sha: str, wanted) -> str:
     tag, listing = shell.heredoc("".join(f"{int(off)} {int(size)}\n" for off, size in wanted))
-    return shell.script(f"{_DIGEST}\ndigest <<'{tag}'\n{listing}{tag}",
+    return shell.script(f"{shell.body(ops.TEMPLATES / 'digest.sh')}\ndigest <<'{tag}'\n{listing}{tag}",
                         TOOL=ops.tool_path(ctx.prefix), GGUF=model_path(ctx.cluster, model),
                         OUT=ops.digests_path(ctx.cluster, model), SHA=ops.content_id(sha))
