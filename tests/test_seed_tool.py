@@ -369,7 +369,7 @@ def test_entries_are_readable_by_others(seed_bin, source, payload, cache):
 
 
 # ---- malformed input -------------------------------------------------------------------------------
-# The callers write exactly "<offset> <size>\n" (operations._seed_script, sharing._DIGEST).
+# The callers write exactly "<offset> <size>\n" (operations._seed_script, templates/digest.sh).
 
 @pytest.mark.parametrize("bad", ["+1 2", "1  2", " 1 2", "1 2 ", "1\t2", "1 2\r", "1 2 \t",
                                  "1 2" + " " * 300 + "3 4", "1" * 65,

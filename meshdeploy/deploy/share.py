@@ -120,6 +120,6 @@ def start_script(server: str, args: list, host_name: str, allow, **paths: str) -
                        "--description=md-share: model files for the cluster (meshdeploy)",
                        *(w for p in properties(allow) for w in ("-p", p)), "--"])
     where = {"PID": PID, "OLD_PID": OLD_PID, "LOG": LOG, "BOOTED": BOOTED, **paths}
-    return shell.template(START, args=args, prelude=shell.SYSTEMD_RUN + f'\nmd_share_unit() {{ {unit} "$@"; }}',
-                        PY=PYTHON, SERVER=server, UNIT=UNIT, HOST=host_name,
-                        PORT=model_share_port, **where)
+    prelude = shell.SYSTEMD_RUN + f'\nmd_share_unit() {{ {unit} "$@"; }}'
+    return shell.template(START, args=args, prelude=prelude, PY=PYTHON, SERVER=server,
+                          UNIT=UNIT, HOST=host_name, PORT=model_share_port, **where)
