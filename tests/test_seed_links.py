@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from test_rpc_cache import SHA, ctx_for, fnv1a, synthetic  # noqa: F401 (fixture)
 
+from meshdeploy.deploy import transient
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import tensors as T
@@ -195,7 +196,7 @@ def test_on_systemd_it_runs_in_a_transient_unit_with_the_rpc_servers_user(seed_b
     booted, rundir, stubs = tmp_path / "booted", tmp_path / "run" / "seed", tmp_path / "bin"
     booted.mkdir()
     _systemd_stubs(stubs)
-    monkeypatch.setattr(ops, "BOOTED", str(booted))
+    monkeypatch.setattr(transient, "BOOTED", str(booted))
     monkeypatch.setattr(ops, "RUNDIR", str(rundir))
     monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
     tensors = [t for t in T.weight_tensors(synthetic) if t.layer == 0]

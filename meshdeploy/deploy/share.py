@@ -28,7 +28,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from meshdeploy.deploy import shell
+from meshdeploy.deploy import shell, transient
 from meshdeploy.deploy.paths import model_share_port
 
 SERVER = Path(__file__).with_name("templates") / "md-share.py"
@@ -43,22 +43,12 @@ UNIT = "meshdeploy-share"
 PID = f"/var/run/{UNIT}/md-share.pid"
 OLD_PID = "/run/meshdeploy/md-share.pid"  # a root md-share's, before it ran unprivileged
 LOG = "/var/log/meshdeploy-share.log"
-BOOTED = "/run/systemd/system"  # present when systemd is PID 1 (sd_booted)
 
 # The transient unit's settings (systemd-run -p), and the unit file that test_unit_hardening
-# scores: one list for both.
+# scores: one list for both. md-share needs no thread priorities, so @resources is refused too.
 HARDENING = (
-    "DynamicUser=yes", f"RuntimeDirectory={UNIT}", "UMask=0077", "NoNewPrivileges=yes",
-    "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes", "PrivateDevices=yes",
-    "PrivateMounts=yes", "ProtectKernelTunables=yes", "ProtectKernelModules=yes",
-    "ProtectKernelLogs=yes", "ProtectControlGroups=yes", "ProtectClock=yes",
-    "ProtectHostname=yes", "ProtectProc=invisible", "ProcSubset=pid",
-    "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX", "RestrictNamespaces=yes",
-    "RestrictRealtime=yes", "RestrictSUIDSGID=yes", "RemoveIPC=yes", "LockPersonality=yes",
-    "MemoryDenyWriteExecute=yes", "CapabilityBoundingSet=", "AmbientCapabilities=",
-    "SystemCallArchitectures=native", "SystemCallFilter=@system-service",
-    "SystemCallFilter=~@privileged @resources", "SystemCallErrorNumber=EPERM",
-    "TimeoutStopSec=10",
+    "DynamicUser=yes", f"RuntimeDirectory={UNIT}", *transient.SANDBOX, "PrivateMounts=yes",
+    "ProcSubset=pid", "SystemCallFilter=~@resources", "TimeoutStopSec=10",
 )
 
 START = Path(__file__).with_name("templates") / "md-share-start.sh"
@@ -119,7 +109,7 @@ def start_script(server: str, args: list, host_name: str, allow, **paths: str) -
     unit = shell.join(["md_systemd_run", "--quiet", "--collect", f"--unit={UNIT}",
                        "--description=md-share: model files for the cluster (meshdeploy)",
                        *(w for p in properties(allow) for w in ("-p", p)), "--"])
-    where = {"PID": PID, "OLD_PID": OLD_PID, "LOG": LOG, "BOOTED": BOOTED, **paths}
+    where = {"PID": PID, "OLD_PID": OLD_PID, "LOG": LOG, "BOOTED": transient.BOOTED, **paths}
     prelude = shell.SYSTEMD_RUN + f'\nmd_share_unit() {{ {unit} "$@"; }}'
     return shell.template(START, args=args, prelude=prelude, PY=PYTHON, SERVER=server,
                           UNIT=UNIT, HOST=host_name, PORT=model_share_port, **where)

@@ -22,11 +22,7 @@ stop_pid() {
 stop_pid "$OLD_PID"
 mkdir -p "$(dirname "$LOG")"
 if [ -d "$BOOTED" ] && command -v systemd-run >/dev/null 2>&1; then
-  systemctl stop "$UNIT.service" 2>/dev/null; systemctl reset-failed "$UNIT.service" 2>/dev/null
-  # A transient unit's name is free again once systemd has unloaded the stopped one.
-  i=0
-  while [ "$(systemctl show -p LoadState --value "$UNIT.service" 2>/dev/null)" = loaded ] &&
-    [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+  md_unit_free "$UNIT.service"
   md_share_unit "$PY" "$SERVER" --pid-file "$PID" "$@" ||
     { echo "$HOST: md-share did not start (systemd-run)" >&2; exit 1; }
   alive() { systemctl is-active --quiet "$UNIT.service"; }

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshdeploy.deploy import distribution, inflight, progress, share, shell
+from meshdeploy.deploy import distribution, inflight, progress, share, shell, transient
 from meshdeploy.deploy.context import HostContext, Step, Transfer, stored_teardown
 from meshdeploy.deploy.model import rpc_unit_name
 from meshdeploy.deploy.paths import model_path
@@ -310,36 +310,17 @@ def _seed_script(tool: str, cache_dir: str, keep_lines: list, to_seed: list,
                      + f" <<'{tag}'\n{listing}{tag}")
     fetching = {"TOOL": tool, "ATTEMPTS": int(d.rpc_cache_fetch_attempts),
                 "LANES": int(d.rpc_cache_fetch_lanes)} if fetches else {}
-    body = "\n".join([_template_body("seed.sh"), *lines, "seed_finish"])
+    body = "\n".join([shell.body(TEMPLATES / "seed.sh"), *lines, "seed_finish"])
     return shell.script(body, prelude=progress.SHELL, D=cache_dir,
                         M=f"{cache_dir}/{d.rpc_cache_marker}", HEX16=_HEX16_GLOB, **fetching)
 
 
-def _template_body(name: str) -> str:
-    return shell.template(TEMPLATES / name).strip("\n")
-
-
-# The seed unit's sandbox: every setting of the rpc-server's own unit (services' template) and
-# more, so that a taken-over rpc-server, which shares its user, gains nothing by reaching into it.
-# Pinned by tests/test_unit_hardening.py.
-SEED_HARDENING = (
-    "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes", "PrivateDevices=yes",
-    "NoNewPrivileges=yes", "UMask=0077", "ProtectKernelTunables=yes", "ProtectKernelModules=yes",
-    "ProtectKernelLogs=yes", "ProtectControlGroups=yes", "ProtectClock=yes",
-    "ProtectHostname=yes", "ProtectProc=invisible", "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
-    "RestrictNamespaces=yes", "RestrictRealtime=yes", "RestrictSUIDSGID=yes",
-    "LockPersonality=yes", "MemoryDenyWriteExecute=yes", "RemoveIPC=yes",
-    "CapabilityBoundingSet=", "AmbientCapabilities=", "SystemCallArchitectures=native",
-    "SystemCallFilter=@system-service", "SystemCallFilter=~@privileged",
-    "SystemCallErrorNumber=EPERM",
-)
-BOOTED = "/run/systemd/system"  # present when systemd is PID 1 (sd_booted)
 RUNDIR = "/run/meshdeploy/seed"  # the seed scripts, root's
 
 
 def seed_properties(port: int, sources=()) -> list[str]:
     """The seed unit's settings: rpc-server[port]'s DynamicUser and CacheDirectory (units that
-    name one dynamic user share its UID), SEED_HARDENING, and the network: only the addresses
+    name one dynamic user share its UID), transient.SANDBOX, and the network: only the addresses
     it fetches from (`sources`), none when it seeds from a local GGUF. A source that is not an
     IP literal leaves the addresses open (IPAddressAllow= takes no names)."""
     unit = rpc_unit_name(port)
@@ -353,19 +334,21 @@ def seed_properties(port: int, sources=()) -> list[str]:
     network = [] if ips is None else ["IPAddressDeny=any"]
     if ips:
         network.append("IPAddressAllow=" + " ".join(sorted(set(ips))))
+    # The sandbox is the rpc-server's own and more: a taken-over rpc-server, which shares the
+    # user, gains nothing by reaching into this unit.
     return ["DynamicUser=yes", f"User={unit}", f"Group={unit}", f"CacheDirectory={unit}",
-            *SEED_HARDENING, *network]
+            *transient.SANDBOX, *network]
 
 
 def as_service_user(port: int, seed_script: str, sources=()) -> str:
     """`seed_script` run as rpc-server[port]'s own user (templates/seed-as-service.sh): a
-    transient unit sharing its DynamicUser and CacheDirectory on systemd hosts (BOOTED
-    exists), reaching only `sources`; as it is elsewhere, where the script refuses a folder its
+    transient unit sharing its DynamicUser and CacheDirectory on systemd hosts
+    (transient.BOOTED exists), reaching only `sources`; as it is elsewhere, where the script refuses a folder its
     user does not own."""
     props = [w for p in seed_properties(port, sources) for w in ("-p", p)]
     return shell.assign_text("SEED", seed_script) + "\n" + shell.template(
         TEMPLATES / "seed-as-service.sh", args=props, prelude=shell.SYSTEMD_RUN,
-        UNIT=rpc_unit_name(port), BOOTED=BOOTED, RUNDIR=RUNDIR)
+        UNIT=rpc_unit_name(port), BOOTED=transient.BOOTED, RUNDIR=RUNDIR)
 
 
 _HEX = re.compile(r"[0-9a-f]+")

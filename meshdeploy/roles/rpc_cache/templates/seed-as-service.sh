@@ -18,13 +18,7 @@ if [ -d "$BOOTED" ] && command -v systemd-run >/dev/null 2>&1; then
   mkdir -p "$RUNDIR" && chmod 0755 "${RUNDIR%/*}" "$RUNDIR"
   F="$RUNDIR/$U.sh"
   printf '%s\n' "$SEED" > "$F.tmp" && chmod 0644 "$F.tmp" && mv -f "$F.tmp" "$F"
-  systemctl stop "$U" 2>/dev/null || true
-  systemctl reset-failed "$U" 2>/dev/null || true
-  # A transient unit's name is free again once systemd has unloaded the stopped one.
-  i=0
-  while [ "$(systemctl show -p LoadState --value "$U" 2>/dev/null)" = loaded ] && [ $i -lt 50 ]; do
-    sleep 0.1; i=$((i + 1))
-  done
+  md_unit_free "$U.service"
   set -- --quiet --wait --pipe --collect --unit="$U" --service-type=exec "$@"
   md_systemd_run "$@" -- /bin/sh "$F" </dev/null &
   S=$!
