@@ -7,7 +7,7 @@ hand-started cluster? Target: deployed / hand >= 0.95 for prompt processing and 
 
 Brings up the lab (3 hosts: node1 orchestrator, node2 and node3 CPU workers), converges
 inventories/lab.yaml on it with `meshdeploy apply`, then alternates `rounds` times:
-- deployed: `meshdeploy bench`'s own code (meshdeploy.deploy.bench.bench_server) on the units;
+- deployed: `meshdeploy bench`'s own code (meshdeploy.commands.bench.bench_server) on the units;
 - by hand: the units stopped, ggml-rpc-server and llama-server started as root with the argv
   (and LLAMA_CACHE) the units' processes ran with, read from /proc/<MainPID>/cmdline, benched
   through the same code, killed, and the units started again.
@@ -31,9 +31,11 @@ from tabulate import tabulate  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from meshdeploy.deploy import bench, shell, ssh_settings  # noqa: E402
-from meshdeploy.deploy.config import load_cluster  # noqa: E402
+from meshdeploy.commands import bench  # noqa: E402
+from meshdeploy.config.load import load_cluster  # noqa: E402
+from meshdeploy.core import shell
 from meshdeploy.lab import Lab  # noqa: E402
+from meshdeploy.remote import ssh_settings
 
 
 def sh(info, host: str, command: str) -> str:

@@ -32,9 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshdeploy.deploy.paths import model_dir, rpc_cache_dir, rpc_unit_name
+from meshdeploy.core.paths import model_dir, rpc_cache_dir, rpc_unit_name
+from meshdeploy.core.share import LOG as rpc_cache_share_log
 from meshdeploy.lab import Lab, LabInfo, base, hfmirror, net, procs, services
-from meshdeploy.deploy.share import LOG as rpc_cache_share_log
 from meshdeploy.roles.rpc_cache.placement import device_tensors, place, wire_bytes
 from meshdeploy.roles.rpc_cache.tensors import weight_tensors
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshdeploy.deploy.share import SERVER
+from meshdeploy.core.share import SERVER
 from meshdeploy.roles.rpc_cache import operations as ops
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from validate_fuzz import document  # noqa: E402
 
-from meshdeploy.deploy.config import load_cluster  # noqa: E402
-from meshdeploy.deploy.errors import ConfigError  # noqa: E402
+from meshdeploy.config.load import load_cluster  # noqa: E402
+from meshdeploy.errors import ConfigError  # noqa: E402
 from tests import render_check as rc  # noqa: E402
 
 INVENTORIES = [YAML(typ="safe").load(p.read_text())

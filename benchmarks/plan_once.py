@@ -16,12 +16,12 @@ from pathlib import Path  # noqa: E402
 
 
 def main(path: str) -> int:
-    from meshdeploy.deploy import engine
-    from meshdeploy.deploy.config import load_cluster
+    from meshdeploy.config.load import load_cluster
+    from meshdeploy.engine import planner as engine
 
     try:
-        from meshdeploy.deploy.session import Session
-    except ImportError:  # checkouts from before deploy/session.py
+        from meshdeploy.remote.session import Session
+    except ImportError:  # checkouts from before remote/session.py
         Session = engine.Session
     started = time.monotonic()
     session = Session(load_cluster(Path(path)))

@@ -22,13 +22,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshdeploy.deploy import paths, shell
-from meshdeploy.deploy.context import HostContext, Resolved
-from meshdeploy.deploy.engine import probe_command
 from support.steps import decided
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfFile, HfResolved, HfSource
-from meshdeploy.deploy.status import host_script
+
+from meshdeploy.commands.status import host_script
+from meshdeploy.config.model import HfFile, HfResolved, HfSource
+from meshdeploy.core import paths, shell
+from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.engine.planner import probe_command
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.llama_cpp.facts import ls_remote
 from meshdeploy.roles.models import operations as models

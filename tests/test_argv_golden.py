@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from support import golden
 
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.config_checks import warnings_for
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource
+from meshdeploy.config.checks import warnings_for
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import HfSource, OllamaSource, PathSource
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.services.argv import llama_server_argv, rpc_server_argv
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import bench, bench_report as report
+from meshdeploy.commands import bench
+from meshdeploy.views import bench as report
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 from support import golden
+from support.steps import decided
 
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import HostContext, Resolved
-from meshdeploy.deploy.model import HfFile, HfResolved
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.services import operations as services
-from support.steps import decided
 
 ROOT = Path(__file__).resolve().parent.parent
 INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml")) + [

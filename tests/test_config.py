@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.errors import CONFIG, ConfigError
-from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import HfSource, OllamaSource, PathSource
+from meshdeploy.errors import CONFIG, ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -448,7 +448,7 @@ def pattern_fields(node, path=(), root=None):
 def test_every_pattern_has_a_human_meaning():
     import json
 
-    from meshdeploy.deploy.schema_errors import PATTERN_MEANING, field_lookup
+    from meshdeploy.config.schema import PATTERN_MEANING, field_lookup
 
     schema = json.loads((ROOT / "schemas" / "cluster.schema.json").read_text())
     fields = list(pattern_fields(schema))

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import consistency
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.render import render_network
+from meshdeploy.config.load import load_cluster
+from meshdeploy.engine import consistency
+from meshdeploy.errors import PlanError
+from meshdeploy.views.plan import render_network
 
 LAB = Path(__file__).resolve().parent.parent / "inventories" / "lab.yaml"
 NEW = "f35b4f837ba8e08a33034faa9ba21db8713e67df"

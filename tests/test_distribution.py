@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_md_share import free_port
 
-from meshdeploy.deploy.share import SERVER
+from meshdeploy.core.share import SERVER
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
-
-from test_md_share import free_port
 
 MiB = 1024 * 1024
 SHA = "a" * 64

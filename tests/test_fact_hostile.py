@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_fixtures import FACT_DIR, fact_classes
 
-from meshdeploy.deploy import probe
+from meshdeploy.core import probe
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.facts import CacheDir, Digests
 

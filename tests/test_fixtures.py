@@ -34,16 +34,16 @@ from pathlib import Path
 
 import pytest
 from pyinfra.api import FactBase
+from support.steps import decided
 
-from meshdeploy.deploy import probe, registry
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import HostContext, Resolved, Step
-from meshdeploy.deploy.errors import PlanError
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import probe, registry
+from meshdeploy.core.context import HostContext, Resolved, Step
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.models.hf import HfFile, HfResolved
 from meshdeploy.roles.rpc_cache.operations import SeedModel
 from meshdeploy.roles.rpc_cache.tensors import Tensor
-from support.steps import decided
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -29,8 +29,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from gguf import GGUFWriter
 
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.errors import PlanError
+from meshdeploy.config.load import load_cluster
+from meshdeploy.errors import PlanError
 from meshdeploy.lab import hfmirror
 from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as models

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi
 
-from meshdeploy.deploy import operations as engine_ops
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import HostContext, Resolved, SecretStdin, Step
-from meshdeploy.deploy.errors import ConfigError, PlanError
-from meshdeploy.deploy.model import HfFile, HfResolved
-from meshdeploy.deploy.plan import Plan
-from meshdeploy.deploy.render import render_json, render_text
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.core.context import HostContext, Resolved, SecretStdin, Step
+from meshdeploy.core.plan import Plan
+from meshdeploy.errors import ConfigError, PlanError
+from meshdeploy.execute import operations as engine_ops
 from meshdeploy.lab import hfmirror
 from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as models
+from meshdeploy.views.plan import render_json, render_text
 
 LAB = Path(__file__).resolve().parent.parent / "inventories" / "lab.yaml"
 TOKEN = "hf_SECRETsecretSECRET123"

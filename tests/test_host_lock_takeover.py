@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from meshdeploy.deploy import locks
+from meshdeploy.engine import locks
 
 TRIALS = 60
 RACERS = 6

@@ -27,3 +27,12 @@ def test_import_contracts_hold():
     with open(ROOT / "pyproject.toml", "rb") as f:
         contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
     assert f"Contracts: {len(contracts)} kept, 0 broken." in done.stdout, done.stdout
+
+
+def test_the_layers_acyclic_and_role_contracts_are_declared():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    kinds = {c["type"] for c in contracts}
+    assert {"layers", "acyclic_siblings", "independence"} <= kinds, kinds
+    layers = next(c for c in contracts if c["type"] == "layers")
+    assert layers.get("exhaustive") is True, "a new folder of meshdeploy/ must be placed"

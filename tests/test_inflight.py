@@ -1,4 +1,4 @@
-"""Guarded remote steps (meshdeploy.deploy.inflight), run by this machine's own sh, flock and
+"""Guarded remote steps (meshdeploy.core.inflight), run by this machine's own sh, flock and
 setsid: exit status and standard input pass through, a second run of a step waits for the
 first, and stop_script ends a step whose run died (it keeps running in a session of its own)."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from meshdeploy.deploy import inflight
+from meshdeploy.core import inflight
 
 
 @pytest.fixture(autouse=True)

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import remote
-from meshdeploy.deploy.cli import main
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.errors import ConfigError, PlanError
-from meshdeploy.deploy.session import Session
-from meshdeploy.deploy.ssh_settings import LOCAL, no_check_warnings, resolve
-from meshdeploy.deploy import state as states
+from meshdeploy.cli import main
+from meshdeploy.config.load import load_cluster
+from meshdeploy.engine import state as states
+from meshdeploy.errors import ConfigError, PlanError
+from meshdeploy.remote import connections as remote
+from meshdeploy.remote.session import Session
+from meshdeploy.remote.ssh_settings import LOCAL, no_check_warnings, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def test_the_example_mac_inventory_runs_on_the_mac_itself():
 @pytest.mark.parametrize("euid, sudo", [(0, False), (1000, True)])
 def test_a_local_host_uses_sudo_unless_meshdeploy_runs_as_root(tmp_path, monkeypatch, euid, sudo):
     cluster = load_cluster(write(tmp_path, TWO_HOSTS))
-    monkeypatch.setattr("meshdeploy.deploy.model.os.geteuid", lambda: euid)
+    monkeypatch.setattr("meshdeploy.config.model.os.geteuid", lambda: euid)
     assert cluster.host("node1").sudo is sudo
     assert cluster.host("node2").sudo is True  # ssh.sudo, whoever runs meshdeploy
     settings = resolve(cluster.host("node1"))
@@ -204,8 +204,8 @@ def test_a_local_command_runs_in_its_own_session(tmp_path):
 # run by a child Python through invoke's stock runner, then through LocalConnection.
 _KILL0 = """
 import sys
-from meshdeploy.deploy import remote
-from meshdeploy.deploy.ssh_settings import SshSettings
+from meshdeploy.remote import connections as remote
+from meshdeploy.remote.ssh_settings import SshSettings
 if sys.argv[1] == "stock":
     import invoke
     invoke.run("kill 0", hide=True, warn=True, in_stream=False)
@@ -232,8 +232,8 @@ def test_kill_0_in_a_local_command_never_reaches_meshdeploy(runner, survives):
 _PATCHED = """
 from gevent import monkey
 monkey.patch_all()
-from meshdeploy.deploy import remote
-from meshdeploy.deploy.ssh_settings import SshSettings
+from meshdeploy.remote import connections as remote
+from meshdeploy.remote.ssh_settings import SshSettings
 settings = SshSettings("here", "localhost", 22, None, None, None, False, "", "", (),
                        "localhost", None, local=True)
 result = remote.LocalConnection(settings).run(

@@ -14,13 +14,25 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from meshdeploy.deploy import errors, registry, remote
-from meshdeploy.deploy.adhoc import command_text, exit_code
-from meshdeploy.deploy.cli import build_parser, main
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.logs import (FOLLOW, HostStream, Line, SelectionError, host_script, merge,
-                                    parse, render, select, since_value)
-from meshdeploy.deploy.ssh_settings import resolve
+from meshdeploy import errors
+from meshdeploy.cli import build_parser, main
+from meshdeploy.commands.adhoc import command_text, exit_code
+from meshdeploy.commands.logs import (
+    FOLLOW,
+    HostStream,
+    Line,
+    SelectionError,
+    host_script,
+    merge,
+    parse,
+    render,
+    select,
+    since_value,
+)
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import registry
+from meshdeploy.remote import connections as remote
+from meshdeploy.remote.ssh_settings import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -282,7 +294,7 @@ def test_exec_exit_codes(exits, code):
 
 def test_cli_takes_words_after_options_and_after_the_double_dash(monkeypatch):
     seen = {}
-    monkeypatch.setattr("meshdeploy.deploy.cli.run", lambda handler, args: seen.update(
+    monkeypatch.setattr("meshdeploy.cli.run", lambda handler, args: seen.update(
         vars(args)) or 0)
     main(["logs", "c.yaml", "-n", "5", "node2", "main", "-f"])
     assert (seen["targets"], seen["lines"], seen["follow"]) == (["node2", "main"], 5, True)

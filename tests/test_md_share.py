@@ -1,4 +1,5 @@
-"""md-share (meshdeploy/deploy/templates/md-share.py): the real script as a subprocess, on loopback only."""
+"""md-share (meshdeploy/core/templates/md-share.py): the real script as a subprocess, on loopback
+only."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "meshdeploy" / "deploy" / "templates" / "md-share.py"
+SCRIPT = ROOT / "meshdeploy" / "core" / "templates" / "md-share.py"
 SIZE = 3 * 1024 * 1024
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from support import golden
 
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.errors import PlanError
+from meshdeploy.config.load import load_cluster
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import facts, pf, rules
 
 TESTS = Path(__file__).resolve().parent
@@ -75,7 +75,7 @@ def test_server_allow_adds_sources_to_the_llama_server_port_only(tmp_path):
     ("10.0.0.1/8", "has host bits set"), ("example.com", "is not an IP address or network"),
     ("10.0.0.300", "is not an IP address or network")])
 def test_a_bad_allow_entry_is_a_config_error_at_its_line(tmp_path, bad, message):
-    from meshdeploy.deploy.errors import ConfigError
+    from meshdeploy.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
         with_allow(tmp_path, f"[10.0.0.5, '{bad}']")

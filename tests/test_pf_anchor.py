@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from support import golden
 
-from meshdeploy.deploy.config import load_cluster
+from meshdeploy.config.load import load_cluster
 from meshdeploy.roles.network import pf, rules
 
 TESTS = Path(__file__).resolve().parent

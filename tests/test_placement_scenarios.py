@@ -13,15 +13,14 @@ import os
 from pathlib import Path
 
 import pytest
-
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import Resolved
-from meshdeploy.deploy.errors import ConfigError, PlanError
-from meshdeploy.deploy.model import HfFile, HfResolved
-from meshdeploy.deploy.render import render_placement
-from meshdeploy.roles.rpc_cache import layout, seeding
-
 from device_facts import GB, GiB, cpu, cuda, mac
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.core.context import Resolved
+from meshdeploy.errors import ConfigError, PlanError
+from meshdeploy.roles.rpc_cache import layout, seeding
+from meshdeploy.views.plan import render_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden_plan"

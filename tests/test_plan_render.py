@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import plan as plan_mod
-from meshdeploy.deploy.errors import PlanError, StalePlanError
-from meshdeploy.deploy.plan import (
+from meshdeploy.core import plan as plan_mod
+from meshdeploy.core.plan import (
     AttrDiff,
     Change,
     Plan,
@@ -22,7 +21,8 @@ from meshdeploy.deploy.plan import (
     load_plan,
     save_plan,
 )
-from meshdeploy.deploy.render import (
+from meshdeploy.errors import PlanError, StalePlanError
+from meshdeploy.views.plan import (
     render_apply_summary,
     render_json,
     render_text,

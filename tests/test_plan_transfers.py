@@ -8,10 +8,8 @@ import re
 
 import pytest
 
-from meshdeploy.deploy.context import Step, Steps, Transfer
-from meshdeploy.deploy.engine import transfer_rows
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.plan import (
+from meshdeploy.core.context import Step, Steps, Transfer
+from meshdeploy.core.plan import (
     FORMAT_VERSION,
     Change,
     Network,
@@ -22,7 +20,9 @@ from meshdeploy.deploy.plan import (
     load_plan,
     save_plan,
 )
-from meshdeploy.deploy.render import render_json, render_text
+from meshdeploy.engine.planner import transfer_rows
+from meshdeploy.errors import PlanError
+from meshdeploy.views.plan import render_json, render_text
 
 MB, GB = 1_000_000, 1_000_000_000
 

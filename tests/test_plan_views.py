@@ -15,17 +15,16 @@ import re
 from pathlib import Path
 
 import pytest
-
-from meshdeploy.deploy import consistency
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import Resolved
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfFile, HfResolved
-from meshdeploy.deploy.plan import AttrDiff, Change, Plan, TransferRow, load_plan, save_plan
-from meshdeploy.deploy.render import render_json, render_text
-from meshdeploy.roles.rpc_cache import layout, seeding
-
 from device_facts import GB, GiB, cpu, cuda, mac
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.core.context import Resolved
+from meshdeploy.core.plan import AttrDiff, Change, Plan, TransferRow, load_plan, save_plan
+from meshdeploy.engine import consistency
+from meshdeploy.errors import PlanError
+from meshdeploy.roles.rpc_cache import layout, seeding
+from meshdeploy.views.plan import render_json, render_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

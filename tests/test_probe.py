@@ -6,10 +6,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from meshdeploy.deploy import probe
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy import registry
-from meshdeploy.deploy.engine import probe_sections
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import probe, registry
+from meshdeploy.engine.planner import probe_sections
 from meshdeploy.roles.llama_cpp import lock as locks
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.llama_cpp.facts import Builds, Source
@@ -129,7 +128,7 @@ def test_fingerprint_ignores_free_disk_space_only():
 
 
 def test_every_host_gets_the_same_slot_sequence():
-    from meshdeploy.deploy.context import HostContext, Resolved
+    from meshdeploy.core.context import HostContext, Resolved
 
     for inventory in INVENTORIES:
         cluster = load_cluster(inventory)

@@ -16,13 +16,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshdeploy.deploy import progress, shell
-from meshdeploy.deploy.progress import MARKER, Event, Meter, Reporter, parse, parse_ninja
-from meshdeploy.deploy.progress_view import LiveView, PlainView, describe, view_for
+from meshdeploy.core import progress, shell
+from meshdeploy.core.progress import MARKER, Event, Meter, Reporter, parse, parse_ninja
 from meshdeploy.lab import hfmirror
 from meshdeploy.roles.llama_cpp.operations import TEMPLATES
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.services.operations import health_wait
+from meshdeploy.views.progress import LiveView, PlainView, describe, view_for
 
 
 def marked(stdout: str) -> list[Event]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from meshdeploy.deploy.session import adjust_libraries
+from meshdeploy.remote.session import adjust_libraries
 
 
 def test_an_exited_proxy_reads_as_the_end_of_the_connection():

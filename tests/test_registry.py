@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import engine, registry
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import Resolved
-from meshdeploy.deploy.plan import Plan
-from meshdeploy.deploy.render import render_json, render_text
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import registry
+from meshdeploy.core.context import Resolved
+from meshdeploy.core.plan import Plan
+from meshdeploy.engine import planner as engine
 from meshdeploy.roles.models.hf import HfFile, HfResolved
+from meshdeploy.views.plan import render_json, render_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,10 +23,10 @@ ROLE_SOURCE = '''
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import shell
-from meshdeploy.deploy.context import Step
-from meshdeploy.deploy.probe import Section
-from meshdeploy.deploy.registry import Resource, Role
+from meshdeploy.core import shell
+from meshdeploy.core.context import Step
+from meshdeploy.core.probe import Section
+from meshdeploy.core.registry import Resource, Role
 
 
 class Motd(FactBase):
@@ -47,7 +48,6 @@ def motd(ctx, key):
 ROLE = Role(name="zz_demo", doc=__doc__, facts=lambda req: [Section("zz_demo.Motd", Motd)],
             after=("toolchain",), before=("llama_cpp",),
             resources=(Resource("motd", motd, "a message of the day"),))
-motd_operation = ROLE.operation("motd")
 '''
 
 
@@ -111,7 +111,9 @@ def test_a_role_in_its_own_folder_is_probed_planned_and_rendered(demo_role):
     assert '"node2/zz_demo.motd"' in render_json(plan)
 
     # pyinfra sees a named operation; the fixture tests would demand fixtures for it.
-    op = registry.role("zz_demo").operation("motd")
+    from meshdeploy.operations import zz_demo
+
+    op = zz_demo.motd
     assert (op.__name__, op._inner.__module__) == ("motd", "meshdeploy.roles.zz_demo")
     from test_fixtures import operations
     assert "zz_demo.motd" in operations()

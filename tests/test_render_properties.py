@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshdeploy.deploy import shell
-from meshdeploy.deploy.config import load_cluster
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import shell
 from tests import render_check as rc
 
 ROOT = Path(__file__).resolve().parent.parent

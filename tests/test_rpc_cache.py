@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import HostContext, Resolved
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.probe import compose, decode, marker, split
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.probe import compose, decode, marker, split
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import tensors as T
@@ -299,7 +299,7 @@ def test_gemma_header_from_http(gemma, tmp_path):
 # ---- facts ----------------------------------------------------------------------------------------
 
 def decoded(key, fact, kwargs, lines):
-    from meshdeploy.deploy.probe import Section
+    from meshdeploy.core.probe import Section
 
     section = Section(key, fact, kwargs)
     assert isinstance(compose([section], "n0nce"), str)

@@ -12,7 +12,7 @@ from ruamel.yaml import YAML
 from support import runbook
 from support.runbook import RunbookError, parse_text
 
-from meshdeploy.deploy.config import load_cluster
+from meshdeploy.config.load import load_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 RUNBOOKS = REPO / "docs" / "runbooks"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_rpc_cache import SHA, ctx_for, fnv1a, synthetic  # noqa: F401 (fixture)
 
-from meshdeploy.deploy import transient
+from meshdeploy.core import transient
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import tensors as T

@@ -14,17 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
+from model_headers import gemma27_header
 
-from meshdeploy.deploy import distribution
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import Resolved
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfFile, HfResolved
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.core import distribution
+from meshdeploy.core.context import Resolved
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.roles.rpc_cache.tensors import Header, weight_tensors
-
-from model_headers import gemma27_header
 
 ROOT = Path(__file__).resolve().parents[1]
 SHA = "ab" * 32

@@ -1,4 +1,4 @@
-"""The script that (re)starts md-share (deploy/share.py), run for real on this machine.
+"""The script that (re)starts md-share (core/share.py), run for real on this machine.
 
 Without systemd (this machine is not booted with it) md-share runs as nobody; with systemd it is
 a transient unit, checked here through stand-in systemd-run/systemctl commands that record their
@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from meshdeploy.deploy import share
-from meshdeploy.deploy.paths import model_share_port
-
 from test_md_share import free_port
+
+from meshdeploy.core import share
+from meshdeploy.core.paths import model_share_port
 
 # A Debian root's PATH: its python3 is one that nobody may run (a pyenv shim under /root is not).
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshdeploy.deploy import probe
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import HostContext, Resolved
-from meshdeploy.deploy.engine import gather, probe_command
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.status import collect, host_script
+from meshdeploy.commands.status import collect, host_script
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import probe
+from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.engine.planner import gather, probe_command
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import lock as locks
 from meshdeploy.roles.llama_cpp.facts import RemoteRef, ls_remote
 from meshdeploy.roles.models import hf
@@ -211,7 +211,7 @@ def test_gather_runs_one_unprivileged_command_and_reports_refused_sudo(lab, tmp_
             out = run(command, tmp_path, {**env, "PATH": env["PATH"]}, "sh")
             return True, SimpleNamespace(stdout_lines=out.stdout.splitlines(), stderr_lines=[])
 
-    from meshdeploy.deploy.errors import ConnectError
+    from meshdeploy.errors import ConnectError
     with pytest.raises(ConnectError, match="node2: sudo refused for user deploy: sudo: a password"):
         gather(Session())
     assert calls == [False]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import shell
+from meshdeploy.core import shell
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "meshdeploy"

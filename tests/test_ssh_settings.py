@@ -10,10 +10,10 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from meshdeploy.deploy import errors
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.host_keys import HostKeyError, classify, host_key_error
-from meshdeploy.deploy.ssh_settings import no_check_warnings, resolve
+from meshdeploy import errors
+from meshdeploy.config.load import load_cluster
+from meshdeploy.remote.host_keys import HostKeyError, classify, host_key_error
+from meshdeploy.remote.ssh_settings import no_check_warnings, resolve
 
 
 def cluster_file(tmp_path: Path, ssh: str = "{}", port: int = 22) -> Path:
@@ -182,7 +182,8 @@ def test_other_failures_are_not_host_key_errors(tmp_path, keys):
 # In a child process: commands patches the standard library with gevent on import.
 FLAG_PROBE = """
 import sys
-from meshdeploy.deploy import cli, commands
+from meshdeploy import cli
+from meshdeploy.commands import cluster as commands
 def open_session(self):
     print("accept_new_host_keys", self.accept_new_host_keys)
     raise SystemExit(0)
@@ -205,7 +206,7 @@ def test_the_flag_reaches_the_session(command, tmp_path):
 
 
 def test_session_warns_about_hosts_without_checks(tmp_path):
-    from meshdeploy.deploy.session import Session
+    from meshdeploy.remote.session import Session
 
     write_config(tmp_path / "ssh_config", "Host n2\n    StrictHostKeyChecking no\n")
     ssh = f"{{host_key: 'no', config: {tmp_path}/ssh_config}}"

@@ -15,14 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import engine, locks, registry
-from meshdeploy.deploy import state as states
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import Resolved
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy import plan as plan_module
-from meshdeploy.deploy.plan import Plan
-from meshdeploy.deploy.render import render_json, render_text
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import plan as plan_module
+from meshdeploy.core import registry
+from meshdeploy.core.context import Resolved
+from meshdeploy.core.plan import Plan
+from meshdeploy.engine import locks
+from meshdeploy.engine import planner as engine
+from meshdeploy.engine import state as states
+from meshdeploy.errors import PlanError
+from meshdeploy.views.plan import render_json, render_text
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden_plan"

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import errors, ssh_settings
-from meshdeploy.deploy import state as states
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.errors import ConfigError
+from meshdeploy import errors
+from meshdeploy.config.load import load_cluster
+from meshdeploy.engine import state as states
+from meshdeploy.errors import ConfigError
+from meshdeploy.remote import ssh_settings
 
 # One host on a port nothing listens on: every connection fails at once, none hangs.
 CLUSTER = """cluster: t

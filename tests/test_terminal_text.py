@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshdeploy.deploy import adhoc, registry
-from meshdeploy.deploy.cli import main
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.logs import HostStream, parse, render, terminal_text
+from meshdeploy.cli import main
+from meshdeploy.commands import adhoc
+from meshdeploy.commands.logs import HostStream, parse, render, terminal_text
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import registry
 
 REPO = Path(__file__).resolve().parents[1]
 # Anything a terminal would act on: what must never reach it from a host.
@@ -95,8 +96,8 @@ def test_every_error_the_cli_prints_is_made_inert(capsys):
     the CLI prints every MeshdeployError and internal error through terminal_text."""
     from argparse import Namespace
 
-    from meshdeploy.deploy import cli
-    from meshdeploy.deploy.errors import ApplyError
+    from meshdeploy import cli
+    from meshdeploy.errors import ApplyError
 
     def failing(args):
         raise ApplyError(f"node2: rpc_cache.seed[50052] failed:\n    {HOSTILE}", hint="fix it")
@@ -112,7 +113,8 @@ def test_every_error_the_cli_prints_is_made_inert(capsys):
 
 
 def test_live_progress_shows_a_hosts_label_inert():
-    from meshdeploy.deploy import progress, progress_view
+    from meshdeploy.core import progress
+    from meshdeploy.views import progress as progress_view
 
     event = progress.parse(f"{progress.MARKER} download 10 20 0 model\x1b]52;c;x\x07")
     assert event is not None and "\x1b" in event.label

@@ -12,15 +12,15 @@ import os
 from pathlib import Path
 
 import pytest
-
-from meshdeploy.deploy import engine, registry
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.context import HostContext, Resolved, Steps
-from meshdeploy.deploy.model import HfFile, HfResolved
-from meshdeploy.deploy.render import render_transfers
-from meshdeploy.roles.rpc_cache import seeding
-
 from device_facts import cpu, cuda
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.core import registry
+from meshdeploy.core.context import HostContext, Resolved, Steps
+from meshdeploy.engine import planner as engine
+from meshdeploy.roles.rpc_cache import seeding
+from meshdeploy.views.plan import render_transfers
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden_plan"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import share
-from meshdeploy.deploy.config import load_cluster
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import share
 from meshdeploy.roles.rpc_cache.operations import seed_properties
 from meshdeploy.roles.services import operations as services
 
@@ -67,7 +67,7 @@ def test_exposure_score(inventory, host, kind, most, tmp_path):
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                     reason="systemd-analyze is missing (Debian package systemd)")
 def test_md_share_exposure_score(tmp_path):
-    """md-share's transient unit: the settings systemd-run gets (deploy/share.py), as a file."""
+    """md-share's transient unit: the settings systemd-run gets (core/share.py), as a file."""
     unit = ("[Service]\nExecStart=/usr/bin/python3 /opt/meshdeploy/tools/md-share.py\n"
             + "".join(f"{p}\n" for p in share.properties(["10.200.0.12", "10.200.0.13"])))
     score = exposure(unit, tmp_path)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy import cli, errors
+from meshdeploy import cli, errors
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB = ROOT / "inventories" / "lab.yaml"
@@ -64,7 +64,7 @@ def test_public_bind_warning_is_printed(tmp_path):
 
 
 def test_internal_error_has_no_traceback_unless_debug(monkeypatch, capsys):
-    import meshdeploy.deploy.config as config
+    import meshdeploy.config.load as config
 
     def broken(path):
         raise RuntimeError("boom")
@@ -80,7 +80,7 @@ def test_internal_error_has_no_traceback_unless_debug(monkeypatch, capsys):
 
 @pytest.fixture
 def fake_commands(monkeypatch):
-    module = types.ModuleType("meshdeploy.deploy.commands")
+    module = types.ModuleType("meshdeploy.commands.cluster")
     calls = []
 
     def plan(args):
@@ -98,10 +98,10 @@ def fake_commands(monkeypatch):
         raise errors.ConnectError("cannot reach node2", "is it up?")
 
     module.plan, module.apply, module.status = plan, apply, status
-    monkeypatch.setitem(sys.modules, "meshdeploy.deploy.commands", module)
-    import meshdeploy.deploy
+    monkeypatch.setitem(sys.modules, "meshdeploy.commands.cluster", module)
+    import meshdeploy.commands
 
-    monkeypatch.setattr(meshdeploy.deploy, "commands", module, raising=False)
+    monkeypatch.setattr(meshdeploy.commands, "cluster", module, raising=False)
     return calls
 
 

@@ -17,13 +17,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import validate_fuzz as fuzz
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
-import validate_fuzz as fuzz
-from meshdeploy.deploy import cli, errors
-from meshdeploy.deploy.errors import ConfigError, ConfigIssue
+from meshdeploy import cli, errors
+from meshdeploy.errors import ConfigError, ConfigIssue
 
 BUDGET = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

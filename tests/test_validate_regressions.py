@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.errors import CONFIG, ConfigError
+from meshdeploy.config.load import load_cluster
+from meshdeploy.errors import CONFIG, ConfigError
 
 # Three lines, so a snippet's first line is line 4.
 HEAD = "cluster: t\nllama_cpp: {ref: b1}\nhosts: {n: {address: 10.0.0.1}}\n"

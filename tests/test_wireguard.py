@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
+from support import golden
 
-from meshdeploy.deploy.cli import build_parser
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.engine import check_replace
-from meshdeploy.deploy.errors import ConfigError, PlanError
-from meshdeploy.deploy.model import derived_tunnel_address
+from meshdeploy.cli import build_parser
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import derived_tunnel_address
+from meshdeploy.engine.planner import check_replace
+from meshdeploy.errors import ConfigError, PlanError
 from meshdeploy.roles.network import facts, rules
 from meshdeploy.roles.network import tunnel as wg
-from support import golden
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.deploy.errors import ConfigError
+from meshdeploy.config.load import load_cluster
+from meshdeploy.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = [p.read_text() for p in sorted((ROOT / "inventories").glob("*.yaml"))]

@@ -11,8 +11,8 @@ here; `meshdeploy apply` runs them.
 
 from pyinfra import host
 
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.roles import services, toolchain
+from meshdeploy.config.load import load_cluster
+from meshdeploy.operations import services, toolchain
 
 CLUSTER = host.data.get("meshdeploy_cluster", "cluster.yaml")
 

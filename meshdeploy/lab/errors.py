@@ -1,6 +1,6 @@
 """The lab's error type, part of the product's error tree."""
 
-from meshdeploy.deploy.errors import MeshdeployError
+from meshdeploy.errors import MeshdeployError
 
 INSTALL_HINT = (
     "install debootstrap systemd-container tinyproxy socat netcat-openbsd iproute2 git "

@@ -17,7 +17,7 @@ import sys
 import pytest
 from conftest import own_lab
 
-from meshdeploy.deploy.errors import CONNECT, OK
+from meshdeploy.errors import CONNECT, OK
 
 pytestmark = pytest.mark.lab
 
@@ -146,9 +146,9 @@ KEY_FILE = "/etc/meshdeploy-test/api key"
 
 def key_file_check(lab, tmp_path):
     """The services preflight on node1's real KeyFile fact, read as the probe reads it (sudo)."""
-    from meshdeploy.deploy import probe, shell
-    from meshdeploy.deploy.config import load_cluster
-    from meshdeploy.deploy.context import HostContext, Resolved
+    from meshdeploy.config.load import load_cluster
+    from meshdeploy.core import probe, shell
+    from meshdeploy.core.context import HostContext, Resolved
     from meshdeploy.roles.services import operations
     from meshdeploy.roles.services.facts import KeyFile
 
@@ -169,7 +169,7 @@ def key_file_check(lab, tmp_path):
 
 
 def test_api_key_file_must_be_root_only_on_the_host(key_lab, tmp_path):
-    from meshdeploy.deploy.errors import PlanError
+    from meshdeploy.errors import PlanError
 
     key_lab.run(HOST, ["sudo", "rm", "-rf", "/etc/meshdeploy-test"], check=True)
     with pytest.raises(PlanError, match="does not exist"):

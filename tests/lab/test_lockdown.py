@@ -5,7 +5,7 @@ Runs on its own lab, `mdsec` (3 hosts as inventories/lab.yaml describes them, pl
 rogue, in no cluster file), never the shared `mdlab`; no mirrors and no llama.cpp build: the
 worker is a TCP listener on node2:50052 (python3 -m http.server), which is all a firewall sees.
 The table and commands are exactly what the role renders for inventories/lab.yaml's node2,
-run as the engine runs them (sudo through meshdeploy.deploy.shell).
+run as the engine runs them (sudo through meshdeploy.core.shell).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import own_lab
 
-from meshdeploy.deploy import shell
-from meshdeploy.deploy.config import load_cluster
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import shell
 from meshdeploy.roles.network import facts, rules
 
 pytestmark = pytest.mark.lab

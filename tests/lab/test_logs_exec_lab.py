@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
-
-from meshdeploy.deploy.errors import CONNECT, ERROR, OK
 from support.labfile import for_lab
+
+from meshdeploy.errors import CONNECT, ERROR, OK
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 

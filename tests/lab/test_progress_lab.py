@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
-
-from meshdeploy.deploy.progress import MARKER
-from meshdeploy.lab import hosts
 from support.labfile import for_lab
+
+from meshdeploy.core.progress import MARKER
+from meshdeploy.lab import hosts
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 

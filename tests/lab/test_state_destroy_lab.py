@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
+from support.labfile import for_lab
 from test_cluster import meshdeploy
 
 from meshdeploy.lab import hosts
-from support.labfile import for_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
@@ -175,7 +175,7 @@ def test_a_second_apply_is_refused_naming_the_first(node3_removed, files, st_lab
         out, err = first.communicate(timeout=300)
         os.close(writer)
     assert first.returncode == 7, err  # cancelled: nothing changed
-    # The host lock is gone; only the guarded steps' folder (deploy/inflight.py) may stay.
+    # The host lock is gone; only the guarded steps' folder (core/inflight.py) may stay.
     left = ssh(info, "node1", "sudo ls -A /run/meshdeploy").stdout.split()
     assert [name for name in left if name != "steps"] == [], left
 

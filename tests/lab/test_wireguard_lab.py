@@ -25,13 +25,13 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
-from test_cluster import idle_workers
-
-from meshdeploy.deploy import shell
-from meshdeploy.deploy.config import load_cluster
-from meshdeploy.roles.rpc_cache.tensors import weight_tensors
 from support import capture, leaks, wire
 from support.labfile import for_lab
+from test_cluster import idle_workers
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import shell
+from meshdeploy.roles.rpc_cache.tensors import weight_tensors
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 

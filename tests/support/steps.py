@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshdeploy.deploy.context import BuildOutcome, HostContext, Step
+from meshdeploy.core.context import BuildOutcome, HostContext, Step
 
 
 def decided(ctx: HostContext, build_key: str | None = None, build_changed: bool = False,

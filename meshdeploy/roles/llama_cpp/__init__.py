@@ -1,6 +1,6 @@
 """llama_cpp: one commit everywhere (lock file), the clone, and per-backend builds."""
 
-from meshdeploy.deploy.registry import FactRequest, Prepare, Prepared, Resource, Role
+from meshdeploy.core.registry import FactRequest, Prepare, Prepared, Resource, Role
 from meshdeploy.roles.llama_cpp import lock
 from meshdeploy.roles.llama_cpp import operations as ops
 
@@ -41,6 +41,3 @@ ROLE = Role(
                  serial=lambda cluster: cluster.llama_cpp.build.serial),
     ),
 )
-
-source = ROLE.operation("source")
-build = ROLE.operation("build")

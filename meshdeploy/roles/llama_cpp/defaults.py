@@ -1,8 +1,8 @@
 """Defaults of the llama_cpp role (see README.md)."""
 
 # --- layout under llama_cpp.prefix ------------------------------------------------------------
-# services and status read it too, so it is defined in meshdeploy.deploy.paths.
-from meshdeploy.deploy.paths import (  # noqa: F401 (this role's variables)
+# services and status read it too, so it is defined in meshdeploy.core.paths.
+from meshdeploy.core.paths import (  # noqa: F401 (this role's variables)
     llama_cpp_build_dir,
     llama_cpp_builds_dir,
     llama_cpp_current_link,

@@ -6,7 +6,7 @@ import re
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import probe, shell
+from meshdeploy.core import probe, shell
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 # git options that keep a repository URL or ref from ever being a command: the ext:: transport

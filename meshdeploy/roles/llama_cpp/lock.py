@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from meshdeploy.deploy.errors import ApplyError, PlanError
+from meshdeploy.errors import ApplyError, PlanError
 from meshdeploy.roles.llama_cpp import defaults as d
 from meshdeploy.roles.llama_cpp.facts import COMMIT, RemoteRef, ls_remote, pick_ls_remote
 

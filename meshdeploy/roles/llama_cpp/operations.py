@@ -5,15 +5,15 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from meshdeploy.deploy import inflight, progress, shell
-from meshdeploy.deploy.context import BuildOutcome, HostContext, Step, stored_teardown
-from meshdeploy.deploy.paths import installed_build
-from meshdeploy.deploy.paths import llama_cpp_paths as paths
-from meshdeploy.deploy.plan import AttrDiff
-from meshdeploy.deploy.probe import Section
+from meshdeploy.core import inflight, progress, shell
+from meshdeploy.core.context import BuildOutcome, HostContext, Step, stored_teardown
+from meshdeploy.core.paths import installed_build
+from meshdeploy.core.paths import llama_cpp_paths as paths
+from meshdeploy.core.plan import AttrDiff
+from meshdeploy.core.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d
-from meshdeploy.roles.llama_cpp.facts import GIT_SAFE, Builds, RemoteRef, Source, Stored
 from meshdeploy.roles.llama_cpp import lock
+from meshdeploy.roles.llama_cpp.facts import GIT_SAFE, Builds, RemoteRef, Source, Stored
 from meshdeploy.roles.llama_cpp.lock import checked_commit
 
 ROLE = "llama_cpp"

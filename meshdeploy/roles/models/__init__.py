@@ -1,8 +1,8 @@
 """models: GGUF files from Hugging Face (or a mirror), an Ollama store, or a path."""
 
-from meshdeploy.deploy import distribution
-from meshdeploy.deploy.model import HfSource
-from meshdeploy.deploy.registry import Prepare, Prepared, Resource, Role
+from meshdeploy.config.model import HfSource
+from meshdeploy.core import distribution
+from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
 from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as ops
 
@@ -43,5 +43,3 @@ ROLE = Role(
                  keys=lambda cluster: list(cluster.models), cluster_wide=True),
     ),
 )
-
-gguf = ROLE.operation("gguf")

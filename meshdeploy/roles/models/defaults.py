@@ -2,8 +2,9 @@
 
 # --- layout ---------------------------------------------------------------------------------------
 # under llama_cpp.prefix: models/<name>/<file>; services and rpc_cache read the files too, so
-# it is defined in meshdeploy.deploy.paths.
-from meshdeploy.deploy.paths import models_dir  # noqa: F401 (this role's variable)
+# it is defined in meshdeploy.core.paths.
+from meshdeploy.core.paths import models_dir  # noqa: F401 (this role's variable)
+
 models_verified_suffix = ".meshdeploy-verified"   # "<size> <mtime> <sha256>" of a checked file
 models_partial_suffix = ".part"            # downloads resume into this name, then rename
 

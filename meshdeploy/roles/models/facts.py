@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import probe, shell
+from meshdeploy.core import probe, shell
 from meshdeploy.roles.models import defaults as d
 
 TEMPLATES = Path(__file__).with_name("templates")

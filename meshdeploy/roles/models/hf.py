@@ -18,9 +18,9 @@ import re
 from pathlib import Path
 from urllib.parse import quote as url_quote
 
-from meshdeploy.deploy.errors import ConfigError, PlanError
-from meshdeploy.deploy.model import HfFile, HfResolved
-
+from meshdeploy.config.document import Document
+from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.errors import ConfigError, PlanError
 
 # The Hub's answers are untrusted input: a hostile or compromised mirror must not reach a shell,
 # a path on a host or a file name on the control machine through them.
@@ -75,8 +75,6 @@ def endpoints(cluster, src) -> tuple[str, str]:
 
 def check_trust(cluster, model, auth: str) -> None:
     """Refuse, at the cluster file's line, to send the token to an untrusted http endpoint."""
-    from meshdeploy.deploy.config import Document
-
     api, hosts = endpoints(cluster, model.source)
     for url, key in ((api, "api_endpoint"), (hosts, "endpoint")):
         if trusted(cluster, url):

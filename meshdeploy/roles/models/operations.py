@@ -5,14 +5,14 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from meshdeploy.deploy import distribution, inflight, progress, share, shell
-from meshdeploy.deploy.context import HostContext, SecretStdin, Step, Transfer, stored_teardown
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
-from meshdeploy.deploy.model import HfSource, OllamaSource, PathSource  # noqa: F401 (engine)
-from meshdeploy.deploy.paths import model_dir, model_files, ollama_blob
-from meshdeploy.deploy.plan import AttrDiff
-from meshdeploy.deploy.probe import Section
+from meshdeploy.config.model import HfSource, OllamaSource, PathSource  # noqa: F401 (engine)
+from meshdeploy.core import distribution, inflight, progress, share, shell
+from meshdeploy.core.context import HostContext, SecretStdin, Step, Transfer, stored_teardown
+from meshdeploy.core.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
+from meshdeploy.core.paths import model_dir, model_files, ollama_blob
+from meshdeploy.core.plan import AttrDiff
+from meshdeploy.core.probe import Section
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.models import defaults as d
 from meshdeploy.roles.models.facts import DiskFree, ModelFile, OllamaManifest, Stored
 

@@ -1,7 +1,7 @@
 """network: each host's meshdeploy ports filtered to their peers (nftables `inet meshdeploy`),
 and the WireGuard tunnel between orchestrators and workers (network.transport: wireguard)."""
 
-from meshdeploy.deploy.registry import Prepared, Resource, Role
+from meshdeploy.core.registry import Prepared, Resource, Role
 from meshdeploy.roles.network import operations as ops
 
 ROLE = Role(
@@ -24,7 +24,3 @@ ROLE = Role(
                  cluster_wide=True, replaceable=True),
     ),
 )
-
-allowlist = ROLE.operation("allowlist")
-wireguard_key = ROLE.operation("wireguard_key")
-wireguard = ROLE.operation("wireguard")

@@ -7,7 +7,7 @@ import json
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import probe, shell
+from meshdeploy.core import probe, shell
 from meshdeploy.roles.network import defaults as d
 from meshdeploy.roles.network.rules import LOOPBACK, TEMPLATES, VIA, normalize, port_key
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import hashlib
 import posixpath
 
-from meshdeploy.deploy import shell
-from meshdeploy.deploy.context import HostContext, Step
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.plan import AttrDiff
-from meshdeploy.deploy.probe import Section
-from meshdeploy.deploy.registry import Teardown
+from meshdeploy.core import shell
+from meshdeploy.core.context import HostContext, Step, Teardown
+from meshdeploy.core.plan import AttrDiff
+from meshdeploy.core.probe import Section
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import defaults as d
 from meshdeploy.roles.network import rules
 from meshdeploy.roles.network import tunnel as wgr

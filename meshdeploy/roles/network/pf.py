@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from meshdeploy.deploy import shell
+from meshdeploy.core import shell
 from meshdeploy.roles.network import defaults as d
 from meshdeploy.roles.network.rules import LOOPBACK, Port, comment_text, ports, split_source
 

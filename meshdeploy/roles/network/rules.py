@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from meshdeploy.deploy import distribution, shell
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.paths import model_share_port
-from meshdeploy.deploy.plan import AttrDiff
+from meshdeploy.core import distribution, shell
+from meshdeploy.core.paths import model_share_port
+from meshdeploy.core.plan import AttrDiff
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import defaults as d
 
 LOOPBACK = d.network_loopback

@@ -20,8 +20,8 @@ import ipaddress
 import plistlib
 import re
 
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.plan import AttrDiff
+from meshdeploy.core.plan import AttrDiff
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import defaults as d
 
 # A Curve25519 public key as wg prints it: 32 bytes in base64.

@@ -1,8 +1,9 @@
 """rpc_cache: device memory and placement, and rpc-server caches seeded from the worker's GGUF."""
 
-from meshdeploy.deploy.registry import Prepare, Prepared, Resource, Role
-from meshdeploy.roles.rpc_cache import layout, seeding, sharing
+from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
+from meshdeploy.roles.rpc_cache import layout
 from meshdeploy.roles.rpc_cache import operations as ops
+from meshdeploy.roles.rpc_cache import seeding, sharing
 from meshdeploy.roles.rpc_cache.tensors import GgufHeaderError, header_bytes
 
 
@@ -40,7 +41,3 @@ ROLE = Role(
                  rereads=(("rpc_cache.share", "rpc_cache.Digests"),)),
     ),
 )
-
-seed_tool = ROLE.operation("seed_tool")
-share = ROLE.operation("share")
-seed = ROLE.operation("seed")

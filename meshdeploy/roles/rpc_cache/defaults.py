@@ -1,6 +1,6 @@
 """Defaults of the rpc_cache role (see README.md)."""
 
-from meshdeploy.deploy.paths import rpc_cache_dir
+from meshdeploy.core.paths import rpc_cache_dir
 
 # --- what rpc-server caches (ggml-rpc.cpp, RPC protocol v7) ---------------------------------------
 # rpc_use_hash_cache(): weights with size > 10 MiB travel as an FNV-1a hash first.
@@ -33,5 +33,5 @@ rpc_cache_http_timeout = 60
 rpc_cache_compute_headroom_bytes = 512 * 1024 * 1024
 
 # rpc-server keeps its entries under $LLAMA_CACHE/rpc; services.rpc_server sets LLAMA_CACHE to
-# the unit's CacheDirectory: /var/cache/meshdeploy-rpc-<port>/rpc (meshdeploy.deploy.paths).
+# the unit's CacheDirectory: /var/cache/meshdeploy-rpc-<port>/rpc (meshdeploy.core.paths).
 cache_dir_for = rpc_cache_dir

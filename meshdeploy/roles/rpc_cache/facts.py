@@ -6,7 +6,7 @@ import re
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import probe, shell
+from meshdeploy.core import probe, shell
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.memory import metal_working_set, vulkan_devices
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.plan import Placement, PlacementRow
-from meshdeploy.roles.rpc_cache import kvcache
+from meshdeploy.core.plan import Placement, PlacementRow
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import defaults as d
+from meshdeploy.roles.rpc_cache import kvcache
 from meshdeploy.roles.rpc_cache.memory import device_free
 from meshdeploy.roles.rpc_cache.placement import device_tensors, fits, place, wire_bytes
 

@@ -15,16 +15,22 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshdeploy.deploy import distribution, inflight, progress, share, shell, transient
-from meshdeploy.deploy.context import HostContext, Step, Transfer, stored_teardown
-from meshdeploy.deploy.model import rpc_unit_name
-from meshdeploy.deploy.paths import model_path
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.plan import AttrDiff
-from meshdeploy.deploy.probe import Section
+from meshdeploy.config.model import rpc_unit_name
+from meshdeploy.core import distribution, inflight, progress, share, shell, transient
+from meshdeploy.core.context import HostContext, Step, Transfer, stored_teardown
+from meshdeploy.core.paths import model_path
+from meshdeploy.core.plan import AttrDiff
+from meshdeploy.core.probe import Section
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache.facts import (CacheDir, CacheFree, DeviceMemory, Digests, SeedTool,
-                                             Stored)
+from meshdeploy.roles.rpc_cache.facts import (
+    CacheDir,
+    CacheFree,
+    DeviceMemory,
+    Digests,
+    SeedTool,
+    Stored,
+)
 from meshdeploy.roles.rpc_cache.placement import wire_bytes
 from meshdeploy.roles.rpc_cache.tensors import Tensor
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshdeploy.deploy.model import MAX_TENSOR_SPLIT
+from meshdeploy.config.model import MAX_TENSOR_SPLIT
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.tensors import Tensor
 

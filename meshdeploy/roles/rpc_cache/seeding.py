@@ -16,16 +16,21 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from meshdeploy.deploy import distribution
-from meshdeploy.deploy.context import HostContext, Step
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfSource, OllamaSource, rpc_ref
-from meshdeploy.deploy.paths import model_path, ollama_blob
+from meshdeploy.config.model import HfSource, OllamaSource, rpc_ref
+from meshdeploy.core import distribution
+from meshdeploy.core.context import HostContext, Step
+from meshdeploy.core.paths import model_path, ollama_blob
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import layout
-from meshdeploy.roles.rpc_cache.tensors import (GgufHeaderError, header_from_http, model_shape,
-                                                read_header, weight_tensors)
+from meshdeploy.roles.rpc_cache import operations as ops
+from meshdeploy.roles.rpc_cache.tensors import (
+    GgufHeaderError,
+    header_from_http,
+    model_shape,
+    read_header,
+    weight_tensors,
+)
 
 
 def header_url(cluster, model) -> str:

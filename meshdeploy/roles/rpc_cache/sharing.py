@@ -7,7 +7,7 @@ internet and verifies its sha256 (models.gguf), and this step, on that host,
 
 - makes the model's digest list once from that verified file: "<gguf sha256> <offset> <size>
   <16hex fnv> <sha256>" per hashed tensor (md-rpc-seed --digest), beside the GGUF;
-- when some worker misses tensors, starts md-share (meshdeploy.deploy.share): ranged GETs of the
+- when some worker misses tensors, starts md-share (meshdeploy.core.share): ranged GETs of the
   GGUF, bound to the host's cluster address, answering only the fetching hosts
   (network.allowlist opens its port to them alone), gone by itself once idle.
 
@@ -18,12 +18,13 @@ FNV-1a and sha256 are the list's: a worker never caches bytes that differ from t
 
 from __future__ import annotations
 
-from meshdeploy.deploy import distribution, inflight, shell
-from meshdeploy.deploy import share as md_share
-from meshdeploy.deploy.context import HostContext, Step
-from meshdeploy.deploy.model import rpc_ref
-from meshdeploy.deploy.paths import model_path, model_share_port
-from meshdeploy.deploy.plan import AttrDiff
+from meshdeploy.config.model import rpc_ref
+from meshdeploy.core import distribution, inflight
+from meshdeploy.core import share as md_share
+from meshdeploy.core import shell
+from meshdeploy.core.context import HostContext, Step
+from meshdeploy.core.paths import model_path, model_share_port
+from meshdeploy.core.plan import AttrDiff
 from meshdeploy.roles.rpc_cache import operations as ops
 
 ROLE = ops.ROLE

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from gguf import GGUFReader
 
-from meshdeploy.deploy.gguf import GgufHeaderError, Header, from_reader, header_end, parse_header
+from meshdeploy.core.gguf import GgufHeaderError, Header, from_reader, header_end, parse_header
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.kvcache import swa_layers
 

@@ -1,7 +1,7 @@
 """services: rpc-server and llama-server units (systemd, launchd), restarted when they change."""
 
-from meshdeploy.deploy.registry import Prepare, Prepared, Resource, Role
-from meshdeploy.deploy.config_checks import warnings_for
+from meshdeploy.config.checks import warnings_for
+from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
 from meshdeploy.roles.services import operations as ops
 from meshdeploy.roles.services.logs import log_sources
 
@@ -33,7 +33,3 @@ ROLE = Role(
                  keys=lambda cluster: [s.name for s in cluster.servers], rereads=_MANIFEST),
     ),
 )
-
-cleanup = ROLE.operation("cleanup")
-rpc_server = ROLE.operation("rpc_server")
-llama_server = ROLE.operation("llama_server")

@@ -6,8 +6,8 @@ without a host, and so flags that moved between llama.cpp versions are decided i
 
 from __future__ import annotations
 
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import Cluster, Host, RpcServer, Server
+from meshdeploy.config.model import Cluster, Host, RpcServer, Server
+from meshdeploy.errors import PlanError
 
 # Option names llama-server's --help lists in the tree meshdeploy is tested against (b11312):
 # -lm/--load-mode replaced --mmap/--no-mmap/--mlock/--direct-io there.

@@ -6,7 +6,7 @@ import re
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import probe, shell
+from meshdeploy.core import probe, shell
 from meshdeploy.roles.services import defaults as d
 
 _MODE = re.compile(r"[0-7]{1,6}")  # stat's %a / %Lp: octal digits only

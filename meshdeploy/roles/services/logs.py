@@ -3,8 +3,8 @@ the words `meshdeploy logs` selects it by."""
 
 from __future__ import annotations
 
-from meshdeploy.deploy.model import Cluster, rpc_ref
-from meshdeploy.deploy.registry import LogSource
+from meshdeploy.config.model import Cluster, rpc_ref
+from meshdeploy.core.registry import LogSource
 from meshdeploy.roles.services import defaults as d
 from meshdeploy.roles.services.operations import Launchd
 

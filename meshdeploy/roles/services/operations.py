@@ -7,21 +7,28 @@ import ipaddress
 from pathlib import Path
 from string import Template
 
-from meshdeploy.deploy import progress, shell
-from meshdeploy.deploy.config_checks import warnings_for
-from meshdeploy.deploy.context import HostContext, Step
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.model import HfResolved, rpc_ref
-from meshdeploy.deploy.paths import installed_build, manifest_for, model_path, rpc_server_cache
-from meshdeploy.deploy.plan import AttrDiff
-from meshdeploy.deploy.probe import Section
-from meshdeploy.deploy.registry import Teardown
+from meshdeploy.config.checks import warnings_for
+from meshdeploy.config.model import HfResolved, rpc_ref
+from meshdeploy.core import progress, shell
+from meshdeploy.core.context import HostContext, Step, Teardown
+from meshdeploy.core.paths import installed_build, manifest_for, model_path, rpc_server_cache
+from meshdeploy.core.plan import AttrDiff
+from meshdeploy.core.probe import Section
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
 from meshdeploy.roles.services.facts import KeyFile, Rtt, Units
-from meshdeploy.roles.services.units import (SystemdExpr, comment_value, env_line, exec_line,
-                                             ip_literals, line_value, ordered_after, plist,
-                                             unit_name)
+from meshdeploy.roles.services.units import (
+    SystemdExpr,
+    comment_value,
+    env_line,
+    exec_line,
+    ip_literals,
+    line_value,
+    ordered_after,
+    plist,
+    unit_name,
+)
 
 ROLE = "services"
 TEMPLATES = Path(__file__).with_name("templates")

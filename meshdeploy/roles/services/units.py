@@ -19,7 +19,7 @@ import ipaddress
 import plistlib
 import re
 
-from meshdeploy.deploy.errors import PlanError
+from meshdeploy.errors import PlanError
 
 
 class SystemdExpr(str):

@@ -1,6 +1,6 @@
 """toolchain: build tools (cmake, compiler, git, curl, ninja, ccache) and the apt proxy."""
 
-from meshdeploy.deploy.registry import Resource, Role
+from meshdeploy.core.registry import Resource, Role
 from meshdeploy.roles.toolchain import operations as ops
 
 ROLE = Role(
@@ -16,6 +16,3 @@ ROLE = Role(
                  "the packages that build llama.cpp and md-rpc-seed"),
     ),
 )
-
-apt_proxy = ROLE.operation("apt_proxy")
-packages = ROLE.operation("packages")

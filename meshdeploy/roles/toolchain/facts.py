@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pyinfra.api import FactBase
 
-from meshdeploy.deploy import probe, shell
+from meshdeploy.core import probe, shell
 from meshdeploy.roles.toolchain import defaults as d
 
 _TOOLS = ("cmake", "cc", "c++", "g++", "git", "curl", "ninja", "ccache", "nvcc", "nvidia-smi",

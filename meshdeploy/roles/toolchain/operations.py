@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
-from meshdeploy.deploy import distribution, shell
-from meshdeploy.deploy.context import HostContext, Step
-from meshdeploy.deploy.errors import PlanError
-from meshdeploy.deploy.plan import AttrDiff
-from meshdeploy.deploy.probe import Section
+from meshdeploy.core import distribution, shell
+from meshdeploy.core.context import HostContext, Step, Teardown
+from meshdeploy.core.plan import AttrDiff
+from meshdeploy.core.probe import Section
+from meshdeploy.errors import PlanError
 from meshdeploy.roles.toolchain import defaults as d
 from meshdeploy.roles.toolchain.facts import AptProxy, DebPackages, Platform
 
@@ -143,11 +143,9 @@ def packages(ctx: HostContext) -> Step:
                 [command], sudo=manager != "brew")
 
 
-def destroy(ctx: HostContext, purge: bool):
+def destroy(ctx: HostContext, purge: bool) -> Teardown:
     """meshdeploy's apt proxy snippet; the packages stay, whatever purge says (other software on
     the host may need cmake, git or a compiler, and they are the host's tools, not a cluster's)."""
-    from meshdeploy.deploy.registry import Teardown
-
     if ctx.fact("toolchain.AptProxy") is None:
         return Teardown()
     path = d.toolchain_apt_proxy_file

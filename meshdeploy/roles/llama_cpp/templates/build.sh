@@ -20,7 +20,7 @@ fi
 SHORT=$(printf '%.7s' "$COMMIT")
 md_progress phase configure
 cmake -S "$SRC" -B "$TREE" -G Ninja "$@" "-DLLAMA_BUILD_NUMBER=$NUMBER" "-DLLAMA_BUILD_COMMIT=$SHORT" > "$TREE.configure.log" 2>&1 || { tail -n 30 "$TREE.configure.log" >&2; exit 1; }
-# Live progress: ninja's last "[done/total]" line of the log, every 2 s (deploy/progress.py).
+# Live progress: ninja's last "[done/total]" line of the log, every 2 s (core/progress.py).
 build_progress() { L=$(tail -n 200 "$TREE.build.log" 2>/dev/null | grep -a '^\[[0-9]*/[0-9]*\]' | tail -n 1); [ -z "$L" ] || md_progress build "$L"; }
 export NINJA_STATUS='[%f/%t] '
 : > "$TREE.build.log"; md_watch build_progress; C=0

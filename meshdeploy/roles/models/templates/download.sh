@@ -2,7 +2,7 @@
 # it (the marker). Inputs: F, P (the partial), SIZE, SHA, URL, AUTH (non-empty: the
 # Authorization header arrives on standard input, read by curl -H @-), LAN (non-empty: from
 # another host's md-share), RETRIES, MARKER; md_progress, md_watch and md_unwatch come from the
-# prelude (deploy/progress.py). Line by line:
+# prelude (core/progress.py). Line by line:
 # - An earlier run's download may have finished while this run was planning.
 # - A partial longer than the file, or a finished one with the wrong bytes, starts over.
 # - curl keeps the header in memory for its retries, and since 7.58 drops a custom

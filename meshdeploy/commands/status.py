@@ -1,0 +1,114 @@
+"""meshdeploy status: per host and service, what runs and whether it answers."""
+
+from __future__ import annotations
+
+import json
+
+from tabulate import tabulate
+
+from meshdeploy.core import shell
+from meshdeploy.core.paths import llama_cpp_paths
+
+# rpc-server serves one client at a time: while llama-server holds the connection, a HELLO
+# waits in the backlog. A short timeout turns that into "busy" instead of a hang.
+HELLO = r"""
+import socket, struct, sys
+def recv(s, n):
+    b = b""
+    while len(b) < n:
+        c = s.recv(n - len(b))
+        if not c:
+            raise EOFError
+        b += c
+    return b
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2)
+except OSError:
+    print("down"); sys.exit()
+try:
+    s.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
+    n = struct.unpack("<Q", recv(s, 8))[0]
+    d = recv(s, n)
+    print("%d.%d.%d" % (d[0], d[1], d[2]))
+except socket.timeout:
+    print("busy")
+except (OSError, EOFError):
+    print("no-hello")
+"""
+
+
+# One line per service; every value arrives as a positional parameter, never as shell text.
+_RPC = ('printf \'rpc %s %s %s\\n\' "$2" "$(systemctl is-active "$3" 2>/dev/null)" '
+        '"$(python3 -c "$HELLO" "$1" "$2" 2>/dev/null || echo n/a)"')
+_SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/dev/null)" '
+           '"$(curl -s -o /dev/null -w \'%{http_code}\' --max-time 5 "$3/health")"; '
+           'printf \'models %s %s\\n\' "$1" "$(curl -s --max-time 5 "$3/v1/models" | tr -d \'\\n\')"')
+
+
+def host_script(cluster, host) -> str:
+    """The status probe of one host: runs as the login user (nothing here needs root)."""
+    p = llama_cpp_paths(cluster.llama_cpp.prefix)
+    lines = [shell.script('printf \'proto %s\\n\' "$(sed -n \'s/^proto=//p\' "$CURRENT/manifest" '
+                          '2>/dev/null)"', CURRENT=p["current"])]
+    for rpc in host.rpc_servers:
+        lines.append(shell.subshell(shell.script(_RPC, args=[rpc.bind, rpc.port, rpc.unit_name],
+                                                 HELLO=HELLO)))
+    for server in (s for s in cluster.servers if s.host == host.name):
+        lines.append(shell.subshell(shell.script(_SERVER,
+                                                 args=[server.name, server.unit_name,
+                                                       server.local_url])))
+    return "\n".join(lines) + "\ntrue"
+
+
+def collect(session) -> list[dict]:
+    import gevent
+
+    cluster = session.cluster
+    rows: list[dict] = []
+
+    def one(host):
+        ok, output = session.run(host.name, host_script(cluster, host), sudo=False)
+        proto = ""
+        for line in output.stdout_lines if ok else []:
+            kind, _, rest = line.partition(" ")
+            if kind == "proto":
+                proto = rest.strip()
+            elif kind == "rpc":
+                port, state, hello = (rest.split() + ["", "", ""])[:3]
+                live = hello if hello not in ("busy", "down", "no-hello", "n/a") else None
+                rows.append({"host": host.name, "service": f"rpc-server :{port}", "unit": state,
+                             "answer": f"protocol {live}" if live else
+                             {"busy": "listening (a client is connected)", "down": "not listening",
+                              "no-hello": "listening, no HELLO reply"}.get(hello, hello),
+                             "protocol": live or proto or None,
+                             "healthy": state == "active" and hello not in ("down", "no-hello")})
+            elif kind == "server":
+                name, state, code = (rest.split() + ["", "", ""])[:3]
+                rows.append({"host": host.name, "service": f"llama-server {name}", "unit": state,
+                             "answer": {"200": "healthy", "503": "loading"}.get(code, f"HTTP {code or '-'}"),
+                             "protocol": proto or None, "model": None,
+                             "healthy": state == "active" and code == "200"})
+            elif kind == "models":
+                name, _, body = rest.partition(" ")
+                try:
+                    ids = [m.get("id") for m in json.loads(body).get("data", [])]
+                except ValueError:
+                    ids = []
+                for row in rows:
+                    if row["host"] == host.name and row["service"] == f"llama-server {name}":
+                        row["model"] = ", ".join(i for i in ids if i) or None
+        if not ok:
+            rows.append({"host": host.name, "service": "-", "unit": "unknown",
+                         "answer": "status probe failed", "protocol": None, "healthy": False})
+
+    gevent.joinall([gevent.spawn(one, h) for h in session.hosts()])
+    order = {h.name: i for i, h in enumerate(cluster.hosts)}
+    rows.sort(key=lambda r: (order[r["host"]], r["service"]))
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    table = [[r["host"], r["service"], r["unit"], r["answer"], r.get("protocol") or "",
+              r.get("model") or "", "yes" if r["healthy"] else "NO"] for r in rows]
+    return tabulate(table, headers=["host", "service", "unit", "answer", "protocol", "model",
+                                    "healthy"])

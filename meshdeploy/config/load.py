@@ -1,0 +1,217 @@
+"""Load a cluster file: YAML with positions, JSON Schema, semantic checks, then the typed model.
+
+Every problem becomes a ConfigIssue pointing at file:line:col, so a user fixes the file without
+guessing. The schema checks the plain data; the typed model (meshdeploy.config.model) is built
+from it, and the checks the schema cannot express (meshdeploy.config.checks) run on that
+model, pointing back into the file through the Document.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import ipaddress
+import os
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml.scalarbool import ScalarBoolean
+
+from meshdeploy.config import checks as config_checks
+from meshdeploy.config.document import Document
+from meshdeploy.config.model import (
+    DEFAULT_DEVICES,
+    SSH,
+    Build,
+    Cluster,
+    Health,
+    HfSource,
+    Host,
+    HuggingFace,
+    LlamaCpp,
+    Model,
+    Network,
+    OllamaSource,
+    PathSource,
+    RpcServer,
+    Server,
+    Toolchain,
+    WireGuard,
+    rpc_ref,
+    tunnel_binds,
+)
+from meshdeploy.config.schema import (
+    load_schema,
+    schema_issues,
+)
+from meshdeploy.errors import ConfigError
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read, validate and resolve a cluster file; raises ConfigError listing every problem."""
+    doc = Document.read(path)
+    issues = schema_issues(doc)
+    if issues:
+        raise ConfigError(issues)
+    cluster = build_cluster(doc, fill_defaults(doc.root, load_schema()))
+    issues = config_checks.check(doc, cluster)
+    if issues:
+        raise ConfigError(issues)
+    return cluster
+
+
+
+
+# -- defaults and the typed model ------------------------------------------------------------
+
+def fill_defaults(instance: Any, schema: dict, root: dict | None = None) -> Any:
+    """Plain data (no ruamel types) with every schema default filled in."""
+    root = root or schema
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            target = target[part]
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    if isinstance(instance, dict):
+        out = {}
+        props = schema.get("properties", {})
+        for key, sub in props.items():
+            if key in instance:
+                out[key] = fill_defaults(instance[key], sub, root)
+            elif "default" in sub and schema.get("maxProperties") != 1:
+                # A model's sources are alternatives: defaulting the absent ones would
+                # give every model several sources.
+                out[key] = fill_defaults(copy.deepcopy(sub["default"]), sub, root)
+        extra = schema.get("additionalProperties")
+        for key, value in instance.items():
+            if key not in props:
+                out[str(key)] = fill_defaults(value, extra, root) if isinstance(extra, dict) \
+                    else value
+        return out
+    if isinstance(instance, list):
+        items = schema.get("items", {})
+        return [fill_defaults(v, items, root) for v in instance]
+    if isinstance(instance, (bool, ScalarBoolean)):
+        return bool(instance)
+    if isinstance(instance, int):
+        return int(instance)
+    if isinstance(instance, float):
+        return float(instance)
+    if isinstance(instance, str):
+        return str(instance)
+    return instance
+
+
+def unset(value: str) -> str | None:
+    return value if value != "" else None
+
+
+def control_path(value: str, base: Path) -> str | None:
+    """A path on the control machine: ~ expanded, relative to the cluster file's folder."""
+    if value == "":
+        return None
+    path = Path(os.path.expanduser(value))
+    if not path.is_absolute():
+        path = base / path
+    return str(path)
+
+
+def resolve_bind(host: dict, rpc: dict, rule: str) -> str | None:
+    """-H value for an rpc-server, or None when the rule needs an address that isn't IPv4."""
+    if rpc["bind"]:
+        return rpc["bind"]
+    if rule == "loopback":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.IPv4Address(host["address"]))
+    except ValueError:
+        return None
+
+
+def host_devices(host: dict) -> tuple[str, ...]:
+    return tuple(host["devices"]) or DEFAULT_DEVICES[host["backend"]]
+
+
+def rpc_refs(data: dict, server: dict) -> tuple[str, ...] | None:
+    """The file's rpc setting resolved to "host:port" names; None for `none`."""
+    if server["rpc"] == "none":
+        return None
+    if server["rpc"]:
+        return tuple(server["rpc"])
+    return tuple(rpc_ref(name, rpc["port"]) for name, host in data["hosts"].items()
+                 for rpc in host["rpc_servers"])
+
+
+def build_cluster(doc: Document, data: dict) -> Cluster:
+    """The typed model of schema-valid `data`; config_checks.check decides whether it is usable
+    (until then an rpc-server on a DNS-named host without a bind has bind None)."""
+    base = doc.path.parent
+    lc = data["llama_cpp"]
+    b = lc["build"]
+    hf = data["huggingface"]
+    net = data["network"]
+    hosts = []
+    for name, h in data["hosts"].items():
+        rpcs = tuple(
+            RpcServer(port=r["port"], bind=resolve_bind(h, r, net["rpc_bind"]),
+                      device=unset(r["device"]), threads=r["threads"], cache=r["cache"],
+                      fetch=r["fetch"])
+            for r in h["rpc_servers"])
+        s = h["ssh"]
+        ssh = SSH(user=unset(s["user"]), port=s["port"], key=control_path(s["key"], base),
+                  config=control_path(s["config"], base), sudo=s["sudo"],
+                  host_key=unset(s["host_key"]))
+        hosts.append(Host(name=name, address=h["address"], ssh=ssh, backend=h["backend"],
+                          devices=host_devices(h), rpc_servers=rpcs,
+                          connection=h["connection"]))
+    models = {name: Model(name, model_source(m)) for name, m in data["models"].items()}
+    servers = tuple(
+        Server(name=name, host=s["host"], model=s["model"], port=s["port"], bind=s["bind"],
+               ctx_size=s["ctx_size"], n_gpu_layers=s["n_gpu_layers"],
+               tensor_split=s["tensor_split"] if s["tensor_split"] == "auto"
+               else tuple(float(v) for v in s["tensor_split"]),
+               rpc=rpc_refs(data, s), load_mode=unset(s["load_mode"]),
+               api_key_file=unset(s["api_key_file"]), allow=tuple(s["allow"]),
+               extra_args=tuple(s["extra_args"]),
+               health=Health(s["health"]["retries"], float(s["health"]["interval"])),
+               allow_unauthenticated=s["allow_unauthenticated"])
+        for name, s in data["servers"].items())
+    wg = net["wireguard"]
+    cluster = Cluster(
+        name=data["cluster"],
+        path=doc.path,
+        llama_cpp=LlamaCpp(
+            repo=lc["repo"], ref=lc["ref"], prefix=lc["prefix"], keep_builds=lc["keep_builds"],
+            build=Build(type=b["type"], jobs=b["jobs"], ccache=b["ccache"],
+                        ccache_dir=unset(b["ccache_dir"]), cmake_flags=tuple(b["cmake_flags"]),
+                        serial=b["serial"])),
+        toolchain=Toolchain(apt_proxy=unset(data["toolchain"]["apt_proxy"])),
+        huggingface=HuggingFace(endpoint=hf["endpoint"],
+                                api_endpoint=hf["api_endpoint"] or hf["endpoint"],
+                                token_file=control_path(hf["token_file"], base),
+                                trusted_http_endpoints=tuple(
+                                    e.rstrip("/") for e in hf["trusted_http_endpoints"])),
+        network=Network(rpc_bind=net["rpc_bind"], allow_public=net["allow_public"],
+                        firewall=net["firewall"], transport=net["transport"],
+                        wireguard=WireGuard(subnet=wg["subnet"], listen_port=wg["listen_port"],
+                                            interface=wg["interface"],
+                                            addresses=tuple(wg["addresses"].items()))),
+        hosts=tuple(hosts),
+        models=models,
+        servers=servers,
+        source_hash=hashlib.sha256(doc.raw).hexdigest(),
+    )
+    return tunnel_binds(cluster)
+
+
+def model_source(m: dict) -> HfSource | OllamaSource | PathSource:
+    if "huggingface" in m:
+        h = m["huggingface"]
+        files = (h["file"],) if h["file"] else tuple(h["files"])
+        return HfSource(repo=h["repo"], files=files, revision=h["revision"],
+                        sha256=unset(h["sha256"]), endpoint=unset(h["endpoint"]))
+    if "ollama" in m:
+        o = m["ollama"]
+        model, _, tag = o["model"].partition(":")
+        return OllamaSource(model=model, tag=tag or "latest", store=unset(o["store"]))
+    return PathSource(path=m["path"])

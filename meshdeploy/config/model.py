@@ -1,0 +1,474 @@
+"""The typed cluster model: what a validated cluster file means, with every default resolved.
+
+Everything here is frozen and already checked by meshdeploy.config.load.load_cluster, so the
+engine never re-validates and never sees "" for "unset": unset optional values are None.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal, NamedTuple, Union
+
+BACKENDS = ("cpu", "cuda", "metal", "vulkan", "rocm")
+
+# What a host's llama.cpp calls its accelerators when the file lists none.
+DEFAULT_DEVICES = {
+    "cpu": (),
+    "cuda": ("CUDA0",),
+    "metal": ("MTL0",),
+    "vulkan": ("Vulkan0",),
+    "rocm": ("ROCm0",),
+}
+
+# rpc-server and llama-server accept -d CPU on every backend.
+CPU_DEVICE = "CPU"
+
+# common/arg.cpp refuses -ts with llama_max_devices() (16) values or more.
+MAX_TENSOR_SPLIT = 15
+
+# A bind on every interface (rpc-server -H, llama-server --host).
+WILDCARD = "0.0.0.0"
+
+PRIVATE_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "127.0.0.0/8",
+    "fd00::/8"))
+
+
+@dataclass(frozen=True)
+class Build:
+    type: str
+    jobs: int  # 0 = number of cores of the building host
+    ccache: bool
+    ccache_dir: str | None
+    cmake_flags: tuple[str, ...]
+    serial: bool
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    repo: str
+    ref: str
+    build: Build
+    prefix: str
+    keep_builds: int
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    apt_proxy: str | None
+
+
+@dataclass(frozen=True)
+class HuggingFace:
+    endpoint: str  # what hosts download from
+    api_endpoint: str  # what the control machine queries (already defaulted to endpoint)
+    token_file: str | None  # control-machine path, ~ expanded; None = $HF_TOKEN / default file
+    # http:// endpoints a token may travel to in clear text (https ones always may), no "/" at
+    # the end; roles.models.hf refuses to send one anywhere else.
+    trusted_http_endpoints: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WireGuard:
+    """network.wireguard: the tunnel between each orchestrator and its workers."""
+
+    subnet: str = "10.99.0.0/16"
+    listen_port: int = 51820
+    interface: str = "mdwg0"
+    addresses: tuple[tuple[str, str], ...] = ()  # explicit (host name, address) pairs
+
+    def address(self, host_name: str) -> str:
+        """The host's tunnel address: the explicit one, else derived from its name alone (so it
+        stays put when other hosts come and go; config_checks refuses two hosts on one)."""
+        for name, address in self.addresses:
+            if name == host_name:
+                return address
+        return derived_tunnel_address(self.subnet, host_name)
+
+    @property
+    def unit(self) -> str:
+        """The systemd unit that brings the interface up (wg-quick's template)."""
+        return f"wg-quick@{self.interface}"
+
+
+def derived_tunnel_address(subnet: str, host_name: str) -> str:
+    """subnet's network address + 1 + (first 8 bytes of sha256(name) mod the usable hosts)."""
+    net = ipaddress.IPv4Network(subnet)
+    usable = max(net.num_addresses - 2, 1)
+    digest = int.from_bytes(hashlib.sha256(host_name.encode()).digest()[:8], "big")
+    return str(net.network_address + 1 + digest % usable)
+
+
+@dataclass(frozen=True)
+class Network:
+    rpc_bind: Literal["address", "loopback"]
+    allow_public: bool
+    firewall: bool = True  # roles/network: the allow-list table on every host
+    transport: Literal["plain", "wireguard"] = "plain"
+    wireguard: WireGuard = WireGuard()
+
+    @property
+    def tunnel(self) -> bool:
+        return self.transport == "wireguard"
+
+
+@dataclass(frozen=True)
+class SSH:
+    user: str | None  # None = the ssh default (current user / ssh_config)
+    port: int
+    key: str | None  # absolute control-machine path
+    config: str | None  # absolute control-machine path of an ssh_config
+    sudo: bool
+    # "yes", "accept-new" or "no"; None = the ssh_config's StrictHostKeyChecking, else "yes"
+    # (meshdeploy.remote.ssh_settings resolves it).
+    host_key: str | None = None
+
+
+@dataclass(frozen=True)
+class RpcServer:
+    port: int
+    # The resolved IPv4 literal for -H, never "". None only in a cluster that config_checks
+    # refuses (a DNS-named host and no bind).
+    bind: str
+    device: str | None  # None = every device of the host
+    threads: int  # 0 = rpc-server's default
+    cache: bool
+    # With cache: fetch only its tensors of a one-file Hub model from the cluster's copy
+    # (deploy.distribution.tensor_fetches); False: keep a whole GGUF on the host (copies),
+    # seed from it.
+    fetch: bool = True
+
+    @property
+    def unit_name(self) -> str:
+        return rpc_unit_name(self.port)
+
+
+def rpc_unit_name(port: int) -> str:
+    """The rpc-server's unit name, also its cache's name (deploy.paths.rpc_server_cache)."""
+    return f"meshdeploy-rpc-{port}"
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str  # IPv4 literal or DNS name: the SSH target and the default RPC address
+    ssh: SSH
+    backend: str
+    devices: tuple[str, ...]  # resolved: the backend's default when the file lists none
+    rpc_servers: tuple[RpcServer, ...]
+    # "local": the machine meshdeploy runs on, reached without SSH (pyinfra's @local connector,
+    # invoke's local runner for logs and exec); its `ssh` holds the defaults and is not used.
+    connection: Literal["ssh", "local"] = "ssh"
+
+    @property
+    def local(self) -> bool:
+        return self.connection == "local"
+
+    @property
+    def sudo(self) -> bool:
+        """Whether changes on the host go through `sudo -n`: ssh.sudo over SSH; on the local
+        host, whenever meshdeploy itself does not run as root (read when asked: the same file
+        is applied by root and by a user)."""
+        return os.geteuid() != 0 if self.local else self.ssh.sudo
+
+    def rpc_server(self, port: int) -> RpcServer | None:
+        for rpc in self.rpc_servers:
+            if rpc.port == port:
+                return rpc
+        return None
+
+    def rpc_devices(self, rpc: RpcServer) -> tuple[str, ...]:
+        """Devices `rpc` exposes, in the order llama-server counts them: its -d device, else
+        every device of the host (the CPU when it has none)."""
+        if rpc.device is not None:
+            return (rpc.device,)
+        return self.devices or (CPU_DEVICE,)
+
+
+def rpc_ref(host_name: str, port: int) -> str:
+    """The `host:port` name of an rpc-server, as servers.<name>.rpc lists it."""
+    return f"{host_name}:{port}"
+
+
+def parse_rpc_ref(ref: str) -> tuple[str, int]:
+    host_name, _, port = ref.rpartition(":")
+    return host_name, int(port)
+
+
+@dataclass(frozen=True)
+class RpcEndpoint:
+    host: Host
+    rpc: RpcServer
+    address: str  # what the orchestrator dials
+
+    @property
+    def ref(self) -> str:
+        """The rpc-server's `host:port` name (rpc_ref)."""
+        return rpc_ref(self.host.name, self.rpc.port)
+
+    @property
+    def target(self) -> str:
+        """The `address:port` form that goes into llama-server's --rpc list."""
+        return f"{self.address}:{self.rpc.port}"
+
+    @property
+    def ssh_target(self) -> str:
+        """`address:ssh port` of the worker: what the orchestrator's RTT probe connects to."""
+        return f"{self.address}:{self.host.ssh.port}"
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Devices this rpc-server exposes, in the order llama-server counts them."""
+        return self.host.rpc_devices(self.rpc)
+
+
+class ServerDevice(NamedTuple):
+    """One device of a llama-server, in -ts order."""
+
+    label: str  # "host:port/DEV" behind an rpc-server, "host/DEV" on the orchestrator
+    host: Host
+    device: str
+    endpoint: RpcEndpoint | None  # None for the orchestrator's own devices
+
+
+@dataclass(frozen=True)
+class HfSource:
+    repo: str
+    files: tuple[str, ...]  # one file, or the parts of a split GGUF (first part is loaded)
+    revision: str
+    sha256: str | None  # of the single file; None = trust the hub's LFS hash
+    endpoint: str | None  # None = huggingface.endpoint
+
+
+@dataclass(frozen=True)
+class HfFile:
+    name: str
+    size: int
+    sha256: str
+    url: str  # what the host downloads (hosts' endpoint, pinned to the commit)
+
+
+@dataclass(frozen=True)
+class HfResolved:
+    """An HfSource as the hub answers at plan time (roles.models.hf.resolve): the revision's
+    commit and each file's size and sha256; kept in Resolved.models by model name."""
+
+    repo: str
+    commit: str
+    files: tuple[HfFile, ...]
+    # Why downloads need the control machine's token ("gated", "private"); None: public, and
+    # no token is sent to anyone for it.
+    auth: str | None = None
+
+
+@dataclass(frozen=True)
+class OllamaSource:
+    model: str  # "qwen3-coder"
+    tag: str  # "30b"; "latest" when the file names none
+    store: str | None  # None = $OLLAMA_MODELS or ~/.ollama/models on the host
+
+
+@dataclass(frozen=True)
+class PathSource:
+    path: str  # absolute path of a GGUF already on the orchestrator host
+
+
+ModelSource = Union[HfSource, OllamaSource, PathSource]
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    source: ModelSource
+
+
+@dataclass(frozen=True)
+class Health:
+    retries: int
+    interval: float  # seconds
+
+    @property
+    def budget(self) -> float:
+        return self.retries * self.interval
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    host: str  # host name (the orchestrator)
+    model: str  # model name
+    port: int
+    bind: str
+    ctx_size: int  # 0 = the model's training context
+    n_gpu_layers: int
+    tensor_split: Literal["auto"] | tuple[float, ...]
+    # Resolved "host:port" names in --rpc order; () when the cluster has no rpc-server to use,
+    # None when the file says `rpc: none`. The file's `[]` (every rpc-server) is expanded.
+    rpc: tuple[str, ...] | None
+    load_mode: str | None
+    api_key_file: str | None  # path on the host
+    allow: tuple[str, ...]  # who besides loopback may connect (addresses, networks), as written
+    extra_args: tuple[str, ...]
+    health: Health
+    # A non-loopback bind without api_key_file is refused unless this is set (config_checks).
+    allow_unauthenticated: bool = False
+
+    @property
+    def unit_name(self) -> str:
+        return f"meshdeploy-server-{self.name}"
+
+    @property
+    def local_url(self) -> str:
+        """`http://address:port` where the server's own host reaches it (status, /health)."""
+        return f"http://{local_address(self.bind)}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    path: Path
+    llama_cpp: LlamaCpp
+    toolchain: Toolchain
+    huggingface: HuggingFace
+    network: Network
+    hosts: tuple[Host, ...]
+    models: dict[str, Model] = field(hash=False)
+    servers: tuple[Server, ...] = ()
+    source_hash: str = ""  # sha256 of the cluster file's bytes
+
+    def host(self, name: str) -> Host:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(f"no host named {name!r} in cluster {self.name!r}")
+
+    def server(self, name: str) -> Server:
+        for server in self.servers:
+            if server.name == name:
+                return server
+        raise KeyError(f"no server named {name!r} in cluster {self.name!r}")
+
+    def model(self, name: str) -> Model:
+        return self.models[name]
+
+    def runs_llama_cpp(self, host: Host) -> bool:
+        """Whether `host` runs a llama.cpp binary: a llama-server or an rpc-server."""
+        return bool(host.rpc_servers) or any(s.host == host.name for s in self.servers)
+
+    def rpc_servers(self) -> list[tuple[Host, RpcServer]]:
+        """Every rpc-server of the cluster, hosts in file order."""
+        return [(host, rpc) for host in self.hosts for rpc in host.rpc_servers]
+
+    def rpc_ports(self) -> list[int]:
+        """Every port some host runs an rpc-server on: one resource slot each, on every host."""
+        return sorted({rpc.port for _, rpc in self.rpc_servers()})
+
+    def rpc_endpoints(self, server: Server) -> list[RpcEndpoint]:
+        """The rpc-servers `server` uses, in --rpc order, with the address it dials."""
+        if not server.rpc:
+            return []
+        endpoints = []
+        for ref in server.rpc:
+            host_name, port = parse_rpc_ref(ref)
+            host = self.host(host_name)
+            rpc = host.rpc_server(port)
+            if rpc is None:
+                raise KeyError(f"no rpc-server {ref!r} in cluster {self.name!r}")
+            endpoints.append(RpcEndpoint(host, rpc, dial_address(host, rpc, server.host)))
+        return endpoints
+
+    def source_address(self, host: Host) -> str:
+        """The address `host` connects to other hosts' rpc-servers from: its tunnel address
+        under network.transport: wireguard, else its address."""
+        return self.network.wireguard.address(host.name) if self.network.tunnel else host.address
+
+    def tunnel_peers(self, host: Host) -> list[Host]:
+        """Hosts that `host` exchanges RPC with across hosts (its workers, its orchestrators),
+        in file order: its WireGuard peers under network.transport: wireguard."""
+        names = set()
+        for server in self.servers:
+            for e in self.rpc_endpoints(server):
+                if e.host.name != server.host and host.name in (e.host.name, server.host):
+                    names.add(e.host.name if server.host == host.name else server.host)
+        return [h for h in self.hosts if h.name in names]
+
+    def server_devices(self, server: Server) -> list[ServerDevice]:
+        """Every device `server` splits across, in llama-server's -ts order: RPC devices
+        first, then local ones."""
+        out = []
+        for e in self.rpc_endpoints(server):
+            out += [ServerDevice(f"{e.ref}/{dev}", e.host, dev, e) for dev in e.devices]
+        local = self.host(server.host)
+        out += [ServerDevice(f"{server.host}/{dev}", local, dev, None) for dev in local.devices]
+        return out
+
+    def devices_for(self, server: Server) -> list[str]:
+        """Device labels in llama-server's -ts order: RPC devices first, then local ones."""
+        return [d.label for d in self.server_devices(server)]
+
+
+def dial_address(host: Host, rpc: RpcServer, from_host: str) -> str:
+    """Where an orchestrator on `from_host` reaches `rpc` on `host`."""
+    if is_loopback(rpc.bind):
+        return rpc.bind
+    if host.name == from_host:
+        # A wildcard or own-address bind also listens on the host itself; loopback avoids
+        # hairpinning through the host's interface and any firewall on it.
+        return local_address(rpc.bind)
+    if rpc.bind == WILDCARD:
+        return host.address
+    return rpc.bind
+
+
+def reachable_from(host: Host, bind: str, from_host: str) -> bool:
+    """Whether a listener on `host` bound to `bind` answers a client on host `from_host`."""
+    return host.name == from_host or not is_loopback(bind)
+
+
+def local_address(bind: str) -> str:
+    """Where a client on the same host reaches a listener bound to `bind`."""
+    return "127.0.0.1" if bind == WILDCARD else bind
+
+
+def is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1"
+
+
+def is_private(address: str) -> bool:
+    """Whether `address` is a private or loopback IP literal; a host name counts as public
+    (what it resolves to is not known here), and so does the wildcard."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in net for net in PRIVATE_NETWORKS if net.version == ip.version)
+
+
+def tunnel_binds(cluster: Cluster) -> Cluster:
+    """Under network.transport: wireguard, an rpc-server that another host's llama-server uses
+    binds its host's tunnel address only; one that only its own host uses binds loopback (it
+    has no tunnel to listen on). A loopback bind in the file stays. Unchanged for plain, and
+    while the subnet is not a network (config_checks says so)."""
+    if not cluster.network.tunnel:
+        return cluster
+    try:
+        ipaddress.IPv4Network(cluster.network.wireguard.subnet)
+    except ValueError:
+        return cluster
+    remote = {parse_rpc_ref(ref) for s in cluster.servers for ref in s.rpc or ()
+              if parse_rpc_ref(ref)[0] != s.host}
+    hosts = []
+    for host in cluster.hosts:
+        rpcs = []
+        for rpc in host.rpc_servers:
+            if rpc.bind is None or not is_loopback(rpc.bind):
+                bind = (cluster.network.wireguard.address(host.name)
+                        if (host.name, rpc.port) in remote else "127.0.0.1")
+                rpc = replace(rpc, bind=bind)
+            rpcs.append(rpc)
+        hosts.append(replace(host, rpc_servers=tuple(rpcs)))
+    return replace(cluster, hosts=tuple(hosts))

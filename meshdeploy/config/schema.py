@@ -1,0 +1,267 @@
+"""JSON Schema validation of a cluster file, and its errors rewritten for people.
+
+jsonschema's messages ("'x' does not match '^(?!-)...'") mean nothing to a user; each error
+becomes a ConfigIssue at file:line:col that says what the field accepts, with a hint.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import jsonschema
+import jsonschema.validators
+from jsonschema.exceptions import best_match, relevance
+from ruamel.yaml.scalarbool import ScalarBoolean
+
+from meshdeploy.config.document import Document, yaml_type
+from meshdeploy.config.yaml_doc import printable, render_path
+from meshdeploy.errors import ConfigIssue
+
+
+@lru_cache(maxsize=1)
+def load_schema() -> dict:
+    text = resources.files("meshdeploy.schemas").joinpath("cluster.schema.json").read_text()
+    return json.loads(text)
+
+
+
+
+# Why a value failed a `pattern`, by field: its path with names as `*` and list items as `[]`
+# (see field_key), or its bare name where that is unambiguous.
+PATH_MEANING = "is not an absolute, normalized path (no '//', '.' or '..' parts, no trailing '/')"
+PATTERN_MEANING = {
+    "cluster": "is not a valid name (letters, digits, '_', '.', '-'; starts with a letter or digit)",
+    "llama_cpp.repo": "is not a git URL (https, http, git, ssh or file), user@host:path or an "
+                      "absolute path, without spaces, quotes or a leading '-'",
+    "llama_cpp.ref": "is not a git tag, branch or commit (git check-ref-format: no '..', '@{', "
+                     "spaces or ~^:?*[\\, no leading '-', no trailing '/', '.' or '.lock')",
+    "models.*.huggingface.revision": "is not a git branch, tag or commit",
+    "cmake_flags": "is not a cmake -DNAME=VALUE flag",
+    "prefix": PATH_MEANING,
+    "ccache_dir": PATH_MEANING,
+    "store": PATH_MEANING,
+    "path": PATH_MEANING,
+    "api_key_file": PATH_MEANING + " on the host",
+    "apt_proxy": "is not an http:// or https:// proxy URL (scheme://host[:port][/])",
+    "endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
+    "api_endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
+    "trusted_http_endpoints": "is not an http:// URL (https endpoints need no trust; no spaces, "
+                              "quotes or backslashes)",
+    "address": "is not an IPv4 address or DNS name",
+    "devices": "is not a device name like CUDA0, MTL0 or Vulkan0",
+    "device": "is not a device name like CUDA1, MTL0 or CPU",
+    "models.*.huggingface.repo": "is not a Hugging Face repository id (owner/name)",
+    "file": "is not a file in the repository (a relative path without '..' parts, not starting "
+            "with '-' or '/')",
+    "files": "is not a file in the repository (a relative path without '..' parts, not starting "
+             "with '-' or '/')",
+    "sha256": "is not 64 lowercase hex digits",
+    "model": "is not an Ollama model name like qwen3-coder:30b (no '..' or '//')",
+    "rpc": "is not host:port (a host name from hosts, then the rpc-server's port)",
+    "hosts.*.rpc_servers[].bind": "is not an IPv4 address",
+    "servers.*.bind": "is not an IPv4 address or host name",
+    "network.wireguard.subnet": "is not an IPv4 network like 10.99.0.0/16",
+    "network.wireguard.interface": "is not an interface name (1-15 of letters, digits, _=+.-)",
+    "network.wireguard.addresses.*": "is not an IPv4 address",
+}
+
+PATTERN_HINT = {
+    "rpc": "write the host's name from hosts, e.g. node2:50052",
+    "sha256": "sha256sum prints it; leave \"\" to trust the hub's hash",
+    "llama_cpp.repo": "e.g. https://github.com/ggml-org/llama.cpp.git",
+    "llama_cpp.ref": "e.g. b11312, master, or a full 40-hex commit",
+    "apt_proxy": "e.g. http://10.200.0.1:3142",
+    "prefix": "e.g. /opt/meshdeploy (spaces are fine)",
+    "file": "e.g. gemma-3-270m-q4_k_m.gguf, or a folder/file.gguf path in the repository",
+    "files": "e.g. Q4_K_M/model-00001-of-00002.gguf",
+    "servers.*.bind": "e.g. 127.0.0.1, or the host's cluster address",
+}
+
+# What an either/or field accepts, for values that match neither branch.
+ALTERNATIVES = {
+    "tensor_split": "'auto' or a list of numbers, one per device",
+    "rpc": "'none' or a list of host:port entries",
+    "bind": "an IPv4 address such as 10.0.0.5, or \"\" for the network.rpc_bind rule",
+}
+
+# Names under these keys are the user's (hosts.gpu-01); field_key writes them as `*`.
+NAMED = ("hosts", "models", "servers")
+
+
+def field_key(path: tuple) -> str:
+    """`servers.main.rpc[0]` -> `servers.*.rpc[]`: the field, whatever the names and indexes."""
+    generic = tuple("*" if i == 1 and path[0] in NAMED else "[]" if isinstance(step, int)
+                    else step for i, step in enumerate(path))
+    return "".join(s if s == "[]" else f".{s}" for s in generic).lstrip(".")
+
+
+def field_lookup(table: dict, path: tuple) -> Any:
+    name = next((s for s in reversed(path) if isinstance(s, str)), "")
+    return table.get(field_key(path), table.get(name))
+
+
+# JSON Schema's own types are too lenient for a file whose values reach command lines: 50052.0
+# is an "integer" and NaN a "number" there. ruamel's anchored booleans are ints, not bools.
+def is_boolean(_checker: Any, value: Any) -> bool:
+    return isinstance(value, (bool, ScalarBoolean))
+
+
+def is_integer(_checker: Any, value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, (bool, ScalarBoolean))
+
+
+def is_number(checker: Any, value: Any) -> bool:
+    return is_integer(checker, value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def unique_strings(validator: Any, unique: bool, instance: Any, schema: dict):
+    """uniqueItems in linear time: every such list here holds strings, and any other item
+    already fails `items` (jsonschema's own check is quadratic on unhashable items)."""
+    if not unique or not validator.is_type(instance, "array"):
+        return
+    if first_repeat(instance) is not None:
+        yield jsonschema.ValidationError(f"{instance!r} has non-unique elements")
+
+
+def first_repeat(values: list) -> str | None:
+    seen: set[str] = set()
+    for value in values:
+        if isinstance(value, str):
+            if value in seen:
+                return value
+            seen.add(value)
+    return None
+
+
+@lru_cache(maxsize=1)
+def schema_validator() -> Any:
+    strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many(
+        {"boolean": is_boolean, "integer": is_integer, "number": is_number})
+    cls = jsonschema.validators.extend(jsonschema.Draft202012Validator,
+                                       validators={"uniqueItems": unique_strings},
+                                       type_checker=strict)
+    return cls(load_schema())
+
+
+def schema_issues(doc: Document) -> list[ConfigIssue]:
+    errors = list(schema_validator().iter_errors(doc.root))
+    if not errors:
+        return []
+    first = max(errors, key=relevance)  # best_match would descend into oneOf branches
+    errors.sort(key=lambda e: (e is not first, doc.position(tuple(e.absolute_path))))
+    issues: list[ConfigIssue] = []
+    seen: set[ConfigIssue] = set()
+    for error in errors:
+        for issue in error_issues(doc, error):
+            if issue not in seen:
+                seen.add(issue)
+                issues.append(issue)
+    return issues
+
+
+def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[ConfigIssue]:
+    path = tuple(error.absolute_path)
+    name = next((s for s in reversed(path) if isinstance(s, str)), "")
+    value = error.instance
+    kind = error.validator
+    schema = error.schema if isinstance(error.schema, dict) else {}
+
+    if "propertyNames" in error.schema_path:
+        # jsonschema reports the offending name itself as the instance, at its mapping's path.
+        return [doc.issue(path + (value,), f"{show(value)} is not a valid name",
+                          "use letters, digits, '_', '.', '-' (no ':' or spaces)", at_key=True)]
+    if kind in ("oneOf", "anyOf"):
+        # Errors from the branch whose type matched (a bad list item, too many values) say
+        # more than "is not 'auto'"; type/const failures only say the branch did not apply.
+        specific = [e for e in error.context or ()
+                    if len(e.absolute_path) > len(error.absolute_path)
+                    or e.validator not in ("type", "const", "enum")]
+        if specific:
+            return error_issues(doc, best_match(specific, key=relevance))
+        wanted = ALTERNATIVES.get(name, "one of the documented forms")
+        return [doc.issue(path, f"{show(value)} is not {wanted}")]
+    if kind == "additionalProperties":
+        allowed = sorted(schema.get("properties", {}))
+        unknown = [k for k in value if k not in allowed]
+        return [doc.issue(path + (key,), f"unknown key '{printable(str(key))}'",
+                          suggest(str(key), allowed, "allowed keys"), at_key=True)
+                for key in unknown]
+    if kind == "required":
+        missing = [k for k in error.validator_value if k not in value]
+        where = render_path(path) or "the top level"
+        return [doc.issue(path, f"missing required key '{key}'",
+                          f"add '{key}:' under {where}", at_key=True) for key in missing]
+    if kind == "enum":
+        options = [show_option(o) for o in error.validator_value]
+        hint = suggest(str(value), [str(o) for o in error.validator_value if o])
+        if name == "load_mode":
+            hint += " ('none' loads without mmap, the old --no-mmap)"
+        return [doc.issue(path, f"{show(value)} is not one of {', '.join(options)}", hint)]
+    if kind == "type":
+        wanted = error.validator_value
+        hint = None
+        if isinstance(value, float) and not math.isfinite(value):
+            return [doc.issue(path, f"{show(value)} is not a finite number",
+                              "write a number such as 1 or 0.5")]
+        if wanted == "integer" and isinstance(value, float) and value.is_integer():
+            hint = f"write it without the fraction: {int(value)}"
+        elif wanted == "string" and value is not None and not isinstance(value, (dict, list)):
+            hint = f"quote it: '{show(value)}'"
+        label = {"object": "mapping", "array": "list"}.get(wanted, wanted)
+        article = "an" if str(label)[0] in "aeiou" else "a"
+        return [doc.issue(path, f"expected {article} {label}, got {yaml_type(value)} "
+                                f"{show(value)}", hint)]
+    if kind == "pattern":
+        meaning = field_lookup(PATTERN_MEANING, path) or \
+            f"does not match {error.validator_value}"
+        return [doc.issue(path, f"{show(value)} {meaning}", field_lookup(PATTERN_HINT, path))]
+    if kind in ("minimum", "exclusiveMinimum", "maximum"):
+        bound = error.validator_value
+        relation = {"minimum": f"at least {bound}", "exclusiveMinimum": f"more than {bound}",
+                    "maximum": f"at most {bound}"}[kind]
+        return [doc.issue(path, f"{show(value)} is out of range: must be {relation}")]
+    if kind == "minProperties":
+        if name == "hosts":
+            return [doc.issue(path, "needs at least one host", "add a host with an address")]
+        return [doc.issue(path, "needs exactly one source: huggingface, ollama or path")]
+    if kind == "maxProperties":
+        return [doc.issue(path, f"has several sources ({', '.join(value)}); keep exactly one")]
+    if kind == "maxItems":
+        return [doc.issue(path, f"has {len(value)} values; llama.cpp accepts at most "
+                                f"{error.validator_value}")]
+    if kind == "minItems":
+        return [doc.issue(path, "needs at least one value")]
+    if kind == "uniqueItems":
+        dup = first_repeat(value)
+        return [doc.issue(path, f"lists {show(dup)} more than once")]
+    if kind == "const":
+        return [doc.issue(path, f"{show(value)} is not {show(error.validator_value)}")]
+    return [doc.issue(path, error.message)]
+
+
+def show(value: Any) -> str:
+    if isinstance(value, str):
+        return f"'{printable(str(value))}'"
+    if isinstance(value, (bool, ScalarBoolean)):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return f"a {yaml_type(value)}"
+    if value is None:
+        return "null"
+    return printable(str(value))
+
+
+def show_option(option: Any) -> str:
+    return '""' if option == "" else str(option)
+
+
+def suggest(word: str, options: list[str], label: str = "allowed") -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return f"{label}: {', '.join(options)}"

@@ -1,0 +1,104 @@
+"""Model distribution: which host gets which model bytes from whom (read from the typed model).
+
+One internet download per Hub model: the host of its first llama-server (file order) downloads
+it (`model_source`). Every other host gets its bytes from that copy over the LAN:
+
+- a worker with a cached rpc-server that some llama-server of a one-file Hub model uses, and
+  that loads no llama-server of that model itself, keeps no GGUF: it fetches the byte ranges of
+  the tensors its placement holds (`tensor_fetches`; rpc_cache.seed);
+- a host that keeps a whole GGUF of the model (a second orchestrator, a `fetch: false` worker)
+  copies it (`copies`; models.gguf).
+
+md-share serves that copy (core/share.py); network.allowlist opens its port to
+`share_clients`.
+
+```python
+tensor_fetches(cluster)            # [Fetch("gemma27", "box16", "box11")]
+keeps(cluster, cluster.host("box11"))   # []: box11 fetches its tensors, keeps no GGUF
+```
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from meshdeploy.config.model import Cluster, HfSource, Host
+
+
+class Fetch(NamedTuple):
+    """`worker` gets `model` from the copy on host `source`: its tensors (tensor_fetches) or a
+    whole copy of the GGUF (copies)."""
+
+    model: str
+    source: str
+    worker: str
+
+
+def model_source(cluster: Cluster, name: str) -> str | None:
+    """The host whose download of Hub model `name` is the cluster's one from the internet (that
+    of its first llama-server, file order); None for another source, or no llama-server."""
+    model = cluster.models.get(name)
+    if model is None or not isinstance(model.source, HfSource):
+        return None
+    return next((s.host for s in cluster.servers if s.model == name), None)
+
+
+def tensor_fetches(cluster: Cluster) -> list[Fetch]:
+    """The workers that fetch only their tensors of a one-file Hub model, and from whom."""
+    out: dict[tuple[str, str], Fetch] = {}
+    keep = set()  # (model, worker) where some cached rpc-server says fetch: false
+    for server in cluster.servers:
+        model = cluster.models.get(server.model)
+        if model is None or not isinstance(model.source, HfSource) or len(model.source.files) != 1:
+            continue
+        loaders = {s.host for s in cluster.servers if s.model == server.model}
+        source = model_source(cluster, server.model)
+        for e in cluster.rpc_endpoints(server):
+            if e.rpc.cache and e.host.name not in loaders:
+                out.setdefault((server.model, e.host.name), Fetch(server.model, source, e.host.name))
+                if not e.rpc.fetch:
+                    keep.add((server.model, e.host.name))
+    return [f for key, f in out.items() if key not in keep]
+
+
+def fetched_models(cluster: Cluster, host: Host) -> list[str]:
+    """Models whose tensors `host` fetches instead of keeping their GGUF."""
+    return [f.model for f in tensor_fetches(cluster) if f.worker == host.name]
+
+
+def shares(cluster: Cluster, host: Host) -> dict[str, list[Host]]:
+    """model -> the hosts fetching its tensors from `host`'s copy (file order)."""
+    out: dict[str, set[str]] = {}
+    for f in tensor_fetches(cluster):
+        if f.source == host.name:
+            out.setdefault(f.model, set()).add(f.worker)
+    return {m: [h for h in cluster.hosts if h.name in names] for m, names in out.items()}
+
+
+def keeps(cluster: Cluster, host: Host) -> list[str]:
+    """Models `host` keeps a whole GGUF of, in file order: those it loads, and those a cached
+    rpc-server of it seeds from its own copy (`fetch: false`, an Ollama store, a path); not the
+    ones whose tensors it fetches."""
+    names = {s.model for s in cluster.servers if s.host == host.name}
+    names |= {s.model for s in cluster.servers
+              if any(e.host.name == host.name and e.rpc.cache for e in cluster.rpc_endpoints(s))}
+    names -= set(fetched_models(cluster, host))
+    return [m for m in cluster.models if m in names]
+
+
+def copies(cluster: Cluster) -> list[Fetch]:
+    """Hosts keeping a whole GGUF of a Hub model that another host downloads: they copy it from
+    that host over the LAN."""
+    out = []
+    for host in cluster.hosts:
+        for name in keeps(cluster, host):
+            source = model_source(cluster, name)
+            if source is not None and source != host.name:
+                out.append(Fetch(name, source, host.name))
+    return out
+
+
+def share_clients(cluster: Cluster, host: Host) -> list[Host]:
+    """The hosts that get tensors or copies from `host` (file order)."""
+    names = {f.worker for f in tensor_fetches(cluster) + copies(cluster) if f.source == host.name}
+    return [h for h in cluster.hosts if h.name in names]

@@ -1,0 +1,95 @@
+"""Where things live on a host, for every path more than one role (or the status view) uses.
+
+Under llama_cpp.prefix the llama_cpp role installs the clone, its cmake trees, the builds and
+the `current` link; services runs binaries from a build, status reads `current`'s manifest.
+The models role puts each model's files under models/<name>/; services hands the first to
+llama-server's -m and rpc_cache seeds a worker's cache from it. rpc-server's tensor cache is
+the unit's CacheDirectory: services sets LLAMA_CACHE to it, rpc_cache fills its rpc/ folder.
+The role variables (llama_cpp_src_dir, models_dir) are defined here and named again by their
+roles' defaults.py, so the roles' READMEs still list them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from meshdeploy.config.model import HfSource, OllamaSource, PathSource, rpc_unit_name
+
+# --- layout under llama_cpp.prefix ----------------------------------------------------------
+llama_cpp_src_dir = "src/llama.cpp"        # the clone
+llama_cpp_build_dir = "build"              # cmake build trees, one per (backend, flags)
+llama_cpp_builds_dir = "builds"            # installed builds, one per (commit, backend, flags)
+llama_cpp_current_link = "current"         # -> builds/<key>, flipped only after a good build
+models_dir = "models"                      # models/<name>/<file>
+
+# --- model distribution ----------------------------------------------------------------------
+# The port of md-share (core/share.py) on a host whose verified copy of a model other hosts
+# copy or fetch tensors of (models and rpc_cache start it; network opens it to them alone).
+model_share_port = 50180
+
+OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
+
+
+def llama_cpp_paths(prefix: str) -> dict[str, str]:
+    return {"src": f"{prefix}/{llama_cpp_src_dir}",
+            "build": f"{prefix}/{llama_cpp_build_dir}",
+            "builds": f"{prefix}/{llama_cpp_builds_dir}",
+            "current": f"{prefix}/{llama_cpp_current_link}"}
+
+
+def installed_build(prefix: str, key: str) -> str:
+    """The installed build `key` (llama_cpp's build_key): bin/ and its manifest."""
+    return f"{prefix}/{llama_cpp_builds_dir}/{key}"
+
+
+def manifest_for(ctx) -> dict | None:
+    """The manifest of the build this host will run, when it is already installed."""
+    key = ctx.build.key if ctx.build else None
+    builds = (ctx.fact("llama_cpp.Builds") or {}).get("builds", {})
+    return builds.get(key) if key else None
+
+
+def model_dir(prefix: str, name: str) -> str:
+    return f"{prefix}/{models_dir}/{name}"
+
+
+def model_files(cluster, name: str) -> list[str]:
+    """File names meshdeploy keeps in model_dir for model `name` (none for a path source)."""
+    src = cluster.models[name].source
+    if isinstance(src, HfSource):
+        return list(src.files)
+    if isinstance(src, OllamaSource):
+        return ["model.gguf"]
+    return []
+
+
+def model_path(cluster, name: str) -> str:
+    """The path llama-server's -m gets (first part of a split GGUF)."""
+    src = cluster.models[name].source
+    if isinstance(src, PathSource):
+        return src.path
+    return f"{model_dir(cluster.llama_cpp.prefix, name)}/{model_files(cluster, name)[0]}"
+
+
+def ollama_blob(fact: dict) -> tuple[str, str]:
+    """("sha256:<hex>", blob path) of the GGUF layer an OllamaManifest fact names; ValueError
+    ("is not JSON" / "has no ... layer") when the manifest does not name one."""
+    try:
+        layers = json.loads(fact["manifest"]).get("layers", [])
+    except ValueError:
+        raise ValueError("is not JSON") from None
+    layer = next((x for x in layers if x.get("mediaType") == OLLAMA_MODEL_MEDIA), None)
+    if layer is None:
+        raise ValueError(f"has no {OLLAMA_MODEL_MEDIA} layer")
+    digest = layer["digest"]
+    return digest, f"{fact['store']}/blobs/sha256-{digest.split(':', 1)[1]}"
+
+
+def rpc_server_cache(port: int) -> str:
+    """rpc-server's LLAMA_CACHE: its unit's systemd CacheDirectory."""
+    return f"/var/cache/{rpc_unit_name(port)}"
+
+
+def rpc_cache_dir(port: int) -> str:
+    """Where rpc-server -c keeps its tensor entries: $LLAMA_CACHE/rpc."""
+    return f"{rpc_server_cache(port)}/rpc"

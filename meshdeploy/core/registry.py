@@ -1,0 +1,234 @@
+"""The role registry: the one list of what meshdeploy manages.
+
+Every role folder under meshdeploy/roles/ declares one `ROLE = Role(...)` in its __init__.py:
+its resources in apply order, the facts each host's probe gathers for it, which of those move on
+their own (volatile), the cluster-wide values it resolves before planning, and where it sits
+relative to other roles. The engine, apply, the probe, the fixture tests and the docs iterate
+this registry; adding a resource is an edit of its role's folder and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshdeploy.config.model import Cluster, Host
+    from meshdeploy.core.context import HostContext, Resolved, Step, Teardown
+    from meshdeploy.core.probe import Section
+
+
+@dataclass(frozen=True)
+class FactRequest:
+    """What a role needs to say which facts a host's probe gathers for it."""
+
+    cluster: Cluster
+    host: Host
+    first: bool  # the host that resolves cluster-wide values (the ref, by ls-remote)
+    # The host is to be destroyed (it left the file, or `meshdeploy destroy`): a role adds
+    # the facts its destroy hook reads (what it stored there, and how big it is).
+    destroying: bool = False
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """The inputs of a role's cluster-wide preparation, run once before any step is planned."""
+
+    cluster: Cluster
+    hosts: Sequence[Host]
+    facts: dict  # host name -> {section key: decoded fact}
+    resolved: Resolved  # what earlier roles resolved
+    header_cache: Any = None  # a control-machine folder for GGUF headers (pathlib.Path)
+    read_remote: Callable | None = None  # (host, path, reader) -> bytes over the plan's SSH
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A role's contribution: Resolved fields it fixes for the run, and plan warnings."""
+
+    values: dict = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    placement: tuple = ()  # deploy.plan.Placement sections for the plan's views
+
+
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One kind of thing a role manages on every host (one pyinfra operation per instance).
+
+    plan(ctx, key) -> Step is evaluated by `plan` from the probe's facts and again by `apply`
+    at execution time, when earlier steps have run.
+    """
+
+    name: str  # short, unique in its role: "build", "gguf", "rpc_server"
+    plan: Callable[[HostContext, Any], Step]
+    doc: str
+    # The instances: one per key (model names, ports, server names); None = one per host.
+    keys: Callable[[Cluster], Sequence] | None = None
+    # Facts re-read on a host, once, before this resource when an earlier resource ran there:
+    # ((earlier resource, section key), ...), e.g. a new build's manifest.
+    rereads: tuple[tuple[str, str], ...] = ()
+    # True when the plan of one host needs every host's facts (placement, seeds): a pyinfra
+    # deploy that calls the operation on its own is refused.
+    cluster_wide: bool = False
+    # Run on one host at a time (pyinfra's _serial) when the cluster file asks for it.
+    serial: Callable[[Cluster], bool] | None = None
+    # Only apply schedules it (it acts on what earlier operations did; a plan shows nothing).
+    apply_only: bool = False
+    # `-replace=ADDRESS` may name it: its plan reads ctx.replacing() and answers `-/+`.
+    replaceable: bool = False
+    role: str = ""  # filled by Role
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.role}.{self.name}"
+
+    def slot(self, key) -> str:
+        return self.qualified if key is None else f"{self.qualified}[{key}]"
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """One service's log on one host, as `meshdeploy logs` reads it."""
+
+    host: str  # host name
+    service: str  # how output lines name it: "rpc-server:50052", "llama-server:main"
+    unit: str  # the systemd unit
+    launchd_log: str  # the log file the service writes on macOS
+    names: frozenset[str]  # every word that selects it: kind, server name, unit, host:port
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    doc: str
+    resources: tuple[Resource, ...]
+    facts: Callable[[FactRequest], list[Section]]
+    # Fact keys (section-key prefixes) whose values move on their own (free disk, memory,
+    # round trips): kept out of the drift fingerprint.
+    volatile: tuple[str, ...] = ()
+    prepare: Callable[[Prepare], Prepared] | None = None
+    # Per-host check before anything changes (raises PlanError naming the host).
+    preflight: Callable[[HostContext], None] | None = None
+    # Control-machine files besides the cluster file that a plan is computed from (a saved
+    # plan is stale when they change).
+    inputs: Callable[[Cluster], list] | None = None
+    # Called once when apply starts, before any host changes (e.g. recording a resolved ref).
+    apply_started: Callable[[Cluster, Resolved], None] | None = None
+    # The logs of the services the role runs (meshdeploy logs), hosts in file order.
+    logs: Callable[[Cluster], list[LogSource]] | None = None
+    # (HostContext, purge) -> Teardown: remove everything of this role on a host that leaves
+    # the cluster (units stopped, disabled and deleted; rules and tunnels removed); the
+    # expensive bytes only when purge is true. Run in reverse registry order, from the facts
+    # gathered with FactRequest.destroying; never touches the toolchain's packages.
+    destroy: Callable[[HostContext, bool], Teardown] | None = None
+    after: tuple[str, ...] = ()  # roles whose resources run before this role's
+    before: tuple[str, ...] = ()  # roles whose resources run after this role's
+
+    def __post_init__(self):
+        bound = tuple(Resource(**{**r.__dict__, "role": self.name}) for r in self.resources)
+        object.__setattr__(self, "resources", bound)
+
+    def resource(self, name: str) -> Resource:
+        for r in self.resources:
+            if r.name == name:
+                return r
+        raise KeyError(f"{self.name} has no resource {name!r}")
+
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One resource instance in apply order: the same sequence on every host (pyinfra #1370)."""
+
+    name: str  # "models.gguf[gemma]"
+    resource: Resource
+    key: Any = None
+
+
+class RegistryError(Exception):
+    pass
+
+
+@cache
+def roles() -> tuple[Role, ...]:
+    """Every role under meshdeploy.roles, in dependency order (ties: by name)."""
+    import meshdeploy.roles as package
+
+    found: dict[str, Role] = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        role = getattr(module, "ROLE", None)
+        if isinstance(role, Role):
+            if role.name != info.name:
+                raise RegistryError(f"roles/{info.name} declares role {role.name!r}")
+            found[role.name] = role
+    return tuple(_ordered(found))
+
+
+def _ordered(found: dict[str, Role]) -> list[Role]:
+    edges = {name: set() for name in found}  # name -> roles that must come first
+    for role in found.values():
+        for other in role.after:
+            if other in found:
+                edges[role.name].add(other)
+        for other in role.before:
+            if other in found:
+                edges[other].add(role.name)
+    out: list[Role] = []
+    done: set[str] = set()
+    while len(out) < len(found):
+        ready = sorted(n for n in found if n not in done and edges[n] <= done)
+        if not ready:
+            raise RegistryError("roles depend on each other in a circle: "
+                                + ", ".join(sorted(set(found) - done)))
+        out.append(found[ready[0]])
+        done.add(ready[0])
+    return out
+
+
+def role(name: str) -> Role:
+    for r in roles():
+        if r.name == name:
+            return r
+    raise KeyError(name)
+
+
+def resources() -> list[Resource]:
+    return [r for role_ in roles() for r in role_.resources]
+
+
+def resource(qualified: str) -> Resource:
+    name, _, short = qualified.partition(".")
+    return role(name).resource(short)
+
+
+def slots(cluster: Cluster, apply: bool = False) -> list[Slot]:
+    """Every resource instance in apply order; every host gets all of them. A plan leaves out
+    the apply-only resources."""
+    out = []
+    for r in resources():
+        if r.apply_only and not apply:
+            continue
+        keys = [None] if r.keys is None else list(r.keys(cluster))
+        out += [Slot(r.slot(k), r, k) for k in keys]
+    return out
+
+
+def sections(request: FactRequest) -> list[Section]:
+    """Every fact the host's plan reads, role by role."""
+    return [s for role_ in roles() for s in role_.facts(request)]
+
+
+def log_sources(cluster: Cluster) -> list[LogSource]:
+    """Every service log of the cluster, role by role."""
+    return [s for role_ in roles() if role_.logs for s in role_.logs(cluster)]
+
+
+def volatile() -> tuple[str, ...]:
+    return tuple(v for role_ in roles() for v in role_.volatile)

@@ -1,0 +1,115 @@
+"""md-share: a host's verified model files served to the cluster's other hosts during an apply.
+
+One internet download per model: the host of a model's first llama-server downloads it
+(models.gguf), and the other hosts get their bytes from that copy over the LAN, never from the
+internet again. Two roles start md-share (templates/md-share.py, Python's standard library) on
+that host, each with what its step needs:
+
+- models.gguf, while a host that keeps a whole GGUF copies it: the file, served from its
+  partial as it arrives (`--growing`), so the copy trails the download;
+- rpc_cache.share, while a worker misses tensors: the verified file, for ranged GETs.
+
+A later start replaces an earlier one; md-share answers loopback and the hosts named, on the
+host's cluster address (its tunnel address under WireGuard), and exits by itself once idle.
+network.allowlist opens its port to the same hosts alone.
+
+md-share never runs as root. Where systemd is PID 1 (the lab's Debian 12, systemd 252) it is a
+transient unit, `systemd-run --unit=meshdeploy-share --collect` with a dynamic user and the
+sandbox of HARDENING (pinned by tests/test_unit_hardening.py): systemd owns its lifecycle, and
+`systemctl stop` ends an earlier one. Elsewhere (macOS, a Linux without systemd) it runs as
+`nobody`, through setpriv where util-linux has it, else sudo -u. Either way it reads the files as
+any user may (the models role leaves 0644 files under 0755 folders; the llama-servers' own
+DynamicUser units read them too), and its lines go to LOG, opened for it by root (systemd's
+StandardOutput=append:, the shell's >>).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from meshdeploy.core import shell, transient
+from meshdeploy.core.paths import model_share_port
+
+SERVER = Path(__file__).with_name("templates") / "md-share.py"
+NAME = "md-share.py"  # under llama_cpp.prefix/tools
+PYTHON = "python3"
+IDLE = 300  # seconds without a request before md-share exits
+MAX = 6 * 3600  # and at the latest this long after it started
+WAIT = 120  # seconds a growing file may stall before a reply is cut short
+UNIT = "meshdeploy-share"
+# Where md-share writes its pid file once it listens: the unit's RuntimeDirectory= under systemd
+# (/var/run is /run there), a folder root makes for nobody elsewhere (macOS has no /run).
+PID = f"/var/run/{UNIT}/md-share.pid"
+OLD_PID = "/run/meshdeploy/md-share.pid"  # a root md-share's, before it ran unprivileged
+LOG = "/var/log/meshdeploy-share.log"
+
+# The transient unit's settings (systemd-run -p), and the unit file that test_unit_hardening
+# scores: one list for both. md-share needs no thread priorities, so @resources is refused too.
+HARDENING = (
+    "DynamicUser=yes", f"RuntimeDirectory={UNIT}", *transient.SANDBOX, "PrivateMounts=yes",
+    "ProcSubset=pid", "SystemCallFilter=~@resources", "TimeoutStopSec=10",
+)
+
+START = Path(__file__).with_name("templates") / "md-share-start.sh"
+
+
+def properties(allow) -> list[str]:
+    """The transient unit's settings: HARDENING, LOG, and the addresses it may talk to
+    (`allow`: the clients' addresses; one that is not an IP literal md-share refuses itself)."""
+    ips = []
+    for a in allow:
+        try:
+            ips.append(str(ipaddress.ip_address(a)))
+        except ValueError:
+            pass
+    return [*HARDENING, f"StandardOutput=append:{LOG}", f"StandardError=append:{LOG}",
+            "IPAddressDeny=any", " ".join(["IPAddressAllow=127.0.0.0/8 ::1/128", *ips])]
+
+
+def server_path(prefix: str) -> str:
+    return f"{prefix}/tools/{NAME}"
+
+
+def url(cluster, source: str, sha256: str) -> str:
+    """Where another host fetches the file whose content is `sha256` from host `source`.
+
+    md-share names files by their sha256, never by model: an md-share an earlier step or run
+    left running (it stays until idle) may serve other bytes under a model's name, and a
+    client that read those would only find out at its final sha256 check. By content, such a
+    server answers 404 until the new one replaces it, and the client tries again."""
+    address = cluster.source_address(cluster.host(source))
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{model_share_port}/models/{sha256}"
+
+
+def start(cluster, host, files: dict[str, str], clients, growing: dict | None = None) -> list[str]:
+    """The commands that (re)start md-share on `host` for `clients` (Hosts).
+
+    + files: sha256 of a file -> its path on `host`
+    + growing: sha256 -> (partial path, final size), for a file still being downloaded
+    """
+    args = ["--bind", cluster.source_address(host), "--port", model_share_port,
+            "--idle", IDLE, "--max", MAX, "--wait", WAIT]
+    allow = sorted({cluster.source_address(c) for c in clients})
+    for address in allow:
+        args += ["--allow", address]
+    for name, path in files.items():
+        args += ["--file", f"{name}={path}"]
+    for name, (partial, size) in (growing or {}).items():
+        args += ["--growing", f"{name}={partial}:{int(size)}"]
+    server = server_path(cluster.llama_cpp.prefix)
+    return [shell.write_file(server, SERVER.read_text(), "0755"),
+            start_script(server, args, host.name, allow)]
+
+
+def start_script(server: str, args: list, host_name: str, allow, **paths: str) -> str:
+    """The script that (re)starts md-share `server` with `args` (`allow`: the clients' addresses);
+    `paths` replace PID, OLD_PID, LOG and BOOTED (tests run it in a folder of their own)."""
+    unit = shell.join(["md_systemd_run", "--quiet", "--collect", f"--unit={UNIT}",
+                       "--description=md-share: model files for the cluster (meshdeploy)",
+                       *(w for p in properties(allow) for w in ("-p", p)), "--"])
+    where = {"PID": PID, "OLD_PID": OLD_PID, "LOG": LOG, "BOOTED": transient.BOOTED, **paths}
+    prelude = shell.SYSTEMD_RUN + f'\nmd_share_unit() {{ {unit} "$@"; }}'
+    return shell.template(START, args=args, prelude=prelude, PY=PYTHON, SERVER=server,
+                          UNIT=UNIT, HOST=host_name, PORT=model_share_port, **where)

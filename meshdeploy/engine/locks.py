@@ -1,0 +1,293 @@
+"""Locks: one apply (or destroy) of a cluster at a time.
+
+Two places, because two operators may run from two machines:
+- on the control machine, `<stem>.state.lock` beside the state file, held with flock(2) for the
+  whole run; the kernel drops it when the process dies, so it is never stale. The file keeps the
+  holder (pid, machine, user, since) for the message a second run prints;
+- on every host, the folder /run/meshdeploy/apply.lock (mkdir is atomic; /run is empty after a
+  reboot) with an `owner` line. A run refreshes its mtime every HEARTBEAT seconds while it
+  holds it. Another run takes a host lock over only when it is stale: its holder is a process
+  of this same machine that no longer exists, or its heartbeat stopped more than STALE seconds
+  ago (a run killed on another machine). That is all a remote check can know: a holder whose
+  machine is merely paused or cut off for longer than STALE counts as dead.
+`-lock-timeout=DURATION` waits for a held lock instead of failing at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import getpass
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from meshdeploy.core import inflight, shell
+from meshdeploy.core.plan import utc_now
+from meshdeploy.errors import LOCKED, MeshdeployError, PlanError
+
+HOST_DIR = "/run/meshdeploy"
+HOST_LOCK = f"{HOST_DIR}/apply.lock"
+HEARTBEAT = 15  # seconds between refreshes of a held host lock
+STALE = 90  # seconds without a refresh after which a host lock's holder counts as dead
+SUFFIX = ".state.lock"
+
+
+class LockedError(MeshdeployError):
+    exit_code = LOCKED
+
+
+def lock_path(cluster_path: Path) -> Path:
+    return Path(cluster_path).with_name(Path(cluster_path).stem + SUFFIX)
+
+
+def duration(text: str) -> float:
+    """-lock-timeout's value: "0", "30s", "5m", "1h" (a bare number is seconds)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
+    if not match:
+        raise PlanError(f"-lock-timeout={text}: not a duration", hint="write e.g. 30s, 5m or 0")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int
+    machine: str
+    user: str
+    since: str
+    command: str
+    token: str = ""
+
+    def describe(self) -> str:
+        return (f"meshdeploy {self.command} of {self.user}@{self.machine} (pid {self.pid}), "
+                f"since {self.since}")
+
+    def dead_here(self) -> bool:
+        """A process of this machine that no longer exists (another machine's: unknown)."""
+        if self.machine != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    @classmethod
+    def parse(cls, text: str) -> Holder | None:
+        try:
+            data = json.loads(text)
+            return cls(**{k: data[k] for k in ("pid", "machine", "user", "since", "command")},
+                       token=str(data.get("token", "")))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def me(command: str) -> Holder:
+    try:
+        user = getpass.getuser()
+    except Exception:  # no name for the uid (containers)
+        user = str(os.getuid())
+    return Holder(os.getpid(), socket.gethostname(), user, utc_now(), command,
+                  secrets.token_hex(8))
+
+
+class ControlLock:
+    """flock on `<stem>.state.lock`; with `with`, released on exit."""
+
+    def __init__(self, cluster_path: Path, holder: Holder, timeout: float = 0.0):
+        self.path = lock_path(cluster_path)
+        self.holder = holder
+        self.timeout = timeout
+        self.fd: int | None = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = Holder.parse(os.pread(fd, 4096, 0).decode(errors="replace"))
+                    os.close(fd)
+                    who = holder.describe() if holder else "another meshdeploy run"
+                    raise LockedError(f"{self.path}: the cluster is locked by {who}",
+                                      hint="wait for it to finish, or wait with "
+                                           "-lock-timeout=5m") from None
+                time.sleep(0.5)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(asdict(self.holder)).encode() + b"\n", 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+_REFRESH = r'grep -qF "$TOKEN" "$LOCK/owner" 2>/dev/null && touch "$LOCK/owner"'
+# Moved aside first, like a taken-over lock: never a lock folder without its owner line.
+_RELEASE = (r'if grep -qF "$TOKEN" "$LOCK/owner" 2>/dev/null; then '
+            r'mv "$LOCK" "$LOCK.gone.$TOKEN" && rm -rf "$LOCK.gone.$TOKEN"; fi; true')
+
+
+def acquire_script(holder: Holder, take: str = "", lock: str = HOST_LOCK) -> str:
+    # templates/lock-acquire.sh: how several runs take one stale lock over at once.
+    return shell.template(shell.TEMPLATES / "lock-acquire.sh", DIR=lock.rsplit("/", 1)[0],
+                          LOCK=lock, OWNER=json.dumps(asdict(holder)), TAKE=take,
+                          TOKEN=holder.token)
+
+
+def refresh_script(holder: Holder, lock: str = HOST_LOCK) -> str:
+    return shell.script(_REFRESH, LOCK=lock, TOKEN=holder.token)
+
+
+def release_script(holder: Holder, lock: str = HOST_LOCK) -> str:
+    return shell.script(_RELEASE, LOCK=lock, TOKEN=holder.token)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a host said to an acquire: acquired, or held by `owner` (its raw line) whose
+    heartbeat is `age` seconds old."""
+
+    acquired: bool
+    age: int = 0
+    owner: str = ""
+
+    @property
+    def holder(self) -> Holder | None:
+        return Holder.parse(self.owner)
+
+    def stale(self) -> bool:
+        holder = self.holder
+        return holder is None and self.age > STALE or holder is not None and (
+            holder.dead_here() or self.age > STALE)
+
+
+def parse_answer(lines) -> Answer | None:
+    for line in lines:
+        if line.strip() == "acquired":
+            return Answer(True)
+        if line.startswith("held "):
+            _, age, *rest = line.split(" ", 2) + [""]
+            return Answer(False, int(age) if age.lstrip("-").isdigit() else 0,
+                          rest[0].strip() if rest else "")
+    return None
+
+
+class HostLocks:
+    """The lock on every host of a session, refreshed while held; released on exit."""
+
+    def __init__(self, session, holder: Holder, timeout: float = 0.0, notes=print):
+        self.session = session
+        self.holder = holder
+        self.timeout = timeout
+        self.notes = notes
+        self.held: list[str] = []
+        self._beat = None
+
+    def __enter__(self):
+        try:
+            for h in self.session.reached():
+                self._acquire(h.name)
+        except BaseException:
+            self.release()
+            raise
+        import gevent
+
+        self._beat = gevent.spawn(self._heartbeat)
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def _run(self, name: str, script: str) -> list[str]:
+        ok, output = self.session.run(name, script)
+        if not ok:
+            raise PlanError(f"{name}: cannot take the lock {HOST_LOCK}: "
+                            + " ".join(getattr(output, "stderr_lines", [])[-3:]),
+                            hint="meshdeploy needs root (ssh.sudo) to lock a host under /run")
+        return list(output.stdout_lines)
+
+    def _acquire(self, name: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        take = ""
+        while True:
+            answer = parse_answer(self._run(name, acquire_script(self.holder, take)))
+            if answer is None:
+                raise PlanError(f"{name}: no answer from the lock script",
+                                hint="run it again; report it if it persists")
+            if answer.acquired:
+                self.held.append(name)
+                if take:
+                    self.notes(f"{name}: took over a stale lock "
+                               f"({_who(Holder.parse(take), take)})")
+                    self._stop_orphans(name)
+                return
+            # Stale: ask again, taking it over. The same stale lock after that ask means another
+            # run is taking it over right now: wait as for a held lock (asking at once would spin).
+            if answer.stale() and answer.owner != take:
+                take = answer.owner
+                continue
+            if time.monotonic() >= deadline:
+                taking = answer.stale()
+                raise LockedError(f"{name}: the cluster is locked by "
+                                  f"{_who(answer.holder, answer.owner)} "
+                                  f"(last heartbeat {answer.age} s ago"
+                                  + (", stale: another run is taking it over)" if taking
+                                     else ")"),
+                                  hint=f"wait for it to finish, or wait with -lock-timeout=5m; "
+                                       f"a run killed on another machine counts as stale "
+                                       f"{STALE} s after its last heartbeat"
+                                       + (f"; if this persists, the run taking it over died: "
+                                          f"remove {HOST_LOCK} on {name}" if taking else ""))
+            time.sleep(2)
+
+    def _stop_orphans(self, name: str) -> None:
+        """A dead run's download, build or seeding may still run on the host (no terminal, no
+        SIGHUP): end it before this run plans, so nothing writes beside this run's steps."""
+        for step in inflight.parse_stopped(self._run(name, inflight.stop_script())):
+            self.notes(f"{name}: stopped {step}, left running by that run")
+
+    def _heartbeat(self) -> None:
+        import gevent
+
+        while True:
+            gevent.sleep(HEARTBEAT)
+            for name in list(self.held):
+                try:
+                    self.session.run(name, refresh_script(self.holder))
+                except Exception:  # a failed refresh shows up as a stale lock, never a crash
+                    pass
+
+    def release(self) -> None:
+        if self._beat is not None:
+            self._beat.kill()
+            self._beat = None
+        for name in self.held:
+            try:
+                self.session.run(name, release_script(self.holder))
+            except Exception:  # an unreachable host keeps a lock that goes stale
+                pass
+        self.held = []
+
+
+def _who(holder: Holder | None, raw: str) -> str:
+    return holder.describe() if holder else (raw.strip() or "an unknown holder")

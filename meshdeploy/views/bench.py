@@ -1,0 +1,186 @@
+"""What `meshdeploy bench` measured, as one structure: statistics over llama-server's own
+`timings`, the ratio to a local run, the change since the last bench, and the two views (text,
+JSON) of it. Pure: the measuring is meshdeploy.commands.bench.
+
+The last result of each server is kept in `<cluster-file-stem>.bench.json` beside the cluster
+file (and its lock file), until a state file next to the lock takes it over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+from tabulate import tabulate
+
+FORMAT_VERSION = 1
+STATE_SUFFIX = ".bench.json"
+# The two figures every view shows: prompt processing and generation, tokens per second.
+METRICS = (("pp", "prompt_n", "prompt_ms"), ("tg", "predicted_n", "predicted_ms"))
+TIMING_KEYS = ("prompt_n", "prompt_ms", "prompt_per_second",
+               "predicted_n", "predicted_ms", "predicted_per_second")
+
+
+def spread(values: list[float]) -> dict:
+    """{"min", "median", "max"} of `values` (rounded to 0.01 tokens/s)."""
+    if not values:
+        raise ValueError("no values")
+    return {"min": round(min(values), 2), "median": round(statistics.median(values), 2),
+            "max": round(max(values), 2)}
+
+
+def rate(tokens: float, ms: float) -> float:
+    return tokens * 1000.0 / ms if ms > 0 else 0.0
+
+
+def summarize(runs: list[list[dict]], prompts: list[str]) -> dict:
+    """Per prompt and over all prompts, min/median/max tokens/s of each metric.
+
+    + runs: one list per run, one `timings` dict per prompt (llama-server's own fields)
+    + prompts: the prompts' names, in the order every run sent them
+    The "all" row of a run is its tokens over its milliseconds across every prompt, so a long
+    prompt weighs as much as the time it took.
+    """
+    rows = []
+    for i, name in enumerate(prompts):
+        samples = [run[i] for run in runs]
+        row = {"prompt": name, "prompt_n": samples[0]["prompt_n"],
+               "predicted_n": samples[0]["predicted_n"]}
+        for metric, n, ms in METRICS:
+            row[metric] = spread([rate(s[n], s[ms]) for s in samples])
+        rows.append(row)
+    overall = {"prompt_n": sum(r["prompt_n"] for r in rows),
+               "predicted_n": sum(r["predicted_n"] for r in rows)}
+    for metric, n, ms in METRICS:
+        overall[metric] = spread([rate(sum(s[n] for s in run), sum(s[ms] for s in run))
+                                  for run in runs])
+    return {"prompts": rows, "overall": overall,
+            "samples": [[{k: s[k] for k in TIMING_KEYS if k in s} for s in run]
+                        for run in runs]}
+
+
+def ratio(numerator: dict, denominator: dict) -> dict:
+    """Median over median for each metric ({"pp": 0.93, "tg": 0.71}); None where undefined."""
+    out = {}
+    for metric, _, _ in METRICS:
+        a, b = numerator[metric]["median"], denominator[metric]["median"]
+        out[metric] = round(a / b, 3) if b else None
+    return out
+
+
+def change(current: dict, previous: dict | None) -> dict | None:
+    """The current bench against the kept one: ratios overall and per prompt present in both."""
+    if not previous or "overall" not in previous:
+        return None
+    try:
+        prompts = {}
+        before = {p["prompt"]: p for p in previous.get("prompts", [])}
+        for row in current["prompts"]:
+            if row["prompt"] in before:
+                prompts[row["prompt"]] = ratio(row, before[row["prompt"]])
+        return {"since": previous.get("time"), "build": previous.get("build"),
+                "model": previous.get("model"),
+                "overall": ratio(current["overall"], previous["overall"]), "prompts": prompts}
+    except (KeyError, TypeError):
+        return None  # a kept result of another shape: nothing to compare with
+
+
+# -- the kept result -----------------------------------------------------------------------------
+
+def state_path(cluster_path: Path) -> Path:
+    return cluster_path.with_name(cluster_path.stem + STATE_SUFFIX)
+
+
+def read_state(cluster_path: Path) -> dict:
+    """{server name: kept result}; {} when there is none or it cannot be read."""
+    try:
+        data = json.loads(state_path(cluster_path).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+        return {}
+    servers = data.get("servers")
+    return servers if isinstance(servers, dict) else {}
+
+
+def kept(result: dict) -> dict:
+    """What of a server's result the state keeps: enough to compare the next bench with."""
+    return {k: result[k] for k in ("time", "host", "model", "build", "params", "prompts",
+                                   "overall") if k in result}
+
+
+def write_state(cluster_path: Path, results: list[dict]) -> Path:
+    """Replace the kept result of each benched server (others stay); atomic (tmp + rename)."""
+    path = state_path(cluster_path)
+    servers = read_state(cluster_path)
+    for result in results:
+        servers[result["server"]] = kept(result)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "servers": servers},
+                              indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+# -- views ---------------------------------------------------------------------------------------
+
+def render_json(cluster_name: str, results: list[dict], state: str | None) -> str:
+    return json.dumps({"format_version": FORMAT_VERSION, "cluster": cluster_name,
+                       "servers": results, "state_file": state}, indent=2, sort_keys=True)
+
+
+def _cell(s: dict) -> str:
+    return f"{s['min']:.1f} / {s['median']:.1f} / {s['max']:.1f}"
+
+
+def _table(summary: dict) -> str:
+    rows = [[p["prompt"], p["prompt_n"], p["predicted_n"], _cell(p["pp"]), _cell(p["tg"])]
+            for p in summary["prompts"]]
+    o = summary["overall"]
+    rows.append(["all", o["prompt_n"], o["predicted_n"], _cell(o["pp"]), _cell(o["tg"])])
+    return tabulate(rows, headers=["prompt", "tokens in", "tokens out",
+                                   "pp t/s min / median / max", "tg t/s min / median / max"],
+                    disable_numparse=True)
+
+
+def _ratios(r: dict) -> str:
+    return ", ".join(f"{m} {r[m]:.2f}x" if r.get(m) is not None else f"{m} n/a"
+                     for m, _, _ in METRICS)
+
+
+def _build(build: dict | None) -> str:
+    if not build:
+        return "build unknown"
+    commit = (build.get("commit") or "")[:12]
+    info = build.get("info") or ""
+    return "build " + (f"{info} (commit {commit})" if info and commit else info or commit)
+
+
+def render_text(results: list[dict]) -> str:
+    out = []
+    for r in results:
+        p = r["params"]
+        out.append(f"llama-server {r['server']} on {r['host']}: model {r['model']}, "
+                   f"{_build(r.get('build'))}\n{p['runs']} runs after {p['warmup']} warm-up, "
+                   f"{p['n_predict']} tokens generated per prompt, temperature 0, "
+                   "prompt cache off\n")
+        out.append(_table(r))
+        local = r.get("local")
+        if local and local.get("skipped"):
+            out.append(f"\nLocal comparison skipped: {local['skipped']}")
+        elif local:
+            out.append(f"\nThe same build and model on {r['host']} alone (port {local['port']}, "
+                       f"{local['fits']}):\n")
+            out.append(_table(local))
+            out.append(f"\ncluster / local: {_ratios(r['ratio_to_local'])}")
+        ch = r.get("change")
+        if ch:
+            since = f" ({ch['since']}" + (f", {_build(ch['build'])}" if ch.get("build") else "")
+            since += f", model {ch['model']})" if ch.get("model") else ")"
+            out.append(f"\nChange since the last bench{since}: {_ratios(ch['overall'])}")
+        else:
+            out.append("\nNo earlier bench of this server to compare with.")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
