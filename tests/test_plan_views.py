@@ -21,9 +21,9 @@ from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import Resolved
 from meshdeploy.core.plan import AttrDiff, Change, Plan, TransferRow, load_plan, save_plan
-from meshdeploy.engine import consistency
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import layout, seeding
+from meshdeploy.roles.services.rtt import network as rtt_network
 from meshdeploy.views.plan import render_json, render_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def built_plan(scenario: str) -> Plan:
                 hosts=hosts, created_at="2025-01-01T00:00:00Z", meshdeploy_version="0.1.0",
                 commit="f" * 40, commit_source="lock file",
                 placement=layout.sections(seed_plan.layouts),
-                network=consistency.network(cluster, cluster.hosts, facts),
+                network=rtt_network(cluster, cluster.hosts, facts),
                 transfers=transfers, remote_commands={h: 1 for h in hosts}, seconds=1.5,
                 local_host=next((h.name for h in cluster.hosts if h.local), None))
 

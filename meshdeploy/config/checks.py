@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from dataclasses import dataclass
 
 from meshdeploy.config.document import Document
 from meshdeploy.config.model import (
@@ -298,17 +299,33 @@ def rpc_ref_problem(hosts: dict[str, Host], ref: str,
     return None
 
 
+@dataclass(frozen=True)
+class ExposedRpc:
+    """An rpc-server bound to an address outside loopback and the private ranges: allowed, but
+    said every time (`warning`), and by its units in the journal at each start."""
+
+    host: str  # host name
+    port: int
+    bind: str
+
+    @property
+    def warning(self) -> str:
+        scope = "every interface" if self.bind == WILDCARD else self.bind
+        return (f"rpc-server on {self.host} binds {scope} (port {self.port}): RPC is "
+                "unauthenticated and unencrypted; anyone who reaches it can run code on "
+                "its devices. Restrict it with a firewall or a private network.")
+
+
+def exposed_rpc_servers(cluster: Cluster) -> list[ExposedRpc]:
+    """Every rpc-server of the file that binds beyond loopback and the private ranges."""
+    return [ExposedRpc(host.name, rpc.port, rpc.bind) for host, rpc in cluster.rpc_servers()
+            if not is_loopback(rpc.bind) and not is_private(rpc.bind)]
+
+
 def warnings_for(cluster: Cluster) -> list[str]:
     """Risks that are allowed but must be said every time (validate, plan and apply print
     them; the rpc-server unit says the first kind in the journal at each start)."""
-    warnings = []
-    for host, rpc in cluster.rpc_servers():
-        if not is_loopback(rpc.bind) and not is_private(rpc.bind):
-            scope = "every interface" if rpc.bind == WILDCARD else rpc.bind
-            warnings.append(
-                f"rpc-server on {host.name} binds {scope} (port {rpc.port}): RPC is "
-                "unauthenticated and unencrypted; anyone who reaches it can run code on "
-                "its devices. Restrict it with a firewall or a private network.")
+    warnings = [exposed.warning for exposed in exposed_rpc_servers(cluster)]
     for server in cluster.servers:
         if not is_loopback(server.bind) and server.api_key_file is None:
             warnings.append(

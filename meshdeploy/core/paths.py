@@ -42,13 +42,6 @@ def installed_build(prefix: str, key: str) -> str:
     return f"{prefix}/{llama_cpp_builds_dir}/{key}"
 
 
-def manifest_for(ctx) -> dict | None:
-    """The manifest of the build this host will run, when it is already installed."""
-    key = ctx.build.key if ctx.build else None
-    builds = (ctx.fact("llama_cpp.Builds") or {}).get("builds", {})
-    return builds.get(key) if key else None
-
-
 def model_dir(prefix: str, name: str) -> str:
     return f"{prefix}/{models_dir}/{name}"
 

@@ -48,13 +48,24 @@ class Prepare:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A role's contribution: Resolved fields it fixes for the run, and plan warnings."""
+    """A role's contribution: Resolved fields it fixes for the run, plan warnings, and the
+    plan's typed sections it knows how to fill."""
 
     values: dict = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
-    placement: tuple = ()  # deploy.plan.Placement sections for the plan's views
+    placement: tuple = ()  # core.plan.Placement sections for the plan's views
+    network: tuple = ()  # core.plan.Network rows: measured links and their cost per token
 
 
+@dataclass(frozen=True)
+class Check:
+    """The inputs of a role's check across hosts, run once every host passed its preflight."""
+
+    cluster: Cluster
+    hosts: Sequence[Host]  # the hosts this run plans (--limit leaves some out)
+    facts: dict  # host name -> {section key: decoded fact}
+    resolved: Resolved  # every role's prepared values
+    limit: Sequence[str] = ()  # the --limit patterns; empty when the run plans every host
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,10 @@ class Role:
     prepare: Callable[[Prepare], Prepared] | None = None
     # Per-host check before anything changes (raises PlanError naming the host).
     preflight: Callable[[HostContext], None] | None = None
+    # Across hosts, once every host passed preflight: the plan's warnings about what differs
+    # between hosts (builds of different commits); raises PlanError to refuse the run (a
+    # --limit that would leave hosts on different commits).
+    check: Callable[[Check], tuple[str, ...]] | None = None
     # Control-machine files besides the cluster file that a plan is computed from (a saved
     # plan is stale when they change).
     inputs: Callable[[Cluster], list] | None = None
@@ -139,7 +154,6 @@ class Role:
             if r.name == name:
                 return r
         raise KeyError(f"{self.name} has no resource {name!r}")
-
 
 
 @dataclass(frozen=True)
@@ -223,6 +237,11 @@ def slots(cluster: Cluster, apply: bool = False) -> list[Slot]:
 def sections(request: FactRequest) -> list[Section]:
     """Every fact the host's plan reads, role by role."""
     return [s for role_ in roles() for s in role_.facts(request)]
+
+
+def checks(request: Check) -> list[str]:
+    """Every role's check across hosts, in registry order: the warnings they return."""
+    return [w for role_ in roles() if role_.check for w in role_.check(request)]
 
 
 def log_sources(cluster: Cluster) -> list[LogSource]:

@@ -21,7 +21,6 @@ from meshdeploy.core import probe as probes
 from meshdeploy.core import registry
 from meshdeploy.core.context import HostContext, Resolved, Steps
 from meshdeploy.core.plan import Plan, TransferRow, hash_files, utc_now
-from meshdeploy.engine import consistency
 from meshdeploy.errors import ConnectError, PlanError
 from meshdeploy.remote.session import Session, SudoPasswordRequired
 
@@ -109,17 +108,18 @@ def _user(host) -> str:
 
 @dataclass(frozen=True)
 class Prepared:
-    """Every role's cluster-wide values, its warnings and its placement sections."""
+    """Every role's cluster-wide values, its warnings and the plan sections it fills."""
 
     resolved: Resolved
     warnings: list
     placement: list
+    network: list
 
 
 def prepare(cluster: Cluster, hosts, facts: dict, header_cache=None, read_remote=None,
             roles=None) -> Prepared:
     """Each role's prepare hook in registry order; later roles see what earlier ones fixed."""
-    resolved, warnings, placement = Resolved(), [], []
+    resolved, warnings, placement, network = Resolved(), [], [], []
     for role in roles if roles is not None else registry.roles():
         if role.prepare is None:
             continue
@@ -128,7 +128,8 @@ def prepare(cluster: Cluster, hosts, facts: dict, header_cache=None, read_remote
         resolved = replace(resolved, **out.values)
         warnings += out.warnings
         placement += out.placement
-    return Prepared(resolved, warnings, placement)
+        network += out.network
+    return Prepared(resolved, warnings, placement, network)
 
 
 @dataclass
@@ -183,9 +184,10 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
         if role.preflight is not None:
             for h in hosts:
                 role.preflight(HostContext(cluster, h, facts[h.name], resolved))
-    drift = consistency.check(cluster, hosts, facts, resolved.commit, session.limit)
+    checked = registry.checks(registry.Check(cluster, hosts, facts, resolved,
+                                             tuple(session.limit or ())))
     steps = evaluate(cluster, hosts, facts, resolved)
-    warnings = session.warnings() + list(prepared.warnings) + drift
+    warnings = session.warnings() + list(prepared.warnings) + checked
     changes = [steps.on(h.name)[slot.name].change for slot in registry.slots(cluster)
                for h in hosts]
     torn, kept = teardown(cluster, departed, facts, resolved, purge)
@@ -198,7 +200,7 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
                 created_at=utc_now(), meshdeploy_version=__version__,
                 commit=resolved.commit, commit_source=resolved.commit_source,
                 limit=list(session.limit or []), placement=list(prepared.placement),
-                network=consistency.network(cluster, hosts, facts),
+                network=list(prepared.network),
                 transfers=transfer_rows([h.name for h in hosts], steps),
                 replace=list(replacing), kept=kept, purge=purge,
                 local_host=_local_host(hosts + departed))

@@ -1,7 +1,7 @@
 """llama_cpp: one commit everywhere (lock file), the clone, and per-backend builds."""
 
 from meshdeploy.core.registry import FactRequest, Prepare, Prepared, Resource, Role
-from meshdeploy.roles.llama_cpp import lock
+from meshdeploy.roles.llama_cpp import consistency, lock
 from meshdeploy.roles.llama_cpp import operations as ops
 
 
@@ -26,6 +26,7 @@ ROLE = Role(
     doc=__doc__,
     facts=_facts,
     prepare=_prepare,
+    check=consistency.check,
     destroy=ops.destroy,
     inputs=lambda cluster: [lock.lock_path(cluster.path)],
     apply_started=lambda cluster, resolved: lock.record(cluster, resolved.commit,

@@ -4,10 +4,12 @@ from meshdeploy.config.checks import warnings_for
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
 from meshdeploy.roles.services import operations as ops
 from meshdeploy.roles.services.logs import log_sources
+from meshdeploy.roles.services.rtt import network
 
 
 def _prepare(p: Prepare) -> Prepared:
-    return Prepared(warnings=tuple(warnings_for(p.cluster)))
+    return Prepared(warnings=tuple(warnings_for(p.cluster)),
+                    network=tuple(network(p.cluster, p.hosts, p.facts)))
 
 
 # A new build's manifest (binary names, flags) is read again before the units are written.

@@ -7,11 +7,11 @@ import ipaddress
 from pathlib import Path
 from string import Template
 
-from meshdeploy.config.checks import warnings_for
+from meshdeploy.config.checks import exposed_rpc_servers
 from meshdeploy.config.model import HfResolved, rpc_ref
 from meshdeploy.core import progress, shell
 from meshdeploy.core.context import HostContext, Step, Teardown
-from meshdeploy.core.paths import installed_build, manifest_for, model_path, rpc_server_cache
+from meshdeploy.core.paths import installed_build, model_path, rpc_server_cache
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.errors import PlanError
@@ -146,7 +146,7 @@ def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
     argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{rpc_binary}", host, rpc,
                                       rpc_server_cache(rpc.port))
     warning = ""
-    if any(w.startswith(f"rpc-server on {host.name} ") for w in warnings_for(cluster)):
+    if any(exposed.host == host.name for exposed in exposed_rpc_servers(cluster)):
         # Said in the journal at every start, not only at plan time (seed ernos, section 13.4).
         warning = ("ExecStartPre=/bin/echo \"meshdeploy: WARNING: RPC on this port is "
                    "unauthenticated and unencrypted\"\n")
@@ -341,10 +341,13 @@ def _diff(before, after, unit) -> str:
 
 
 def _build_info(ctx) -> tuple[str | None, dict | None]:
+    """(folder, manifest) of the build this host's services run; the manifest when that build
+    is installed already (re-read after a new build: the resources' rereads)."""
     key = ctx.build.key if ctx.build else None
     if key is None:
         return None, None
-    return installed_build(ctx.prefix, key), manifest_for(ctx)
+    builds = (ctx.fact("llama_cpp.Builds") or {}).get("builds", {})
+    return installed_build(ctx.prefix, key), builds.get(key)
 
 
 # "$1" seconds, "$2" address, "$3" port: values arrive as arguments of a fixed bash script.

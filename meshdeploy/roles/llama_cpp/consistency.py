@@ -1,4 +1,4 @@
-"""One llama.cpp everywhere, and what the network costs per token.
+"""One llama.cpp everywhere (the role's check across hosts, Role.check).
 
 The RPC handshake only compares protocol majors; op-table drift between commits goes unnoticed
 and corrupts results, so every host must run the same commit. The plan shows what each host
@@ -7,7 +7,7 @@ runs now, refuses a partial (--limit) move of the commit, and warns about drift 
 
 from __future__ import annotations
 
-from meshdeploy.core.plan import Network, RttEndpoint
+from meshdeploy.core.registry import Check
 from meshdeploy.errors import PlanError
 
 
@@ -25,9 +25,11 @@ def running(cluster, hosts, facts) -> dict[str, tuple[str, str]]:
     return out
 
 
-def check(cluster, hosts, facts, commit: str | None, limit) -> list[str]:
+def check(request: Check) -> tuple[str, ...]:
     """Warnings about drift; PlanError when --limit would leave hosts on different commits."""
-    now = running(cluster, hosts, facts)
+    cluster, hosts, commit, limit = (request.cluster, request.hosts, request.resolved.commit,
+                                     request.limit)
+    now = running(cluster, hosts, request.facts)
     if limit and commit:
         moving = sorted(h for h, (c, _) in now.items() if c != commit)
         fresh = sorted(h.name for h in hosts if cluster.runs_llama_cpp(h) and h.name not in now)
@@ -41,30 +43,5 @@ def check(cluster, hosts, facts, commit: str | None, limit) -> list[str]:
     if len(commits) > 1:
         listing = ", ".join(f"{h} {c[:12]} (RPC {p})" for h, (c, p) in sorted(now.items()))
         target = f" apply moves every host to {commit[:12]}" if commit else ""
-        return [f"hosts run different llama.cpp builds: {listing};{target}"]
-    return []
-
-
-def network(cluster, hosts, facts) -> list[Network]:
-    """Measured RTT orchestrator -> workers and the per-token cost it implies."""
-    out = []
-    for server in cluster.servers:
-        if server.host not in {h.name for h in hosts}:
-            continue
-        rtts = (facts.get(server.host) or {}).get("services.Rtt") or {}
-        measured, remote = [], []
-        for e in cluster.rpc_endpoints(server):
-            us = rtts.get(e.ssh_target)
-            if e.host.name == server.host:
-                measured.append(RttEndpoint(e.target, e.host.name, 0.0, remote=False))
-            elif us is not None:
-                measured.append(RttEndpoint(e.target, e.host.name, us / 1000, remote=True))
-                remote.append(us)  # a fast link measures 0 after the probe's own cost: still a hop
-        if not measured:
-            continue
-        # Inference is pipeline-serial and the orchestrator drives every remote device in turn:
-        # each token pays one round trip per remote worker (seed llamacpp-rpc-split-guide:
-        # per token ~ compute + (N-1) x latency for N nodes).
-        out.append(Network(server.name, server.host, measured, round_trips=len(remote),
-                           per_token_ms=sum(remote) / 1000))
-    return out
+        return (f"hosts run different llama.cpp builds: {listing};{target}",)
+    return ()
