@@ -169,6 +169,29 @@ def own_lab(request, name: str, **kwargs):
 
 
 @pytest.fixture(scope="session")
+def converged_lab(lab_available, request, tmp_path_factory):
+    """(LabInfo, Lab, cluster file) of lab `mdcv`: three hosts with inventories/lab.yaml applied
+    once, shared by the modules that only use a converged cluster (bench, logs, exec) and
+    removed at the end of the session. A module that changes the cluster puts it back.
+
+    GGML_NATIVE=OFF: `bench --compare-local` runs every layer on node1's own CPU. Some VMs
+    advertise AMX that they cannot run: a -march=native build then faults in ggml's AMX matmul
+    (ldtilecfg: general protection fault, seen on this kind of machine), while RPC-only loads
+    never reach it. GGML_NATIVE=OFF builds for AVX2 and leaves AMX out."""
+    from support.cli import meshdeploy
+    from support.labfile import lab_text, write_lab_file
+
+    with own_lab(request, "mdcv", hosts=3) as (info, handle):
+        flags = "  build:\n    cmake_flags: [-DGGML_NATIVE=OFF]\n"
+        text = lab_text(info).replace("  build:\n", flags, 1)
+        assert "GGML_NATIVE=OFF" in text
+        path = write_lab_file(info, tmp_path_factory.mktemp("converged"), text=text)
+        applied = meshdeploy("apply", path, "--auto-approve")
+        assert applied.returncode == 0, applied.stderr
+        yield info, handle, path
+
+
+@pytest.fixture(scope="session")
 def lab(lab_handle):
     """LabInfo of a running lab: node1..node3 and the rogue node4 (see docs/lab.md)."""
     from meshdeploy.lab import LabInfo

@@ -1,6 +1,6 @@
-"""meshdeploy bench on real hosts: the lab cluster applied on its own lab `mdbn` (node1
-orchestrator, node2 and node3 workers), then benched through llama-server's HTTP API over SSH,
-alone and against the same build and model on node1 without workers.
+"""meshdeploy bench on real hosts: the lab cluster on the shared converged lab (conftest's
+converged_lab: node1 orchestrator, node2 and node3 workers), benched through llama-server's
+HTTP API over SSH, alone and against the same build and model on node1 without workers.
 
 Checks that the figures are llama-server's own (token counts equal to what the server reports
 to a request sent by hand on the host, rates equal to tokens over its milliseconds), that the
@@ -16,43 +16,26 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import own_lab
-from support.labfile import for_lab
-from test_cluster import meshdeploy, variant
+from support.cli import meshdeploy
+from test_cluster import variant
 from test_secrets import ssh
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
-LAB_NAME = "mdbn"
-REPO = Path(__file__).resolve().parents[2]
 LOCAL_UNIT = "meshdeploy-bench-main"
 
 
 @pytest.fixture(scope="module")
-def bn_lab(lab_available, request):
-    with own_lab(request, LAB_NAME, hosts=3) as both:
-        yield both
+def bn_lab(converged_lab):
+    info, handle, _ = converged_lab
+    return info, handle
 
 
 @pytest.fixture(scope="module")
-def cluster_file(bn_lab, tmp_path_factory):
-    info, _ = bn_lab
-    target = tmp_path_factory.mktemp("bench") / "lab.yaml"
-    text = (REPO / "inventories" / "lab.yaml").read_text()
-    text = for_lab(text, info)
-    # --compare-local runs every layer on node1's own CPU. Some VMs advertise AMX that they
-    # cannot run: a -march=native build then faults in ggml's AMX matmul (ldtilecfg: general
-    # protection fault, seen on this kind of machine), while RPC-only loads never reach it.
-    # GGML_NATIVE=OFF builds for AVX2 and leaves AMX out.
-    text = text.replace("  build:\n", "  build:\n    cmake_flags: [-DGGML_NATIVE=OFF]\n", 1)
-    assert "GGML_NATIVE=OFF" in text
-    target.write_text(text)
-    applied = meshdeploy("apply", target, "--auto-approve")
-    assert applied.returncode == 0, applied.stderr
-    return target
+def cluster_file(converged_lab):
+    return converged_lab[2]
 
 
 def bench(cluster_file, *args):

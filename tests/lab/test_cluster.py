@@ -13,11 +13,11 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from support.labfile import for_lab
+from support.labfile import write_lab_file
+from support.cli import meshdeploy
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
@@ -25,27 +25,11 @@ pytestmark = [pytest.mark.lab, pytest.mark.build]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def meshdeploy(*args, timeout=3600):
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "meshdeploy", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-    proc.seconds = time.monotonic() - started
-    print(f"$ meshdeploy {' '.join(map(str, args))}  -> {proc.returncode} in {proc.seconds:.1f} s")
-    print(proc.stdout[-6000:])
-    print(proc.stderr[-4000:], file=sys.stderr)
-    return proc
-
 
 @pytest.fixture(scope="module")
 def cluster_file(lab, tmp_path_factory):
     """The lab inventory, copied so its lock file lands in a temporary folder."""
-    folder = tmp_path_factory.mktemp("cluster")
-    target = folder / "lab.yaml"
-    text = (REPO / "inventories" / "lab.yaml").read_text()
-    text = for_lab(text, lab)
-    target.write_text(text)
-    return target
+    return write_lab_file(lab, tmp_path_factory.mktemp("cluster"))
 
 
 @pytest.fixture(scope="module")

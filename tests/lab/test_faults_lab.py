@@ -31,14 +31,13 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
-from test_cluster import meshdeploy
+from support.cli import meshdeploy
 
 from meshdeploy.lab import base, hosts, net, procs
-from support.labfile import for_lab
+from support.labfile import lab_text, without_host
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
-REPO = Path(__file__).resolve().parents[2]
 SHA = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 MODEL = "/opt/meshdeploy/models/gemma/gemma-3-270m-q4_k_m.gguf"
 CACHE = "/var/cache/private/meshdeploy-rpc-50052/rpc"
@@ -57,8 +56,7 @@ def ft_lab(lab_available, request):
 def cluster_file(ft_lab, tmp_path_factory):
     """The lab inventory without node3; node2's rpc-server keeps a seeded cache."""
     info, _ = ft_lab
-    text = for_lab((REPO / "inventories" / "lab.yaml").read_text(), info)
-    text = text.replace(text[text.index("  node3:\n"):text.index("models:\n")], "")
+    text = without_host(lab_text(info), "node3")
     # fetch: false keeps a whole GGUF on node2 (downloaded and seeded from), so its download
     # and disk faults are tried on a worker too.
     text = text.replace("      - port: 50052\n",

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 from conftest import own_lab
+from support.cli import meshdeploy
 
 from meshdeploy.errors import CONNECT, OK
 
@@ -55,15 +55,6 @@ def setup(key_lab, tmp_path_factory):
     return cluster, known_hosts, env
 
 
-def meshdeploy(env, *args) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "meshdeploy", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env=env,
-                          stdin=subprocess.DEVNULL)
-    print(f"$ meshdeploy {' '.join(map(str, args))} -> {proc.returncode}")
-    print(proc.stdout[-3000:])
-    print(proc.stderr[-3000:], file=sys.stderr)
-    return proc
-
 
 def host_fingerprint(lab, key_type: str) -> str:
     """What `ssh-keygen -l` says on node1 about its key of `key_type` (ssh-ed25519, ...)."""
@@ -80,7 +71,7 @@ def logins(lab) -> int:
 
 def test_unknown_host_is_refused_by_default_with_its_fingerprint(key_lab, setup):
     cluster, known_hosts, env = setup
-    done = meshdeploy(env, "status", cluster)
+    done = meshdeploy("status", cluster, env=env)
     assert done.returncode == CONNECT
     assert "Traceback" not in done.stderr
     first = done.stderr.splitlines()[0]
@@ -94,7 +85,7 @@ def test_unknown_host_is_refused_by_default_with_its_fingerprint(key_lab, setup)
 
 def test_accept_new_records_the_key_then_strict_accepts_it(key_lab, setup):
     cluster, known_hosts, env = setup
-    done = meshdeploy(env, "status", "--accept-new-host-keys", cluster)
+    done = meshdeploy("status", "--accept-new-host-keys", cluster, env=env)
     assert done.returncode == OK, done.stderr
     (line,) = known_hosts.read_text().splitlines()
     name, key_type, blob = line.split()
@@ -103,7 +94,7 @@ def test_accept_new_records_the_key_then_strict_accepts_it(key_lab, setup):
                             "_key.pub", check=True).stdout.split()
     assert [key_type, blob] == pub[:2]
     # Known now: the strict default lets it in without the flag.
-    assert meshdeploy(env, "status", cluster).returncode == OK
+    assert meshdeploy("status", cluster, env=env).returncode == OK
 
 
 def test_changed_key_is_refused_with_fingerprint_and_fix_and_nothing_applied(key_lab, setup):
@@ -115,7 +106,7 @@ def test_changed_key_is_refused_with_fingerprint_and_fix_and_nothing_applied(key
     before = logins(key_lab)
     # Even the flag that accepts unknown keys refuses a changed one; apply stops before the
     # probe.
-    done = meshdeploy(env, "apply", "--auto-approve", "--accept-new-host-keys", cluster)
+    done = meshdeploy("apply", "--auto-approve", "--accept-new-host-keys", cluster, env=env)
     # One more login: the one that reads the journal, none from apply.
     assert logins(key_lab) == before + 1, "a session logged in past a changed host key"
     assert done.returncode == CONNECT
@@ -133,7 +124,7 @@ def test_changed_key_is_refused_with_fingerprint_and_fix_and_nothing_applied(key
     subprocess.run(["ssh-keygen", "-R", HOST, "-f", str(known_hosts)], check=True,
                    capture_output=True)
     before = logins(key_lab)
-    assert meshdeploy(env, "status", "--accept-new-host-keys", cluster).returncode == OK
+    assert meshdeploy("status", "--accept-new-host-keys", cluster, env=env).returncode == OK
     assert known_hosts.read_text() != recorded
     # The login count sees meshdeploy's logins: status's and the journal reader's.
     assert logins(key_lab) == before + 2

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import base64
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from support.cli import meshdeploy
+from support.labfile import write_lab_file
 
 from meshdeploy.roles.rpc_cache import kvcache
 from meshdeploy.roles.rpc_cache.tensors import model_shape
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
-REPO = Path(__file__).resolve().parents[2]
 BINARY = "/opt/meshdeploy/current/bin/llama-server"
 MODEL = "/opt/meshdeploy/models/gemma/gemma-3-270m-q4_k_m.gguf"
 LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers")
@@ -31,14 +29,8 @@ LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+)
 def built(lab, tmp_path_factory):
     """node1 with the gemma cluster applied (test_cluster.py leaves it so; else apply it)."""
     if lab.run("node1", f"test -x {BINARY} && test -r {MODEL}").returncode != 0:
-        path = tmp_path_factory.mktemp("kv") / "lab.yaml"
-        text = (REPO / "inventories" / "lab.yaml").read_text()
-        text = text.replace("http://127.0.0.1:18080", lab.mirrors["hf_api_endpoint"])
-        path.write_text(text.replace("/var/lib/meshdeploy/lab/mdlab/ssh_config", lab.ssh["config"]))
-        proc = subprocess.run([sys.executable, "-m", "meshdeploy", "apply", str(path),
-                               "--auto-approve"], capture_output=True, text=True, timeout=3600,
-                              stdin=subprocess.DEVNULL)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        path = write_lab_file(lab, tmp_path_factory.mktemp("kv"))
+        assert meshdeploy("apply", path, "--auto-approve").returncode == 0
     return lab
 
 

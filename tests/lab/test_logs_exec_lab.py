@@ -1,8 +1,8 @@
 """`meshdeploy logs` and `meshdeploy exec` against real hosts: fabric through the lab's
 ssh_config (ProxyCommand into each host's network namespace), real journald, real sudo.
 
-Runs on its own lab, `mdfab` (node1 orchestrator, node2 and node3 workers, with mirrors: the
-cluster is applied first). The host-key test reuses the lab's ssh_config with a strict policy
+Runs on the shared converged lab (conftest's converged_lab: node1 orchestrator, node2 and node3
+workers, with mirrors). The host-key test reuses the lab's ssh_config with a strict policy
 and an empty known_hosts of its own; the stopped-host test runs last and brings node3 back.
 """
 
@@ -18,48 +18,27 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from conftest import own_lab
-from support.labfile import for_lab
+from support.cli import meshdeploy
 
 from meshdeploy.errors import CONNECT, ERROR, OK
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
-LAB_NAME = "mdfab"
-REPO = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^(\S+) (\S+) +\| (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) (.*)$")
 SERVICES = {("node1", "llama-server:main"), ("node2", "rpc-server:50052"),
             ("node3", "rpc-server:50052")}
 
 
-def meshdeploy(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "meshdeploy", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, env=env)
-    print(f"$ meshdeploy {' '.join(map(str, args))} -> {proc.returncode} in "
-          f"{time.monotonic() - started:.2f} s")
-    print(proc.stdout[-4000:])
-    print(proc.stderr[-2000:], file=sys.stderr)
-    return proc
+
+@pytest.fixture(scope="module")
+def fab(converged_lab):
+    info, handle, _ = converged_lab
+    return info, handle
 
 
 @pytest.fixture(scope="module")
-def fab(lab_available, request):
-    with own_lab(request, LAB_NAME, hosts=3) as both:
-        yield both
-
-
-@pytest.fixture(scope="module")
-def cluster(fab, tmp_path_factory):
-    info, _ = fab
-    path = tmp_path_factory.mktemp("fab") / "lab.yaml"
-    text = (REPO / "inventories" / "lab.yaml").read_text()
-    text = for_lab(text, info)
-    path.write_text(text)
-    applied = meshdeploy("apply", path, "--auto-approve", timeout=3600)
-    assert applied.returncode == OK, applied.stderr
-    return path
+def cluster(converged_lab):
+    return converged_lab[2]
 
 
 def parsed(stdout: str) -> list[tuple[str, str, datetime, str]]:

@@ -20,14 +20,13 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
-from support.labfile import for_lab
+from support.labfile import lab_text, without_host
 
 from meshdeploy.core.progress import MARKER
 from meshdeploy.lab import hosts
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "/opt/meshdeploy/models/gemma/gemma-3-270m-q4_k_m.gguf"
 
 
@@ -40,8 +39,7 @@ def pg_lab(lab_available, request):
 @pytest.fixture(scope="module")
 def cluster_file(pg_lab, tmp_path_factory):
     info, _ = pg_lab
-    text = for_lab((REPO / "inventories" / "lab.yaml").read_text(), info)
-    text = text[:text.index("  node3:\n")] + text[text.index("models:\n"):]
+    text = without_host(lab_text(info), "node3")
     # The lab's ccache is shared and warm: every compile would hit and the build end in seconds.
     # A C define of this run alone makes ggml's C files miss (a minute or two of real compiling
     # per host); the C++ files still hit.

@@ -28,7 +28,7 @@ from conftest import own_lab
 from meshdeploy.lab import base, hfmirror
 from support import runbook
 from support.synthetic import Shape, write_llama
-from support.labfile import for_lab
+from support.labfile import for_lab, lab_text
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
@@ -53,8 +53,7 @@ def workdir(rb_lab, tmp_path_factory):
     """The operator's folder: cluster.yaml (the lab's file) and a bin/ with `meshdeploy`."""
     info, _ = rb_lab
     folder = tmp_path_factory.mktemp("runbooks")
-    (folder / runbook.CLUSTER_FILE).write_text(
-        for_lab((REPO / "inventories" / "lab.yaml").read_text(), info))
+    (folder / runbook.CLUSTER_FILE).write_text(lab_text(info))
     bin_dir = folder / "bin"
     bin_dir.mkdir()
     tool = bin_dir / "meshdeploy"
@@ -158,7 +157,7 @@ def test_runbook(name, converged, rb_lab):
     # The file as the runbooks before this one leave it (also when one of them failed half way:
     # a failure does not spread into the next runbook's file).
     runbook.file_before(RUNBOOKS, name, cluster_file,
-                        for_lab((REPO / "inventories" / "lab.yaml").read_text(), info),
+                        lab_text(info),
                         lambda text: for_lab(text, info))
     for n, step in enumerate(book.steps, 1):
         where = f"{name}, step {n} ({step.describe()})"

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
-from test_cluster import meshdeploy
+from support.cli import meshdeploy
+from support.labfile import without_host
 
 from meshdeploy.lab import hfmirror, hosts, services
 from support import leaks
@@ -79,8 +80,7 @@ def workdir(tok_lab, gated, tmp_path_factory):
     token_file.write_text(TOKEN + "\n")
     text = (REPO / "inventories" / "lab.yaml").read_text()
     text = text.replace("/var/lib/meshdeploy/lab/mdlab/ssh_config", info.ssh["config"])
-    node3 = text[text.index("  node3:\n"):text.index("models:\n")]
-    text = text.replace(node3, "")
+    text = without_host(text, "node3")
     text = text.replace(
         "  endpoint: http://10.200.0.1:8080\n"
         "  api_endpoint: http://127.0.0.1:18080   # the same mirror, as the control machine "

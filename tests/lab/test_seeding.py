@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,30 +18,18 @@ import pytest
 from meshdeploy.lab import base, hfmirror
 from support import wire
 from support.synthetic import SMALL, write_llama
+from support.cli import meshdeploy
+from support.labfile import write_lab_file
 from meshdeploy.roles.rpc_cache.placement import device_tensors, place, wire_bytes
 from meshdeploy.roles.rpc_cache.tensors import weight_tensors
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
-REPO = Path(__file__).resolve().parents[2]
 SLACK = 4 * 1024 * 1024  # RPC commands, graph uploads, TCP/IP headers: far below one tensor
 
 
-def meshdeploy(*args, env: dict | None = None):
-    proc = subprocess.run([sys.executable, "-m", "meshdeploy", *map(str, args)],
-                          capture_output=True, text=True, timeout=3600, stdin=subprocess.DEVNULL,
-                          env={**os.environ, **(env or {})})
-    print(f"$ meshdeploy {' '.join(map(str, args))} -> {proc.returncode}\n{proc.stdout[-4000:]}")
-    print(proc.stderr[-3000:], file=sys.stderr)
-    return proc
-
-
 def _restore(lab, tmp_path):
-    gemma = tmp_path / "restore" / "lab.yaml"
-    gemma.parent.mkdir()
-    text = (REPO / "inventories" / "lab.yaml").read_text()
-    text = text.replace("http://127.0.0.1:18080", lab.mirrors["hf_api_endpoint"])
-    gemma.write_text(text.replace("/var/lib/meshdeploy/lab/mdlab/ssh_config", lab.ssh["config"]))
+    gemma = write_lab_file(lab, tmp_path / "restore")
     assert meshdeploy("apply", gemma, "--auto-approve").returncode == 0
     for host in ("node2", "node3"):
         lab.run(host, "sudo rm -rf /opt/meshdeploy/models/synthetic "
@@ -196,7 +182,7 @@ def test_seeding_from_a_file_already_on_the_hosts(lab, tmp_path):
     cluster = tmp_path / "path.yaml"
     cluster.write_text(f"{head}\nmodels:\n  synthetic:\n    path: {where}\nservers:\n{servers}")
     cache = tmp_path / "xdg"
-    env_cache = {"XDG_CACHE_HOME": str(cache)}
+    env_cache = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     try:
         applied = meshdeploy("apply", cluster, "--auto-approve", env=env_cache)
         assert applied.returncode == 0, applied.stderr

@@ -23,14 +23,13 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
-from support.labfile import for_lab
-from test_cluster import meshdeploy
+from support.labfile import lab_text, without_host, write_lab_file
+from support.cli import meshdeploy
 
 from meshdeploy.lab import hosts
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
-REPO = Path(__file__).resolve().parents[2]
 NODES = ("node1", "node2", "node3")
 
 
@@ -72,13 +71,9 @@ def files(st_lab, tmp_path_factory):
     in a second folder plays a second operator's machine."""
     info, _ = st_lab
     folder = tmp_path_factory.mktemp("state")
-    text = (REPO / "inventories" / "lab.yaml").read_text()
-    text = for_lab(text, info)
-    full = folder / "lab.yaml"
-    full.write_text(text)
-    node3 = text[text.index("  node3:\n"):text.index("models:\n")]
+    full = write_lab_file(info, folder)
     other = tmp_path_factory.mktemp("operator2") / "lab.yaml"
-    return {"full": full, "without_node3": text.replace(node3, ""), "other": other,
+    return {"full": full, "without_node3": without_host(full.read_text(), "node3"), "other": other,
             "folder": folder}
 
 
@@ -262,7 +257,7 @@ def test_destroy_purge_leaves_only_the_toolchain(node3_removed, files, st_lab):
     # runbook's way (docs/runbooks/destroy.md) is the file with it again, for one destroy.
     assert int(leftovers(info, "node3")["builds"]) >= 1
     full = files["full"].read_text()
-    files["full"].write_text(for_lab((REPO / "inventories" / "lab.yaml").read_text(), info))
+    files["full"].write_text(lab_text(info))
     try:
         only = meshdeploy("destroy", files["full"], "--auto-approve", "--purge", "--limit", "node3")
         assert only.returncode == 0, only.stderr

@@ -28,6 +28,7 @@ from conftest import own_lab
 from support import capture, leaks, wire
 from support.labfile import for_lab
 from test_cluster import idle_workers
+from support.cli import meshdeploy
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import shell
@@ -57,15 +58,6 @@ def wg_lab(lab_available, request):
     with own_lab(request, WG_LAB, hosts=3, rogue=1) as (info, _):
         yield info
 
-
-def meshdeploy(*args, timeout=3600):
-    proc = subprocess.run([sys.executable, "-m", "meshdeploy", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-    print(f"$ meshdeploy {' '.join(map(str, args))} -> {proc.returncode}")
-    print(proc.stdout[-6000:])
-    print(proc.stderr[-4000:], file=sys.stderr)
-    return proc
 
 
 def root(lab, host: str, command: str, check: bool = True) -> subprocess.CompletedProcess:
