@@ -1,6 +1,6 @@
 """A test-side reader of what systemd makes of a unit file (systemd.service "Command lines",
 systemd.unit "Quoting" and "Specifiers"): written from the documentation, independently of
-roles/services/units.py, so the escaping is checked against the rules, not against itself."""
+core/units.py, so the escaping is checked against the rules, not against itself."""
 
 from __future__ import annotations
 

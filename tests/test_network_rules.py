@@ -145,6 +145,17 @@ def test_apply_loads_before_it_keeps_the_file_for_boot():
     assert not any("flush" in c for c in remove)
 
 
+def test_the_boot_units_path_is_written_as_systemd_reads_it(monkeypatch):
+    """The boot unit is rendered by core.units like the services' units: a path with a space,
+    `%` or `$` reaches nft as written (systemd would split, resolve or expand it raw)."""
+    from systemd_parse import exec_argv, settings
+
+    path = "/etc/mesh deploy/50% $HOME.nft"
+    monkeypatch.setattr(rules.d, "network_nft_file", path)
+    (start,) = [v for k, v in settings(rules.boot_unit()) if k == "ExecStart"]
+    assert exec_argv(start) == ["/usr/sbin/nft", "-f", path]
+
+
 def test_comments_carry_no_nft_syntax():
     assert rules.comment_text('x" ; flush ruleset\n#') == "x? ? flush ruleset??"
     assert len(rules.comment_text("a" * 500)) <= 128

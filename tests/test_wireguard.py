@@ -123,6 +123,17 @@ def test_the_macos_launchd_plist_golden(cluster):
     golden.check(GOLDEN / "lab-wireguard.plist", wg.launchd_plist(cluster))
 
 
+def test_the_plist_refuses_what_xml_cannot_carry(cluster):
+    """The schema keeps control characters out of the interface name; a cluster built in code
+    meets the same refusal as the services' plists (core.units.plist), naming the setting."""
+    import dataclasses
+
+    network = dataclasses.replace(cluster.network, wireguard=dataclasses.replace(
+        cluster.network.wireguard, interface="mdwg\x01"))
+    with pytest.raises(PlanError, match="network.wireguard.interface: .*control character"):
+        wg.launchd_plist(dataclasses.replace(cluster, network=network))
+
+
 def test_a_public_key_that_is_not_one_never_reaches_the_file(cluster):
     with pytest.raises(PlanError, match="not a WireGuard public key"):
         wg.conf_file(cluster, cluster.host("node2"), {"node1": "x\nPrivateKey = y"})
@@ -200,7 +211,7 @@ def test_units_that_use_the_tunnel_start_after_it(cluster):
 
 
 def test_a_unit_name_that_cannot_be_one_is_refused_not_written():
-    from meshdeploy.roles.services.units import ordered_after
+    from meshdeploy.core.units import ordered_after
 
     assert ordered_after("wg-quick@wg1", "x") == ("After=wg-quick@wg1.service\n"
                                                   "Wants=wg-quick@wg1.service\n")

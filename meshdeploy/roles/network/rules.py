@@ -23,11 +23,11 @@ import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from string import Template
 
 from meshdeploy.core import distribution, shell
 from meshdeploy.core.paths import model_share_port
 from meshdeploy.core.plan import AttrDiff
+from meshdeploy.core.units import exec_arg, render
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import defaults as d
 
@@ -224,8 +224,8 @@ def comment_text(text: str) -> str:
 def boot_unit() -> str:
     """The systemd unit that loads the table again at boot, after the host's own nftables.service
     (whose stock /etc/nftables.conf starts with `flush ruleset`)."""
-    return Template((TEMPLATES / "meshdeploy-nftables.service").read_text()).substitute(
-        file=d.network_nft_file)
+    return render(TEMPLATES / "meshdeploy-nftables.service",
+                  file=exec_arg(d.network_nft_file, "network_nft_file"))
 
 
 def apply_commands(text: str) -> list[str]:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-import plistlib
 import re
 
 from meshdeploy.core.plan import AttrDiff
+from meshdeploy.core.units import plist
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import defaults as d
 
@@ -154,4 +154,4 @@ def launchd_plist(cluster) -> str:
            "EnvironmentVariables": {"PATH": f"{brew}/bin:/usr/bin:/bin:/usr/sbin:/sbin"},
            "RunAtLoad": True, "KeepAlive": False,
            "StandardErrorPath": f"/var/log/meshdeploy-wireguard-{iface}.log"}
-    return plistlib.dumps(doc, sort_keys=True).decode()
+    return plist(doc, "network.wireguard.interface")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import ipaddress
 from pathlib import Path
-from string import Template
 
 from meshdeploy.config.checks import exposed_rpc_servers
 from meshdeploy.config.model import HfResolved, rpc_ref
@@ -14,11 +13,7 @@ from meshdeploy.core.context import HostContext, Step, Teardown
 from meshdeploy.core.paths import installed_build, model_path, rpc_server_cache
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
-from meshdeploy.errors import PlanError
-from meshdeploy.roles.services import argv as argvs
-from meshdeploy.roles.services import defaults as d
-from meshdeploy.roles.services.facts import KeyFile, Rtt, Units
-from meshdeploy.roles.services.units import (
+from meshdeploy.core.units import (
     SystemdExpr,
     comment_value,
     env_line,
@@ -27,8 +22,13 @@ from meshdeploy.roles.services.units import (
     line_value,
     ordered_after,
     plist,
+    render,
     unit_name,
 )
+from meshdeploy.errors import PlanError
+from meshdeploy.roles.services import argv as argvs
+from meshdeploy.roles.services import defaults as d
+from meshdeploy.roles.services.facts import KeyFile, Rtt, Units
 
 ROLE = "services"
 TEMPLATES = Path(__file__).with_name("templates")
@@ -85,7 +85,7 @@ def rtt_targets(cluster, host) -> list[str]:
 
 
 def _render(template: str, **values) -> str:
-    return Template((TEMPLATES / template).read_text()).substitute(values)
+    return render(TEMPLATES / template, **values)
 
 
 def _env_lines(env: dict, setting: str) -> str:

@@ -1,5 +1,9 @@
 """Values into systemd unit files and launchd plists, escaped by each format's own rules.
 
+Every role that writes a unit or a plist renders it here (the services' rpc-server and
+llama-server, the network's boot unit and WireGuard LaunchDaemon): a template is filled only
+with values these functions made.
+
 systemd (systemd.service "Command lines", systemd.unit "Specifiers" and "Quoting"):
 - ExecStart= words are split on whitespace, unquoted with C-style escapes ("\\\\", "\\""), then
   `%` specifiers are resolved, then `$VAR`/`${VAR}` are expanded at start: a literal `%` is
@@ -18,6 +22,8 @@ from __future__ import annotations
 import ipaddress
 import plistlib
 import re
+from pathlib import Path
+from string import Template
 
 from meshdeploy.errors import PlanError
 
@@ -35,6 +41,11 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # meshdeploy's own are plainer still, and never a path.
 _UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]*")
 _HINT = "remove control characters (newlines, tabs) from the value in the cluster file"
+
+
+def render(template: Path, **values: str | int) -> str:
+    """A unit template (string.Template, `$name`) filled with values this module escaped."""
+    return Template(template.read_text()).substitute(values)
 
 
 def checked(value, setting: str) -> str:
