@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.cli import meshdeploy
 
 from meshdeploy import errors
 from meshdeploy.config.load import load_cluster
@@ -96,9 +95,8 @@ def test_plan_and_destroy_refuse_the_crafted_state_and_run_nothing(crafted, comm
     path, marker = crafted
     home = tmp_path / "home"
     home.mkdir()
-    run = subprocess.run([sys.executable, "-m", "meshdeploy", command[0], str(path),
-                          *command[1:]], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "HOME": str(home)}, cwd=tmp_path)
+    run = meshdeploy(*command[:1], path, *command[1:], timeout=120,
+                     env={**os.environ, "HOME": str(home)}, cwd=tmp_path)
     assert not marker.exists(), "the state's ProxyCommand ran"
     assert run.returncode == errors.CONFIG, run.stdout + run.stderr
     assert "hosts.evil.ssh.config: evil left the cluster file" in run.stderr

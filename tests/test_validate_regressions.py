@@ -7,10 +7,10 @@ clear line. Values that must stay valid (a space or a '%' in them) are at the en
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.cli import meshdeploy
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.errors import CONFIG, ConfigError
@@ -167,8 +167,7 @@ def test_number_field_refuses_a_boolean(tmp_path):
 # -- the file itself -------------------------------------------------------------------------
 
 def run_cli(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshdeploy", "validate", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    return meshdeploy("validate", path, timeout=60)
 
 
 def test_dev_zero_is_refused_at_once():
