@@ -16,16 +16,14 @@ import pytest
 
 from meshdeploy import errors
 from meshdeploy.cli import build_parser, main
-from meshdeploy.commands.adhoc import command_text, exit_code
-from meshdeploy.commands.logs import (
+from meshdeploy.commands.exec_ import command_text, exit_code
+from meshdeploy.commands.log_lines import (
     FOLLOW,
     HostStream,
-    Line,
     SelectionError,
     host_script,
     merge,
     parse,
-    render,
     select,
     since_value,
 )
@@ -33,6 +31,7 @@ from meshdeploy.config.load import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.remote import connections as remote
 from meshdeploy.remote.ssh_settings import resolve
+from meshdeploy.views.logs import Line, render
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -294,12 +293,14 @@ def test_exec_exit_codes(exits, code):
 
 def test_cli_takes_words_after_options_and_after_the_double_dash(monkeypatch):
     seen = {}
-    monkeypatch.setattr("meshdeploy.cli.run", lambda handler, args: seen.update(
-        vars(args)) or 0)
+    monkeypatch.setattr("meshdeploy.commands.logs.run", lambda args: seen.update(logs=args))
+    monkeypatch.setattr("meshdeploy.commands.exec_.run", lambda args: seen.update(exec=args))
     main(["logs", "c.yaml", "-n", "5", "node2", "main", "-f"])
-    assert (seen["targets"], seen["lines"], seen["follow"]) == (["node2", "main"], 5, True)
+    got = seen["logs"]
+    assert (got.targets, got.lines, got.follow) == (["node2", "main"], 5, True)
     main(["exec", "c.yaml", "--sudo", "--", "ls", "--sudo", "-l", "--", "x"])
-    assert (seen["argv"], seen["sudo"]) == (["ls", "--sudo", "-l", "--", "x"], True)
+    got = seen["exec"]
+    assert (got.argv, got.sudo) == (["ls", "--sudo", "-l", "--", "x"], True)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["logs"])
 

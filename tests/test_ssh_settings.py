@@ -179,17 +179,16 @@ def test_other_failures_are_not_host_key_errors(tmp_path, keys):
     assert host_key_error({"n1": (fresh, keys[1], "Authentication error")}) is None
 
 
-# In a child process: commands patches the standard library with gevent on import.
+# In a child process: plan, apply and status patch the standard library with gevent.
 FLAG_PROBE = """
 import sys
 from meshdeploy import cli
-from meshdeploy.commands import cluster as commands
+from meshdeploy.remote.session import Session
 def open_session(self):
     print("accept_new_host_keys", self.accept_new_host_keys)
     raise SystemExit(0)
-commands.Session.open = open_session
-args = cli.build_parser().parse_args(sys.argv[1:])
-args.handler(args)
+Session.open = open_session
+cli.main(sys.argv[1:])
 """
 
 

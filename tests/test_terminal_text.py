@@ -1,6 +1,6 @@
 """What a host sends never drives the operator's terminal (security review, issue 20): `logs`
 and `exec` show C0 controls (but tab and newline), DEL and C1 controls (U+009B CSI, U+009D OSC)
-as escapes, through one helper, logs.terminal_text. exec runs for real on a `connection: local`
+as escapes, through one helper, errors.terminal_text. exec runs for real on a `connection: local`
 host; journal lines go through the parser as journalctl's JSON gives them."""
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from meshdeploy.cli import main
-from meshdeploy.commands import adhoc
-from meshdeploy.commands.logs import HostStream, parse, render, terminal_text
+from meshdeploy.commands import logs
+from meshdeploy.commands.log_lines import HostStream, parse
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import registry
+from meshdeploy.errors import terminal_text
+from meshdeploy.views.logs import render
 
 REPO = Path(__file__).resolve().parents[1]
 # Anything a terminal would act on: what must never reach it from a host.
@@ -83,8 +85,8 @@ def test_failure_lines_and_unreachable_reasons_are_shown_escaped(capsys):
     # Only their last (first) line is shown: a CR would split them there.
     hostile, shown = HOSTILE.replace("\r", ""), SHOWN.replace("\\r", "")
     failed = SimpleNamespace(exited=1, stdout="", stderr=f"journalctl: {hostile}\n")
-    assert adhoc._failed("node2", failed)
-    assert adhoc._failed("node3", OSError(f"banner {hostile}"))
+    assert logs._failed("node2", failed)
+    assert logs._failed("node3", OSError(f"banner {hostile}"))
     err = capsys.readouterr().err
     assert f"node2: reading the logs failed (exit 1): journalctl: {shown}" in err
     assert f"node3: unreachable (banner {shown})" in err
@@ -94,19 +96,17 @@ def test_failure_lines_and_unreachable_reasons_are_shown_escaped(capsys):
 def test_every_error_the_cli_prints_is_made_inert(capsys):
     """An apply's error quotes the hosts' stderr (a seeding step's comes from a service's user):
     the CLI prints every MeshdeployError and internal error through terminal_text."""
-    from argparse import Namespace
-
     from meshdeploy import cli
     from meshdeploy.errors import ApplyError
 
-    def failing(args):
+    def failing():
         raise ApplyError(f"node2: rpc_cache.seed[50052] failed:\n    {HOSTILE}", hint="fix it")
 
-    def crashing(args):
+    def crashing():
         raise RuntimeError(HOSTILE)
 
-    for handler in (failing, crashing):
-        code = cli.run(handler, Namespace(debug=False, verbose=False))
+    for work in (failing, crashing):
+        code = cli.guarded(work, debug=False, verbose=False)
         err = capsys.readouterr().err
         assert code != 0 and SHOWN in err, err
         assert not ACTIVE.search(err.replace("\t", "").replace("\n", ""))

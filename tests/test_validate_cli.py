@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -64,12 +63,12 @@ def test_public_bind_warning_is_printed(tmp_path):
 
 
 def test_internal_error_has_no_traceback_unless_debug(monkeypatch, capsys):
-    import meshdeploy.config.load as config
+    from meshdeploy.commands import validate
 
     def broken(path):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(config, "load_cluster", broken)
+    monkeypatch.setattr(validate, "load_cluster", broken)
     assert cli.main(["validate", str(LAB)]) == errors.ERROR
     err = capsys.readouterr().err
     assert err.startswith("internal error: RuntimeError: boom\nrerun with --debug")
@@ -80,28 +79,27 @@ def test_internal_error_has_no_traceback_unless_debug(monkeypatch, capsys):
 
 @pytest.fixture
 def fake_commands(monkeypatch):
-    module = types.ModuleType("meshdeploy.commands.cluster")
+    from meshdeploy.commands import apply, plan, status
+
     calls = []
 
-    def plan(args):
+    def plan_run(args):
         calls.append(("plan", args))
         if args.limit == ["stale"]:
             raise errors.StalePlanError("plan is stale: node2 changed", "run plan again")
         return errors.CHANGES if args.detailed_exitcode else errors.OK
 
-    def apply(args):
+    def apply_run(args):
         calls.append(("apply", args))
         raise KeyboardInterrupt
 
-    def status(args):
+    def status_run(args):
         calls.append(("status", args))
         raise errors.ConnectError("cannot reach node2", "is it up?")
 
-    module.plan, module.apply, module.status = plan, apply, status
-    monkeypatch.setitem(sys.modules, "meshdeploy.commands.cluster", module)
-    import meshdeploy.commands
-
-    monkeypatch.setattr(meshdeploy.commands, "cluster", module, raising=False)
+    monkeypatch.setattr(plan, "run", plan_run)
+    monkeypatch.setattr(apply, "run", apply_run)
+    monkeypatch.setattr(status, "run", status_run)
     return calls
 
 

@@ -4,27 +4,57 @@ from its own `timings`, optionally against the same build and model on the orche
 The server usually listens on the orchestrator's loopback: requests travel through the SSH
 connection as direct-tcpip channels (no port is opened on the control machine). The API key,
 when the server has one, is read on the host with `sudo -n cat` and kept in memory only.
-Statistics, views and the kept result: meshdeploy.views.bench.
+Statistics, views and the kept result: meshdeploy.views.bench. fabric (remote.connections)
+and http.client are imported where they are used: the command line imports this module to build
+its parser, and ssl must not be imported before gevent's patch.
 """
 
 from __future__ import annotations
 
-import http.client
+import argparse
 import json
 import re
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from meshdeploy import errors
+from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import local_address
 from meshdeploy.core import shell
 from meshdeploy.core.paths import llama_cpp_paths
 from meshdeploy.errors import ConnectError, MeshdeployError, PlanError
-from meshdeploy.remote import connections as remote
 from meshdeploy.remote import ssh_settings
 from meshdeploy.remote.ssh_settings import SshSettings
 from meshdeploy.views import bench as report
+
+NAME = "bench"
+HELP = "tokens/s of the deployed llama-servers, from their own timings"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--server", metavar="NAME", help="only this server (default: every server)")
+    p.add_argument("--runs", type=int, default=3, metavar="N",
+                   help="measured runs over the prompt set, after one warm-up (default 3)")
+    p.add_argument("--compare-local", action="store_true",
+                   help="also run the same build and model on the orchestrator alone, when it "
+                        "fits, and show cluster/local")
+    p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    options.host_keys(p)
+
+
+@dataclass(frozen=True)
+class Args(options.Arguments):
+    file: str
+    server: str | None
+    runs: int
+    compare_local: bool
+    json: bool
+    accept_new_host_keys: bool
+
 
 # Fixed prompts of different lengths: prompt processing is measured on each, generation after
 # each. The long one stays well inside a 2048-token context with N_PREDICT added.
@@ -58,6 +88,8 @@ def connect(settings: SshSettings):
     from the same settings (ssh_config, user, key, port, ProxyCommand, host-key policy) as plan
     and apply; a refused host key is the same HostKeyError. A local orchestrator is run here,
     its API dialled directly."""
+    from meshdeploy.remote import connections as remote
+
     hosts = remote.connect([settings])
     if settings.host in hosts.unreachable:
         raise ConnectError(f"cannot connect over SSH to {settings.host}: "
@@ -84,6 +116,8 @@ class Api:
             conn, address, port, key, timeout
 
     def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        import http.client
+
         channel = self.conn.dial(self.address, self.port, timeout=30)
         channel.settimeout(self.timeout)
         client = http.client.HTTPConnection(self.address, self.port)
@@ -248,7 +282,7 @@ def compare_local(conn, sudo: bool, server, key: str | None, runs: int, n_predic
     return {**result, "port": port, "fits": why, "argv": argv}
 
 
-# -- the command -------------------------------------------------------------------------------
+# -- the server and its build ------------------------------------------------------------------
 
 def read_key(conn, server, sudo: bool) -> str | None:
     """The server's API key from its root-only file on the host (first non-empty line), or None
@@ -296,8 +330,8 @@ def bench_server(cluster, server, settings: SshSettings, runs: int, n_predict: i
         conn.close()
 
 
-def run(args) -> int:
-
+def run(args: Args) -> int:
+    common.patch_for_gevent()
     cluster = load_cluster(args.file)
     names = [s.name for s in cluster.servers]
     if args.server and args.server not in names:
@@ -326,6 +360,5 @@ def run(args) -> int:
     if args.json:
         print(report.render_json(cluster.name, results, str(state)))
     else:
-        print(report.render_text(results))
-        print(f"Kept as the last result in {state}")
-    return 0
+        print(report.render_text(results, kept=str(state)))
+    return errors.OK

@@ -1,183 +1,189 @@
-"""meshdeploy logs: the cluster's service logs from every host, merged by time.
-
-Each host runs one script (`host_script`) over fabric: per selected unit, `journalctl -o json`
-(launchd hosts: `tail` of the service's log file), each unit's section opened by an `@unit`
-line. JSON entries carry their time (`__REALTIME_TIMESTAMP`, microseconds since the epoch, UTC),
-so lines of different hosts merge exactly (heapq) whatever the hosts' time zones; only the hosts'
-clocks must agree. With -f the script then prints `@follow` and runs `journalctl -f` from the
-moment the backlog was read (entries seen twice are dropped by their cursor). A watcher on the
-SSH channel's stdin ends every process of the script when the channel closes, so Ctrl-C, a
-killed meshdeploy or a dropped connection leaves no journalctl behind on any host.
-"""
+"""meshdeploy logs: the services' logs from every host, merged by time (log_lines.py reads and
+merges them). fabric runs each host in a real thread: nothing here patches for gevent, and
+remote.connections (fabric) is imported where it is used, not when the parser is built."""
 
 from __future__ import annotations
 
-import heapq
-import json
-import re
+import argparse
+import queue
+import sys
+import threading
+import time
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Iterable, NamedTuple
 
-from meshdeploy.core import shell
-from meshdeploy.core.registry import LogSource
-from meshdeploy.errors import MeshdeployError, terminal_text  # noqa: F401 (logs' own use)
+from meshdeploy import errors
+from meshdeploy.commands import common, options
+from meshdeploy.commands.log_lines import (
+    DEFAULT_LINES,
+    FOLLOW,
+    HostStream,
+    host_script,
+    merge,
+    parse,
+    select,
+    since_value,
+)
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import registry
+from meshdeploy.errors import terminal_text
+from meshdeploy.views.logs import render, width
 
-DEFAULT_LINES = 10  # per service, when neither -n nor --since is given
-_SINCE = re.compile(r"(?P<n>\d+)(?P<unit>s|m|h|d)"
-                    r"|\d{4}-\d\d-\d\d( \d\d:\d\d(:\d\d)?)?|today|yesterday")
-
-
-class SelectionError(MeshdeployError):
-    """A HOST or SERVICE word names nothing in the cluster file."""
-
-
-def select(sources: list[LogSource], hosts: list[str], words: list[str]) -> list[LogSource]:
-    """The sources any word names (all when there is none), in file order. A word is a host
-    name, `rpc-server` or `llama-server`, a server name, a unit name or an rpc-server's
-    `host:port`."""
-    if not words:
-        return list(sources)
-    unknown = [w for w in words if w not in hosts and not any(w in s.names for s in sources)]
-    if unknown:
-        names = sorted({n for s in sources for n in s.names if not n.endswith(".service")
-                        and not n.startswith("com.")})
-        raise SelectionError(f"{', '.join(unknown)}: no host or service of that name",
-                             hint=f"hosts: {', '.join(hosts)}; services: {', '.join(names)}")
-    chosen = [s for s in sources if s.host in words or any(w in s.names for w in words)]
-    if not chosen:
-        raise SelectionError(f"{', '.join(words)}: runs no service meshdeploy manages",
-                             hint="services run on: "
-                                  + ", ".join(dict.fromkeys(s.host for s in sources)))
-    return chosen
+NAME = "logs"
+HELP = "the services' logs from every host, merged by time"
 
 
-def since_value(text: str | None) -> str | None:
-    """--since as journalctl reads it: `10m` -> `-10m`; dates pass as they are."""
-    if text is None:
-        return None
-    m = _SINCE.fullmatch(text.strip())
-    if not m:
-        raise MeshdeployError(f"--since {text!r}: expected a duration (30s, 10m, 2h, 1d) or a "
-                              "date (YYYY-MM-DD [HH:MM[:SS]], today, yesterday)")
-    return f"-{m['n']}{m['unit']}" if m["n"] else m.group(0)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("targets", nargs="*", metavar="HOST|SERVICE",
+                   help="only these: host names, rpc-server, llama-server, a server name, a unit "
+                        "name or an rpc-server's host:port (default: every service)")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing new lines as they come, until Ctrl-C (exit 0)")
+    p.add_argument("--since", metavar="WHEN", help="only lines since 10m, 2h, 1d ago or a date "
+                                                   "(YYYY-MM-DD [HH:MM[:SS]])")
+    p.add_argument("-n", "--lines", type=int, metavar="N",
+                   help="the last N lines of each service (default 10; all with --since)")
+    options.host_keys(p)
+    p.epilog = ("A host that cannot be reached is named on stderr and the others are shown; the "
+                "exit code is 4 only when no host could be read.")
 
 
+@dataclass(frozen=True)
+class Args(options.Arguments):
+    file: str
+    targets: list[str]
+    follow: bool
+    since: str | None
+    lines: int | None
+    accept_new_host_keys: bool
 
 
-def host_script(sources: list[LogSource], lines: int | None, since: str | None,
-                follow: bool) -> str:
-    """The one command that reads (and with `follow` then follows) one host's logs."""
-    args = [v for s in sources for v in (s.unit, s.launchd_log)]
-    return shell.template(shell.TEMPLATES / "logs.sh", args=args, LINES=lines, SINCE=since,
-                          FOLLOW="1" if follow else None)
+def run(args: Args) -> int:
+    from meshdeploy.remote import connections as remote
+
+    cluster = load_cluster(args.file)
+    host_names = [h.name for h in cluster.hosts]
+    sources = select(registry.log_sources(cluster), host_names, args.targets)
+    by_host = {n: [s for s in sources if s.host == n] for n in host_names}
+    by_host = {n: s for n, s in by_host.items() if s}
+    since = since_value(args.since)
+    lines = args.lines if args.lines is not None else (None if since else DEFAULT_LINES)
+    hosts = common.open_hosts(cluster, list(by_host), args.accept_new_host_keys)
+    streams = {n: HostStream(n, host_names.index(n), by_host[n]) for n in by_host}
+    scripts = {n: remote.as_root(host_script(by_host[n], lines, since, args.follow),
+                                 cluster.host(n).sudo) for n in by_host}
+    shown = width(sources)
+    try:
+        if args.follow:
+            answered = _follow(hosts, streams, scripts, shown)
+        else:
+            answered = _backlog(hosts, streams, scripts, shown)
+    finally:
+        hosts.close()
+    # Only when no host could show its logs is the command a failure: one host down is what
+    # logs are read for.
+    return errors.OK if answered else errors.CONNECT
 
 
-class Line(NamedTuple):
-    time: int  # microseconds since the epoch (UTC); launchd lines: when they were read
-    order: int  # the host's place in the cluster file: ties keep file order
-    host: str
-    service: str
-    text: str
-    cursor: str | None = None  # the journal's cursor: the same entry read twice is dropped
+def _now() -> int:
+    return time.time_ns() // 1000
 
 
-FOLLOW = "@follow"
+def _backlog(hosts, streams, scripts, shown) -> int:
+    from meshdeploy.remote import connections as remote
+
+    results = remote.each(hosts, lambda name, conn: conn.run(
+        scripts[name], hide=True, warn=True, in_stream=False))
+    per_host = []
+    for name, result in results.items():
+        if _failed(name, result):
+            continue
+        per_host.append(parse(streams[name], result.stdout, _now()))
+    for line in merge(per_host):
+        print(render(line, shown))
+    return len(per_host)
 
 
-@dataclass
-class HostStream:
-    """Turns one host's script output, line by line, into `Line`s."""
+def _failed(name, result) -> bool:
+    """Whether a host's reading failed (the exception or exit named on stderr)."""
+    from meshdeploy.remote import connections as remote
 
-    host: str
-    order: int
-    sources: list[LogSource]
-    unit: LogSource | None = None
-    launchd: bool = False
-    following: bool = False
+    if isinstance(result, Exception):
+        print(f"{name}: unreachable ({terminal_text(remote.reason(result))})", file=sys.stderr)
+        return True
+    if result.exited != 0:
+        said = (result.stderr.strip().splitlines() or ["no message"])[-1]
+        print(f"{name}: reading the logs failed (exit {result.exited}): {terminal_text(said)}",
+              file=sys.stderr)
+        return True
+    return False
 
-    def feed(self, raw: str, now: int = 0) -> list[Line] | str:
-        """The lines `raw` holds ([] for none), or FOLLOW when the backlog has ended."""
-        raw = raw.rstrip("\r\n")
-        if raw == "@launchd":
-            self.launchd = True
-            return []
-        if raw == FOLLOW:
-            self.following = True
-            return FOLLOW
-        if raw.startswith("@unit "):
-            self.unit = self._source(raw[6:], lambda s: s.unit)
-            return []
-        if self.launchd:
-            return self._launchd(raw, now)
-        if not raw.startswith("{"):
-            return []
+
+class _Lines:
+    """A file-like object for invoke's out_stream: whole lines go to the queue as they come."""
+
+    def __init__(self, name, q):
+        self.name, self.q, self.partial = name, q, ""
+
+    def write(self, data: str) -> None:
+        self.partial += data
+        *whole, self.partial = self.partial.split("\n")
+        for line in whole:
+            self.q.put((self.name, line))
+
+    def flush(self) -> None:
+        pass
+
+
+_END = object()
+
+
+def _follow(hosts, streams, scripts, shown) -> int:
+    """Backlog of every host merged, then each line as it arrives, until Ctrl-C or every stream
+    ended. Returns how many hosts streamed."""
+    q: queue.Queue = queue.Queue()
+
+    def one(name, conn):
         try:
-            entry = json.loads(raw)
-        except ValueError:
-            return []
-        source = self._of_entry(entry) or self.unit
-        if source is None:
-            return []
-        text = _message(entry.get("MESSAGE"))
-        when = int(entry.get("__REALTIME_TIMESTAMP") or now)
-        cursor = entry.get("__CURSOR")
-        return [Line(when, self.order, self.host, source.service, t, cursor)
-                for t in text.split("\n")]
+            result = conn.run(scripts[name], hide=False, warn=True, in_stream=False,
+                              out_stream=_Lines(name, q), err_stream=_Lines(name, queue.Queue()))
+        except Exception as exc:  # the connection dropped or was closed
+            result = exc
+        q.put((name, _END, result))
 
-    def _launchd(self, raw: str, now: int) -> list[Line]:
-        header = re.fullmatch(r"==> (.*) <==", raw)
-        if header:  # tail -F names the file its next lines come from
-            self.unit = self._source(header.group(1), lambda s: s.launchd_log) or self.unit
-            return []
-        if not raw and self.following or self.unit is None:
-            return []
-        return [Line(now, self.order, self.host, self.unit.service, terminal_text(raw))]
-
-    def _source(self, value: str, field) -> LogSource | None:
-        return next((s for s in self.sources if field(s) == value), None)
-
-    def _of_entry(self, entry: dict) -> LogSource | None:
-        # journalctl -u U also shows systemd's own lines about U (UNIT=, from PID 1).
-        for key in ("_SYSTEMD_UNIT", "UNIT", "OBJECT_SYSTEMD_UNIT"):
-            unit = str(entry.get(key) or "").removesuffix(".service")
-            source = self._source(unit, lambda s: s.unit) if unit else None
-            if source is not None:
-                return source
-        return None
-
-
-def _message(value) -> str:
-    """MESSAGE as text: journalctl's JSON gives non-UTF-8 messages as a list of byte values."""
-    if isinstance(value, list):
-        try:
-            value = bytes(value).decode("utf-8", "replace")
-        except (TypeError, ValueError):
-            value = ""
-    return terminal_text(str(value or "").rstrip("\n"))
-
-
-def parse(stream: HostStream, output: str, now: int = 0) -> list[Line]:
-    """Every line of one host's backlog, oldest first."""
-    out: list[Line] = []
-    for raw in output.splitlines():
-        got = stream.feed(raw, now)
-        if got != FOLLOW:
-            out += got
-    return sorted(out, key=lambda line: line.time)
-
-
-def merge(per_host: Iterable[list[Line]]) -> Iterable[Line]:
-    """The hosts' lines (each list oldest first) as one stream, oldest first, file order on
-    ties."""
-    return heapq.merge(*per_host, key=lambda line: (line.time, line.order))
-
-
-def render(line: Line, width: int) -> str:
-    """`node2 rpc-server:50052 | 2026-11-23 08:30:01.123 text`"""
-    when = datetime.fromtimestamp(line.time / 1e6).isoformat(sep=" ", timespec="milliseconds")
-    return f"{line.host + ' ' + line.service:<{width}} | {when} {line.text}"
-
-
-def width(sources: list[LogSource]) -> int:
-    return max((len(s.host) + 1 + len(s.service) for s in sources), default=0)
+    for name, conn in hosts.connections.items():
+        threading.Thread(target=one, args=(name, conn), daemon=True).start()
+    waiting = set(hosts.connections)  # hosts whose backlog has not ended yet
+    running = set(hosts.connections)
+    backlog: dict = {n: [] for n in hosts.connections}
+    seen: dict = {n: set() for n in hosts.connections}
+    streamed = 0
+    try:
+        while running:
+            item = q.get()
+            name = item[0]
+            if item[1] is _END:
+                running.discard(name)
+                waiting.discard(name)
+                if not _failed(name, item[2]) and streams[name].following:
+                    print(f"{name}: log stream ended", file=sys.stderr)
+            else:
+                got = streams[name].feed(item[1], _now())
+                if got == FOLLOW:
+                    waiting.discard(name)
+                    streamed += 1
+                    seen[name] = {line.cursor for line in backlog[name]}
+                elif name in waiting:
+                    backlog[name] += got
+                else:
+                    for line in got:
+                        if line.cursor is None or line.cursor not in seen[name]:
+                            print(render(line, shown), flush=True)
+            if backlog is not None and not waiting:
+                for line in merge(sorted(b, key=lambda x: x.time) for b in backlog.values()):
+                    print(render(line, shown))
+                sys.stdout.flush()
+                backlog = None
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how -f ends; closing the connections ends the remote readers
+    return streamed

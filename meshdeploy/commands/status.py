@@ -2,12 +2,45 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from dataclasses import dataclass
 
-from tabulate import tabulate
-
+from meshdeploy import errors
+from meshdeploy.commands import common, options
+from meshdeploy.config.load import load_cluster
 from meshdeploy.core import shell
 from meshdeploy.core.paths import llama_cpp_paths
+from meshdeploy.views import status as view
+
+NAME = "status"
+HELP = "show what runs on the hosts and whether it is healthy"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true", help="machine-readable status on stdout")
+    options.host_keys(p)
+
+
+@dataclass(frozen=True)
+class Args(options.Arguments):
+    file: str
+    json: bool
+    accept_new_host_keys: bool
+
+
+def run(args: Args) -> int:
+    common.patch_for_gevent()
+    cluster = load_cluster(args.file)
+    session = common.open_session(cluster, None, args.accept_new_host_keys)
+    try:
+        rows = collect(session)
+    finally:
+        session.close()
+    print(view.render_json(rows) if args.json else view.render_text(rows))
+    return errors.OK if all(r["healthy"] for r in rows) else errors.ERROR
+
 
 # rpc-server serves one client at a time: while llama-server holds the connection, a HELLO
 # waits in the backlog. A short timeout turns that into "busy" instead of a hang.
@@ -42,7 +75,8 @@ _RPC = ('printf \'rpc %s %s %s\\n\' "$2" "$(systemctl is-active "$3" 2>/dev/null
         '"$(python3 -c "$HELLO" "$1" "$2" 2>/dev/null || echo n/a)"')
 _SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/dev/null)" '
            '"$(curl -s -o /dev/null -w \'%{http_code}\' --max-time 5 "$3/health")"; '
-           'printf \'models %s %s\\n\' "$1" "$(curl -s --max-time 5 "$3/v1/models" | tr -d \'\\n\')"')
+           'printf \'models %s %s\\n\' "$1" '
+           '"$(curl -s --max-time 5 "$3/v1/models" | tr -d \'\\n\')"')
 
 
 def host_script(cluster, host) -> str:
@@ -85,7 +119,8 @@ def collect(session) -> list[dict]:
             elif kind == "server":
                 name, state, code = (rest.split() + ["", "", ""])[:3]
                 rows.append({"host": host.name, "service": f"llama-server {name}", "unit": state,
-                             "answer": {"200": "healthy", "503": "loading"}.get(code, f"HTTP {code or '-'}"),
+                             "answer": {"200": "healthy", "503": "loading"}.get(
+                                 code, f"HTTP {code or '-'}"),
                              "protocol": proto or None, "model": None,
                              "healthy": state == "active" and code == "200"})
             elif kind == "models":
@@ -105,10 +140,3 @@ def collect(session) -> list[dict]:
     order = {h.name: i for i, h in enumerate(cluster.hosts)}
     rows.sort(key=lambda r: (order[r["host"]], r["service"]))
     return rows
-
-
-def render(rows: list[dict]) -> str:
-    table = [[r["host"], r["service"], r["unit"], r["answer"], r.get("protocol") or "",
-              r.get("model") or "", "yes" if r["healthy"] else "NO"] for r in rows]
-    return tabulate(table, headers=["host", "service", "unit", "answer", "protocol", "model",
-                                    "healthy"])

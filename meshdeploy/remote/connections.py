@@ -94,7 +94,7 @@ class OwnSession(Local):
                                         stdin=subprocess.PIPE, start_new_session=True)
         self.context.processes.append(self.process)
 
-    # Under gevent's patched subprocess (plan, apply and bench run patched: commands.py) the
+    # Under gevent's patched subprocess (plan, apply and bench: common.patch_for_gevent) the
     # pipes are non-blocking, and invoke's os.read gets EAGAIN: wait until there is data
     # (select cooperates with gevent there; unpatched, the pipes block and it never runs).
     def read_proc_stdout(self, num_bytes: int) -> bytes | None:

@@ -158,7 +158,8 @@ def _build(build: dict | None) -> str:
     return "build " + (f"{info} (commit {commit})" if info and commit else info or commit)
 
 
-def render_text(results: list[dict]) -> str:
+def render_text(results: list[dict], kept: str | None = None) -> str:
+    """Each server's result; then, given `kept`, where the result was kept."""
     out = []
     for r in results:
         p = r["params"]
@@ -183,4 +184,5 @@ def render_text(results: list[dict]) -> str:
         else:
             out.append("\nNo earlier bench of this server to compare with.")
         out.append("")
-    return "\n".join(out).rstrip() + "\n"
+    text = "\n".join(out).rstrip() + "\n"
+    return text if kept is None else text + f"\nKept as the last result in {kept}"

@@ -42,6 +42,7 @@ _VERB = {
     "replace": "must be replaced",
     "delete": "will be destroyed",
 }
+NO_CHANGES = "No changes. The cluster matches the configuration."
 _SENSITIVE = "(sensitive value)"
 _KNOWN_AFTER = "(known after apply)"
 
@@ -265,7 +266,7 @@ def render_text(plan: Plan, color: bool = False) -> str:
         n = plan.counts()
         summary = f"Plan: {n['add']} to add, {n['change']} to change, {n['destroy']} to destroy."
     else:
-        summary = "No changes. The cluster matches the configuration."
+        summary = NO_CHANGES
     out.append(paint(_BOLD, summary))
     return "\n".join(out)
 
@@ -342,6 +343,16 @@ def render_apply_summary(rows: list[dict]) -> str:
             raise ValueError(f"apply summary row {i}: unknown key {unknown[0]!r}")
     return _table([{k: "" if r.get(k) is None else str(r.get(k)) for k in _APPLY_HEADERS}
                    for r in rows], _APPLY_HEADERS)
+
+
+def render_saved(path: str) -> str:
+    """`plan -out FILE` in text, after the plan."""
+    return f"\nSaved the plan to {path}. Apply exactly it with: meshdeploy apply {path}"
+
+
+def render_done(rows: list[dict], seconds: float, what: str = "Apply") -> str:
+    """The end of an apply or a destroy in text: what ran on each host and how long it took."""
+    return f"\n{render_apply_summary(rows)}\n\n{what} complete in {seconds:.1f} s."
 
 
 def render_apply_json(plan: Plan, rows: list[dict], seconds: float) -> str:

@@ -1,0 +1,125 @@
+"""meshdeploy apply: converge the hosts to a cluster file, or to a plan saved by `plan -out`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+from meshdeploy import errors
+from meshdeploy.commands import common, options
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core.plan import check_fresh, load_plan
+from meshdeploy.engine import state as states
+from meshdeploy.errors import AbortedError, PlanError
+from meshdeploy.execute.interrupt import InterruptedApply
+from meshdeploy.views import plan as view
+
+NAME = "apply"
+HELP = "converge the hosts to a cluster file or a saved plan"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE|PLANFILE")
+    options.auto_approve(p)
+    options.limit(p)
+    p.add_argument("--json", action="store_true", help="machine-readable progress on stdout")
+    options.host_keys(p)
+    options.replace(p)
+    options.purge(p, "hosts that left the file")
+    options.lock_timeout(p)
+
+
+@dataclass(frozen=True)
+class Args(options.Arguments):
+    file: str
+    auto_approve: bool
+    limit: list[str] | None
+    json: bool
+    accept_new_host_keys: bool
+    replace: list[str] | None
+    purge: bool
+    lock_timeout: str | None
+
+
+def run(args: Args) -> int:
+    common.patch_for_gevent()
+    saved = None
+    if _is_plan_file(args.file):
+        saved = load_plan(args.file)
+        cluster = load_cluster(saved.cluster_path)
+        limit = saved.limit or args.limit
+        replacing = saved.replace
+    else:
+        cluster = load_cluster(args.file)
+        limit = args.limit
+        replacing = args.replace or ()
+    purge = saved.purge if saved is not None else args.purge
+    if args.json and saved is None and not args.auto_approve:
+        raise PlanError("apply --json cannot ask for confirmation",
+                        hint="add --auto-approve, or apply a saved plan file")
+    with common.Locked(cluster, "apply", args.lock_timeout) as lock:
+        return _apply(args, cluster, saved, limit, replacing, purge, lock)
+
+
+def _is_plan_file(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
+    except OSError:
+        return False
+    return head.startswith(b"{")
+
+
+def _apply(args: Args, cluster, saved, limit, replacing, purge, lock) -> int:
+    from meshdeploy.engine.planner import config_hash, make_plan
+    from meshdeploy.execute.apply import begin
+
+    state = states.load(cluster)
+    session = common.open_session(cluster, limit, args.accept_new_host_keys,
+                                  state.departed(cluster, purge))
+    try:
+        lock.hosts(session)
+        started = time.monotonic()
+        planned = make_plan(session, replacing, purge)
+        if saved is not None:
+            check_fresh(saved, config_hash(cluster), planned.plan.fingerprints)
+        elif not args.json:
+            print(view.render_text(planned.plan, color=common.color()))
+        begin(cluster, planned)
+        if not planned.plan.has_changes():
+            departed = [h.name for h in session.departed]
+            states.after_apply(state, cluster, session.hosts(),
+                               {h: purge for h in planned.destroyed_hosts(departed)}, True)
+            if args.json:
+                print(view.render_apply_json(planned.plan, [], time.monotonic() - started))
+            elif saved is not None:
+                print(view.NO_CHANGES)
+            return errors.OK
+        if saved is None and not args.auto_approve:
+            if not common.confirm():
+                raise AbortedError("apply cancelled: nothing was changed")
+        if not args.json:
+            print("\nApplying:")
+        rows: list[dict] = []
+        result = "failed"
+        try:
+            common.run_apply(session, planned, args.json, ran=rows)
+            result = "complete"
+        except InterruptedApply:
+            result = "interrupted"
+            raise
+        finally:
+            departed = [h.name for h in session.departed]
+            states.after_apply(state, cluster, session.hosts(),
+                               {h: purge for h in planned.destroyed_hosts(departed)},
+                               result == "complete", last={"result": result, "steps": rows})
+        elapsed = time.monotonic() - started
+    finally:
+        lock.release_hosts()
+        session.close()
+    if args.json:
+        print(view.render_apply_json(planned.plan, rows, elapsed))
+    else:
+        print(view.render_done(rows, elapsed))
+    return errors.OK

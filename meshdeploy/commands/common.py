@@ -1,0 +1,119 @@
+"""What several commands share: gevent's patch, the pyinfra session, the cluster's locks, the
+confirmation prompt and an apply with live progress (plan, apply, destroy, status, state), and the
+fabric connections of logs and exec."""
+
+from __future__ import annotations
+
+import sys
+
+from meshdeploy.engine import locks
+from meshdeploy.errors import AbortedError, PlanError, terminal_text
+from meshdeploy.remote import ssh_settings
+from meshdeploy.remote.session import Session
+from meshdeploy.views.progress import reporter
+
+
+def patch_for_gevent() -> None:
+    """Patch the standard library for gevent, first thing in the runs of plan, apply, destroy,
+    status, state and bench.
+
+    pyinfra connects and gathers facts in greenlets: without the patch, hosts are served one at a
+    time through the Python API (the pyinfra CLI patches on import too). bench, which reaches its
+    host through fabric, has always run patched with them (remote.connections reads the patched
+    pipes of a local host). logs and exec never call it: fabric runs each of their hosts in a
+    real thread. Nothing patches on import, so the command line builds its parser, and validate
+    runs, without gevent.
+    """
+    from gevent import monkey
+
+    if not monkey.is_module_patched("socket"):
+        monkey.patch_all()
+
+
+def open_session(cluster, limit, accept_new_host_keys: bool, departed=()) -> Session:
+    """A connected Session to the file's hosts (only `limit`'s, when given) and the departed
+    hosts the state knows that `limit` does not leave out."""
+    if limit:
+        known = {h.name for h in cluster.hosts} | {h.name for h in departed}
+        unknown = [n for n in limit if n not in known]
+        if unknown:
+            raise PlanError(f"--limit names unknown host(s): {', '.join(unknown)}",
+                            hint="use host names from the cluster file")
+    # A departed host is destroyed unless --limit leaves it out.
+    departed = [h for h in departed if not limit or h.name in limit]
+    session = Session(cluster, limit, accept_new_host_keys=accept_new_host_keys,
+                      departed=departed)
+    session.open()
+    session.connect()
+    return session
+
+
+def color() -> bool:
+    return sys.stdout.isatty()
+
+
+class Locked:
+    """The control machine's lock for the whole run, and the hosts' once connected."""
+
+    def __init__(self, cluster, command: str, lock_timeout: str | None = None):
+        self.holder = locks.me(command)
+        self.timeout = locks.duration(lock_timeout or "0")
+        self.control = locks.ControlLock(cluster.path, self.holder, self.timeout)
+        self.on_hosts = None
+
+    def __enter__(self):
+        self.control.acquire()
+        return self
+
+    def hosts(self, session) -> None:
+        self.on_hosts = locks.HostLocks(session, self.holder, self.timeout).__enter__()
+
+    def release_hosts(self) -> None:
+        if self.on_hosts is not None:
+            self.on_hosts.release()
+            self.on_hosts = None
+
+    def __exit__(self, *exc):
+        self.release_hosts()
+        self.control.release()
+
+
+def confirm(what: str = "apply") -> bool:
+    if not sys.stdin.isatty():
+        raise AbortedError(f"{what} needs confirmation, and stdin is not a terminal",
+                           hint="rerun with --auto-approve" +
+                                (", or apply a saved plan file" if what == "apply" else ""))
+    print("\nDo you want to perform these actions? Only 'yes' will be accepted.")
+    try:
+        return input("  Enter a value: ").strip() == "yes"
+    except EOFError:
+        return False
+
+
+def run_apply(session, planned, json_output: bool = False, **kwargs) -> list[dict]:
+    """execute.apply.apply with live progress: a line per host on a terminal, plain lines in a
+    pipe, none with --json (views.progress)."""
+    from meshdeploy.execute.apply import apply
+
+    with reporter([h.name for h in session.reached()], json_output) as live:
+        session.listener = live.line
+        try:
+            return apply(session, planned, progress=None if json_output else print,
+                         reporter=live, **kwargs)
+        finally:
+            session.listener = None
+
+
+def open_hosts(cluster, names: list[str], accept_new_host_keys: bool):
+    """fabric connections (remote.connections.Hosts) to the hosts `names`, for logs and exec; a
+    host that cannot be reached is named on stderr and left out."""
+    from meshdeploy.remote import connections as remote
+
+    settings = [ssh_settings.resolve(cluster.host(n), accept_new=accept_new_host_keys)
+                for n in names]
+    for warning in ssh_settings.no_check_warnings(settings):
+        print(f"warning: {warning}", file=sys.stderr)
+    hosts = remote.connect(settings)
+    for name, reason in hosts.unreachable.items():
+        print(f"{name}: unreachable ({terminal_text(reason)})", file=sys.stderr)
+    return hosts

@@ -1,0 +1,164 @@
+"""The services' log lines for meshdeploy logs: which sources words select, the one script that
+reads (and follows) them on a host, its output parsed into `Line`s, and the hosts' lines merged by
+time.
+
+Each host runs one script (`host_script`) over fabric: per selected unit, `journalctl -o json`
+(launchd hosts: `tail` of the service's log file), each unit's section opened by an `@unit`
+line. JSON entries carry their time (`__REALTIME_TIMESTAMP`, microseconds since the epoch, UTC),
+so lines of different hosts merge exactly (heapq) whatever the hosts' time zones; only the hosts'
+clocks must agree. With -f the script then prints `@follow` and runs `journalctl -f` from the
+moment the backlog was read (entries seen twice are dropped by their cursor). A watcher on the
+SSH channel's stdin ends every process of the script when the channel closes, so Ctrl-C, a
+killed meshdeploy or a dropped connection leaves no journalctl behind on any host.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+from meshdeploy.core import shell
+from meshdeploy.core.registry import LogSource
+from meshdeploy.errors import MeshdeployError, terminal_text
+from meshdeploy.views.logs import Line
+
+DEFAULT_LINES = 10  # per service, when neither -n nor --since is given
+_SINCE = re.compile(r"(?P<n>\d+)(?P<unit>s|m|h|d)"
+                    r"|\d{4}-\d\d-\d\d( \d\d:\d\d(:\d\d)?)?|today|yesterday")
+
+
+class SelectionError(MeshdeployError):
+    """A HOST or SERVICE word names nothing in the cluster file."""
+
+
+def select(sources: list[LogSource], hosts: list[str], words: list[str]) -> list[LogSource]:
+    """The sources any word names (all when there is none), in file order. A word is a host
+    name, `rpc-server` or `llama-server`, a server name, a unit name or an rpc-server's
+    `host:port`."""
+    if not words:
+        return list(sources)
+    unknown = [w for w in words if w not in hosts and not any(w in s.names for s in sources)]
+    if unknown:
+        names = sorted({n for s in sources for n in s.names if not n.endswith(".service")
+                        and not n.startswith("com.")})
+        raise SelectionError(f"{', '.join(unknown)}: no host or service of that name",
+                             hint=f"hosts: {', '.join(hosts)}; services: {', '.join(names)}")
+    chosen = [s for s in sources if s.host in words or any(w in s.names for w in words)]
+    if not chosen:
+        raise SelectionError(f"{', '.join(words)}: runs no service meshdeploy manages",
+                             hint="services run on: "
+                                  + ", ".join(dict.fromkeys(s.host for s in sources)))
+    return chosen
+
+
+def since_value(text: str | None) -> str | None:
+    """--since as journalctl reads it: `10m` -> `-10m`; dates pass as they are."""
+    if text is None:
+        return None
+    m = _SINCE.fullmatch(text.strip())
+    if not m:
+        raise MeshdeployError(f"--since {text!r}: expected a duration (30s, 10m, 2h, 1d) or a "
+                              "date (YYYY-MM-DD [HH:MM[:SS]], today, yesterday)")
+    return f"-{m['n']}{m['unit']}" if m["n"] else m.group(0)
+
+
+def host_script(sources: list[LogSource], lines: int | None, since: str | None,
+                follow: bool) -> str:
+    """The one command that reads (and with `follow` then follows) one host's logs."""
+    args = [v for s in sources for v in (s.unit, s.launchd_log)]
+    return shell.template(shell.TEMPLATES / "logs.sh", args=args, LINES=lines, SINCE=since,
+                          FOLLOW="1" if follow else None)
+
+
+FOLLOW = "@follow"
+
+
+@dataclass
+class HostStream:
+    """Turns one host's script output, line by line, into `Line`s."""
+
+    host: str
+    order: int
+    sources: list[LogSource]
+    unit: LogSource | None = None
+    launchd: bool = False
+    following: bool = False
+
+    def feed(self, raw: str, now: int = 0) -> list[Line] | str:
+        """The lines `raw` holds ([] for none), or FOLLOW when the backlog has ended."""
+        raw = raw.rstrip("\r\n")
+        if raw == "@launchd":
+            self.launchd = True
+            return []
+        if raw == FOLLOW:
+            self.following = True
+            return FOLLOW
+        if raw.startswith("@unit "):
+            self.unit = self._source(raw[6:], lambda s: s.unit)
+            return []
+        if self.launchd:
+            return self._launchd(raw, now)
+        if not raw.startswith("{"):
+            return []
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            return []
+        source = self._of_entry(entry) or self.unit
+        if source is None:
+            return []
+        text = _message(entry.get("MESSAGE"))
+        when = int(entry.get("__REALTIME_TIMESTAMP") or now)
+        cursor = entry.get("__CURSOR")
+        return [Line(when, self.order, self.host, source.service, t, cursor)
+                for t in text.split("\n")]
+
+    def _launchd(self, raw: str, now: int) -> list[Line]:
+        header = re.fullmatch(r"==> (.*) <==", raw)
+        if header:  # tail -F names the file its next lines come from
+            self.unit = self._source(header.group(1), lambda s: s.launchd_log) or self.unit
+            return []
+        if not raw and self.following or self.unit is None:
+            return []
+        return [Line(now, self.order, self.host, self.unit.service, terminal_text(raw))]
+
+    def _source(self, value: str, field) -> LogSource | None:
+        return next((s for s in self.sources if field(s) == value), None)
+
+    def _of_entry(self, entry: dict) -> LogSource | None:
+        # journalctl -u U also shows systemd's own lines about U (UNIT=, from PID 1).
+        for key in ("_SYSTEMD_UNIT", "UNIT", "OBJECT_SYSTEMD_UNIT"):
+            unit = str(entry.get(key) or "").removesuffix(".service")
+            source = self._source(unit, lambda s: s.unit) if unit else None
+            if source is not None:
+                return source
+        return None
+
+
+def _message(value) -> str:
+    """MESSAGE as text: journalctl's JSON gives non-UTF-8 messages as a list of byte values."""
+    if isinstance(value, list):
+        try:
+            value = bytes(value).decode("utf-8", "replace")
+        except (TypeError, ValueError):
+            value = ""
+    return terminal_text(str(value or "").rstrip("\n"))
+
+
+def parse(stream: HostStream, output: str, now: int = 0) -> list[Line]:
+    """Every line of one host's backlog, oldest first."""
+    out: list[Line] = []
+    for raw in output.splitlines():
+        got = stream.feed(raw, now)
+        if got != FOLLOW:
+            out += got
+    return sorted(out, key=lambda line: line.time)
+
+
+def merge(per_host: Iterable[list[Line]]) -> Iterable[Line]:
+    """The hosts' lines (each list oldest first) as one stream, oldest first, file order on
+    ties."""
+    return heapq.merge(*per_host, key=lambda line: (line.time, line.order))

@@ -1,0 +1,33 @@
+"""meshdeploy validate: the cluster file checked, without contacting any host."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from meshdeploy import errors
+from meshdeploy.commands import options
+from meshdeploy.config.checks import warnings_for
+from meshdeploy.config.load import load_cluster
+from meshdeploy.views import validate as view
+
+NAME = "validate"
+HELP = "check a cluster file without contacting any host"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE")
+
+
+@dataclass(frozen=True)
+class Args(options.Arguments):
+    file: str
+
+
+def run(args: Args) -> int:
+    cluster = load_cluster(args.file)
+    for warning in warnings_for(cluster):
+        print(f"warning: {warning}", file=sys.stderr)
+    print(view.render_text(args.file, cluster))
+    return errors.OK
