@@ -181,7 +181,7 @@ def converged_lab(lab_available, request, tmp_path_factory):
     from support.cli import meshdeploy
     from support.labfile import lab_text, write_lab_file
 
-    with own_lab(request, "mdcv", hosts=3) as (info, handle):
+    with own_lab(request, "mdcv", hosts=3, toolchain=True) as (info, handle):
         flags = "  build:\n    cmake_flags: [-DGGML_NATIVE=OFF]\n"
         text = lab_text(info).replace("  build:\n", flags, 1)
         assert "GGML_NATIVE=OFF" in text

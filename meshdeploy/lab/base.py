@@ -1,4 +1,9 @@
-"""The shared Debian 12 root every lab host overlays, built once per recipe and cached."""
+"""The shared Debian 12 root every lab host overlays, built once per recipe and cached.
+
+Two recipes: the plain one (what SSH and systemd need: meshdeploy installs the rest), and the
+same with TOOLCHAIN added, a prepared build machine, for labs whose tests are not about
+installing the build tools (each of its hosts saves the minute that toolchain.packages spends
+in apt and dpkg)."""
 
 from __future__ import annotations
 
@@ -33,6 +38,11 @@ PACKAGES = (
     # Userspace WireGuard over TUN: the machine's kernel has no WireGuard module.
     "wireguard-go",
 )
+
+# The build tools a prepared machine already has: the toolchain role's apt packages for a
+# Debian host and ccache (inventories/lab.yaml turns it on). tests/test_lab_base.py keeps the
+# list and the role's in step.
+TOOLCHAIN = ("cmake", "g++", "git", "curl", "ninja-build", "ccache")
 
 # Runs inside the fresh root (chroot). Host identity (ssh host keys, machine-id) is removed so
 # every host generates its own on first boot; keys for users are added per host, not here.
@@ -88,12 +98,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("MESHDEPLOY_LAB_CACHE", "/var/cache/meshdeploy/lab"))
 
 
-def recipe() -> dict:
+def recipe(toolchain: bool = False) -> dict:
     return {
         "suite": SUITE,
         "mirror": MIRROR,
         "variant": VARIANT,
-        "packages": list(PACKAGES),
+        "packages": list(PACKAGES) + (list(TOOLCHAIN) if toolchain else []),
         "setup": SETUP_SCRIPT,
     }
 
@@ -107,14 +117,16 @@ def base_dir(root: Path | None = None, spec: dict | None = None) -> Path:
     return (root or cache_root()) / f"base-{recipe_hash(spec)}"
 
 
-def ensure_base(root: Path | None = None, log=print) -> Path:
-    """Return the rootfs of the cached base, debootstrapping it first when the recipe is new.
+def ensure_base(root: Path | None = None, log=print, toolchain: bool = False) -> Path:
+    """Return the rootfs of the cached base, debootstrapping it first when the recipe is new
+    (`toolchain`: the recipe with TOOLCHAIN).
 
     The build happens in a temporary directory renamed into place only when complete, so an
     interrupted build never leaves a base that looks usable.
     """
     root = root or cache_root()
-    final = base_dir(root)
+    spec = recipe(toolchain)
+    final = base_dir(root, spec)
     rootfs = final / "rootfs"
     if (final / "complete").exists():
         return rootfs
@@ -125,11 +137,11 @@ def ensure_base(root: Path | None = None, log=print) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / "complete").exists():
             return rootfs
-        _build(final, log)
+        _build(final, spec, log)
     return rootfs
 
 
-def _build(final: Path, log) -> None:
+def _build(final: Path, spec: dict, log) -> None:
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(final, ignore_errors=True)
@@ -140,14 +152,14 @@ def _build(final: Path, log) -> None:
     argv = [
         "debootstrap",
         f"--variant={VARIANT}",
-        f"--include={','.join(PACKAGES)}",
+        f"--include={','.join(spec['packages'])}",
         SUITE,
         str(tmp_rootfs),
         MIRROR,
     ]
     _run(argv, tmp / "debootstrap.log", "debootstrap")
     _run(["chroot", str(tmp_rootfs), "/bin/sh", "-c", SETUP_SCRIPT], tmp / "setup.log", "setup")
-    (tmp / "recipe.json").write_text(json.dumps(recipe(), indent=2, sort_keys=True) + "\n")
+    (tmp / "recipe.json").write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
     (tmp / "complete").write_text(f"{time.monotonic() - started:.1f}\n")
     tmp.rename(final)
     log(f"lab base ready in {time.monotonic() - started:.0f} s: {final}")

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: 0)")
     up.add_argument("--no-mirrors", action="store_true",
                     help="skip the git and Hugging Face mirrors (apt proxy only)")
+    up.add_argument("--toolchain", action="store_true",
+                    help="hosts start with cmake, g++, git, curl, ninja and ccache installed, "
+                    "like prepared build machines (default: meshdeploy installs them)")
     sub.add_parser("down", parents=[common], help="stop the lab and remove every trace of it")
     st = sub.add_parser("status", parents=[common], help="show the lab's hosts")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -40,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             lab = Lab(args.name, hosts=args.hosts, state_dir=args.state_dir,
-                      mirrors=not args.no_mirrors, log=_err, rogue=args.rogue)
+                      mirrors=not args.no_mirrors, log=_err, rogue=args.rogue,
+                      toolchain=args.toolchain)
             started = time.monotonic()
             info = lab.up()
             print(f"lab {info.name}: {len(info.hosts)} hosts up in "

@@ -103,9 +103,11 @@ def check_environment() -> None:
 class Lab:
     def __init__(self, name: str = DEFAULT_NAME, hosts: int = 3,
                  state_dir: str | Path | None = None, mirrors: bool = True, log=print,
-                 rogue: int = 0):
+                 rogue: int = 0, toolchain: bool = False):
         """+ hosts: node1..nodeN, the hosts cluster files describe
         + rogue: that many more hosts after them (nodeN+1...), recorded in LabInfo.rogue
+        + toolchain: hosts start with the build tools installed (base.TOOLCHAIN), as a
+          prepared build machine has them; toolchain.packages then has nothing to install
         """
         self.name = net.check_name(name)
         if rogue < 0:
@@ -116,6 +118,7 @@ class Lab:
         self.state_dir = Path(state_dir) if state_dir else STATE_ROOT / name
         self.state_dir = self.state_dir.absolute()
         self.mirrors = mirrors
+        self.toolchain = toolchain
         self.log = log
         self.marker = str(self.state_dir)
         self.run_dir = self.state_dir / "run"
@@ -143,7 +146,7 @@ class Lab:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(exist_ok=True)
         self._ensure_key()
-        rootfs = base.ensure_base(log=self.log)
+        rootfs = base.ensure_base(log=self.log, toolchain=self.toolchain)
         cache = base.cache_root()
         ccache = cache / "ccache"
         ccache.mkdir(parents=True, exist_ok=True)

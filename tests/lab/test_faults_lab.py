@@ -48,7 +48,7 @@ NODES = ("node1", "node2")
 
 @pytest.fixture(scope="module")
 def ft_lab(lab_available, request):
-    with own_lab(request, "mdft", hosts=2) as both:
+    with own_lab(request, "mdft", hosts=2, toolchain=True) as both:
         yield both
 
 
@@ -296,10 +296,13 @@ def killed_runs(stopped_hard, ft_lab, cluster_file):
     wait_on_host(info, "node1", f"[ -s {MODEL}.part ]")
     run.kill()
     texts["download"] = run.text()
+    # The seeding: frozen once its first cache entry is being written. The links stay slow
+    # until this run has stopped the orphaned downloads: at full speed they could end first.
+    run = Apply(cluster_file, "kill-seed")
+    for h in NODES:
+        run.wait_for(f"{h}: stopped models.gguf[gemma/gemma-3-270m-q4_k_m.gguf]")
     for h in NODES:
         shape(info, h, None)
-    # The seeding: frozen once its first cache entry is being written.
-    run = Apply(cluster_file, "kill-seed")
     freeze_when_running(info, "node2", "md-rpc-seed")
     run.kill()
     texts["seed"] = run.text()

@@ -124,7 +124,7 @@ def md(info, *args, timeout: float = 600):
 
 @pytest.fixture(scope="module")
 def lc_lab(lab_available, request):
-    with own_lab(request, LAB_NAME, hosts=2) as both:
+    with own_lab(request, LAB_NAME, hosts=2, toolchain=True) as both:
         yield both
 
 

@@ -32,7 +32,7 @@ MODEL = "/opt/meshdeploy/models/gemma/gemma-3-270m-q4_k_m.gguf"
 
 @pytest.fixture(scope="module")
 def pg_lab(lab_available, request):
-    with own_lab(request, "mdpg", hosts=2) as both:
+    with own_lab(request, "mdpg", hosts=2, toolchain=True) as both:
         yield both
 
 

@@ -44,7 +44,7 @@ STEP_TIMEOUT = 3600  # a step that builds llama.cpp (upgrade, a new worker) take
 @pytest.fixture(scope="module")
 def rb_lab(lab_available, request):
     # node4 is a lab host like the others, in no cluster file until add-worker.md.
-    with own_lab(request, LAB_NAME, hosts=4) as both:
+    with own_lab(request, LAB_NAME, hosts=4, toolchain=True) as both:
         yield both
 
 

@@ -50,7 +50,7 @@ def scan(lab, host: str, extra=()) -> set[tuple]:
 @pytest.fixture(scope="module")
 def tok_lab(lab_available, request):
     """(LabInfo, Lab) of lab mdtok (2 hosts, mirrors), always removed afterwards."""
-    with own_lab(request, LAB_NAME, hosts=2) as both:
+    with own_lab(request, LAB_NAME, hosts=2, toolchain=True) as both:
         yield both
 
 

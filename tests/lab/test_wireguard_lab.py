@@ -55,7 +55,7 @@ PROBE = ("import socket, sys\n"
 @pytest.fixture(scope="module")
 def wg_lab(lab_available, request):
     """LabInfo of lab mdwg (node1..node3 + rogue node4, mirrors), always removed afterwards."""
-    with own_lab(request, WG_LAB, hosts=3, rogue=1) as (info, _):
+    with own_lab(request, WG_LAB, hosts=3, rogue=1, toolchain=True) as (info, _):
         yield info
 
 
