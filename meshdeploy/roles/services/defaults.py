@@ -32,3 +32,4 @@ services_launchd_log_dir = "/var/log/meshdeploy"
 # --- readiness ------------------------------------------------------------------------------------
 services_rpc_probe_seconds = 30       # rpc-server must accept TCP within this after a (re)start
 services_journal_lines = 20           # journal lines shown when a service fails
+services_health_exits = 5             # llama-server exits that end the /health wait early

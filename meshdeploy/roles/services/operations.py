@@ -435,7 +435,7 @@ def health_wait(server, journal: str | None = None) -> str:
     return (shell.template(TEMPLATES / "health.sh", prelude=progress.REPORT,
                            RETRIES=int(h.retries), INTERVAL=f"{h.interval:g}",
                            URL=f"{server.local_url}/health", UNIT=server.unit_name,
-                           BUDGET=f"{h.budget:g}")
+                           BUDGET=f"{h.budget:g}", EXITS=d.services_health_exits)
             + "\n" + (journal or journal_tail(server.unit_name)) + "; exit 1")
 
 
