@@ -3,13 +3,13 @@
     .venv/bin/python benchmarks/fuzz_render.py [--accepted 2000] [--seed 0]
 
 Documents come from two sources, picked by seed: one in four is the validate fuzz corpus
-(tests/validate_fuzz.py, mostly refused), the rest are the example inventories with one to four
+(tests/support/validate_fuzz.py, mostly refused), the rest are the example inventories with one to four
 string fields replaced by hostile-but-valid values (quotes, $(), backticks, ;, %h, $HOME,
 spaces, leading dashes, the sentinel PWNED) where the schema lets them through: prefix,
 ccache_dir, api_key_file, model path, ollama store, extra_args, cmake_flags values, ssh user,
 bind host names, model file names, ref and repo. Each document that load_cluster accepts goes
-through every renderer and the checks of tests/render_check.py (shared with
-tests/test_render_properties.py).
+through every renderer and the checks of tests/support/render_check.py (shared with
+tests/unit/test_render_properties.py).
 
 The figures, each with its goal: injections found (a check that names a command, unit or
 plist) 0, render errors other than PlanError 0. A finding prints the document's seed and the
@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from validate_fuzz import document  # noqa: E402
+from support.validate_fuzz import document  # noqa: E402
 
 from meshdeploy.config.load import load_cluster  # noqa: E402
 from meshdeploy.errors import ConfigError  # noqa: E402
-from tests import render_check as rc  # noqa: E402
+from support import render_check as rc  # noqa: E402
 
 INVENTORIES = [YAML(typ="safe").load(p.read_text())
                for p in sorted((REPO / "inventories").glob("*.yaml"))]

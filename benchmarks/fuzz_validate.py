@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/fuzz_validate.py [--docs 10000] [--seed 0] [--keep DIR]
 
-Documents come from tests/validate_fuzz.py (the example inventories mutated: values, keys,
+Documents come from tests/support/validate_fuzz.py (the example inventories mutated: values, keys,
 control characters, bytes that are not UTF-8, duplicate keys, aliases and alias bombs, deep
 nesting, odd tags, %YAML directives, huge lists; plus documents generated around the schema's
 keys), each reproducible from its seed. Each is validated in-process through load_cluster (the
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from validate_fuzz import Hang, check, document, hang_guard  # noqa: E402
+from support.validate_fuzz import Hang, check, document, hang_guard  # noqa: E402
 
 SLOW = 2.0
 HANG = 10

@@ -220,8 +220,8 @@ def pytest_keyboard_interrupt(excinfo):
 @pytest.fixture
 def headers(gemma, monkeypatch):
     """The GGUF headers a plan would fetch from the Hub, by repository, served locally: the real
-    gemma file, and the GLM and gemma-27b headers of tests/model_headers.py."""
-    from model_headers import gemma27_header, glm47_flash_header
+    gemma file, and the GLM and gemma-27b headers of tests/support/model_headers.py."""
+    from support.model_headers import gemma27_header, glm47_flash_header
 
     from meshdeploy.roles.rpc_cache import seeding
     from meshdeploy.roles.rpc_cache.tensors import read_header

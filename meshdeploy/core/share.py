@@ -15,7 +15,7 @@ network.allowlist opens its port to the same hosts alone.
 
 md-share never runs as root. Where systemd is PID 1 (the lab's Debian 12, systemd 252) it is a
 transient unit, `systemd-run --unit=meshdeploy-share --collect` with a dynamic user and the
-sandbox of HARDENING (pinned by tests/test_unit_hardening.py): systemd owns its lifecycle, and
+sandbox of HARDENING (pinned by tests/unit/test_unit_hardening.py): systemd owns its lifecycle, and
 `systemctl stop` ends an earlier one. Elsewhere (macOS, a Linux without systemd) it runs as
 `nobody`, through setpriv where util-linux has it, else sudo -u. Either way it reads the files as
 any user may (the models role leaves 0644 files under 0755 folders; the llama-servers' own

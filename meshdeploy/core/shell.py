@@ -36,7 +36,7 @@ TO_STDERR = Raw(">&2")
 
 # The core's own script templates (each file's leading comment names its inputs).
 TEMPLATES = Path(__file__).with_name("templates")
-# A line that only tells shellcheck something (tests/test_shellcheck.py): not sent to hosts.
+# A line that only tells shellcheck something (tests/unit/test_shellcheck.py): not sent to hosts.
 _DIRECTIVE = re.compile(r"\s*# shellcheck ")
 
 

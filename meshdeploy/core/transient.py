@@ -9,7 +9,7 @@ name stopped and unloaded, so the name can be taken again).
 BOOTED = "/run/systemd/system"  # present when systemd is PID 1 (sd_booted)
 
 # Settings every such unit gets (systemd-run -p), with its own user, folders and network rules;
-# each unit's full list is scored by tests/test_unit_hardening.py.
+# each unit's full list is scored by tests/unit/test_unit_hardening.py.
 SANDBOX = (
     "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes", "PrivateDevices=yes",
     "NoNewPrivileges=yes", "UMask=0077", "ProtectKernelTunables=yes", "ProtectKernelModules=yes",

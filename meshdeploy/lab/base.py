@@ -40,7 +40,7 @@ PACKAGES = (
 )
 
 # The build tools a prepared machine already has: the toolchain role's apt packages for a
-# Debian host and ccache (inventories/lab.yaml turns it on). tests/test_lab_base.py keeps the
+# Debian host and ccache (inventories/lab.yaml turns it on). tests/labtool/test_lab_base.py keeps the
 # list and the role's in step.
 TOOLCHAIN = ("cmake", "g++", "git", "curl", "ninja-build", "ccache")
 
