@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
-from meshdeploy.core import shell
+from meshdeploy.core import registry, shell
 from meshdeploy.core.paths import llama_cpp_paths
 from meshdeploy.views import status as view
 
@@ -91,7 +91,30 @@ def host_script(cluster, host) -> str:
         lines.append(shell.subshell(shell.script(_SERVER,
                                                  args=[server.name, server.unit_name,
                                                        server.local_url])))
+    for name, probe in registry.status_probes(cluster, host):
+        lines += [shell.command("printf", f"{ROLE_MARK} %s\\n", name), shell.subshell(probe.script)]
     return "\n".join(lines) + "\ntrue"
+
+
+ROLE_MARK = "@role"  # the line before a role's own status lines
+
+
+def role_rows(cluster, host, lines: list[str]) -> tuple[list[str], list[dict]]:
+    """The probe's own lines (before the first role's mark), and the rows the roles' parse
+    functions make of the lines after their marks."""
+    parts: dict[str, list[str]] = {}
+    own: list[str] = []
+    current = own
+    for line in lines:
+        mark, _, name = line.partition(" ")
+        if mark == ROLE_MARK:
+            current = parts.setdefault(name.strip(), [])
+        else:
+            current.append(line)
+    rows = [{"host": host.name, **asdict(row)}
+            for name, probe in registry.status_probes(cluster, host)
+            for row in probe.parse(parts.get(name, []))]
+    return own, rows
 
 
 def collect(session) -> list[dict]:
@@ -103,7 +126,9 @@ def collect(session) -> list[dict]:
     def one(host):
         ok, output = session.run(host.name, host_script(cluster, host), sudo=False)
         proto = ""
-        for line in output.stdout_lines if ok else []:
+        own, extra = role_rows(cluster, host, output.stdout_lines) if ok else ([], [])
+        rows.extend(extra)
+        for line in own:
             kind, _, rest = line.partition(" ")
             if kind == "proto":
                 proto = rest.strip()

@@ -42,6 +42,7 @@ from meshdeploy.config.model import (
 )
 from meshdeploy.config.schema import (
     load_schema,
+    role_sections,
     schema_issues,
 )
 from meshdeploy.errors import ConfigError
@@ -200,8 +201,18 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
         models=models,
         servers=servers,
         source_hash=hashlib.sha256(doc.raw).hexdigest(),
+        sections=role_data(data),
     )
     return tunnel_binds(cluster)
+
+
+def role_data(data: dict) -> dict[str, Any]:
+    """The roles' own sections (their schema.json) as plain data, defaults filled; an absent
+    section reads as its defaults. Each role makes its typed settings from its part."""
+    schema = load_schema()
+    return {name: data[name] if name in data else
+            fill_defaults({}, schema["properties"][name], schema)
+            for name in role_sections()}
 
 
 def model_source(m: dict) -> HfSource | OllamaSource | PathSource:

@@ -11,7 +11,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, NamedTuple, Union
+from typing import Any, Literal, NamedTuple, Union
 
 BACKENDS = ("cpu", "cuda", "metal", "vulkan", "rocm")
 
@@ -339,6 +339,9 @@ class Cluster:
     models: dict[str, Model] = field(hash=False)
     servers: tuple[Server, ...] = ()
     source_hash: str = ""  # sha256 of the cluster file's bytes
+    # The roles' own sections (role -> plain data, defaults filled), each declared by a role's
+    # schema.json; the role reads its part as its typed settings (HostContext.section).
+    sections: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def host(self, name: str) -> Host:
         for host in self.hosts:

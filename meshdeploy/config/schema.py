@@ -7,10 +7,12 @@ becomes a ConfigIssue at file:line:col that says what the field accepts, with a 
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
 import math
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -20,15 +22,52 @@ from ruamel.yaml.scalarbool import ScalarBoolean
 
 from meshdeploy.config.document import Document, yaml_type
 from meshdeploy.config.yaml_doc import printable, render_path
-from meshdeploy.errors import ConfigIssue
+from meshdeploy.errors import ConfigIssue, MeshdeployError
 
 
 @lru_cache(maxsize=1)
 def load_schema() -> dict:
+    """The cluster file's schema: schemas/cluster.schema.json (the file editors read) with each
+    role's own section merged in as `properties.<role>` (see role_fragments)."""
     text = resources.files("meshdeploy.schemas").joinpath("cluster.schema.json").read_text()
-    return json.loads(text)
+    schema = json.loads(text)
+    for name, (where, fragment) in role_fragments().items():
+        if name in schema["properties"]:
+            raise MeshdeployError(f"{where} declares the section '{name}', which the cluster "
+                                  "file already has",
+                                  "a role's schema.json describes a new top-level key named "
+                                  "after its folder; rename the role")
+        schema["properties"][name] = fragment
+    return schema
 
 
+@lru_cache(maxsize=1)
+def role_fragments() -> dict[str, tuple[str, dict]]:
+    """Role name -> (its file, the JSON Schema of its section) for every
+    meshdeploy/roles/<role>/schema.json.
+
+    The fragments are package data, read as files from the folders of the meshdeploy.roles
+    package (whose __init__ holds no code); no role module is imported, so the cluster file's
+    schema stays below core and the roles in the layers.
+    """
+    package = importlib.import_module("meshdeploy.roles")
+    out: dict[str, tuple[str, dict]] = {}
+    for folder in package.__path__:
+        for path in sorted(Path(folder).glob("*/schema.json")):
+            where = f"roles/{path.parent.name}/schema.json"
+            try:
+                fragment = json.loads(path.read_text())
+                jsonschema.Draft202012Validator.check_schema(fragment)
+            except (ValueError, jsonschema.SchemaError) as exc:
+                raise MeshdeployError(f"{where} is not a JSON Schema: {exc}".splitlines()[0],
+                                      "fix the role's schema.json") from None
+            out.setdefault(path.parent.name, (where, fragment))
+    return out
+
+
+def role_sections() -> tuple[str, ...]:
+    """The top-level keys the roles' schema.json files add, in name order."""
+    return tuple(sorted(role_fragments()))
 
 
 # Why a value failed a `pattern`, by field: its path with names as `*` and list items as `[]`
@@ -101,6 +140,9 @@ def field_key(path: tuple) -> str:
 
 
 def field_lookup(table: dict, path: tuple) -> Any:
+    """The entry for the field; a bare name matches only outside the roles' own sections."""
+    if path and path[0] in role_fragments():
+        return table.get(field_key(path))
     name = next((s for s in reversed(path) if isinstance(s, str)), "")
     return table.get(field_key(path), table.get(name))
 

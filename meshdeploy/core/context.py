@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshdeploy.config.model import Cluster, Host
 from meshdeploy.core import shell
@@ -104,6 +105,11 @@ class HostContext:
 
     def fact(self, key: str):
         return self.facts.get(key)
+
+    def section(self, role: str) -> Any:
+        """The role's own section of the cluster file (its schema.json), as plain data with
+        defaults filled; the role makes its typed settings from it."""
+        return self.cluster.sections[role]
 
     def fact_of(self, host_name: str, key: str):
         """A fact of another host (cluster-wide resources only; None when not gathered)."""

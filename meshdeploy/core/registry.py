@@ -5,6 +5,12 @@ its resources in apply order, the facts each host's probe gathers for it, which 
 their own (volatile), the cluster-wide values it resolves before planning, and where it sits
 relative to other roles. The engine, apply, the probe, the fixture tests and the docs iterate
 this registry; adding a resource is an edit of its role's folder and nothing else.
+
+A role's folder may also hold `schema.json`: the JSON Schema of a top-level section of the
+cluster file named after the role. config/schema.py merges it into the cluster file's schema
+(so its errors point at file:line:col like any other), the typed Cluster keeps the section's
+data in `sections`, and the role reads it as its own typed settings (`ctx.section(name)`).
+Its `status` hook adds its lines to `meshdeploy status` (StatusProbe, StatusRow).
 """
 
 from __future__ import annotations
@@ -115,6 +121,28 @@ class LogSource:
 
 
 @dataclass(frozen=True)
+class StatusRow:
+    """One line of `meshdeploy status` on a host: what runs there and how it answers."""
+
+    service: str  # "rpc-server :50052", "motd"
+    unit: str  # the unit's state ("active"), or what stands for it
+    answer: str
+    healthy: bool  # False makes `meshdeploy status` exit 1, like a service that is down
+    protocol: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class StatusProbe:
+    """A role's part of a host's status script: `script` (built through core/shell.py; run as
+    the login user, in a subshell of its own) prints lines, and `parse` turns exactly those
+    lines into the role's rows."""
+
+    script: str
+    parse: Callable[[list[str]], list[StatusRow]]
+
+
+@dataclass(frozen=True)
 class Role:
     name: str
     doc: str
@@ -135,6 +163,8 @@ class Role:
     inputs: Callable[[Cluster], list] | None = None
     # Called once when apply starts, before any host changes (e.g. recording a resolved ref).
     apply_started: Callable[[Cluster, Resolved], None] | None = None
+    # Its lines of `meshdeploy status` on a host (None: nothing on that host).
+    status: Callable[[Cluster, Host], StatusProbe | None] | None = None
     # The logs of the services the role runs (meshdeploy logs), hosts in file order.
     logs: Callable[[Cluster], list[LogSource]] | None = None
     # (HostContext, purge) -> Teardown: remove everything of this role on a host that leaves
@@ -247,6 +277,12 @@ def checks(request: Check) -> list[str]:
 def log_sources(cluster: Cluster) -> list[LogSource]:
     """Every service log of the cluster, role by role."""
     return [s for role_ in roles() if role_.logs for s in role_.logs(cluster)]
+
+
+def status_probes(cluster: Cluster, host: Host) -> list[tuple[str, StatusProbe]]:
+    """(role name, its status probe) of every role with status lines on the host."""
+    found = [(role_.name, role_.status(cluster, host)) for role_ in roles() if role_.status]
+    return [(name, probe) for name, probe in found if probe is not None]
 
 
 def volatile() -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """`meshdeploy status` as text (a table) and JSON, from the same rows (commands/status.py
-collects them: host, service, unit, answer, protocol, model, healthy)."""
+collects them: host, service, unit, answer, protocol, model, healthy; a role's own lines are
+its registry.StatusRow with the host)."""
 
 from __future__ import annotations
 

@@ -1,67 +1,131 @@
 """The registry is the only list of resources: a role that exists only in its own folder is
-discovered, ordered, probed, planned, rendered and required to have fixtures."""
+discovered, ordered, probed, planned, rendered and required to have fixtures; its schema.json
+adds its own section to the cluster file, read as the role's typed settings, and its status hook
+its own lines to `meshdeploy status`."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
+import jsonschema
 import pytest
 
+from meshdeploy.commands import status as status_command
+from meshdeploy.config import schema
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.core.context import Resolved
 from meshdeploy.core.plan import Plan
+from meshdeploy.errors import ConfigError, MeshdeployError
 from meshdeploy.engine import planner as engine
 from meshdeploy.roles.models.hf import HfFile, HfResolved
+from meshdeploy.views import status as status_view
 from meshdeploy.views.plan import render_json, render_text
 
 ROOT = Path(__file__).resolve().parents[2]
+LAB = ROOT / "inventories" / "lab.yaml"
 
 ROLE_SOURCE = '''
 """zz_demo: a message of the day on every host (a test role)."""
+
+from dataclasses import dataclass
 
 from pyinfra.api import FactBase
 
 from meshdeploy.core import shell
 from meshdeploy.core.context import Step
 from meshdeploy.core.probe import Section
-from meshdeploy.core.registry import Resource, Role
+from meshdeploy.core.registry import Resource, Role, StatusProbe, StatusRow
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The cluster file's `zz_demo:` section (schema.json), typed."""
+
+    path: str
+    prefix: str
 
 
 class Motd(FactBase):
-    def command(self):
-        return shell.command("cat", "/etc/motd")
+    def command(self, path):
+        return shell.command("cat", path)
 
     def process(self, output):
         return "\\n".join(output)
 
 
+def facts(req):
+    settings = Settings(**req.cluster.sections["zz_demo"])
+    return [Section("zz_demo.Motd", Motd, {"path": settings.path})]
+
+
 def motd(ctx, key):
-    want = f"{ctx.cluster.name}: {ctx.host.name}"
+    settings = Settings(**ctx.section("zz_demo"))
+    want = f"{settings.prefix}{ctx.cluster.name}: {ctx.host.name}"
     if ctx.fact("zz_demo.Motd") == want:
         return Step(ctx.change("zz_demo", "motd", "no-op", "motd set"))
     return Step(ctx.change("zz_demo", "motd", "update", "motd differs"),
-                [shell.write_file("/etc/motd", want + "\\n", "0644")])
+                [shell.write_file(settings.path, want + "\\n", "0644")])
 
 
-ROLE = Role(name="zz_demo", doc=__doc__, facts=lambda req: [Section("zz_demo.Motd", Motd)],
+def status(cluster, host):
+    path = Settings(**cluster.sections["zz_demo"]).path
+
+    def parse(lines):
+        found = lines == ["set"]
+        return [StatusRow("motd", "-", f"{'set' if found else 'missing'}: {path}", found)]
+
+    return StatusProbe(shell.script('if [ -s "$1" ]; then echo set; else echo missing; fi',
+                                    args=[path]), parse)
+
+
+ROLE = Role(name="zz_demo", doc=__doc__, facts=facts, status=status,
             after=("toolchain",), before=("llama_cpp",),
             resources=(Resource("motd", motd, "a message of the day"),))
 '''
 
+SCHEMA = {"type": "object", "additionalProperties": False, "default": {},
+          "properties": {"path": {"type": "string", "pattern": "^/", "default": "/etc/motd"},
+                         "prefix": {"type": "string", "default": ""}}}
+
+
+def clear_caches():
+    registry.roles.cache_clear()
+    for cached in (schema.load_schema, schema.schema_validator, schema.role_fragments):
+        cached.cache_clear()
+
+
+def tree(folder: Path) -> dict:
+    """Every file under `folder` (bytecode caches aside) -> its size and modification time."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+
 
 @pytest.fixture
 def demo_role(tmp_path, monkeypatch):
+    """The role zz_demo in a temporary folder only: its module and its schema.json."""
     import meshdeploy.roles as package
 
-    (tmp_path / "zz_demo").mkdir()
-    (tmp_path / "zz_demo" / "__init__.py").write_text(ROLE_SOURCE)
-    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
-    registry.roles.cache_clear()
+    before = {**tree(ROOT / "meshdeploy"), **tree(ROOT / "inventories"),
+              ROOT / "pyproject.toml": (ROOT / "pyproject.toml").stat().st_mtime_ns}
+    folder = tmp_path / "roles" / "zz_demo"
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text(ROLE_SOURCE)
+    (folder / "schema.json").write_text(json.dumps(SCHEMA, indent=2))
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path / "roles")])
+    clear_caches()
     yield
-    registry.roles.cache_clear()
+    clear_caches()
     sys.modules.pop("meshdeploy.roles.zz_demo", None)
+    after = {**tree(ROOT / "meshdeploy"), **tree(ROOT / "inventories"),
+             ROOT / "pyproject.toml": (ROOT / "pyproject.toml").stat().st_mtime_ns}
+    assert after == before, "the temporary role changed a file outside its folder"
 
 
 def test_roles_are_found_in_dependency_order():
@@ -69,7 +133,7 @@ def test_roles_are_found_in_dependency_order():
     for role in registry.roles():
         assert all(order.index(other) < order.index(role.name) for other in role.after)
         assert all(order.index(other) > order.index(role.name) for other in role.before)
-    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    cluster = load_cluster(LAB)
     names = [s.name for s in registry.slots(cluster)]
     # The day-one sequence keeps its order whatever roles join it.
     day_one = ["toolchain.apt_proxy", "toolchain.packages", "llama_cpp.source", "llama_cpp.build",
@@ -82,8 +146,26 @@ def test_roles_are_found_in_dependency_order():
     assert apply_only == ["llama_cpp.resolve"]
 
 
+def demo_steps(cluster):
+    """The lab's steps with node1's motd already "lab: node1" and node2's absent."""
+    facts = {h.name: {"toolchain.Platform": {"kernel": "Linux", "tools": ["apt-get"]},
+                      "zz_demo.Motd": "lab: node1" if h.name == "node1" else None}
+             for h in cluster.hosts}
+    gemma = cluster.models["gemma"].source
+    resolved = Resolved(commit="f" * 40, models={"gemma": HfResolved(
+        gemma.repo, "c" * 40, (HfFile(gemma.files[0], 1, "a" * 64, "u"),))})
+    return engine.evaluate(cluster, cluster.hosts, facts, resolved)
+
+
+def demo_cluster(tmp_path: Path, section: str) -> Path:
+    """The lab's cluster file with `section` added at its end."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(LAB.read_text() + section)
+    return path
+
+
 def test_a_role_in_its_own_folder_is_probed_planned_and_rendered(demo_role):
-    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    cluster = load_cluster(LAB)
     names = [s.name for s in registry.slots(cluster)]
     # after toolchain, before llama_cpp, by its own declaration alone
     assert names.index("toolchain.packages") < names.index("zz_demo.motd") \
@@ -92,13 +174,7 @@ def test_a_role_in_its_own_folder_is_probed_planned_and_rendered(demo_role):
     sections, script = engine.probe_command(cluster, host, False, "n0nce")
     assert "zz_demo.Motd" in [s.key for s in sections] and "/etc/motd" in script
 
-    facts = {h.name: {"toolchain.Platform": {"kernel": "Linux", "tools": ["apt-get"]},
-                      "zz_demo.Motd": "lab: node1" if h.name == "node1" else None}
-             for h in cluster.hosts}
-    gemma = cluster.models["gemma"].source
-    resolved = Resolved(commit="f" * 40, models={"gemma": HfResolved(
-        gemma.repo, "c" * 40, (HfFile(gemma.files[0], 1, "a" * 64, "u"),))})
-    steps = engine.evaluate(cluster, cluster.hosts, facts, resolved)
+    steps = demo_steps(cluster)
     assert steps.on("node1")["zz_demo.motd"].noop
     step = steps.on("node2")["zz_demo.motd"]
     assert step.change.action == "update" and "/etc/motd" in step.commands[0]
@@ -117,6 +193,100 @@ def test_a_role_in_its_own_folder_is_probed_planned_and_rendered(demo_role):
     assert (op.__name__, op._inner.__module__) == ("motd", "meshdeploy.roles.zz_demo")
     from support.fixtures import operations
     assert "zz_demo.motd" in operations()
+
+
+def test_a_role_declares_its_own_section_of_the_cluster_file(demo_role, tmp_path):
+    base = json.loads((ROOT / "meshdeploy" / "schemas" / "cluster.schema.json").read_text())
+    assert "zz_demo" not in base["properties"]  # the file editors read stays the base alone
+    merged = schema.load_schema()
+    assert merged["properties"]["zz_demo"] == SCHEMA
+    jsonschema.Draft202012Validator.check_schema(merged)
+    # Absent, the section reads as its defaults.
+    assert load_cluster(LAB).sections == {"zz_demo": {"path": "/etc/motd", "prefix": ""}}
+
+    cluster = load_cluster(demo_cluster(tmp_path, "zz_demo: {path: /srv/motd, prefix: 'hi '}\n"))
+    assert cluster.sections == {"zz_demo": {"path": "/srv/motd", "prefix": "hi "}}
+    _, script = engine.probe_command(cluster, cluster.host("node2"), False, "n0nce")
+    assert "cat /srv/motd" in script and "/etc/motd" not in script
+    steps = demo_steps(cluster)
+    for host in ("node1", "node2"):  # node1 holds "lab: node1", without the prefix
+        step = steps.on(host)["zz_demo.motd"]
+        assert step.change.action == "update"
+        assert "/srv/motd" in step.commands[0] and f"hi lab: {host}" in step.commands[0]
+
+
+def test_a_bad_value_in_a_role_section_is_one_error_at_its_position(demo_role, tmp_path):
+    path = demo_cluster(tmp_path, "zz_demo:\n  prefix: ok\n  path: motd\n")
+    with pytest.raises(ConfigError) as caught:
+        load_cluster(path)
+    line = len(LAB.read_text().splitlines()) + 3
+    assert [str(issue) for issue in caught.value.issues] == \
+        [f"{path}:{line}:9: zz_demo.path: 'motd' does not match ^/"]
+
+
+def test_a_role_adds_its_lines_to_status(demo_role, tmp_path):
+    motd = tmp_path / "motd"
+    motd.write_text("hello\n")
+    cluster = load_cluster(demo_cluster(tmp_path, f"zz_demo: {{path: {motd}}}\n"))
+    script = status_command.host_script(cluster, cluster.host("node2"))
+    assert f"printf '@role %s\\n' zz_demo\n( set -- {motd}\n" in script
+    bin_dir = tmp_path / "bin"  # no service answers: systemctl, curl and python3 say nothing
+    bin_dir.mkdir()
+    for name in ("curl", "systemctl", "python3"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+
+    class Session:
+        """Runs each host's status script here, as `sh -c`."""
+
+        def hosts(self):
+            return cluster.hosts
+
+        def run(self, name, command, sudo=None):
+            out = subprocess.run(["sh", "-c", command], capture_output=True, text=True,
+                                 timeout=30, env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+            return out.returncode == 0, SimpleNamespace(stdout_lines=out.stdout.splitlines())
+
+    Session.cluster = cluster
+    rows = status_command.collect(Session())
+    mine = [{"host": h.name, "service": "motd", "unit": "-", "answer": f"set: {motd}",
+             "protocol": None, "model": None, "healthy": True} for h in cluster.hosts]
+    assert [r for r in rows if r["service"] == "motd"] == mine
+    assert len(rows) > len(mine)  # the services' own rows as before
+    lines = [line.split() for line in status_view.render_text(rows).splitlines()]
+    assert all([h.name, "motd", "-", "set:", str(motd), "yes"] in lines for h in cluster.hosts)
+    assert all(row in json.loads(status_view.render_json(rows)) for row in mine)
+
+    motd.unlink()
+    rows = [r for r in status_command.collect(Session()) if r["service"] == "motd"]
+    assert {(r["answer"], r["healthy"]) for r in rows} == {(f"missing: {motd}", False)}
+
+
+@pytest.mark.parametrize("name,fragment,message", [
+    ("network", {"type": "object"},
+     "roles/network/schema.json declares the section 'network', which the cluster file "
+     "already has"),
+    ("zz_bad", {"type": "objekt"}, "roles/zz_bad/schema.json is not a JSON Schema"),
+])
+def test_a_role_section_that_clashes_or_is_no_schema_is_refused(tmp_path, monkeypatch, name,
+                                                                 fragment, message):
+    import meshdeploy.roles as package
+
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "schema.json").write_text(json.dumps(fragment))
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    clear_caches()
+    try:
+        with pytest.raises(MeshdeployError, match=re.escape(message)):
+            load_cluster(LAB)
+    finally:
+        monkeypatch.undo()
+        clear_caches()
+
+
+def test_every_role_section_ships_in_the_package():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "schema.json" in data["package-data"]["*"]
 
 
 def test_a_cycle_between_roles_is_one_error():
