@@ -7,7 +7,6 @@ becomes a ConfigIssue at file:line:col that says what the field accepts, with a 
 from __future__ import annotations
 
 import difflib
-import importlib
 import json
 import math
 from functools import lru_cache
@@ -20,6 +19,7 @@ import jsonschema.validators
 from jsonschema.exceptions import best_match, relevance
 from ruamel.yaml.scalarbool import ScalarBoolean
 
+import meshdeploy.roles
 from meshdeploy.config.document import Document, yaml_type
 from meshdeploy.config.yaml_doc import printable, render_path
 from meshdeploy.errors import ConfigIssue, MeshdeployError
@@ -48,11 +48,11 @@ def role_fragments() -> dict[str, tuple[str, dict]]:
 
     The fragments are package data, read as files from the folders of the meshdeploy.roles
     package (whose __init__ holds no code); no role module is imported, so the cluster file's
-    schema stays below core and the roles in the layers.
+    schema stays below core. The import of the package is one of the layers contract's two
+    named exceptions (pyproject.toml).
     """
-    package = importlib.import_module("meshdeploy.roles")
     out: dict[str, tuple[str, dict]] = {}
-    for folder in package.__path__:
+    for folder in meshdeploy.roles.__path__:
         for path in sorted(Path(folder).glob("*/schema.json")):
             where = f"roles/{path.parent.name}/schema.json"
             try:
