@@ -132,7 +132,7 @@ def lab_handle(request):
         try:
             if not keep:
                 handle.down()
-                _STARTED.clear()
+                _STARTED.remove(handle)  # a module's own lab may still be up (converged_lab)
                 from meshdeploy.lab.core import leftovers
 
                 left = {k: v for k, v in leftovers(handle.name, handle.state_dir).items() if v}

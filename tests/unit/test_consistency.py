@@ -54,7 +54,8 @@ def test_limit_cannot_move_the_commit_of_some_hosts():
     cluster = load_cluster(LAB)
     hosts = [cluster.host("node2")]
     facts = facts_running(node2=(OLD, "5.0.0"))
-    with pytest.raises(PlanError, match=r"--limit node2 would move node2 to llama.cpp f35b4f837ba8"):
+    with pytest.raises(PlanError,
+                       match=r"--limit node2 would move node2 to llama.cpp f35b4f837ba8"):
         check(cluster, hosts, facts, NEW, ["node2"])
     facts = facts_running(node2=(NEW, "7.0.0"))
     assert check(cluster, hosts, facts, NEW, ["node2"]) == []
@@ -80,14 +81,19 @@ def test_a_worker_faster_than_the_probe_still_counts_as_a_hop():
 
 
 @pytest.fixture
-def planner_of_two_roles(monkeypatch):
+def planner_of_two_roles(monkeypatch, tmp_path):
     """engine.make_plan with the llama_cpp and services roles only, and the probe replaced by
-    the facts a test gives: (make(facts, limit) -> Planned)."""
+    the facts a test gives: (make(facts, limit) -> Planned). The lab's file is copied beside a
+    lock file of its own that pins NEW (no mirror to resolve the ref from here)."""
+    import json
     from types import SimpleNamespace
 
     from meshdeploy.engine import planner as engine
 
-    cluster = load_cluster(LAB)
+    (tmp_path / "lab.yaml").write_text(LAB.read_text())
+    lock = {"llama_cpp": {"commit": NEW, "ref": "b11312", "repo": "git://10.200.0.1/llama.cpp.git"}}
+    (tmp_path / "lab.lock.json").write_text(json.dumps(lock))
+    cluster = load_cluster(tmp_path / "lab.yaml")
     roles = tuple(registry.role(name) for name in ("llama_cpp", "services"))
     monkeypatch.setattr(registry, "roles", lambda: roles)
 
