@@ -79,10 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     command = _BY_NAME[ns.command]
-    args = command.Args.from_namespace(ns)
-    detailed = isinstance(args, plan.Args) and args.detailed_exitcode
-    return guarded(lambda: command.run(args), debug=ns.debug, verbose=ns.verbose,
-                   detailed=detailed)
+    detailed = command is plan and ns.detailed_exitcode
+    return guarded(lambda: command.run(command.Args.from_namespace(ns)), debug=ns.debug,
+                   verbose=ns.verbose, detailed=detailed)
 
 
 def run_lab(rest: list[str]) -> int:

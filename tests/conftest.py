@@ -132,7 +132,8 @@ def lab_handle(request):
         try:
             if not keep:
                 handle.down()
-                _STARTED.remove(handle)  # a module's own lab may still be up (converged_lab)
+                if handle in _STARTED:  # an interrupt's hook may have taken it down already
+                    _STARTED.remove(handle)
                 from meshdeploy.lab.core import leftovers
 
                 left = {k: v for k, v in leftovers(handle.name, handle.state_dir).items() if v}
@@ -161,7 +162,8 @@ def own_lab(request, name: str, **kwargs):
         try:
             if not keep:
                 handle.down()
-                _STARTED.remove(handle)
+                if handle in _STARTED:  # an interrupt's hook may have taken it down already
+                    _STARTED.remove(handle)
                 left = {k: v for k, v in leftovers(name).items() if v}
                 assert not left, f"lab teardown left traces behind: {left}"
         finally:

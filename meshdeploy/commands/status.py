@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 from dataclasses import asdict, dataclass
 
 from meshdeploy import errors
@@ -79,8 +80,9 @@ _SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/de
            '"$(curl -s --max-time 5 "$3/v1/models" | tr -d \'\\n\')"')
 
 
-def host_script(cluster, host) -> str:
-    """The status probe of one host: runs as the login user (nothing here needs root)."""
+def host_script(cluster, host, nonce: str = "") -> str:
+    """The status probe of one host: runs as the login user (nothing here needs root). A role's
+    lines follow a mark with this run's `nonce` on a line of its own (role_rows)."""
     p = llama_cpp_paths(cluster.llama_cpp.prefix)
     lines = [shell.script('printf \'proto %s\\n\' "$(sed -n \'s/^proto=//p\' "$CURRENT/manifest" '
                           '2>/dev/null)"', CURRENT=p["current"])]
@@ -92,24 +94,28 @@ def host_script(cluster, host) -> str:
                                                  args=[server.name, server.unit_name,
                                                        server.local_url])))
     for name, probe in registry.status_probes(cluster, host):
-        lines += [shell.command("printf", f"{ROLE_MARK} %s\\n", name), shell.subshell(probe.script)]
+        lines += [shell.command("printf", f"\\n{ROLE_MARK}%s %s\\n", nonce, name),
+                  shell.subshell(probe.script)]
     return "\n".join(lines) + "\ntrue"
 
 
-ROLE_MARK = "@role"  # the line before a role's own status lines
+ROLE_MARK = "@role-"  # + the run's nonce: the line before a role's own status lines
 
 
-def role_rows(cluster, host, lines: list[str]) -> tuple[list[str], list[dict]]:
+def role_rows(cluster, host, lines: list[str],
+              nonce: str = "") -> tuple[list[str], list[dict]]:
     """The probe's own lines (before the first role's mark), and the rows the roles' parse
-    functions make of the lines after their marks."""
+    functions make of the non-empty lines after their marks. A mark counts only with this run's
+    nonce and as the next role expected, so a host's output cannot move lines to another role
+    (the mark's leading newline ends a role's last line when it has none)."""
+    expected = [name for name, _ in registry.status_probes(cluster, host)]
     parts: dict[str, list[str]] = {}
     own: list[str] = []
     current = own
     for line in lines:
-        mark, _, name = line.partition(" ")
-        if mark == ROLE_MARK:
-            current = parts.setdefault(name.strip(), [])
-        else:
+        if expected and line == f"{ROLE_MARK}{nonce} {expected[0]}":
+            current = parts[expected.pop(0)] = []
+        elif line:
             current.append(line)
     rows = [{"host": host.name, **asdict(row)}
             for name, probe in registry.status_probes(cluster, host)
@@ -124,9 +130,18 @@ def collect(session) -> list[dict]:
     rows: list[dict] = []
 
     def one(host):
-        ok, output = session.run(host.name, host_script(cluster, host), sudo=False)
+        try:
+            read(host)
+        except Exception as exc:  # a host's odd output is its own row, never a lost host
+            rows.append({"host": host.name, "service": "-", "unit": "unknown",
+                         "answer": f"status output unreadable: {type(exc).__name__}: {exc}",
+                         "protocol": None, "healthy": False})
+
+    def read(host):
+        nonce = secrets.token_hex(8)
+        ok, output = session.run(host.name, host_script(cluster, host, nonce), sudo=False)
         proto = ""
-        own, extra = role_rows(cluster, host, output.stdout_lines) if ok else ([], [])
+        own, extra = role_rows(cluster, host, output.stdout_lines, nonce) if ok else ([], [])
         rows.extend(extra)
         for line in own:
             kind, _, rest = line.partition(" ")
@@ -152,11 +167,11 @@ def collect(session) -> list[dict]:
                 name, _, body = rest.partition(" ")
                 try:
                     ids = [m.get("id") for m in json.loads(body).get("data", [])]
-                except ValueError:
+                except (ValueError, AttributeError, TypeError):
                     ids = []
                 for row in rows:
                     if row["host"] == host.name and row["service"] == f"llama-server {name}":
-                        row["model"] = ", ".join(i for i in ids if i) or None
+                        row["model"] = ", ".join(str(i) for i in ids if i) or None
         if not ok:
             rows.append({"host": host.name, "service": "-", "unit": "unknown",
                          "answer": "status probe failed", "protocol": None, "healthy": False})

@@ -83,7 +83,7 @@ class WireGuard:
 
     def address(self, host_name: str) -> str:
         """The host's tunnel address: the explicit one, else derived from its name alone (so it
-        stays put when other hosts come and go; config_checks refuses two hosts on one)."""
+        stays put when other hosts come and go; config.checks refuses two hosts on one)."""
         for name, address in self.addresses:
             if name == host_name:
                 return address
@@ -131,14 +131,14 @@ class SSH:
 @dataclass(frozen=True)
 class RpcServer:
     port: int
-    # The resolved IPv4 literal for -H, never "". None only in a cluster that config_checks
+    # The resolved IPv4 literal for -H, never "". None only in a cluster that config.checks
     # refuses (a DNS-named host and no bind).
     bind: str
     device: str | None  # None = every device of the host
     threads: int  # 0 = rpc-server's default
     cache: bool
     # With cache: fetch only its tensors of a one-file Hub model from the cluster's copy
-    # (deploy.distribution.tensor_fetches); False: keep a whole GGUF on the host (copies),
+    # (core.distribution.tensor_fetches); False: keep a whole GGUF on the host (copies),
     # seed from it.
     fetch: bool = True
 
@@ -148,7 +148,7 @@ class RpcServer:
 
 
 def rpc_unit_name(port: int) -> str:
-    """The rpc-server's unit name, also its cache's name (deploy.paths.rpc_server_cache)."""
+    """The rpc-server's unit name, also its cache's name (core.paths.rpc_server_cache)."""
     return f"meshdeploy-rpc-{port}"
 
 
@@ -314,7 +314,7 @@ class Server:
     allow: tuple[str, ...]  # who besides loopback may connect (addresses, networks), as written
     extra_args: tuple[str, ...]
     health: Health
-    # A non-loopback bind without api_key_file is refused unless this is set (config_checks).
+    # A non-loopback bind without api_key_file is refused unless this is set (config.checks).
     allow_unauthenticated: bool = False
 
     @property
@@ -455,7 +455,7 @@ def tunnel_binds(cluster: Cluster) -> Cluster:
     """Under network.transport: wireguard, an rpc-server that another host's llama-server uses
     binds its host's tunnel address only; one that only its own host uses binds loopback (it
     has no tunnel to listen on). A loopback bind in the file stays. Unchanged for plain, and
-    while the subnet is not a network (config_checks says so)."""
+    while the subnet is not a network (config.checks says so)."""
     if not cluster.network.tunnel:
         return cluster
     try:

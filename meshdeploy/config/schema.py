@@ -61,8 +61,19 @@ def role_fragments() -> dict[str, tuple[str, dict]]:
             except (ValueError, jsonschema.SchemaError) as exc:
                 raise MeshdeployError(f"{where} is not a JSON Schema: {exc}".splitlines()[0],
                                       "fix the role's schema.json") from None
+            if _refers(fragment):
+                # Merged under properties.<role>, a "#/..." reference would point into the
+                # cluster file's schema, not the fragment.
+                raise MeshdeployError(f"{where} uses $ref or $defs: a role's section is "
+                                      "written out in full", "fix the role's schema.json")
             out.setdefault(path.parent.name, (where, fragment))
     return out
+
+
+def _refers(node) -> bool:
+    if isinstance(node, dict):
+        return "$ref" in node or "$defs" in node or any(_refers(v) for v in node.values())
+    return isinstance(node, list) and any(_refers(v) for v in node)
 
 
 def role_sections() -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Transient systemd units meshdeploy starts on a host for a step (md-share; a cache's seeding
 as its rpc-server's user): the sandbox they share, and how a host tells it runs systemd.
 
-Their starting scripts use deploy.shell.SYSTEMD_RUN: md_systemd_run (systemd-run with the
+Their starting scripts use core.shell.SYSTEMD_RUN: md_systemd_run (systemd-run with the
 command written so that systemd expands nothing in it) and md_unit_free (an earlier unit of the
 name stopped and unloaded, so the name can be taken again).
 """

@@ -1,6 +1,6 @@
 """The engine: probe every host once, prepare cluster-wide values, and plan every resource.
 
-Plan and apply share one code path. Each resource (deploy.registry) is a function of (wish,
+Plan and apply share one code path. Each resource (core.registry) is a function of (wish,
 facts, what earlier steps decide) returning a Step; the plan evaluates them all slot by slot
 across hosts, apply evaluates them again at execution time, inside pyinfra operations, so a value
 that only exists after an earlier step (a resolved commit, a fresh build's flags) is used as soon

@@ -55,6 +55,7 @@ class LabInfo:
     ccache_dir: str = hosts.CCACHE_IN_HOST
     # Hosts started with `rogue=`: on the bridge like any other, in no cluster file.
     rogue: list[str] = dataclasses.field(default_factory=list)
+    base: str = ""  # the base the hosts boot from (base.recipe_hash; toolchain=True has its own)
 
     def host(self, name: str) -> LabHost:
         for h in self.hosts:
@@ -147,6 +148,7 @@ class Lab:
         self.run_dir.mkdir(exist_ok=True)
         self._ensure_key()
         rootfs = base.ensure_base(log=self.log, toolchain=self.toolchain)
+        self._same_base(base.recipe_hash(base.recipe(self.toolchain)))
         cache = base.cache_root()
         ccache = cache / "ccache"
         ccache.mkdir(parents=True, exist_ok=True)
@@ -184,11 +186,25 @@ class Lab:
             ssh={"user": "deploy", "key": str(self.key), "config": str(self.ssh_config)},
             mirrors=mirrors,
             rogue=list(self.rogue_names),
+            base=base.recipe_hash(base.recipe(self.toolchain)),
         )
         tmp = self.state_dir / "lab.json.tmp"
         tmp.write_text(json.dumps(info.to_dict(), indent=2, default=str) + "\n")
         tmp.replace(self.state_dir / "lab.json")
         return info
+
+    def _same_base(self, wanted: str) -> None:
+        """Hosts already running keep the root they booted from: refuse to call a lab of the
+        plain base one with the toolchain (or the reverse) instead of quietly mixing them."""
+        described = self.state_dir / "lab.json"
+        if not described.exists():
+            return
+        had = json.loads(described.read_text()).get("base", "")
+        running = [h for h in self.host_names
+                   if hosts.is_booted(self.state_dir, h, self.marker)]
+        if had and had != wanted and running:
+            raise LabError(f"lab {self.name} runs on base {had} ({', '.join(running)}), not "
+                           f"{wanted}: `meshdeploy lab down --name {self.name}` first")
 
     def _ensure_key(self) -> None:
         if self.key.exists() and self.key.with_suffix(".pub").exists():

@@ -8,10 +8,14 @@ import json
 
 from tabulate import tabulate
 
+from meshdeploy.errors import terminal_text
+
 
 def render_text(rows: list[dict]) -> str:
-    table = [[r["host"], r["service"], r["unit"], r["answer"], r.get("protocol") or "",
-              r.get("model") or "", "yes" if r["healthy"] else "NO"] for r in rows]
+    """Every cell but `healthy` comes from a host's output: shown, never run by the terminal."""
+    table = [[terminal_text(str(cell)) for cell in
+              (r["host"], r["service"], r["unit"], r["answer"], r.get("protocol") or "",
+               r.get("model") or "")] + ["yes" if r["healthy"] else "NO"] for r in rows]
     return tabulate(table, headers=["host", "service", "unit", "answer", "protocol", "model",
                                     "healthy"])
 

@@ -32,6 +32,9 @@ def test_lab_json_describes_the_lab(lab):
     assert data["mirrors"]["git_url"] == "git://10.200.0.1/llama.cpp.git"
     assert data["mirrors"]["hf_endpoint"] == "http://10.200.0.1:8080"
     assert data["ccache_dir"] == "/var/cache/meshdeploy-ccache"
+    from meshdeploy.lab import base
+
+    assert data["base"] == base.recipe_hash(base.recipe())  # the session lab: no toolchain
     assert Path(data["ssh"]["key"]).exists() and Path(data["ssh"]["config"]).exists()
 
 

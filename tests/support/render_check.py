@@ -2,7 +2,7 @@
 
 Shared by tests/unit/test_render_properties.py (hypothesis, hostile values put straight into the
 model) and benchmarks/fuzz_render.py (the soak: cluster files that validate accepts). For every
-rendered shell command: bash parses it (bash -n); every quoted word deploy.shell produced while
+rendered shell command: bash parses it (bash -n); every quoted word core.shell produced while
 rendering is read back by bash (printf, in a scratch folder: the only thing ever executed) and
 must equal its value; and the sentinel "PWNED" that hostile values carry occurs nowhere outside
 those words and heredoc bodies. Units are read back by tests/support/systemd_parse.py, plists by
@@ -78,7 +78,7 @@ class Rendered:
 
 @contextmanager
 def recorded_quotes():
-    """Every (value, quoted word) deploy.shell.quote returns while the block runs."""
+    """Every (value, quoted word) core.shell.quote returns while the block runs."""
     words: list[tuple[object, str]] = []
     real = shell.quote
 

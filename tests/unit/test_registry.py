@@ -228,8 +228,8 @@ def test_a_role_adds_its_lines_to_status(demo_role, tmp_path):
     motd = tmp_path / "motd"
     motd.write_text("hello\n")
     cluster = load_cluster(demo_cluster(tmp_path, f"zz_demo: {{path: {motd}}}\n"))
-    script = status_command.host_script(cluster, cluster.host("node2"))
-    assert f"printf '@role %s\\n' zz_demo\n( set -- {motd}\n" in script
+    script = status_command.host_script(cluster, cluster.host("node2"), "n0nce")
+    assert f"printf '\\n@role-%s %s\\n' n0nce zz_demo\n( set -- {motd}\n" in script
     bin_dir = tmp_path / "bin"  # no service answers: systemctl, curl and python3 say nothing
     bin_dir.mkdir()
     for name in ("curl", "systemctl", "python3"):
@@ -262,11 +262,57 @@ def test_a_role_adds_its_lines_to_status(demo_role, tmp_path):
     assert {(r["answer"], r["healthy"]) for r in rows} == {(f"missing: {motd}", False)}
 
 
+def test_a_hosts_output_cannot_move_lines_to_a_role(demo_role, tmp_path):
+    """Only a mark with the run's nonce, naming the next role expected, starts a role's lines:
+    a host that prints a mark of its own, or a line without its newline, moves nothing."""
+    cluster = load_cluster(demo_cluster(tmp_path, ""))
+    host = cluster.host("node2")
+    lines = ["proto 7.0.0", "@role-guess zz_demo", "set", "@role- zz_demo", "set", "",
+             "@role-n0nce zz_demo", "missing", "", "@role-n0nce zz_demo", "set"]
+    own, rows = status_command.role_rows(cluster, host, lines, "n0nce")
+    assert own == ["proto 7.0.0", "@role-guess zz_demo", "set", "@role- zz_demo", "set"]
+    assert [(r["answer"].split(":")[0], r["healthy"]) for r in rows] == [("missing", False)]
+
+
+def test_a_host_whose_output_cannot_be_read_is_a_row_not_a_lost_host(demo_role, tmp_path,
+                                                                       monkeypatch):
+    """Odd JSON from /v1/models leaves the model blank; a parse that fails (a role's, say)
+    gives its host an unhealthy row instead of dropping the host from status."""
+    cluster = load_cluster(demo_cluster(tmp_path, ""))
+
+    class Session:
+        def hosts(self):
+            return cluster.hosts
+
+        def run(self, name, command, sudo=None):
+            return True, SimpleNamespace(stdout_lines=[
+                "server main active 200", 'models main {"data": ["x", {"id": 2}]}'])
+
+    Session.cluster = cluster
+    rows = status_command.collect(Session())
+    assert {(r["host"], r["model"], r["healthy"]) for r in rows
+            if r["service"] == "llama-server main"} == {(h.name, None, True) for h in cluster.hosts}
+    real = status_command.role_rows
+
+    def role_rows(cluster, host, lines, nonce=""):
+        if host.name == "node2":
+            raise ValueError("a line no parse expected")
+        return real(cluster, host, lines, nonce)
+
+    monkeypatch.setattr(status_command, "role_rows", role_rows)
+    rows = status_command.collect(Session())
+    assert [(r["host"], r["answer"], r["healthy"]) for r in rows if r["host"] == "node2"] == [
+        ("node2", "status output unreadable: ValueError: a line no parse expected", False)]
+    assert {r["host"] for r in rows} == {h.name for h in cluster.hosts}
+
+
 @pytest.mark.parametrize("name,fragment,message", [
     ("network", {"type": "object"},
      "roles/network/schema.json declares the section 'network', which the cluster file "
      "already has"),
     ("zz_bad", {"type": "objekt"}, "roles/zz_bad/schema.json is not a JSON Schema"),
+    ("zz_ref", {"$defs": {"p": {"type": "string"}}, "properties": {"p": {"$ref": "#/$defs/p"}}},
+     "roles/zz_ref/schema.json uses $ref or $defs"),
 ])
 def test_a_role_section_that_clashes_or_is_no_schema_is_refused(tmp_path, monkeypatch, name,
                                                                  fragment, message):

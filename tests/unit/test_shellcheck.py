@@ -1,6 +1,6 @@
 """Every shell script meshdeploy ships passes shellcheck as POSIX sh (issue 21: scripts as scripts).
 
-The `*.sh` files under meshdeploy/ are what hosts run: deploy.shell.template assigns a script's
+The `*.sh` files under meshdeploy/ are what hosts run: core.shell.template assigns a script's
 inputs, quoted, above its body. Hosts' /bin/sh is dash (Debian) or bash-as-sh (macOS), hence
 `-s sh`. A finding is fixed, or disabled for the line below a `# shellcheck disable=SCxxxx # why`
 directive; shell.body drops directive lines, so hosts never get them. CI sets

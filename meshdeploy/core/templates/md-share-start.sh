@@ -1,4 +1,4 @@
-# (Re)start md-share, never as root. Inputs (assigned above by deploy.share.start_script): PY,
+# (Re)start md-share, never as root. Inputs (assigned above by core.share.start_script): PY,
 # SERVER (md-share.py), PID, OLD_PID, LOG, BOOTED, UNIT, HOST, PORT; md-share's arguments in
 # "$@"; md_share_unit (the prelude) is systemd-run with the unit's settings. An md-share left
 # by an earlier step or run is stopped first (it may serve other files). md-share writes PID

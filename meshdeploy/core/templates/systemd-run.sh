@@ -1,4 +1,4 @@
-# Shell functions for a script's prelude (loaded as deploy.shell.SYSTEMD_RUN; no inputs).
+# Shell functions for a script's prelude (loaded as core.shell.SYSTEMD_RUN; no inputs).
 # md_unit_free UNIT: an earlier transient unit of that name stopped and unloaded (its name is
 # free again only then), waiting at most 5 s.
 # md_systemd_run OPTIONS... -- COMMAND ARGS... is systemd-run with every word after `--` written

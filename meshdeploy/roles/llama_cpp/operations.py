@@ -22,7 +22,7 @@ TEMPLATES = Path(__file__).with_name("templates")
 
 def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
     p = paths(cluster.llama_cpp.prefix)
-    # Facts take raw values and quote them themselves (deploy.shell).
+    # Facts take raw values and quote them themselves (core.shell).
     out = [Section("llama_cpp.Source", Source, {"path": p["src"], "commit": commit}),
            Section("llama_cpp.Builds", Builds,
                    {"builds_dir": p["builds"], "current_link": p["current"]})]

@@ -2,7 +2,7 @@
 their tensors of it.
 
 A worker with a seeded cache keeps no GGUF of a one-file Hub model it does not load itself
-(deploy.distribution.tensor_fetches): the host of the model's first llama-server downloads it once from the
+(core.distribution.tensor_fetches): the host of the model's first llama-server downloads it once from the
 internet and verifies its sha256 (models.gguf), and this step, on that host,
 
 - makes the model's digest list once from that verified file: "<gguf sha256> <offset> <size>

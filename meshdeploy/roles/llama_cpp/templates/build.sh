@@ -1,5 +1,5 @@
 # Build llama-server and/or the RPC worker of one (commit, backend, flags) and install it under
-# $OUT. Inputs (assigned above by deploy.shell.template): SRC TREE OUT COMMIT NUMBER JOBS CCACHE
+# $OUT. Inputs (assigned above by core.shell.template): SRC TREE OUT COMMIT NUMBER JOBS CCACHE
 # WANT_SERVER WANT_RPC RPC_TARGETS KEY BACKEND; "$@" = the cmake flags.
 set -e
 # An earlier run's build of this key may have finished while this run was planning.

@@ -3,7 +3,7 @@
 # SEED (seed.sh with its inputs and calls), BOOTED (present when systemd is PID 1), RUNDIR (a
 # folder root keeps for the script); "$@": the transient unit's settings (seed_properties: the
 # same user and CacheDirectory, and a sandbox at least the rpc-server's). md_systemd_run is
-# deploy.shell.SYSTEMD_RUN (systemd-run, the command written so systemd expands nothing in it).
+# core.shell.SYSTEMD_RUN (systemd-run, the command written so systemd expands nothing in it).
 #
 # rpc-server is an unauthenticated network service and owns its cache folder: root never writes
 # there. On systemd hosts the script runs in a transient unit with the same dynamic user and
