@@ -4,8 +4,8 @@ Each command is one module of meshdeploy.commands (COMMANDS): its NAME and HELP,
 (`add_arguments`), its typed arguments (`Args.from_namespace`) and its entry (`run`). This module
 builds the parser from them, hands the chosen one its Args, and guarantees that users see one
 clear message and a documented exit code, never a traceback unless they ask for one with --debug.
-Importing the command modules is cheap: pyinfra, gevent and fabric are imported by the runs that
-need them, so --help and validate never load them.
+Importing the command modules loads the cluster file's reader (jsonschema, ruamel), not pyinfra,
+gevent or fabric: the runs that need those import them, so --help and validate never do.
 """
 
 from __future__ import annotations
