@@ -83,7 +83,7 @@ _SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/de
 def host_script(cluster, host, nonce: str = "") -> str:
     """The status probe of one host: runs as the login user (nothing here needs root). A role's
     lines follow a mark with this run's `nonce` on a line of its own (role_rows)."""
-    p = llama_cpp_paths(cluster.llama_cpp.prefix)
+    p = llama_cpp_paths(host.layout.prefix)
     lines = [shell.script('printf \'proto %s\\n\' "$(sed -n \'s/^proto=//p\' "$CURRENT/manifest" '
                           '2>/dev/null)"', CURRENT=p["current"])]
     for rpc in host.rpc_servers:

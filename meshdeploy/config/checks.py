@@ -42,8 +42,8 @@ DOTTED_NUMBERS = re.compile(r"[0-9.]+")
 def check(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     """Every problem of `cluster` (built from `doc`), in file order."""
     issues: list[ConfigIssue] = []
-    for checker in (check_ref, check_models, check_hosts, check_local, check_ports,
-                    check_servers, check_wireguard):
+    for checker in (check_ref, check_models, check_hosts, check_local, check_rootless,
+                    check_ports, check_servers, check_wireguard):
         issues += checker(doc, cluster)
     issues.sort(key=lambda i: (i.line, i.col))
     return issues
@@ -149,6 +149,49 @@ def check_local(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
             f"host {host.name} is local too, but {local[0].name} already is: only one host "
             "can be the machine meshdeploy runs on",
             f"reach {host.name} over SSH (remove connection: local), or merge the two hosts"))
+    return issues
+
+
+def check_rootless(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
+    """A rootless host gets no sudo, no system-wide firewall and no WireGuard interface (each
+    needs root), so a file that asks for them on such a host is refused where it asks."""
+    issues = []
+    net = cluster.network
+    for host in cluster.hosts:
+        path = ("hosts", host.name)
+        if not host.rootless:
+            if host.unprotected:
+                issues.append(doc.issue(
+                    path + ("unprotected",),
+                    f"host {host.name} is not rootless: its rpc-servers are protected by the "
+                    "allow-list, or network.firewall is off for every host",
+                    "remove unprotected (it acknowledges a rootless host's open ports)"))
+            continue
+        if host.local:
+            issues.append(doc.issue(
+                path + ("rootless",),
+                f"host {host.name} is the machine meshdeploy runs on (connection: local), which "
+                "meshdeploy reaches as this process's user, through sudo when that is not root",
+                f"reach {host.name} over SSH as the user without root, or remove rootless"))
+        if doc.written(path + ("ssh", "sudo")) is True:
+            issues.append(doc.issue(
+                path + ("ssh", "sudo"),
+                f"host {host.name} is rootless: nothing runs through sudo there",
+                "remove ssh.sudo, or remove rootless if the user may use sudo"))
+        if net.tunnel:
+            issues.append(doc.issue(
+                path + ("rootless",),
+                f"host {host.name} is rootless, but network.transport: wireguard makes a "
+                "network interface on every host, which needs root",
+                "use network.transport: plain, or give meshdeploy root on the host"))
+        elif net.firewall and not host.unprotected:
+            issues.append(doc.issue(
+                path + ("rootless",),
+                f"host {host.name} is rootless, so it cannot hold network.firewall's allow-list "
+                "(nftables needs root): its rpc-servers would be open to every machine that "
+                "reaches it",
+                f"set hosts.{host.name}.unprotected: true to accept that (warned in every "
+                "plan), or give meshdeploy root on the host"))
     return issues
 
 
@@ -326,6 +369,13 @@ def warnings_for(cluster: Cluster) -> list[str]:
     """Risks that are allowed but must be said every time (validate, plan and apply print
     them; the rpc-server unit says the first kind in the journal at each start)."""
     warnings = [exposed.warning for exposed in exposed_rpc_servers(cluster)]
+    for host in cluster.hosts:
+        if host.unprotected and host.rpc_servers:
+            ports = ", ".join(str(r.port) for r in host.rpc_servers)
+            warnings.append(
+                f"host {host.name} is rootless and unprotected: no allow-list guards its "
+                f"rpc-server port(s) {ports}; anything that reaches {host.address} can use them, "
+                "unauthenticated and unencrypted.")
     for server in cluster.servers:
         if not is_loopback(server.bind) and server.api_key_file is None:
             warnings.append(

@@ -38,6 +38,7 @@ from meshdeploy.config.model import (
     Toolchain,
     WireGuard,
     rpc_ref,
+    system_layout,
     tunnel_binds,
 )
 from meshdeploy.config.schema import (
@@ -164,7 +165,9 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                   host_key=unset(s["host_key"]))
         hosts.append(Host(name=name, address=h["address"], ssh=ssh, backend=h["backend"],
                           devices=host_devices(h), rpc_servers=rpcs,
-                          connection=h["connection"]))
+                          connection=h["connection"], rootless=h["rootless"],
+                          unprotected=h["unprotected"],
+                          layout=None if h["rootless"] else system_layout(lc["prefix"])))
     models = {name: Model(name, model_source(m)) for name, m in data["models"].items()}
     servers = tuple(
         Server(name=name, host=s["host"], model=s["model"], port=s["port"], bind=s["bind"],

@@ -152,6 +152,35 @@ def rpc_unit_name(port: int) -> str:
     return f"meshdeploy-rpc-{port}"
 
 
+SYSTEMD, SYSTEMD_USER, RUNIT, LAUNCHD = "systemd", "systemd-user", "runit", "launchd"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where meshdeploy keeps its things on one host, and who supervises its services.
+
+    A host with root: llama_cpp.prefix, /var/cache, /run/meshdeploy, the system's service
+    manager (systemd; launchd on macOS, told by the Platform fact). A rootless host: folders the
+    login user owns (core.account reads them from the host), its own service manager."""
+
+    prefix: str  # builds and models (llama_cpp.prefix on a host with root)
+    cache: str  # the parent of each rpc-server's cache folder
+    run: str  # locks, in-flight markers, the scripts of transient steps
+    services: str  # where service definitions go: unit files, or runit's service folders
+    manager: str = ""  # SYSTEMD_USER or RUNIT on a rootless host; "" = the system's
+    home: str = ""  # the login user's home on a rootless host
+
+    @property
+    def rootless(self) -> bool:
+        return self.manager in (SYSTEMD_USER, RUNIT)
+
+
+def system_layout(prefix: str) -> Layout:
+    """The layout of a host meshdeploy reaches with root."""
+    return Layout(prefix=prefix, cache="/var/cache", run="/run/meshdeploy",
+                  services="/etc/systemd/system")
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -163,6 +192,15 @@ class Host:
     # "local": the machine meshdeploy runs on, reached without SSH (pyinfra's @local connector,
     # invoke's local runner for logs and exec); its `ssh` holds the defaults and is not used.
     connection: Literal["ssh", "local"] = "ssh"
+    # No root on the host: everything under the login user's folders, services under the user's
+    # service manager, never sudo (roles read `layout` for the paths).
+    rootless: bool = False
+    # A rootless host under network.firewall whose rpc-servers are open to its network, by the
+    # file's explicit acknowledgement (warned in every plan).
+    unprotected: bool = False
+    # Where meshdeploy keeps its things on the host; a rootless host's is known once its
+    # account is read (Account.layout), until then None.
+    layout: Layout | None = None
 
     @property
     def local(self) -> bool:
@@ -173,6 +211,8 @@ class Host:
         """Whether changes on the host go through `sudo -n`: ssh.sudo over SSH; on the local
         host, whenever meshdeploy itself does not run as root (read when asked: the same file
         is applied by root and by a user)."""
+        if self.rootless:
+            return False
         return os.geteuid() != 0 if self.local else self.ssh.sudo
 
     def rpc_server(self, port: int) -> RpcServer | None:

@@ -97,7 +97,7 @@ class HostContext:
 
     @property
     def prefix(self) -> str:
-        return self.cluster.llama_cpp.prefix
+        return self.host.layout.prefix
 
     @property
     def build(self) -> BuildOutcome | None:

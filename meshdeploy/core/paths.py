@@ -56,12 +56,13 @@ def model_files(cluster, name: str) -> list[str]:
     return []
 
 
-def model_path(cluster, name: str) -> str:
-    """The path llama-server's -m gets (first part of a split GGUF)."""
+def model_path(cluster, name: str, host) -> str:
+    """The path of model `name` on `host`, as llama-server's -m gets it (the first part of a
+    split GGUF): under the host's prefix (Layout.prefix), or the file's own path."""
     src = cluster.models[name].source
     if isinstance(src, PathSource):
         return src.path
-    return f"{model_dir(cluster.llama_cpp.prefix, name)}/{model_files(cluster, name)[0]}"
+    return f"{model_dir(host.layout.prefix, name)}/{model_files(cluster, name)[0]}"
 
 
 def ollama_blob(fact: dict) -> tuple[str, str]:
@@ -78,11 +79,12 @@ def ollama_blob(fact: dict) -> tuple[str, str]:
     return digest, f"{fact['store']}/blobs/sha256-{digest.split(':', 1)[1]}"
 
 
-def rpc_server_cache(port: int) -> str:
-    """rpc-server's LLAMA_CACHE: its unit's systemd CacheDirectory."""
-    return f"/var/cache/{rpc_unit_name(port)}"
+def rpc_server_cache(layout, port: int) -> str:
+    """rpc-server's LLAMA_CACHE on a host of `layout` (config.model.Layout): its unit's systemd
+    CacheDirectory under /var/cache, or a folder of the user's cache on a rootless host."""
+    return f"{layout.cache}/{rpc_unit_name(port)}"
 
 
-def rpc_cache_dir(port: int) -> str:
+def rpc_cache_dir(layout, port: int) -> str:
     """Where rpc-server -c keeps its tensor entries: $LLAMA_CACHE/rpc."""
-    return f"{rpc_server_cache(port)}/rpc"
+    return f"{rpc_server_cache(layout, port)}/rpc"

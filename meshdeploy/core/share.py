@@ -98,7 +98,7 @@ def start(cluster, host, files: dict[str, str], clients, growing: dict | None = 
         args += ["--file", f"{name}={path}"]
     for name, (partial, size) in (growing or {}).items():
         args += ["--growing", f"{name}={partial}:{int(size)}"]
-    server = server_path(cluster.llama_cpp.prefix)
+    server = server_path(host.layout.prefix)
     return [shell.write_file(server, SERVER.read_text(), "0755"),
             start_script(server, args, host.name, allow)]
 

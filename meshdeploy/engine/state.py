@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from meshdeploy.config.document import Document
-from meshdeploy.config.model import SSH, Cluster, Host
+from meshdeploy.config.model import SSH, Cluster, Host, system_layout
 from meshdeploy.config.schema import error_issues, load_schema, schema_validator
 from meshdeploy.core.plan import utc_now, write_atomic
 from meshdeploy.errors import ConfigError, ConfigIssue, PlanError
@@ -63,13 +63,17 @@ class HostRecord:
     updated_at: str = ""
     # "local": the machine meshdeploy runs on (absent in files written before local hosts).
     connection: str = "ssh"
+    rootless: bool = False  # hosts.NAME.rootless (absent in files written before it)
 
-    def host(self) -> Host:
+    def host(self, prefix: str) -> Host:
         """The typed Host meshdeploy connects to (ssh_settings resolves it like a file's host);
-        it runs nothing, so every role's destroy hook removes all it finds."""
+        it runs nothing, so every role's destroy hook removes all it finds. `prefix`: the
+        file's llama_cpp.prefix, where a host with root keeps its things."""
         return Host(name=self.name, address=self.address, ssh=SSH(**self.ssh),
                     backend=self.backend, devices=(), rpc_servers=(),
-                    connection="local" if self.connection == "local" else "ssh")
+                    connection="local" if self.connection == "local" else "ssh",
+                    rootless=self.rootless,
+                    layout=None if self.rootless else system_layout(prefix))
 
 
 @dataclass
@@ -88,7 +92,7 @@ class State:
         """Hosts recorded but no longer in the file: destroyed at the next apply. Retired hosts
         only when purging (their kept bytes are all that is left)."""
         names = {h.name for h in cluster.hosts}
-        return [r.host() for r in self.hosts.values() if r.name not in names
+        return [r.host(cluster.llama_cpp.prefix) for r in self.hosts.values() if r.name not in names
                 and (r.status == MANAGED or purge)]
 
     def to_dict(self) -> dict:
@@ -109,7 +113,8 @@ def record_for(cluster: Cluster, host: Host) -> HostRecord:
     ssh = {k: getattr(host.ssh, k) for k in ("user", "port", "key", "config", "sudo", "host_key")}
     return HostRecord(name=host.name, address=host.address, ssh=ssh, backend=host.backend,
                       units=units, models=models, firewall=cluster.network.firewall,
-                      tunnel=tunnel, updated_at=utc_now(), connection=host.connection)
+                      tunnel=tunnel, updated_at=utc_now(), connection=host.connection,
+                      rootless=host.rootless)
 
 
 _HINT = ("move the file away and run `meshdeploy state rebuild FILE` to make it again "
@@ -207,6 +212,7 @@ def _validator():
               "properties": {
                   "address": host["address"], "connection": host["connection"],
                   "backend": host["backend"], "ssh": ssh_record,
+                  "rootless": host["rootless"],
                   "status": {"enum": [MANAGED, RETIRED]},
                   "units": {"type": "array", "items": {
                       "type": "string", "pattern": "^meshdeploy-(rpc|server)-[A-Za-z0-9_.-]+$"}},

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, field
 
 from meshdeploy.config.model import Cluster
-from meshdeploy.core import shell
+from meshdeploy.core import account, shell
 from meshdeploy.core.progress import tap
 from meshdeploy.errors import ConnectError, PlanError
 from meshdeploy.remote import ssh_settings
@@ -272,6 +272,41 @@ class Session:
             raise ConnectError("cannot connect over SSH to " + "; ".join(lines),
                                hint="check the host's address, ssh settings and that sshd runs "
                                     "(or leave it out with --limit)")
+        self._read_accounts()
+
+    def _read_accounts(self) -> None:
+        """Each rootless host's folders and service manager (core.account), read once as its
+        login user; the session's cluster (and departed hosts) then carry them, so every role
+        plans with the host's own paths. A host without a usable service manager is refused
+        here, before anything is probed or changed."""
+        import gevent
+
+        rootless = [h for h in self.reached() if h.rootless and h.layout is None]
+        if not rootless:
+            return
+        found: dict = {}
+        errors: list[PlanError] = []
+
+        def one(h):
+            try:
+                ok, output = self.run(h.name, account.SCRIPT, sudo=False)
+            except Exception as exc:  # a dropped connection surfaces as paramiko/socket errors
+                errors.append(PlanError(f"host {h.name}: cannot read the login user's "
+                                        f"folders: {exc}"))
+                return
+            try:
+                found[h.name] = account.layout(account.parse(h.name, output.stdout_lines))
+            except PlanError as exc:
+                errors.append(exc)
+
+        gevent.joinall([gevent.spawn(one, h) for h in rootless])
+        if errors:
+            errors.sort(key=lambda e: e.message)
+            raise PlanError("; ".join(e.message for e in errors),
+                            hint="; ".join(e.hint for e in errors if e.hint) or None)
+        self.cluster = account.resolved(self.cluster, found)
+        self.departed = [account.resolved_host(h, found[h.name]) if h.name in found else h
+                         for h in self.departed]
 
     def _tap(self, name: str, host) -> None:
 

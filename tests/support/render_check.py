@@ -159,7 +159,7 @@ def _render_host(ctx, cluster, extras, prefix, out):
     for rpc in ctx.host.rpc_servers:
         steps.append(_attempt(services.rpc_server, ctx, rpc.port))
         seed_model = extras.seed_model or next(
-            (paths.model_path(cluster, s.model) for s in cluster.servers), "/m.gguf")
+            (paths.model_path(cluster, s.model, cluster.host(s.host)) for s in cluster.servers), "/m.gguf")
         out.commands.append(_attempt(
             rpc_cache._seed_script, extras.seed_tool or f"{prefix}/tool",
             extras.seed_cache or f"{prefix}/cache", [("a" * 64, 0, 11 << 20, "0" * 16)],
@@ -233,7 +233,7 @@ def _check_unit(cluster, server, unit) -> list[str]:
     if key_file:
         server = dataclasses.replace(server, api_key_file="${CREDENTIALS_DIRECTORY}/api-key")
     want = argvs.llama_server_argv("/opt/b/bin/llama-server", cluster, server,
-                                   paths.model_path(cluster, server.model), None)
+                                   paths.model_path(cluster, server.model, cluster.host(server.host)), None)
     got = sd.exec_argv(exec_start)
     findings = []
     if got != want:

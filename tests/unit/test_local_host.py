@@ -172,7 +172,7 @@ def test_a_departed_local_host_beside_the_files_local_host_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="hosts.node0.connection: node0 left the cluster file"):
         states.load(cluster)
     # ... and a session refuses a second local host wherever it comes from.
-    departed = [state.hosts["node0"].host()]
+    departed = [state.hosts["node0"].host("/opt/meshdeploy")]
     assert [(h.name, h.local) for h in departed] == [("node0", True)]
     with pytest.raises(PlanError, match="node1 and node0 are all this machine"):
         Session(cluster, departed=departed).open()

@@ -15,6 +15,7 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 
 from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import system_layout
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.core.probe import compose, decode, marker, split
 from meshdeploy.errors import PlanError
@@ -355,7 +356,7 @@ TENSORS = [T.Tensor("blk.9.ffn_up.weight", 1000, 20 * MiB, 9),
            T.Tensor("blk.9.ffn_down.weight", 1000 + 20 * MiB, 20 * MiB, 9),
            T.Tensor("blk.9.attn_k.weight", 1000 + 40 * MiB, 4 * MiB, 9)]
 H1, H2, H3 = "1111111111111111", "2222222222222222", "3333333333333333"
-CACHE = d.cache_dir_for(50052)
+CACHE = d.cache_dir_for(system_layout("/opt/meshdeploy"), 50052)
 MODEL = "/opt/meshdeploy/models/m/m.gguf"
 
 

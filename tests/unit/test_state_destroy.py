@@ -55,7 +55,7 @@ def cluster(tmp_path):
 
 
 def _node3(cluster):
-    return states.record_for(cluster, cluster.host("node3")).host()
+    return states.record_for(cluster, cluster.host("node3")).host(cluster.llama_cpp.prefix)
 
 
 def _teardown(cluster, facts, purge):

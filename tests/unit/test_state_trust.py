@@ -73,7 +73,7 @@ def test_the_record_would_run_its_proxy_command_here(crafted):
     the ssh_config's ProxyCommand on the control machine."""
     path, marker = crafted
     record = json.loads(states.state_path(path).read_text())["hosts"]["evil"]
-    host = states._record("evil", record).host()
+    host = states._record("evil", record).host("/opt/meshdeploy")
     assert f"touch {marker}" in ssh_settings.resolve(host).proxy_command
 
 

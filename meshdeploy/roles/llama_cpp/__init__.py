@@ -7,7 +7,7 @@ from meshdeploy.roles.llama_cpp import operations as ops
 
 def _facts(req: FactRequest):
     return ops.sections(req.cluster, req.host, lock.known_commit(req.cluster), req.first) + (
-        ops.destroy_sections(req.cluster) if req.destroying else [])
+        ops.destroy_sections(req.cluster, req.host) if req.destroying else [])
 
 
 def _prepare(p: Prepare) -> Prepared:

@@ -21,7 +21,7 @@ TEMPLATES = Path(__file__).with_name("templates")
 
 
 def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
-    p = paths(cluster.llama_cpp.prefix)
+    p = paths(host.layout.prefix)
     # Facts take raw values and quote them themselves (core.shell).
     out = [Section("llama_cpp.Source", Source, {"path": p["src"], "commit": commit}),
            Section("llama_cpp.Builds", Builds,
@@ -185,7 +185,7 @@ def destroy(ctx: HostContext, purge: bool):
                                           shell.OR, "true"),))
 
 
-def destroy_sections(cluster) -> list[Section]:
-    p = paths(cluster.llama_cpp.prefix)
+def destroy_sections(cluster, host) -> list[Section]:
+    p = paths(host.layout.prefix)
     return [Section("llama_cpp.Stored", Stored,
                     {"paths": [p["src"], p["build"], p["builds"], p["current"]]})]

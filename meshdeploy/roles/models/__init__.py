@@ -32,7 +32,7 @@ ROLE = Role(
     name="models",
     doc=__doc__,
     facts=lambda req: ops.sections(req.cluster, req.host)
-    + (ops.destroy_sections(req.cluster) if req.destroying else []),
+    + (ops.destroy_sections(req.cluster, req.host) if req.destroying else []),
     destroy=ops.destroy,
     volatile=("models.DiskFree",),
     prepare=_prepare,

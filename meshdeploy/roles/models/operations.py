@@ -36,7 +36,7 @@ def ollama_registry_path(src: OllamaSource) -> str:
 
 
 def sections(cluster, host) -> list[Section]:
-    out = [Section("models.DiskFree", DiskFree, {"path": f"{cluster.llama_cpp.prefix}/{d.models_dir}"})]
+    out = [Section("models.DiskFree", DiskFree, {"path": f"{host.layout.prefix}/{d.models_dir}"})]
     for name in needed(cluster, host):
         src = cluster.models[name].source
         if isinstance(src, PathSource):
@@ -46,7 +46,7 @@ def sections(cluster, host) -> list[Section]:
             out.append(Section(f"models.OllamaManifest[{name}]", OllamaManifest,
                                {"store": src.store, "registry_path": ollama_registry_path(src)}))
         for f in model_files(cluster, name):
-            path = f"{model_dir(cluster.llama_cpp.prefix, name)}/{f}"
+            path = f"{model_dir(host.layout.prefix, name)}/{f}"
             out.append(Section(f"models.ModelFile[{name}/{f}]", ModelFile, {"path": path}))
     return out
 
@@ -247,6 +247,6 @@ def destroy(ctx: HostContext, purge: bool):
                            (shell.command("rmdir", folder, shell.QUIET, shell.OR, "true"),))
 
 
-def destroy_sections(cluster) -> list[Section]:
-    return [Section("models.Stored", Stored, {"folders": [f"{cluster.llama_cpp.prefix}/"
+def destroy_sections(cluster, host) -> list[Section]:
+    return [Section("models.Stored", Stored, {"folders": [f"{host.layout.prefix}/"
                                                           f"{d.models_dir}"]})]

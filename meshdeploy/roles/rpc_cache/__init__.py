@@ -25,7 +25,7 @@ ROLE = Role(
     name="rpc_cache",
     doc=__doc__,
     facts=lambda req: ops.sections(req.cluster, req.host)
-    + (ops.destroy_sections(req.cluster) if req.destroying else []),
+    + (ops.destroy_sections(req.cluster, req.host) if req.destroying else []),
     destroy=ops.destroy,
     volatile=("rpc_cache.DeviceMemory", "rpc_cache.CacheFree"),
     prepare=_prepare,

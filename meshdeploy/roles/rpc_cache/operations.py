@@ -78,9 +78,9 @@ def _in_server(cluster, host) -> bool:
     return False
 
 
-def digests_path(cluster, model: str) -> str:
-    """The digest list beside a shared model's GGUF (on the host that shares it)."""
-    return model_path(cluster, model) + d.rpc_cache_digests_suffix
+def digests_path(cluster, model: str, host) -> str:
+    """The digest list beside a shared model's GGUF (on `host`, which shares it)."""
+    return model_path(cluster, model, host) + d.rpc_cache_digests_suffix
 
 
 def _needs_tool(cluster, host) -> bool:
@@ -97,17 +97,17 @@ def sections(cluster, host) -> list[Section]:
         if _in_server(cluster, host) else []
     if _needs_tool(cluster, host):
         out.append(Section("rpc_cache.SeedTool", SeedTool,
-                           {"path": tool_path(cluster.llama_cpp.prefix)}))
+                           {"path": tool_path(host.layout.prefix)}))
     shared = distribution.shares(cluster, host)
     if shared:
         out.append(Section("rpc_cache.Digests", Digests,
-                           {"paths": {m: digests_path(cluster, m) for m in shared}}))
+                           {"paths": {m: digests_path(cluster, m, host) for m in shared}}))
     ports = _cached_ports(host)
     if not ports:
         return out
-    out.append(Section("rpc_cache.CacheFree", CacheFree, {"path": _CACHE_ROOT}))
+    out.append(Section("rpc_cache.CacheFree", CacheFree, {"path": host.layout.cache}))
     # A DynamicUser's CacheDirectory lives under /var/cache/private (0700 root): only root reads it.
-    out += [Section(f"rpc_cache.CacheDir[{p}]", CacheDir, {"path": d.cache_dir_for(p)},
+    out += [Section(f"rpc_cache.CacheDir[{p}]", CacheDir, {"path": d.cache_dir_for(host.layout, p)},
                     privileged=True)
             for p in ports]
     return out
@@ -254,7 +254,7 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
     free = ctx.fact("rpc_cache.CacheFree")
     if free is not None and seed_bytes and seed_bytes + d.rpc_cache_disk_headroom_bytes > free:
         raise PlanError(f"host {ctx.host.name}: rpc_cache.seed[{port}] needs "
-                        f"{seed_bytes / 2**30:.2f} GiB more under {_CACHE_ROOT}, only "
+                        f"{seed_bytes / 2**30:.2f} GiB more under {ctx.host.layout.cache}, only "
                         f"{free / 2**30:.2f} GiB free", hint="free disk space there, or set "
                         "cache: false on this rpc-server")
     transfer = Transfer(lan_bytes=fetched, disk_bytes=seed_bytes, disk_free=free) \
@@ -382,13 +382,15 @@ def destroy(ctx: HostContext, purge: bool):
 
 
 _CACHE = rpc_unit_name(0).rsplit("-", 1)[0]  # "meshdeploy-rpc": every port's cache folder
-_CACHE_ROOT = d.cache_dir_for(0).split(f"/{_CACHE}-", 1)[0]  # /var/cache: every port's
 
 
-def destroy_sections(cluster) -> list[Section]:
-    tool = tool_path(cluster.llama_cpp.prefix)
+def destroy_sections(cluster, host) -> list[Section]:
+    tool = tool_path(host.layout.prefix)
+    cache = host.layout.cache
+    # A DynamicUser's CacheDirectory lives under <cache>/private on a host with root.
+    folders = [cache] if host.layout.rootless else [cache, f"{cache}/private"]
     return [Section("rpc_cache.Stored", Stored,
                     {"paths": [tool, tool + d.rpc_cache_tool_source_suffix,
-                               share.server_path(cluster.llama_cpp.prefix)],
-                     "folders": ["/var/cache", "/var/cache/private"], "prefix": _CACHE + "-"},
-                    privileged=True)]
+                               share.server_path(host.layout.prefix)],
+                     "folders": folders, "prefix": _CACHE + "-"},
+                    privileged=not host.layout.rootless)]

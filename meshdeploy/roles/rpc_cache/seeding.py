@@ -234,7 +234,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
                 continue
             key = rpc_ref(row["host"], row["port"])
             source = fetches.get((model.name, row["host"]))
-            seed = ops.SeedModel("" if source else model_path(cluster, model.name),
+            seed = ops.SeedModel("" if source else model_path(cluster, model.name,
+                                                                cluster.host(row["host"])),
                                  content[row["host"]], tuple(row["tensors"]), model.name, source)
             merged = seeds.setdefault(key, [])
             # One rpc-server may expose several devices: one entry per model, tensors united.
@@ -258,7 +259,8 @@ def seed(ctx: HostContext, port: int) -> Step:
         if rpc is not None and rpc.cache:
             return Step(ctx.change(ops.ROLE, f"seed[{port}]", "no-op",
                                    "no llama-server loads through this rpc-server"))
-        return ops.seed(ctx, port, "", [], d.cache_dir_for(port), "-")
+        return ops.seed(ctx, port, "", [], d.cache_dir_for(ctx.host.layout, port), "-")
     first, *also = wanted
-    return ops.seed(ctx, port, first.model_path, list(first.tensors), d.cache_dir_for(port),
+    return ops.seed(ctx, port, first.model_path, list(first.tensors),
+                    d.cache_dir_for(ctx.host.layout, port),
                     first.model_sha, tuple(also), first.model, first.source)

@@ -97,7 +97,7 @@ def share(ctx: HostContext) -> Step:
         diffs.append(AttrDiff("md-share", None, f"{cluster.source_address(ctx.host)}:"
                                                 f"{model_share_port}"))
         clients = [w for workers in shares.values() for w in workers]
-        files = {ctx.resolved.models[m].files[0].sha256: model_path(cluster, m) for m in shares
+        files = {ctx.resolved.models[m].files[0].sha256: model_path(cluster, m, ctx.host) for m in shares
                  if m in ctx.resolved.models}
         commands += md_share.start(cluster, ctx.host, files, clients)
     return Step(ctx.change(ROLE, "share", "create" if digest else "update", "; ".join(reason),
@@ -107,5 +107,5 @@ def share(ctx: HostContext) -> Step:
 def _digest_script(ctx: HostContext, model: str, sha: str, wanted) -> str:
     tag, listing = shell.heredoc("".join(f"{int(off)} {int(size)}\n" for off, size in wanted))
     return shell.script(f"{shell.body(ops.TEMPLATES / 'digest.sh')}\ndigest <<'{tag}'\n{listing}{tag}",
-                        TOOL=ops.tool_path(ctx.prefix), GGUF=model_path(ctx.cluster, model),
-                        OUT=ops.digests_path(ctx.cluster, model), SHA=ops.content_id(sha))
+                        TOOL=ops.tool_path(ctx.prefix), GGUF=model_path(ctx.cluster, model, ctx.host),
+                        OUT=ops.digests_path(ctx.cluster, model, ctx.host), SHA=ops.content_id(sha))

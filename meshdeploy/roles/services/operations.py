@@ -144,7 +144,7 @@ def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
     where = f"hosts.{host.name}.rpc_servers[{rpc.port}]"
     cache_name = unit_name(rpc.unit_name, where)
     argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{rpc_binary}", host, rpc,
-                                      rpc_server_cache(rpc.port))
+                                      rpc_server_cache(host.layout, rpc.port))
     warning = ""
     if any(exposed.host == host.name for exposed in exposed_rpc_servers(cluster)):
         # Said in the journal at every start, not only at plan time (seed ernos, section 13.4).
@@ -189,7 +189,7 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
         credentials = f"LoadCredential=api-key:{line_value(api_key, f'{where}.api_key_file')}\n"
         server = _with_key_path(server, SystemdExpr("${CREDENTIALS_DIRECTORY}/api-key"))
     argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", cluster, server,
-                                   model_path(cluster, server.model),
+                                   model_path(cluster, server.model, host),
                                    frozenset(flags) if flags else None)
     env = {"MESHDEPLOY_MODEL_SHA256": model_sha} if model_sha else {}
     return _render("llama-server.service", cluster=comment_value(cluster.name, "cluster"),
@@ -394,7 +394,7 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
         return _awaits_build(ctx, resource, unit, restarts=(rpc_ref(ctx.host.name, port),))
     if isinstance(mgr, Launchd):
         argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{manifest['rpc_binary']}", ctx.host,
-                                          rpc, rpc_server_cache(rpc.port))
+                                          rpc, rpc_server_cache(ctx.host.layout, rpc.port))
         want = launchd_plist(unit, argv, env, d.services_launchd_log_dir)
     else:
         want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
@@ -457,7 +457,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     if isinstance(mgr, Launchd):
         flags = manifest.get("flags")
         argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", ctx.cluster, server,
-                                       model_path(ctx.cluster, server.model),
+                                       model_path(ctx.cluster, server.model, ctx.host),
                                        frozenset(flags) if flags else None)
         want = launchd_plist(unit, argv, {"MESHDEPLOY_MODEL_SHA256": sha} if sha else {},
                              d.services_launchd_log_dir)

@@ -1,0 +1,147 @@
+"""Hosts without root: the cluster file's rules (one error at file:line each) and what the
+account probe makes of a host (core.account): its folders and its service manager, or the one
+command that gives it one."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from meshdeploy.config.checks import warnings_for
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import RUNIT, SYSTEMD_USER
+from meshdeploy.core import account
+from meshdeploy.errors import ConfigError, PlanError
+
+HEAD = "cluster: t\nllama_cpp:\n  ref: b1\n"
+
+
+def cluster_text(worker: str, network: str = "") -> str:
+    return (HEAD + network + "hosts:\n  node1:\n    address: 10.0.0.1\n"
+            "  phone:\n    address: 10.0.0.2\n" + worker +
+            "    rpc_servers:\n      - port: 50052\n"
+            "models:\n  m: {path: /m.gguf}\n"
+            "servers:\n  main: {host: node1, model: m}\n")
+
+
+def load(tmp_path: Path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path, load_cluster(path)
+
+
+def issues(tmp_path: Path, text: str) -> list[tuple[int, str]]:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_cluster(path)
+    return [(i.line, i.message) for i in info.value.issues]
+
+
+def test_a_rootless_host_under_the_firewall_is_refused_at_its_line(tmp_path):
+    found = issues(tmp_path, cluster_text("    rootless: true\n"))
+    assert len(found) == 1
+    line, message = found[0]
+    assert line == 9  # "    rootless: true"
+    assert "cannot hold network.firewall's allow-list" in message
+
+
+def test_the_acknowledgement_is_accepted_and_warned(tmp_path):
+    _, cluster = load(tmp_path, cluster_text("    rootless: true\n    unprotected: true\n"))
+    phone = cluster.host("phone")
+    assert phone.rootless and phone.unprotected and not phone.sudo
+    assert phone.layout is None  # read from the host when a session connects
+    assert cluster.host("node1").layout.prefix == "/opt/meshdeploy"
+    [warning] = [w for w in warnings_for(cluster) if "phone" in w]
+    assert "no allow-list guards its rpc-server port(s) 50052" in warning
+
+
+def test_without_the_firewall_no_acknowledgement_is_needed(tmp_path):
+    _, cluster = load(tmp_path, cluster_text("    rootless: true\n",
+                                             "network:\n  firewall: false\n"))
+    assert cluster.host("phone").rootless
+    assert not [w for w in warnings_for(cluster) if "rootless" in w]
+
+
+def test_sudo_wireguard_and_a_stray_acknowledgement_are_refused(tmp_path):
+    found = issues(tmp_path, cluster_text(
+        "    rootless: true\n    ssh: {sudo: true}\n",
+        "network:\n  transport: wireguard\n"))
+    messages = [m for _, m in found]
+    assert any("nothing runs through sudo" in m for m in messages)
+    assert any("network.transport: wireguard makes a network interface" in m for m in messages)
+    found = issues(tmp_path, cluster_text("    unprotected: true\n"))
+    assert [m for _, m in found if "is not rootless" in m]
+
+
+def test_rootless_is_not_for_the_local_host(tmp_path):
+    text = (HEAD + "network:\n  firewall: false\nhosts:\n  here:\n    address: 127.0.0.1\n"
+            "    connection: local\n    rootless: true\nmodels: {}\n")
+    assert any("connection: local" in m for _, m in issues(tmp_path, text))
+
+
+# -- core.account --------------------------------------------------------------------------
+
+def parsed(**values) -> account.Account:
+    base = {"home": "/home/md", "user": "md", "uid": "1000"}
+    base.update(values)
+    return account.parse("phone", [f"{k}={v}" for k, v in base.items()])
+
+
+def test_systemd_user_with_lingering_gets_xdg_folders():
+    layout = account.layout(parsed(systemd_user="degraded", linger="yes",
+                                   runtime="/run/user/1000"))
+    assert layout.manager == SYSTEMD_USER and layout.rootless
+    assert (layout.prefix, layout.cache, layout.run, layout.services) == (
+        "/home/md/.local/share/meshdeploy", "/home/md/.cache/meshdeploy",
+        "/run/user/1000/meshdeploy", "/home/md/.config/systemd/user")
+
+
+def test_xdg_variables_are_honoured_and_checked():
+    layout = account.layout(parsed(systemd_user="running", linger="yes",
+                                   xdg_data="/data/md", xdg_cache="/scratch/md cache"))
+    assert layout.prefix == "/data/md/meshdeploy"
+    assert layout.cache == "/scratch/md cache/meshdeploy"
+    assert layout.run == "/scratch/md cache/meshdeploy/run"  # no XDG_RUNTIME_DIR
+    with pytest.raises(PlanError, match="not an absolute path"):
+        account.layout(parsed(systemd_user="running", linger="yes", xdg_data="relative"))
+    with pytest.raises(PlanError, match="not an absolute path"):
+        account.layout(parsed(systemd_user="running", linger="yes", home="/home/../etc"))
+
+
+def test_without_lingering_the_admin_command_is_named():
+    with pytest.raises(PlanError) as info:
+        account.layout(parsed(systemd_user="running", linger="no"))
+    assert info.value.hint == "an administrator of the host runs, once: loginctl enable-linger md"
+
+
+def test_termux_runit_uses_prefix_var_service():
+    layout = account.layout(parsed(home="/data/data/com.termux/files/home", sv="yes",
+                                   runsvdir="yes",
+                                   termux_prefix="/data/data/com.termux/files/usr"))
+    assert layout.manager == RUNIT
+    assert layout.services == "/data/data/com.termux/files/usr/var/service"
+    assert layout.prefix == "/data/data/com.termux/files/home/.local/share/meshdeploy"
+
+
+def test_no_service_manager_names_both_fixes():
+    with pytest.raises(PlanError) as info:
+        account.layout(parsed(sv="yes"))  # runit installed, but no runsvdir of the user
+    assert "no service manager for md" in info.value.message
+    assert "loginctl enable-linger md" in info.value.hint
+    assert "pkg install termux-services" in info.value.hint
+
+
+def test_the_script_reads_this_machine(tmp_path):
+    """The account script as sh runs it: values from the environment, one line each."""
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "XDG_DATA_HOME": "/x y",
+           "SVDIR": str(tmp_path / "sv")}
+    out = subprocess.run(["sh", "-c", account.SCRIPT], env=env, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    read = account.parse("here", out)
+    assert read.get("home") == str(tmp_path)
+    assert read.get("xdg_data") == "/x y"
+    assert read.get("svdir") == str(tmp_path / "sv")
+    assert read.get("uid").isdigit()
