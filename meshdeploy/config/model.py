@@ -169,6 +169,7 @@ class Layout:
     services: str  # where service definitions go: unit files, or runit's service folders
     manager: str = ""  # SYSTEMD_USER or RUNIT on a rootless host; "" = the system's
     home: str = ""  # the login user's home on a rootless host
+    user: str = ""  # the login user on a rootless host
 
     @property
     def rootless(self) -> bool:

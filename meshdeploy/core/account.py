@@ -127,7 +127,8 @@ def layout(account: Account) -> Layout:
     else:
         services = _absolute(account, "SVDIR", _svdir(account))
     return Layout(prefix=f"{xdg('xdg_data', '.local/share')}/meshdeploy", cache=cache, run=run,
-                  services=services, manager=mgr, home=home)
+                  services=services, manager=mgr, home=home,
+                  user=account.get("user"))
 
 
 def resolved(cluster: Cluster, layouts: dict[str, Layout]) -> Cluster:

@@ -125,6 +125,17 @@ class Network:
 
 
 @dataclass
+class HostAccess:
+    """How meshdeploy works on one host: with root or as the login user, under which service
+    manager, and what keeps its rpc-server ports to their orchestrators."""
+
+    host: str
+    access: str  # "root (sudo)", "root (login)", "rootless (user md)"
+    services: str  # systemd, systemd --user, runit, launchd
+    protection: str  # "allow-list (nftables)", "none: unprotected", ...
+
+
+@dataclass
 class TransferRow:
     """The model bytes apply brings to one host (the sum of its steps' Transfers)."""
 
@@ -164,6 +175,8 @@ class Plan:
     placement: list[Placement] = field(default_factory=list)
     network: list[Network] = field(default_factory=list)
     transfers: list[TransferRow] = field(default_factory=list)  # hosts that receive model bytes
+    # One row per host when the cluster has a rootless host (it is not the usual root/systemd).
+    access: list[HostAccess] = field(default_factory=list)
     remote_commands: dict[str, int] = field(default_factory=dict)  # host -> commands to plan
     seconds: float | None = None  # how long planning took
     replace: list[str] = field(default_factory=list)  # -replace addresses; apply FILE keeps them
@@ -264,6 +277,7 @@ _PLAN_FIELDS = {
 }
 # Typed fields read by _typed, against Plan's own annotations.
 _TYPED_PLAN_FIELDS = ("commit", "commit_source", "limit", "placement", "network", "transfers",
+                      "access",
                       "remote_commands", "seconds", "replace", "kept", "purge", "local_host")
 _REQUIRED_PLAN = ("cluster_name", "cluster_path", "config_hash", "fingerprints", "changes")
 _REQUIRED_CHANGE = ("host", "role", "resource", "action")

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshdeploy import __version__
-from meshdeploy.config.model import Cluster
+from meshdeploy.config.model import LAUNCHD, RUNIT, SYSTEMD, SYSTEMD_USER, Cluster
 from meshdeploy.core import probe as probes
 from meshdeploy.core import registry
 from meshdeploy.core.context import HostContext, Resolved, Steps
-from meshdeploy.core.plan import Plan, TransferRow, hash_files, utc_now
+from meshdeploy.core.plan import HostAccess, Plan, TransferRow, hash_files, utc_now
 from meshdeploy.errors import ConnectError, PlanError
 from meshdeploy.remote.session import Session, SudoPasswordRequired
 
@@ -202,6 +202,7 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
                 limit=list(session.limit or []), placement=list(prepared.placement),
                 network=list(prepared.network),
                 transfers=transfer_rows([h.name for h in hosts], steps),
+                access=host_access(cluster, hosts, facts),
                 replace=list(replacing), kept=kept, purge=purge,
                 local_host=_local_host(hosts + departed))
     return Planned(plan, resolved, facts, steps, torn)
@@ -219,6 +220,35 @@ def transfer_rows(hosts: list[str], steps: Steps) -> list[TransferRow]:
                               default=None))
         if row.internet_bytes or row.lan_bytes or row.disk_bytes:
             rows.append(row)
+    return rows
+
+
+_MANAGERS = {SYSTEMD_USER: "systemd --user", RUNIT: "runit (as the user)"}
+
+
+def host_access(cluster: Cluster, hosts, facts: dict) -> list[HostAccess]:
+    """Per host, how meshdeploy works there; only for a cluster with a rootless host (any other
+    is root and the system's service manager everywhere, as the plan always assumed)."""
+    if not any(h.rootless for h in hosts):
+        return []
+    rows = []
+    firewall = cluster.network.firewall
+    for h in hosts:
+        darwin = (facts.get(h.name, {}).get("toolchain.Platform") or {}).get("kernel") == "Darwin"
+        if h.rootless:
+            access = f"rootless (user {h.layout.user or '?'})"
+            services = _MANAGERS.get(h.layout.manager, h.layout.manager)
+            guard = "nothing: unprotected (no root for nftables)" if firewall else \
+                "nothing: network.firewall false"
+        else:
+            access = "root (sudo)" if h.sudo else "root"
+            services = LAUNCHD if darwin else SYSTEMD
+            guard = ("nothing: network.firewall false" if not firewall else
+                     "nothing: macOS pf anchor not loaded yet" if darwin else
+                     "allow-list (nftables)")
+        if cluster.network.tunnel and cluster.tunnel_peers(h):
+            guard += "; RPC through WireGuard"
+        rows.append(HostAccess(h.name, access, services, guard))
     return rows
 
 

@@ -19,6 +19,7 @@ from meshdeploy.core.plan import (
     FORMAT_VERSION,
     AttrDiff,
     Change,
+    HostAccess,
     Network,
     Placement,
     PlacementRow,
@@ -222,6 +223,16 @@ def render_transfers(transfers: list[TransferRow]) -> str:
     return "Model bytes per host:\n" + _table(rows, _TRANSFER_HEADERS)
 
 
+_ACCESS_HEADERS = ["host", "access", "services", "rpc ports guarded by"]
+
+
+def render_access(rows: list[HostAccess]) -> str:
+    """Per host: root or the login user, its service manager, what guards its RPC ports."""
+    return "Hosts:\n" + _table([dict(zip(_ACCESS_HEADERS, (r.host, r.access, r.services,
+                                                          r.protection))) for r in rows],
+                                _ACCESS_HEADERS)
+
+
 def local_host_note(host: str) -> str:
     return (f"{host} is this machine (connection: local): its commands run here, not over "
             "SSH, so no host-key policy applies to it.")
@@ -251,6 +262,8 @@ def render_text(plan: Plan, color: bool = False) -> str:
         out += render_network(plan.network) + [""]
     if plan.transfers:
         out += [render_transfers(plan.transfers), ""]
+    if plan.access:
+        out += [render_access(plan.access), ""]
     for w in plan.warnings:
         first, *rest = w.splitlines() or [""]
         out.append(f"{paint(_YELLOW, 'Warning:')} {first}".rstrip())
@@ -305,6 +318,7 @@ def render_json(plan: Plan) -> str:
         "placement": [asdict(p) for p in plan.placement],
         "network": [asdict(n) for n in plan.network],
         "transfers": [asdict(t) for t in plan.transfers],
+        "access": [asdict(a) for a in plan.access],
         "commit": plan.commit,
         "commit_source": plan.commit_source,
         "limit": list(plan.limit),

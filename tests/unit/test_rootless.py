@@ -145,3 +145,47 @@ def test_the_script_reads_this_machine(tmp_path):
     assert read.get("xdg_data") == "/x y"
     assert read.get("svdir") == str(tmp_path / "sv")
     assert read.get("uid").isdigit()
+
+
+# -- what the plan says per host -------------------------------------------------------------
+
+def resolved_cluster(tmp_path: Path, worker: str = "    rootless: true\n    unprotected: true\n"):
+    from meshdeploy.config.model import Layout
+
+    _, cluster = load(tmp_path, cluster_text(worker))
+    phone = Layout(prefix="/home/md/.local/share/meshdeploy", cache="/home/md/.cache/meshdeploy",
+                   run="/run/user/1000/meshdeploy", services="/home/md/.config/systemd/user",
+                   manager=SYSTEMD_USER, home="/home/md", user="md")
+    return account.resolved(cluster, {"phone": phone})
+
+
+def test_the_plan_names_access_services_and_guard_per_host(tmp_path):
+    from meshdeploy.engine.planner import host_access
+    from meshdeploy.views.plan import render_access
+
+    cluster = resolved_cluster(tmp_path)
+    facts = {"node1": {"toolchain.Platform": {"kernel": "Linux"}}, "phone": {}}
+    text = render_access(host_access(cluster, cluster.hosts, facts))
+    title, header, _rule, node1, phone = text.splitlines()
+    assert (title, header.split()[:3]) == ("Hosts:", ["host", "access", "services"])
+    assert node1.split("  ")[0] == "node1" and "root (sudo)" in node1
+    assert node1.rstrip().endswith("systemd         allow-list (nftables)")
+    assert "rootless (user md)" in phone and "systemd --user" in phone
+    assert phone.rstrip().endswith("nothing: unprotected (no root for nftables)")
+    # A cluster without a rootless host prints no table: every host is root + systemd.
+    _, plain = load(tmp_path, cluster_text(""))
+    assert host_access(plain, plain.hosts, facts) == []
+
+
+def test_the_network_role_reads_and_loads_nothing_on_a_rootless_host(tmp_path):
+    from meshdeploy.core.context import HostContext, Resolved
+    from meshdeploy.roles.network import operations as network
+
+    cluster = resolved_cluster(tmp_path)
+    phone, node1 = cluster.host("phone"), cluster.host("node1")
+    assert network.sections(cluster, phone) == []
+    assert [s.key for s in network.sections(cluster, node1)][:2] == ["network.Tools",
+                                                                     "network.Allowlist"]
+    step = network.allowlist(HostContext(cluster, phone, {}, Resolved()))
+    assert (step.change.action, step.change.reason, step.commands) == (
+        "no-op", "rootless: no allow-list without root", [])

@@ -21,7 +21,10 @@ OPT_OUT = "network.firewall: false"
 
 def sections(cluster, host) -> list[Section]:
     """The filters the host has, and the live table (nft needs root to list it). The table is
-    read even with the firewall off, so turning it off removes what an earlier apply loaded."""
+    read even with the firewall off, so turning it off removes what an earlier apply loaded.
+    A rootless host has neither (each needs root): nothing to read."""
+    if host.rootless:
+        return []
     return [Section("network.Tools", Tools),
             Section("network.Allowlist", Allowlist, privileged=True),
             Section("network.WireGuard", WireGuard, privileged=True,
@@ -52,7 +55,7 @@ def preflight(ctx: HostContext) -> None:
     """A host that must be firewalled, has no nft (nor pfctl on macOS) and cannot install
     nftables with apt or dnf is refused."""
     _wg_preflight(ctx)
-    if not ctx.cluster.network.firewall:
+    if not ctx.cluster.network.firewall or ctx.host.rootless:
         return None
     tools = ctx.fact("network.Tools") or []
     if not tools and (_darwin(ctx) or _installer(ctx) is None):
@@ -88,6 +91,11 @@ def allowlist(ctx: HostContext) -> Step:
     """network.allowlist: rpc-server ports open only to their orchestrators, llama-server ports
     to loopback and what the file allows; the whole table replaced atomically (nft -f)."""
     live = ctx.fact("network.Allowlist")
+    if ctx.host.rootless:
+        # config.checks refused the file unless it acknowledged this (hosts.NAME.unprotected).
+        return Step(ctx.change(ROLE, "allowlist", "no-op",
+                               "rootless: no allow-list without root" if
+                               ctx.cluster.network.firewall else "firewall off"))
     if not ctx.cluster.network.firewall or _darwin(ctx):
         if live is None:
             return Step(ctx.change(ROLE, "allowlist", "no-op",
