@@ -163,7 +163,7 @@ def check_rootless(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
             if host.unprotected:
                 issues.append(doc.issue(
                     path + ("unprotected",),
-                    f"host {host.name} is not rootless: its rpc-servers are protected by the "
+                    f"host {host.name} is not rootless: its ports are guarded by the "
                     "allow-list, or network.firewall is off for every host",
                     "remove unprotected (it acknowledges a rootless host's open ports)"))
             continue
@@ -184,15 +184,22 @@ def check_rootless(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                 f"host {host.name} is rootless, but network.transport: wireguard makes a "
                 "network interface on every host, which needs root",
                 "use network.transport: plain, or give meshdeploy root on the host"))
-        elif net.firewall and not host.unprotected:
+        elif net.firewall and not host.unprotected and _listens(cluster, host):
             issues.append(doc.issue(
                 path + ("rootless",),
                 f"host {host.name} is rootless, so it cannot hold network.firewall's allow-list "
-                "(nftables needs root): its rpc-servers would be open to every machine that "
-                "reaches it",
+                "(nftables needs root): its rpc-servers or llama-server would be open to every "
+                "machine that reaches it",
                 f"set hosts.{host.name}.unprotected: true to accept that (warned in every "
                 "plan), or give meshdeploy root on the host"))
     return issues
+
+
+def _listens(cluster: Cluster, host) -> bool:
+    """Whether the host has a port the allow-list would guard: an rpc-server, or a llama-server
+    on a non-loopback bind (one on loopback is reached from the host only)."""
+    return bool(host.rpc_servers) or any(
+        s.host == host.name and not is_loopback(s.bind) for s in cluster.servers)
 
 
 def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:

@@ -131,7 +131,7 @@ class HostAccess:
 
     host: str
     access: str  # "root (sudo)", "root (login)", "rootless (user md)"
-    services: str  # systemd, systemd --user, runit, launchd
+    manager: str  # the service manager: systemd, systemd --user, runit, launchd
     protection: str  # "allow-list (nftables)", "none: unprotected", ...
 
 

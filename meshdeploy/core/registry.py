@@ -61,6 +61,9 @@ class Prepared:
     warnings: tuple[str, ...] = ()
     placement: tuple = ()  # core.plan.Placement sections for the plan's views
     network: tuple = ()  # core.plan.Network rows: measured links and their cost per token
+    # What the plan's Hosts table says of a host in the role's column: (host, column, text),
+    # column one of core.plan.HostAccess's ("manager", "protection").
+    access: tuple = ()
 
 
 @dataclass(frozen=True)

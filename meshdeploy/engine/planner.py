@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshdeploy import __version__
-from meshdeploy.config.model import LAUNCHD, RUNIT, SYSTEMD, SYSTEMD_USER, Cluster
+from meshdeploy.config.model import Cluster
 from meshdeploy.core import probe as probes
 from meshdeploy.core import registry
 from meshdeploy.core.context import HostContext, Resolved, Steps
@@ -114,12 +114,13 @@ class Prepared:
     warnings: list
     placement: list
     network: list
+    access: list
 
 
 def prepare(cluster: Cluster, hosts, facts: dict, header_cache=None, read_remote=None,
             roles=None) -> Prepared:
     """Each role's prepare hook in registry order; later roles see what earlier ones fixed."""
-    resolved, warnings, placement, network = Resolved(), [], [], []
+    resolved, warnings, placement, network, access = Resolved(), [], [], [], []
     for role in roles if roles is not None else registry.roles():
         if role.prepare is None:
             continue
@@ -129,7 +130,8 @@ def prepare(cluster: Cluster, hosts, facts: dict, header_cache=None, read_remote
         warnings += out.warnings
         placement += out.placement
         network += out.network
-    return Prepared(resolved, warnings, placement, network)
+        access += out.access
+    return Prepared(resolved, warnings, placement, network, access)
 
 
 @dataclass
@@ -202,7 +204,7 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
                 limit=list(session.limit or []), placement=list(prepared.placement),
                 network=list(prepared.network),
                 transfers=transfer_rows([h.name for h in hosts], steps),
-                access=host_access(cluster, hosts, facts),
+                access=host_access(hosts, prepared.access),
                 replace=list(replacing), kept=kept, purge=purge,
                 local_host=_local_host(hosts + departed))
     return Planned(plan, resolved, facts, steps, torn)
@@ -223,32 +225,22 @@ def transfer_rows(hosts: list[str], steps: Steps) -> list[TransferRow]:
     return rows
 
 
-_MANAGERS = {SYSTEMD_USER: "systemd --user", RUNIT: "runit (as the user)"}
-
-
-def host_access(cluster: Cluster, hosts, facts: dict) -> list[HostAccess]:
-    """Per host, how meshdeploy works there; only for a cluster with a rootless host (any other
-    is root and the system's service manager everywhere, as the plan always assumed)."""
+def host_access(hosts, said) -> list[HostAccess]:
+    """Per host, how meshdeploy works there: root or the login user (the file says), and what
+    the roles said (`said`: their Prepared.access entries); only for a cluster with a rootless
+    host (any other is root and the system's service manager everywhere, as plans assume)."""
     if not any(h.rootless for h in hosts):
         return []
+    columns: dict = {}
+    for host, column, text in said:
+        columns.setdefault(host, {})[column] = text
     rows = []
-    firewall = cluster.network.firewall
     for h in hosts:
-        darwin = (facts.get(h.name, {}).get("toolchain.Platform") or {}).get("kernel") == "Darwin"
-        if h.rootless:
-            access = f"rootless (user {h.layout.user or '?'})"
-            services = _MANAGERS.get(h.layout.manager, h.layout.manager)
-            guard = "nothing: unprotected (no root for nftables)" if firewall else \
-                "nothing: network.firewall false"
-        else:
-            access = "root (sudo)" if h.sudo else "root"
-            services = LAUNCHD if darwin else SYSTEMD
-            guard = ("nothing: network.firewall false" if not firewall else
-                     "nothing: macOS pf anchor not loaded yet" if darwin else
-                     "allow-list (nftables)")
-        if cluster.network.tunnel and cluster.tunnel_peers(h):
-            guard += "; RPC through WireGuard"
-        rows.append(HostAccess(h.name, access, services, guard))
+        access = f"rootless (user {h.layout.user or '?'})" if h.rootless else \
+            "root (sudo)" if h.sudo else "root"
+        mine = columns.get(h.name, {})
+        rows.append(HostAccess(h.name, access, mine.get("manager", "?"),
+                               mine.get("protection", "?")))
     return rows
 
 

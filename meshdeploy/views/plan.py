@@ -223,12 +223,12 @@ def render_transfers(transfers: list[TransferRow]) -> str:
     return "Model bytes per host:\n" + _table(rows, _TRANSFER_HEADERS)
 
 
-_ACCESS_HEADERS = ["host", "access", "services", "rpc ports guarded by"]
+_ACCESS_HEADERS = ["host", "access", "service manager", "rpc ports guarded by"]
 
 
 def render_access(rows: list[HostAccess]) -> str:
     """Per host: root or the login user, its service manager, what guards its RPC ports."""
-    return "Hosts:\n" + _table([dict(zip(_ACCESS_HEADERS, (r.host, r.access, r.services,
+    return "Hosts:\n" + _table([dict(zip(_ACCESS_HEADERS, (r.host, r.access, r.manager,
                                                           r.protection))) for r in rows],
                                 _ACCESS_HEADERS)
 

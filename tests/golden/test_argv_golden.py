@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from support import golden
+from support.accounts import load_inventory
 
 from meshdeploy.config.checks import warnings_for
 from meshdeploy.config.load import load_cluster
@@ -25,30 +26,31 @@ INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml"))
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
-def model_path(cluster, name: str) -> str:
+def model_path(cluster, name: str, prefix: str) -> str:
     source = cluster.model(name).source
     if isinstance(source, HfSource):
-        return f"{cluster.llama_cpp.prefix}/models/{name}/{source.files[0]}"
+        return f"{prefix}/models/{name}/{source.files[0]}"
     if isinstance(source, OllamaSource):
-        return f"{cluster.llama_cpp.prefix}/models/{name}/{source.model}-{source.tag}.gguf"
+        return f"{prefix}/models/{name}/{source.model}-{source.tag}.gguf"
     assert isinstance(source, PathSource)
     return source.path
 
 
 def render(inventory: Path) -> str:
-    cluster = load_cluster(inventory)
-    bindir = f"{cluster.llama_cpp.prefix}/current/bin"
+    cluster = load_inventory(inventory)
     lines = [f"# {inventory.name}: cluster {cluster.name}"]
     for warning in warnings_for(cluster):
         lines.append(f"# warning: {warning}")
     for host, rpc in cluster.rpc_servers():
+        bindir = f"{host.layout.prefix}/current/bin"
         argv, env = rpc_server_argv(f"{bindir}/ggml-rpc-server", host, rpc,
-                                    f"{cluster.llama_cpp.prefix}/cache/rpc-{rpc.port}")
+                                    f"{host.layout.prefix}/cache/rpc-{rpc.port}")
         lines.append(f"# {host.name} {rpc.unit_name}")
         lines.append(shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + argv))
     for server in cluster.servers:
-        argv = llama_server_argv(f"{bindir}/llama-server", cluster, server,
-                                 model_path(cluster, server.model))
+        prefix = cluster.host(server.host).layout.prefix
+        argv = llama_server_argv(f"{prefix}/current/bin/llama-server", cluster, server,
+                                 model_path(cluster, server.model, prefix))
         lines.append(f"# {server.host} {server.unit_name}")
         lines.append(f"# -ts devices: {', '.join(cluster.devices_for(server)) or 'none'}")
         lines.append(shlex.join(argv))

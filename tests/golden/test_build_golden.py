@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from support import golden
+from support.accounts import load_inventory
 from support.steps import decided
 
 from meshdeploy.config.load import load_cluster
@@ -46,7 +47,7 @@ def contexts(cluster):
 
 
 def render(inventory: Path) -> str:
-    cluster = load_cluster(inventory)
+    cluster = load_inventory(inventory)
     out = [f"# {inventory.name}: llama.cpp {COMMIT[:12]}"]
     for ctx in contexts(cluster):
         host = ctx.host
@@ -77,7 +78,7 @@ def test_backend_flags_reach_cmake():
                 "vulkan": "-DGGML_VULKAN=ON", "rocm": "-DGGML_HIP=ON"}
     seen = set()
     for inventory in INVENTORIES:
-        cluster = load_cluster(inventory)
+        cluster = load_inventory(inventory)
         for ctx in contexts(cluster):
             flag = expected.get(ctx.host.backend)
             if flag and llama_cpp.targets(cluster, ctx.host):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from support import golden
+from support.accounts import load_inventory
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.roles.network import pf, rules
@@ -80,7 +81,7 @@ def test_golden_two_macs_under_wireguard():
 
 @pytest.mark.parametrize("path", CLUSTERS, ids=lambda p: p.stem)
 def test_every_mac_anchor_is_in_the_pf_subset_and_filters_each_port_by_its_protocol(path):
-    cluster = load_cluster(path)
+    cluster = load_inventory(path)
     for host in macs(cluster):
         blocks = check_grammar(pf.anchor_file(cluster, host))
         for port in rules.ports(cluster, host):

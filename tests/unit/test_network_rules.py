@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from support import golden
+from support.accounts import load_inventory
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.errors import PlanError
@@ -162,7 +163,7 @@ def test_comments_carry_no_nft_syntax():
 
 
 def render_golden(inventory: Path) -> str:
-    cluster = load_cluster(inventory)
+    cluster = load_inventory(inventory)
     out = [f"# {inventory.name}"]
     for host in cluster.hosts:
         mac = host.backend == "metal"
@@ -237,7 +238,7 @@ def netns_nft():
 
 def _host_cases():
     for inventory in INVENTORIES:
-        cluster = load_cluster(inventory)
+        cluster = load_inventory(inventory)
         for host in cluster.hosts:
             yield pytest.param(inventory, host.name, None, id=f"{inventory.stem}-{host.name}")
     yield pytest.param(LAB, "node1", "[10.0.0.0/24, 'fd00::/64', 192.168.7.9]",
@@ -247,7 +248,7 @@ def _host_cases():
 @pytest.mark.parametrize("inventory, host_name, allow", list(_host_cases()))
 def test_nft_accepts_the_file_and_the_fact_reads_back_the_wish(netns_nft, tmp_path, inventory,
                                                                host_name, allow):
-    cluster = with_allow(tmp_path, allow) if allow else load_cluster(inventory)
+    cluster = with_allow(tmp_path, allow) if allow else load_inventory(inventory)
     host = cluster.host(host_name)
     path = tmp_path / "meshdeploy.nft"
     path.write_text(rules.nft_file(cluster, host))

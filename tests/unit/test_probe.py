@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from support.accounts import load_inventory
+
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import probe, registry
 from meshdeploy.engine.planner import probe_sections
@@ -131,7 +133,7 @@ def test_every_host_gets_the_same_slot_sequence():
     from meshdeploy.core.context import HostContext, Resolved
 
     for inventory in INVENTORIES:
-        cluster = load_cluster(inventory)
+        cluster = load_inventory(inventory)
         names = [slot.name for slot in registry.slots(cluster)]
         assert len(names) == len(set(names)), inventory.name
         assert names[:4] == ["toolchain.apt_proxy", "toolchain.packages", "llama_cpp.source",

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import render_check as rc
+from support.accounts import load_inventory
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import shell
-from support import render_check as rc
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ["a", "b", " ", "'", '"', "$(touch PWNED)", "`touch PWNED`", "; touch PWNED",
@@ -75,7 +76,7 @@ def test_hostile_values_never_escape(lab, tmp_path, v):
 
 def test_every_inventory_renders_clean(tmp_path):
     for path in sorted((ROOT / "inventories").glob("*.yaml")):
-        cluster = load_cluster(path)
+        cluster = load_inventory(path)
         rendered = rc.render_all(cluster)
         assert rendered.commands, path
         assert rc.check(cluster, rendered, tmp_path) == [], path

@@ -7,7 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from meshdeploy.config.load import load_cluster
+from support.accounts import load_inventory
+
 from meshdeploy.core import registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ def fact_keys() -> set[str]:
     planned and destroyed; "[key]" suffixes dropped."""
     keys = set()
     for path in sorted((ROOT / "inventories").glob("*.yaml")):
-        cluster = load_cluster(path)
+        cluster = load_inventory(path)
         for host in cluster.hosts:
             for first in (True, False):
                 for destroying in (False, True):

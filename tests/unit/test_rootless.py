@@ -160,21 +160,24 @@ def resolved_cluster(tmp_path: Path, worker: str = "    rootless: true\n    unpr
 
 
 def test_the_plan_names_access_services_and_guard_per_host(tmp_path):
-    from meshdeploy.engine.planner import host_access
+    from meshdeploy.core import registry
+    from meshdeploy.engine.planner import host_access, prepare
     from meshdeploy.views.plan import render_access
 
     cluster = resolved_cluster(tmp_path)
     facts = {"node1": {"toolchain.Platform": {"kernel": "Linux"}}, "phone": {}}
-    text = render_access(host_access(cluster, cluster.hosts, facts))
+    roles = [registry.role("network"), registry.role("services")]
+    said = prepare(cluster, cluster.hosts, facts, roles=roles).access
+    text = render_access(host_access(cluster.hosts, said))
     title, header, _rule, node1, phone = text.splitlines()
-    assert (title, header.split()[:3]) == ("Hosts:", ["host", "access", "services"])
+    assert (title, header.split()[:4]) == ("Hosts:", ["host", "access", "service", "manager"])
     assert node1.split("  ")[0] == "node1" and "root (sudo)" in node1
-    assert node1.rstrip().endswith("systemd         allow-list (nftables)")
+    assert node1.split()[-3:] == ["systemd", "allow-list", "(nftables)"]
     assert "rootless (user md)" in phone and "systemd --user" in phone
     assert phone.rstrip().endswith("nothing: unprotected (no root for nftables)")
     # A cluster without a rootless host prints no table: every host is root + systemd.
     _, plain = load(tmp_path, cluster_text(""))
-    assert host_access(plain, plain.hosts, facts) == []
+    assert host_access(plain.hosts, prepare(plain, plain.hosts, facts, roles=roles).access) == []
 
 
 def test_the_network_role_reads_and_loads_nothing_on_a_rootless_host(tmp_path):
@@ -189,3 +192,14 @@ def test_the_network_role_reads_and_loads_nothing_on_a_rootless_host(tmp_path):
     step = network.allowlist(HostContext(cluster, phone, {}, Resolved()))
     assert (step.change.action, step.change.reason, step.commands) == (
         "no-op", "rootless: no allow-list without root", [])
+
+
+def test_a_rootless_host_that_listens_on_nothing_needs_no_acknowledgement(tmp_path):
+    """llama-server on 127.0.0.1 and no rpc-server: nothing an allow-list would guard."""
+    text = (HEAD + "hosts:\n  phone:\n    address: 10.0.0.2\n    rootless: true\n"
+            "models:\n  m: {path: /m.gguf}\nservers:\n  main: {host: phone, model: m}\n")
+    _, cluster = load(tmp_path, text)
+    assert cluster.host("phone").rootless
+    text = text.replace("{host: phone, model: m}",
+                        "{host: phone, model: m, bind: 10.0.0.2, allow_unauthenticated: true}")
+    assert [m for _, m in issues(tmp_path, text) if "or llama-server would be open" in m]

@@ -10,7 +10,8 @@ ROLE = Role(
     facts=lambda req: ops.sections(req.cluster, req.host),
     preflight=ops.preflight,
     destroy=ops.destroy,
-    prepare=lambda p: Prepared(warnings=tuple(ops.warnings(p.cluster, p.facts))),
+    prepare=lambda p: Prepared(warnings=tuple(ops.warnings(p.cluster, p.facts)),
+                               access=tuple(ops.access(p.cluster, p.hosts, p.facts))),
     after=("toolchain",),
     before=("services",),
     resources=(

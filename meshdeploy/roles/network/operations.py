@@ -66,6 +66,21 @@ def preflight(ctx: HostContext) -> None:
     return None
 
 
+def access(cluster, hosts, facts: dict) -> list[tuple[str, str, str]]:
+    """What guards each host's meshdeploy ports, for the plan's Hosts table."""
+    out = []
+    for h in hosts:
+        darwin = (facts.get(h.name, {}).get("toolchain.Platform") or {}).get("kernel") == "Darwin"
+        guard = ("nothing: network.firewall false" if not cluster.network.firewall else
+                 "nothing: unprotected (no root for nftables)" if h.rootless else
+                 "nothing: macOS pf anchor not loaded yet" if darwin else
+                 "allow-list (nftables)")
+        if cluster.network.tunnel and cluster.tunnel_peers(h):
+            guard += "; RPC through WireGuard"
+        out.append((h.name, "protection", guard))
+    return out
+
+
 def warnings(cluster, facts: dict) -> list[str]:
     """What the plan says every time about hosts that are not firewalled."""
     if not cluster.network.firewall:

@@ -1,15 +1,28 @@
 """services: rpc-server and llama-server units (systemd, launchd), restarted when they change."""
 
 from meshdeploy.config.checks import warnings_for
+from meshdeploy.config.model import LAUNCHD, RUNIT, SYSTEMD, SYSTEMD_USER
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
 from meshdeploy.roles.services import operations as ops
 from meshdeploy.roles.services.logs import log_sources
 from meshdeploy.roles.services.rtt import network
 
+# The plan's Hosts table: who supervises a rootless host's services.
+_ROOTLESS_MANAGERS = {SYSTEMD_USER: "systemd --user", RUNIT: "runit (as the user)"}
+
+
+def _manager_name(host, facts: dict) -> str:
+    if host.rootless:
+        return _ROOTLESS_MANAGERS.get(host.layout.manager, host.layout.manager)
+    darwin = (facts.get(host.name, {}).get("toolchain.Platform") or {}).get("kernel") == "Darwin"
+    return LAUNCHD if darwin else SYSTEMD
+
 
 def _prepare(p: Prepare) -> Prepared:
     return Prepared(warnings=tuple(warnings_for(p.cluster)),
-                    network=tuple(network(p.cluster, p.hosts, p.facts)))
+                    network=tuple(network(p.cluster, p.hosts, p.facts)),
+                    access=tuple((h.name, "manager", _manager_name(h, p.facts))
+                                 for h in p.hosts))
 
 
 # A new build's manifest (binary names, flags) is read again before the units are written.
