@@ -1,9 +1,10 @@
 """The shared Debian 12 root every lab host overlays, built once per recipe and cached.
 
-Two recipes: the plain one (what SSH and systemd need: meshdeploy installs the rest), and the
+Three recipes: the plain one (what SSH and systemd need: meshdeploy installs the rest), the
 same with TOOLCHAIN added, a prepared build machine, for labs whose tests are not about
 installing the build tools (each of its hosts saves the minute that toolchain.packages spends
-in apt and dpkg)."""
+in apt and dpkg), and that with USER_SERVICES added, for labs with hosts whose login user has no
+root (lab/kinds.py: every host of such a lab, root ones too, boots from it)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,24 @@ PACKAGES = (
 # Debian host and ccache (inventories/lab.yaml turns it on). tests/labtool/test_lab_base.py keeps the
 # list and the role's in step.
 TOOLCHAIN = ("cmake", "g++", "git", "curl", "ninja-build", "ccache")
+
+# What a host needs to run services for a user without root, both ways lab/kinds.py offers:
+# runit (runsvdir, sv, svlogd: Termux's termux-services), and libpam-systemd with the session
+# bus apt recommends beside it (sshd's PAM session registers with logind, which sets
+# XDG_RUNTIME_DIR and starts the user's systemd --user). Its own recipe, so labs on the
+# toolchain base keep their hosts as they were (no logind session on every root host's login).
+USER_SERVICES = ("runit", "libpam-systemd", "dbus-user-session")
+# Debian's system-wide runsvdir on /etc/service is runit.service, from runit-systemd (apt's
+# recommendation beside runit, which debootstrap leaves out): masked all the same, so that in a
+# lab host only a user's own runsvdir runs, whatever joins the recipe later.
+# With pam_systemd every root login would start a user manager for root too (user@0), the lab's
+# own readiness check and `run(root=True)` included; nothing here uses one, and a user manager
+# stopped by a host's shutdown sometimes keeps nspawn waiting until `down` kills it (docs/lab.md),
+# so root gets none (logind skips a masked user@UID.service).
+USER_SERVICES_SETUP = r"""
+ln -sf /dev/null /etc/systemd/system/runit.service
+ln -sf /dev/null /etc/systemd/system/user@0.service
+"""
 
 # Runs inside the fresh root (chroot). Host identity (ssh host keys, machine-id) is removed so
 # every host generates its own on first boot; keys for users are added per host, not here.
@@ -98,13 +117,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("MESHDEPLOY_LAB_CACHE", "/var/cache/meshdeploy/lab"))
 
 
-def recipe(toolchain: bool = False) -> dict:
+def recipe(toolchain: bool = False, user_services: bool = False) -> dict:
+    """+ toolchain: with TOOLCHAIN
+    + user_services: with TOOLCHAIN and USER_SERVICES (the hosts of lab/kinds.py)
+    """
+    packages = list(PACKAGES)
+    if toolchain or user_services:
+        packages += TOOLCHAIN
+    if user_services:
+        packages += USER_SERVICES
     return {
         "suite": SUITE,
         "mirror": MIRROR,
         "variant": VARIANT,
-        "packages": list(PACKAGES) + (list(TOOLCHAIN) if toolchain else []),
-        "setup": SETUP_SCRIPT,
+        "packages": packages,
+        "setup": SETUP_SCRIPT + (USER_SERVICES_SETUP if user_services else ""),
     }
 
 
@@ -117,15 +144,16 @@ def base_dir(root: Path | None = None, spec: dict | None = None) -> Path:
     return (root or cache_root()) / f"base-{recipe_hash(spec)}"
 
 
-def ensure_base(root: Path | None = None, log=print, toolchain: bool = False) -> Path:
+def ensure_base(root: Path | None = None, log=print, toolchain: bool = False,
+                user_services: bool = False) -> Path:
     """Return the rootfs of the cached base, debootstrapping it first when the recipe is new
-    (`toolchain`: the recipe with TOOLCHAIN).
+    (`toolchain`, `user_services`: see recipe()).
 
     The build happens in a temporary directory renamed into place only when complete, so an
     interrupted build never leaves a base that looks usable.
     """
     root = root or cache_root()
-    spec = recipe(toolchain)
+    spec = recipe(toolchain, user_services)
     final = base_dir(root, spec)
     rootfs = final / "rootfs"
     if (final / "complete").exists():
@@ -158,7 +186,7 @@ def _build(final: Path, spec: dict, log) -> None:
         MIRROR,
     ]
     _run(argv, tmp / "debootstrap.log", "debootstrap")
-    _run(["chroot", str(tmp_rootfs), "/bin/sh", "-c", SETUP_SCRIPT], tmp / "setup.log", "setup")
+    _run(["chroot", str(tmp_rootfs), "/bin/sh", "-c", spec["setup"]], tmp / "setup.log", "setup")
     (tmp / "recipe.json").write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
     (tmp / "complete").write_text(f"{time.monotonic() - started:.1f}\n")
     tmp.rename(final)

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from meshdeploy.lab import kinds
 from meshdeploy.lab.core import DEFAULT_NAME, Lab
 from meshdeploy.lab.errors import LabError
 
@@ -31,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--toolchain", action="store_true",
                     help="hosts start with cmake, g++, git, curl, ninja and ccache installed, "
                     "like prepared build machines (default: meshdeploy installs them)")
+    up.add_argument("--kind", action="append", default=[], metavar="HOST=KIND",
+                    help="make HOST a host of KIND, one of " + ", ".join(kinds.KINDS) +
+                    f" (default: {kinds.ROOT}); repeatable; kinds other than {kinds.ROOT} "
+                    "need --toolchain")
     sub.add_parser("down", parents=[common], help="stop the lab and remove every trace of it")
     st = sub.add_parser("status", parents=[common], help="show the lab's hosts")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -44,13 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             lab = Lab(args.name, hosts=args.hosts, state_dir=args.state_dir,
                       mirrors=not args.no_mirrors, log=_err, rogue=args.rogue,
-                      toolchain=args.toolchain)
+                      toolchain=args.toolchain, kinds=kinds.parse(args.kind))
             started = time.monotonic()
             info = lab.up()
             print(f"lab {info.name}: {len(info.hosts)} hosts up in "
                   f"{time.monotonic() - started:.1f} s")
             if info.rogue:
                 print(f"  rogue (in no cluster file): {', '.join(info.rogue)}")
+            for h in info.hosts:
+                if h.kind != kinds.ROOT:
+                    print(f"  {h.name}: {h.kind} (user {h.user}, port {h.port}, no sudo)")
             print(f"  ssh -F {info.ssh['config']} node1")
             print(f"  description: {info.state_dir}/lab.json")
             return 0

@@ -4,6 +4,9 @@
 booted and reachable by the lab exactly like the others, that no cluster file names (tests use
 it as the stranger that must not reach a worker's rpc-server).
 
+`Lab(hosts=3, toolchain=True, kinds={"node2": "termux", "node3": "rootless-systemd"})` makes
+node2 and node3 hosts whose login user has no root (lab/kinds.py); node1 stays a root host.
+
 Everything `down` removes is found again from names (`<lab>`, `<lab>-<host>` namespaces), the
 state directory (mounts below it, processes marked with it), never from this process's memory,
 so it cleans up after a crashed or interrupted `up` just as well.
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 from meshdeploy.lab import base, hosts, net, procs, services
+from meshdeploy.lab import kinds as host_kinds
 from meshdeploy.lab.errors import INSTALL_HINT, LabError
 
 DEFAULT_NAME = "mdlab"
@@ -40,6 +44,9 @@ class LabHost:
     name: str
     address: str
     netns: str
+    kind: str = host_kinds.ROOT  # lab/kinds.py; a lab.json from before kinds means root
+    user: str = "deploy"  # who the lab's key logs in as (the ssh_config's User)
+    port: int = 22  # where the host's sshd listens (the ssh_config's Port)
 
 
 @dataclasses.dataclass
@@ -65,10 +72,15 @@ class LabInfo:
                        + ", ".join(h.name for h in self.hosts))
 
     def run(self, host: str, cmd: str | list[str], timeout: float = 600,
-            check: bool = False) -> subprocess.CompletedProcess:
+            check: bool = False, root: bool = False) -> subprocess.CompletedProcess:
+        """+ root: as root, not as the host's user (offering the admin key too: root takes it
+          on hosts of the md kinds, the lab key on root hosts)"""
         self.host(host)
         command = cmd if isinstance(cmd, str) else shlex.join(cmd)
-        proc = hosts.run_ssh(hosts.ssh_argv(Path(self.ssh["config"]), host, command), timeout)
+        admin = self.ssh.get("admin_key") if root else None
+        argv = hosts.ssh_argv(Path(self.ssh["config"]), f"root@{host}" if root else host,
+                              command, identity=Path(admin) if admin else None)
+        proc = hosts.run_ssh(argv, timeout)
         if check:
             proc.check_returncode()
         return proc
@@ -104,11 +116,13 @@ def check_environment() -> None:
 class Lab:
     def __init__(self, name: str = DEFAULT_NAME, hosts: int = 3,
                  state_dir: str | Path | None = None, mirrors: bool = True, log=print,
-                 rogue: int = 0, toolchain: bool = False):
+                 rogue: int = 0, toolchain: bool = False, kinds: dict[str, str] | None = None):
         """+ hosts: node1..nodeN, the hosts cluster files describe
         + rogue: that many more hosts after them (nodeN+1...), recorded in LabInfo.rogue
         + toolchain: hosts start with the build tools installed (base.TOOLCHAIN), as a
           prepared build machine has them; toolchain.packages then has nothing to install
+        + kinds: host name -> kind (lab/kinds.py: root, rootless-systemd, termux); hosts it
+          does not name are root hosts; kinds other than root need toolchain=True
         """
         self.name = net.check_name(name)
         if rogue < 0:
@@ -120,11 +134,15 @@ class Lab:
         self.state_dir = self.state_dir.absolute()
         self.mirrors = mirrors
         self.toolchain = toolchain
+        self.kinds = host_kinds.resolve(kinds, self.host_names, toolchain)
+        self.user_services = host_kinds.user_services(self.kinds)
         self.log = log
         self.marker = str(self.state_dir)
         self.run_dir = self.state_dir / "run"
         self.ssh_config = self.state_dir / "ssh_config"
         self.key = self.state_dir / "id_ed25519"
+        # root's key on hosts of the md kinds: the product, given the lab key, cannot be root
+        self.admin_key = self.state_dir / "id_ed25519_admin"
         self.touched = False  # up() got past its checks and may have started things
 
     # -- up -------------------------------------------------------------------------------
@@ -146,9 +164,12 @@ class Lab:
         self.touched = True
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(exist_ok=True)
-        self._ensure_key()
-        rootfs = base.ensure_base(log=self.log, toolchain=self.toolchain)
-        self._same_base(base.recipe_hash(base.recipe(self.toolchain)))
+        self._ensure_key(self.key)
+        self._ensure_key(self.admin_key)
+        rootfs = base.ensure_base(log=self.log, toolchain=self.toolchain,
+                                  user_services=self.user_services)
+        self._same_base(self._base_hash())
+        self._same_kinds()
         cache = base.cache_root()
         ccache = cache / "ccache"
         ccache.mkdir(parents=True, exist_ok=True)
@@ -164,6 +185,7 @@ class Lab:
         self._raise_inotify(len(self.host_names))
         self._write_ssh_config()
         pubkey = self.key.with_suffix(".pub").read_text()
+        admin_pubkey = self.admin_key.with_suffix(".pub").read_text()
         for h in self.host_names:
             if hosts.is_booted(self.state_dir, h, self.marker):
                 continue
@@ -172,26 +194,48 @@ class Lab:
                 # Left by a crashed or interrupted run: start this host from a clean root.
                 self._remove_hosts([ns])
             net.ensure_host_netns(self.name, h)
-            hosts.prepare(self.state_dir, h, rootfs, self.host_names, pubkey)
+            hosts.prepare(self.state_dir, h, rootfs, self.host_names, pubkey, self.kinds[h],
+                          admin_pubkey)
             hosts.boot(self.name, self.state_dir, h, ccache, self.marker)
         wait = timeout or 60 + 4 * len(self.host_names)
-        hosts.wait_ready(self.state_dir, self.host_names, self.ssh_config, self.marker, wait)
+        hosts.wait_ready(self.state_dir, self.host_names, self.ssh_config, self.marker, wait,
+                         self.admin_key)
 
         info = LabInfo(
             name=self.name,
             state_dir=str(self.state_dir),
             bridge_address=net.BRIDGE_ADDRESS,
-            hosts=[LabHost(h, net.host_address(h), net.host_netns(self.name, h))
+            hosts=[LabHost(h, net.host_address(h), net.host_netns(self.name, h), self.kinds[h],
+                           host_kinds.KINDS[self.kinds[h]].user,
+                           host_kinds.KINDS[self.kinds[h]].port)
                    for h in self.host_names],
-            ssh={"user": "deploy", "key": str(self.key), "config": str(self.ssh_config)},
+            ssh={"user": "deploy", "key": str(self.key), "config": str(self.ssh_config),
+                 "admin_key": str(self.admin_key)},
             mirrors=mirrors,
             rogue=list(self.rogue_names),
-            base=base.recipe_hash(base.recipe(self.toolchain)),
+            base=self._base_hash(),
         )
         tmp = self.state_dir / "lab.json.tmp"
         tmp.write_text(json.dumps(info.to_dict(), indent=2, default=str) + "\n")
         tmp.replace(self.state_dir / "lab.json")
         return info
+
+    def _base_hash(self) -> str:
+        return base.recipe_hash(base.recipe(self.toolchain, self.user_services))
+
+    def _same_kinds(self) -> None:
+        """A running host keeps the kind it booted as: refuse to change it under it."""
+        described = self.state_dir / "lab.json"
+        if not described.exists():
+            return
+        had = {h.get("name"): h.get("kind", host_kinds.ROOT)
+               for h in json.loads(described.read_text()).get("hosts", [])}
+        changed = [f"{h} is {had[h]}, not {self.kinds[h]}" for h in self.host_names
+                   if h in had and had[h] != self.kinds[h]
+                   and hosts.is_booted(self.state_dir, h, self.marker)]
+        if changed:
+            raise LabError(f"lab {self.name} runs hosts of other kinds ({'; '.join(changed)}): "
+                           f"`meshdeploy lab down --name {self.name}` first")
 
     def _same_base(self, wanted: str) -> None:
         """Hosts already running keep the root they booted from: refuse to call a lab of the
@@ -206,18 +250,19 @@ class Lab:
             raise LabError(f"lab {self.name} runs on base {had} ({', '.join(running)}), not "
                            f"{wanted}: `meshdeploy lab down --name {self.name}` first")
 
-    def _ensure_key(self) -> None:
-        if self.key.exists() and self.key.with_suffix(".pub").exists():
+    def _ensure_key(self, key: Path) -> None:
+        if key.exists() and key.with_suffix(".pub").exists():
             return
-        self.key.unlink(missing_ok=True)
+        key.unlink(missing_ok=True)
+        comment = f"meshdeploy-lab-{self.name}" + ("-admin" if key == self.admin_key else "")
         subprocess.run(
-            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"meshdeploy-lab-{self.name}",
-             "-f", str(self.key)],
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(key)],
             check=True, stdin=subprocess.DEVNULL,
         )
 
     def _write_ssh_config(self) -> None:
-        self.ssh_config.write_text(render_ssh_config(self.name, self.host_names, self.key))
+        self.ssh_config.write_text(render_ssh_config(self.name, self.host_names, self.key,
+                                                     self.kinds))
 
     def _stop_extra_hosts(self) -> None:
         wanted = {net.host_netns(self.name, h) for h in self.host_names}
@@ -299,6 +344,7 @@ class Lab:
 
     def status(self) -> list[dict]:
         """One row per host namespace found (whether or not lab.json still exists)."""
+        ports = self._described_ports()
         rows = []
         for ns in sorted(net.lab_netns_names(self.name), key=_natural):
             if ns == self.name:
@@ -306,7 +352,8 @@ class Lab:
             h = ns[len(self.name) + 1:]
             pids = net.netns_pids(ns)
             ssh_ok = subprocess.run(
-                ["ip", "netns", "exec", ns, "nc", "-z", "-w", "1", "127.0.0.1", "22"],
+                ["ip", "netns", "exec", ns, "nc", "-z", "-w", "1", "127.0.0.1",
+                 str(ports.get(h, 22))],
                 capture_output=True,
             ).returncode == 0
             rows.append({
@@ -319,6 +366,13 @@ class Lab:
                 "pss_mib": round(hosts.pss_kib(pids) / 1024, 1),
             })
         return rows
+
+    def _described_ports(self) -> dict[str, int]:
+        """Each host's sshd port as lab.json has it; {} without a readable lab.json."""
+        try:
+            return {h.name: h.port for h in LabInfo.load(self.state_dir).hosts}
+        except LabError:
+            return {}
 
 
 def leftovers(name: str, state_dir: Path | None = None) -> dict:
@@ -349,19 +403,28 @@ def leftovers(name: str, state_dir: Path | None = None) -> dict:
     }
 
 
-def render_ssh_config(lab: str, host_names: list[str], key: Path) -> str:
+def render_ssh_config(lab: str, host_names: list[str], key: Path,
+                      kinds: dict[str, str] | None = None) -> str:
+    """+ kinds: host -> kind (lab/kinds.py); a host it does not name is a root host"""
     blocks = []
     for h in host_names:
+        kind = host_kinds.KINDS[(kinds or {}).get(h, host_kinds.ROOT)]
+        # A host on another port gets `Port` and `%p`: OpenSSH then reaches whatever port it
+        # is asked for (`-p 22` is refused by a termux host, as by a phone); paramiko expands
+        # %p from the Port line.
+        port = [] if kind.port == 22 else [f"    Port {kind.port}"]
+        target = "22" if kind.port == 22 else "%p"
         blocks.append("\n".join([
             f"Host {h}",
             f"    HostName {h}",
-            "    User deploy",
+            f"    User {kind.user}",
+            *port,
             f"    IdentityFile {key}",
             "    IdentitiesOnly yes",
             "    StrictHostKeyChecking no",
             "    UserKnownHostsFile /dev/null",
             "    LogLevel ERROR",
-            f"    ProxyCommand ip netns exec {lab}-%h nc 127.0.0.1 22",
+            f"    ProxyCommand ip netns exec {lab}-%h nc 127.0.0.1 {target}",
         ]))
     return "\n\n".join(blocks) + "\n"
 

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from meshdeploy.lab import net, procs
+from meshdeploy.lab import kinds, net, procs
 from meshdeploy.lab.errors import LabError
 
 CCACHE_IN_HOST = "/var/cache/meshdeploy-ccache"
@@ -42,8 +42,11 @@ def mounts_under(prefix: Path) -> list[str]:
     return sorted(set(points), key=len, reverse=True)
 
 
-def prepare(state_dir: Path, host: str, base_rootfs: Path, all_hosts: list[str], pubkey: str):
-    """Mount the host's overlay root and write what makes it this host and reachable by key."""
+def prepare(state_dir: Path, host: str, base_rootfs: Path, all_hosts: list[str], pubkey: str,
+            kind: str = kinds.ROOT, admin_pubkey: str | None = None):
+    """Mount the host's overlay root and write what makes it this host, of kind `kind`, and
+    reachable by key: `pubkey` logs in as the kind's user, and as root on a root host; on the
+    other kinds only `admin_pubkey` logs in as root."""
     d = host_dir(state_dir, host)
     upper, work, root = d / "upper", d / "work", d / "root"
     for p in (upper, work, root):
@@ -60,24 +63,33 @@ def prepare(state_dir: Path, host: str, base_rootfs: Path, all_hosts: list[str],
     lines = ["127.0.0.1 localhost", f"127.0.1.1 {host}", f"{net.BRIDGE_ADDRESS} lab-gateway"]
     lines += [f"{net.host_address(h)} {h}" for h in all_hosts]
     (root / "etc/hosts").write_text("\n".join(lines) + "\n")
-    uid, gid = _ids(root, "deploy")
-    for home, owner in ((root / "home/deploy", (uid, gid)), (root / "root", (0, 0))):
-        ssh = home / ".ssh"
-        ssh.mkdir(mode=0o700, exist_ok=True)
-        keys = ssh / "authorized_keys"
-        keys.write_text(pubkey.strip() + "\n")
-        for p in (ssh, keys):
-            os.chown(p, *owner)
-        keys.chmod(0o600)
+    kinds.apply(root, kind)
+    spec = kinds.KINDS[kind]
+    root_keys = [pubkey] if spec.has_root else [admin_pubkey] if admin_pubkey else []
+    uid, gid, home = _account(root, spec.user)
+    for path, owner, keys in ((root / home.lstrip("/"), (uid, gid), [pubkey]),
+                              (root / "root", (0, 0), root_keys)):
+        _authorize(path, owner, keys)
     (d / "stop").unlink(missing_ok=True)
     return root
 
 
-def _ids(root: Path, user: str) -> tuple[int, int]:
+def _authorize(home: Path, owner: tuple[int, int], keys: list[str]) -> None:
+    ssh = home / ".ssh"
+    ssh.mkdir(mode=0o700, exist_ok=True)
+    authorized = ssh / "authorized_keys"
+    authorized.write_text("".join(k.strip() + "\n" for k in keys))
+    for p in (ssh, authorized):
+        os.chown(p, *owner)
+    authorized.chmod(0o600)
+
+
+def _account(root: Path, user: str) -> tuple[int, int, str]:
+    """`user`'s uid, gid and home directory in the host's /etc/passwd."""
     for line in (root / "etc/passwd").read_text().splitlines():
         fields = line.split(":")
         if fields[0] == user:
-            return int(fields[2]), int(fields[3])
+            return int(fields[2]), int(fields[3]), fields[5]
     raise LabError(f"the lab base has no user {user!r}; delete the base cache to rebuild it")
 
 
@@ -115,9 +127,12 @@ def is_booted(state_dir: Path, host: str, marker: str) -> bool:
     return procs.running(host_dir(state_dir, host), "nspawn", marker) is not None
 
 
-def ssh_argv(ssh_config: Path, host: str, command: str, timeout: int = 5) -> list[str]:
+def ssh_argv(ssh_config: Path, host: str, command: str, timeout: int = 5,
+             identity: Path | None = None) -> list[str]:
+    """+ identity: a key to offer besides the ssh_config's (the lab's admin key, for root)"""
+    extra = ["-i", str(identity)] if identity else []
     return ["ssh", "-F", str(ssh_config), "-o", "BatchMode=yes", "-o",
-            f"ConnectTimeout={timeout}", host, command]
+            f"ConnectTimeout={timeout}", *extra, host, command]
 
 
 # Run as root in each host: ready means boot finished with nothing failed. On this machine a
@@ -162,16 +177,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def wait_ready(state_dir: Path, hosts: list[str], ssh_config: Path, marker: str,
-               timeout: float) -> None:
-    """Poll every host until it answers SSH with its boot finished; fail naming the laggards."""
+               timeout: float, identity: Path | None = None) -> None:
+    """Poll every host until it answers SSH with its boot finished; fail naming the laggards.
+
+    + identity: the lab's admin key, which root takes on hosts of kinds other than root
+    """
     pending = {h: "no answer" for h in hosts}
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
         tries = {
             h: subprocess.Popen(
-                ssh_argv(ssh_config, f"root@{h}", READY_SCRIPT, 3), stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                start_new_session=True,
+                ssh_argv(ssh_config, f"root@{h}", READY_SCRIPT, 3, identity),
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, start_new_session=True,
             )
             for h in sorted(pending)
         }
