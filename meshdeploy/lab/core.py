@@ -174,6 +174,8 @@ class Lab:
         ccache = cache / "ccache"
         ccache.mkdir(parents=True, exist_ok=True)
         ccache.chmod(0o1777)  # any build user in any host writes the shared cache
+        if self.user_services:
+            shared_ccache(ccache)
 
         net.ensure_lab_netns(self.name)
         mirrors = {"apt_proxy": services.start_proxy(self.name, self.run_dir, self.marker)}
@@ -401,6 +403,23 @@ def leftovers(name: str, state_dir: Path | None = None) -> dict:
         "root_ns_addresses": [ln for ln in (addrs + routes).splitlines() if subnet in ln],
         "processes": procs_left,
     }
+
+
+def shared_ccache(folder: Path) -> None:
+    """Let every build user of the lab's hosts (root, and md on hosts without root) write the
+    shared ccache: entries made from now on are world-writable (ccache.conf umask), and those
+    made before are opened up once. Only the lab's own cache; a real host's is the user's."""
+    conf = folder / "ccache.conf"
+    lines = conf.read_text().splitlines() if conf.exists() else []
+    if "umask = 000" not in lines:
+        conf.write_text("\n".join([line for line in lines if not line.startswith("umask")]
+                                  + ["umask = 000"]) + "\n")
+        for top, dirs, files in os.walk(folder):
+            for name in dirs:
+                os.chmod(os.path.join(top, name), 0o777)
+            for name in files:
+                os.chmod(os.path.join(top, name), 0o666)
+    conf.chmod(0o644)
 
 
 def render_ssh_config(lab: str, host_names: list[str], key: Path,

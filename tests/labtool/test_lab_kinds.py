@@ -334,3 +334,23 @@ def test_termux_service_runs_as_md_under_sv_with_its_log(kinds_lab):
           f"{name} down after sv-disable")
     # The same on a host without md's runsvdir fails.
     assert ssh(kinds_lab, SYSTEMD_HOST, f"sv status {name}").returncode != 0
+
+
+def test_shared_ccache_opens_the_cache_to_every_build_user(tmp_path):
+    """md builds on hosts without root share the lab's ccache with root's builds: entries root
+    made before (0755 folders, 0644 files) become writable, and new ones are made so."""
+    from meshdeploy.lab.core import shared_ccache
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a").chmod(0o755)
+    entry = tmp_path / "a" / "b" / "x.o"
+    entry.write_text("o")
+    entry.chmod(0o644)
+    (tmp_path / "ccache.conf").write_text("max_size = 5G\numask = 022\n")
+    shared_ccache(tmp_path)
+    assert (tmp_path / "ccache.conf").read_text() == "max_size = 5G\numask = 000\n"
+    assert (tmp_path / "a").stat().st_mode & 0o777 == 0o777
+    assert entry.stat().st_mode & 0o777 == 0o666
+    entry.chmod(0o644)
+    shared_ccache(tmp_path)  # once only: a cache already shared is left as it is
+    assert entry.stat().st_mode & 0o777 == 0o644
