@@ -5,9 +5,9 @@ gets no SIGHUP, so a download or build of a killed (or interrupted) apply runs o
 would race the next apply's writes to the same partial file, build tree or cache entry. So each
 such step runs guarded on its host:
 
-- under an exclusive flock(1) on /run/meshdeploy/steps/<name>.lock, held by the step's own
-  processes (not by the SSH session): a second run of the same step waits until the first one
-  ended, however it ended, and never writes beside it;
+- under an exclusive flock(1) on <run>/steps/<name>.lock, held by the step's own processes
+  (not by the SSH session): a second run of the same step waits until the first one ended,
+  however it ended, and never writes beside it;
 - in a session of its own (setsid), whose id it records in <name>.pid: `stop_script` ends every
   step still holding its lock (SIGTERM to its process group, SIGKILL after a grace period).
   meshdeploy runs it when it takes over a dead run's host lock, and on a second Ctrl-C.
@@ -15,17 +15,22 @@ such step runs guarded on its host:
 Every guarded step is also written to be safe to repeat and to stop at any point: it works under
 a temporary name and renames only what is complete and verified.
 
-Hosts without flock and setsid (macOS) run the step unguarded. /run is empty after a reboot,
-as a lock of a step that a reboot ended must be.
+<run> is the host's run folder (Layout.run): /run/meshdeploy on a host with root, the login user's
+$XDG_RUNTIME_DIR/meshdeploy (or a folder under its cache) on a rootless one; the steps of a run
+on a host are guarded and stopped in the same folder, so callers pass the host's layout.
+
+Hosts without flock and setsid (macOS) run the step unguarded. A lock left by a reboot is held by
+no process: flock, not the file's presence, says a step runs (and /run is empty after a reboot).
 """
 
 from __future__ import annotations
 
 import re
 
+from meshdeploy.config.model import Layout
 from meshdeploy.core import shell
 
-STEPS_DIR = "/run/meshdeploy/steps"
+STEPS_DIR = "/run/meshdeploy/steps"  # on a host with root (system_layout's run folder)
 GRACE = 20  # seconds a stopped step gets to exit on SIGTERM before SIGKILL
 
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")
@@ -36,16 +41,25 @@ def lock_name(slot: str) -> str:
     return _SLUG.sub("-", slot)
 
 
-def guarded(slot: str, body: str) -> str:
-    """`body` run as the step `slot` on its host: never beside another run of the same step,
-    in a session `stop_script` can end. Its exit status and standard input are the body's."""
+def steps_dir(layout: Layout | None = None) -> str:
+    """The folder of the steps' locks on a host with this layout (None: a host with root)."""
+    return STEPS_DIR if layout is None or not layout.rootless else f"{layout.run}/steps"
+
+
+def guarded(slot: str, body: str, layout: Layout | None = None) -> str:
+    """`body` run as the step `slot` on a host with `layout` (None: a host with root): never
+    beside another run of the same step, in a session `stop_script` can end. Its exit status
+    and standard input are the body's."""
     return shell.assign_text("BODY", body) + "\n" + shell.template(
-        shell.TEMPLATES / "step-guard.sh", DIR=STEPS_DIR, NAME=lock_name(slot), SLOT=slot)
+        shell.TEMPLATES / "step-guard.sh", DIR=steps_dir(layout), NAME=lock_name(slot),
+        SLOT=slot)
 
 
-def stop_script(grace: int = GRACE) -> str:
-    """End every guarded step still running on the host (root); prints what it stopped."""
-    return shell.template(shell.TEMPLATES / "step-stop.sh", DIR=STEPS_DIR, GRACE=int(grace))
+def stop_script(grace: int = GRACE, layout: Layout | None = None) -> str:
+    """End every guarded step still running on a host with `layout` (as the user its steps run
+    as: root, or a rootless host's login user); prints what it stopped."""
+    return shell.template(shell.TEMPLATES / "step-stop.sh", DIR=steps_dir(layout),
+                          GRACE=int(grace))
 
 
 def parse_stopped(lines) -> list[str]:

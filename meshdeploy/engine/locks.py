@@ -4,12 +4,15 @@ Two places, because two operators may run from two machines:
 - on the control machine, `<stem>.state.lock` beside the state file, held with flock(2) for the
   whole run; the kernel drops it when the process dies, so it is never stale. The file keeps the
   holder (pid, machine, user, since) for the message a second run prints;
-- on every host, the folder /run/meshdeploy/apply.lock (mkdir is atomic; /run is empty after a
-  reboot) with an `owner` line. A run refreshes its mtime every HEARTBEAT seconds while it
+- on every host, the folder apply.lock in the host's run folder (Layout.run: /run/meshdeploy on a
+  host with root, taken through sudo; on a rootless host the login user's
+  $XDG_RUNTIME_DIR/meshdeploy, or a folder under its cache, taken as that user) with an `owner`
+  line; mkdir is atomic. A run refreshes its mtime every HEARTBEAT seconds while it
   holds it. Another run takes a host lock over only when it is stale: its holder is a process
   of this same machine that no longer exists, or its heartbeat stopped more than STALE seconds
   ago (a run killed on another machine). That is all a remote check can know: a holder whose
-  machine is merely paused or cut off for longer than STALE counts as dead.
+  machine is merely paused or cut off for longer than STALE counts as dead. A lock a reboot
+  left (a run folder outside /run survives one) is stale by the same rule.
 `-lock-timeout=DURATION` waits for a held lock instead of failing at once.
 """
 
@@ -26,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from meshdeploy.config.model import Layout
 from meshdeploy.core import inflight, shell
 from meshdeploy.core.plan import utc_now
 from meshdeploy.errors import LOCKED, MeshdeployError, PlanError
@@ -39,6 +43,11 @@ SUFFIX = ".state.lock"
 
 class LockedError(MeshdeployError):
     exit_code = LOCKED
+
+
+def host_lock(layout: Layout | None = None) -> str:
+    """The host lock's folder on a host with `layout` (None: a host with root)."""
+    return HOST_LOCK if layout is None or not layout.rootless else f"{layout.run}/apply.lock"
 
 
 def lock_path(cluster_path: Path) -> Path:
@@ -201,11 +210,13 @@ class HostLocks:
         self.timeout = timeout
         self.notes = notes
         self.held: list[str] = []
+        self.layouts: dict[str, Layout | None] = {}  # host name -> its layout
         self._beat = None
 
     def __enter__(self):
         try:
             for h in self.session.reached():
+                self.layouts[h.name] = h.layout
                 self._acquire(h.name)
         except BaseException:
             self.release()
@@ -218,19 +229,34 @@ class HostLocks:
     def __exit__(self, *exc):
         self.release()
 
+    def lock(self, name: str) -> str:
+        """The lock's folder on host `name`."""
+        return host_lock(self.layouts.get(name))
+
+    def _rootless(self, name: str) -> bool:
+        layout = self.layouts.get(name)
+        return layout is not None and layout.rootless
+
     def _run(self, name: str, script: str) -> list[str]:
         ok, output = self.session.run(name, script)
         if not ok:
-            raise PlanError(f"{name}: cannot take the lock {HOST_LOCK}: "
+            lock = self.lock(name)
+            raise PlanError(f"{name}: cannot take the lock {lock}: "
                             + " ".join(getattr(output, "stderr_lines", [])[-3:]),
-                            hint="meshdeploy needs root (ssh.sudo) to lock a host under /run")
+                            hint=f"the login user of {name} must be able to make "
+                                 f"{lock.rsplit('/', 1)[0]} (its run folder, in "
+                                 "$XDG_RUNTIME_DIR or else under its cache folder); check "
+                                 "that nothing there belongs to another user"
+                            if self._rootless(name) else
+                            "meshdeploy needs root (ssh.sudo) to lock a host under /run")
         return list(output.stdout_lines)
 
     def _acquire(self, name: str) -> None:
         deadline = time.monotonic() + self.timeout
         take = ""
+        lock = self.lock(name)
         while True:
-            answer = parse_answer(self._run(name, acquire_script(self.holder, take)))
+            answer = parse_answer(self._run(name, acquire_script(self.holder, take, lock)))
             if answer is None:
                 raise PlanError(f"{name}: no answer from the lock script",
                                 hint="run it again; report it if it persists")
@@ -257,13 +283,14 @@ class HostLocks:
                                        f"a run killed on another machine counts as stale "
                                        f"{STALE} s after its last heartbeat"
                                        + (f"; if this persists, the run taking it over died: "
-                                          f"remove {HOST_LOCK} on {name}" if taking else ""))
+                                          f"remove {lock} on {name}" if taking else ""))
             time.sleep(2)
 
     def _stop_orphans(self, name: str) -> None:
         """A dead run's download, build or seeding may still run on the host (no terminal, no
         SIGHUP): end it before this run plans, so nothing writes beside this run's steps."""
-        for step in inflight.parse_stopped(self._run(name, inflight.stop_script())):
+        stop = inflight.stop_script(layout=self.layouts.get(name))
+        for step in inflight.parse_stopped(self._run(name, stop)):
             self.notes(f"{name}: stopped {step}, left running by that run")
 
     def _heartbeat(self) -> None:
@@ -273,7 +300,7 @@ class HostLocks:
             gevent.sleep(HEARTBEAT)
             for name in list(self.held):
                 try:
-                    self.session.run(name, refresh_script(self.holder))
+                    self.session.run(name, refresh_script(self.holder, self.lock(name)))
                 except Exception:  # a failed refresh shows up as a stale lock, never a crash
                     pass
 
@@ -283,7 +310,7 @@ class HostLocks:
             self._beat = None
         for name in self.held:
             try:
-                self.session.run(name, release_script(self.holder))
+                self.session.run(name, release_script(self.holder, self.lock(name)))
             except Exception:  # an unreachable host keeps a lock that goes stale
                 pass
         self.held = []

@@ -68,16 +68,16 @@ class Interrupts:
     def _stop_all(self) -> None:
         import gevent
 
-        def one(name: str) -> None:
+        def one(name: str, layout) -> None:
             try:
-                ok, output = self.session.run(name, inflight.stop_script())
+                ok, output = self.session.run(name, inflight.stop_script(layout=layout))
             except Exception:  # a host that went away has nothing of ours running
                 return
             for step in inflight.parse_stopped(output.stdout_lines if ok else []):
                 self.stopped.append(f"{name}: {step}")
                 self.notes(f"  {name}: stopped {step}")
 
-        gevent.joinall([gevent.spawn(one, h.name) for h in self.session.reached()])
+        gevent.joinall([gevent.spawn(one, h.name, h.layout) for h in self.session.reached()])
 
     def error(self, ran: int) -> InterruptedApply:
         how = (f"stopped on the hosts: {', '.join(self.stopped)}" if self.stopped else

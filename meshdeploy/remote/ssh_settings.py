@@ -89,8 +89,10 @@ def resolve(host: Host, accept_new: bool = False, home: str | None = None) -> Ss
         policy, source = ACCEPT_NEW, FLAG
     known = tuple(_expand(f, home) for f in options.get("userknownhostsfile", "").split()) \
         or (os.path.join(home, ".ssh", "known_hosts"),)
+    # host.sudo, not ssh.sudo: a rootless host's ssh.sudo keeps its default (true), and pyinfra
+    # runs every command whose step names no _sudo through sudo when its host data says so.
     return SshSettings(host=host.name, target=target, port=host.ssh.port, user=host.ssh.user,
-                       key=host.ssh.key, config=config, sudo=host.ssh.sudo, host_key=policy,
+                       key=host.ssh.key, config=config, sudo=host.sudo, host_key=policy,
                        host_key_from=source, known_hosts=known,
                        hostname=options.get("hostname", target),
                        proxy_command=options.get("proxycommand"))

@@ -29,6 +29,12 @@ llama_cpp_backend_cmake_flags = {
     "vulkan": ("-DGGML_VULKAN=ON",),
     "rocm": ("-DGGML_HIP=ON",),
 }
+# Termux (a phone's CPU, built on the phone): GGML_NATIVE's -mcpu=native has given builds that die
+# with "Illegal instruction" there (llama.cpp issues #402, #3622: big.LITTLE cores, clang's
+# detection); portable code runs on every core. The file's cmake_flags naming GGML_NATIVE win.
+llama_cpp_termux_cmake_flags = ("-DGGML_NATIVE=OFF",)
+# A rootless host's CCACHE_DIR, under its cache folder (layout.cache), unless the file sets one.
+llama_cpp_rootless_ccache_dir = "ccache"
 llama_cpp_server_target = "llama-server"
 # The RPC worker's target/binary: ggml-rpc-server in newer trees, rpc-server before.
 llama_cpp_rpc_targets = ("ggml-rpc-server", "rpc-server")

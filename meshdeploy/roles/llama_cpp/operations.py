@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from meshdeploy.core import inflight, progress, shell
@@ -42,21 +43,45 @@ def targets(cluster, host) -> list[str]:
     return wanted
 
 
-def cmake_flags(cluster, host) -> list[str]:
+_NATIVE = re.compile(r"(-D\s*)?GGML_NATIVE[:=]")
+
+
+def cmake_flags(cluster, host, termux: bool = False) -> list[str]:
+    """The build's cmake flags; `termux`: the host is Termux (toolchain.Platform), whose builds
+    get d.llama_cpp_termux_cmake_flags unless llama_cpp.build.cmake_flags set GGML_NATIVE."""
     b = cluster.llama_cpp.build
+    host_flags = d.llama_cpp_termux_cmake_flags if termux and not any(
+        _NATIVE.match(f) for f in b.cmake_flags) else ()
     return ([f"-DCMAKE_BUILD_TYPE={b.type}", *d.llama_cpp_common_cmake_flags,
-             *d.llama_cpp_backend_cmake_flags[host.backend],
+             *d.llama_cpp_backend_cmake_flags[host.backend], *host_flags,
              f"-DGGML_CCACHE={'ON' if b.ccache else 'OFF'}", *b.cmake_flags])
 
 
-def flavour(cluster, host) -> str:
+def flavour(cluster, host, termux: bool = False) -> str:
     """Hash of everything but the commit that makes two builds differ."""
-    blob = "\n".join([host.backend, *cmake_flags(cluster, host), *targets(cluster, host)])
+    blob = "\n".join([host.backend, *cmake_flags(cluster, host, termux), *targets(cluster, host)])
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
-def build_key(cluster, host, commit: str) -> str:
-    return f"{commit[:12]}-{host.backend}-{flavour(cluster, host)}"
+def build_key(cluster, host, commit: str, termux: bool = False) -> str:
+    return f"{commit[:12]}-{host.backend}-{flavour(cluster, host, termux)}"
+
+
+def on_termux(ctx: HostContext) -> bool:
+    """Whether the probe found Termux on this host (the toolchain role's Platform fact)."""
+    return bool((ctx.fact("toolchain.Platform") or {}).get("termux"))
+
+
+def ccache_dir(cluster, host) -> str:
+    """CCACHE_DIR of the host's builds: llama_cpp.build.ccache_dir when the file sets it; on a
+    rootless host meshdeploy's folder under the user's cache (destroy --purge removes it);
+    else "" (ccache's own default)."""
+    b = cluster.llama_cpp.build
+    if not b.ccache:
+        return ""
+    if b.ccache_dir:
+        return b.ccache_dir
+    return f"{host.layout.cache}/{d.llama_cpp_rootless_ccache_dir}" if host.rootless else ""
 
 
 def source(ctx: HostContext) -> Step:
@@ -75,7 +100,8 @@ def source(ctx: HostContext) -> Step:
         if commit is None:
             return Step(change)  # commands known after apply
         return Step(change, [inflight.guarded("llama_cpp.source",
-                                              clone_script(src, repo, checked_commit(commit)))])
+                                              clone_script(src, repo, checked_commit(commit)),
+                                              ctx.host.layout)], sudo=not ctx.host.rootless)
     if commit is not None and have["head"] == commit and have["url"] == repo:
         return Step(ctx.change(ROLE, "source", "no-op", f"at {short}"))
     diffs = [AttrDiff("commit", have["head"][:12], short, known_after_apply=commit is None)]
@@ -92,7 +118,7 @@ def source(ctx: HostContext) -> Step:
                                   "origin"))
     cmds.append(shell.command("git", "-C", src, "-c", "advice.detachedHead=false", "checkout",
                               "--quiet", "--force", "--detach", checked_commit(commit)))
-    return Step(change, cmds)
+    return Step(change, cmds, sudo=not ctx.host.rootless)
 
 
 _CLONE = ('rm -rf "$SRC.tmp" && git -c protocol.ext.allow=never clone --quiet --no-checkout '
@@ -111,12 +137,13 @@ def build_script(ctx: HostContext, key: str) -> str:
     b = cluster.llama_cpp.build
     wanted = targets(cluster, host)
     number = ctx.resolved.build_number
+    termux = on_termux(ctx)
     return shell.template(
-        TEMPLATES / "build.sh", args=cmake_flags(cluster, host), prelude=progress.SHELL,
-        SRC=p["src"], TREE=f"{p['build']}/{host.backend}-{flavour(cluster, host)}",
+        TEMPLATES / "build.sh", args=cmake_flags(cluster, host, termux), prelude=progress.SHELL,
+        SRC=p["src"], TREE=f"{p['build']}/{host.backend}-{flavour(cluster, host, termux)}",
         OUT=installed_build(ctx.prefix, key), COMMIT=checked_commit(ctx.resolved.commit),
         NUMBER="" if number is None else int(number), JOBS=int(b.jobs) if b.jobs else "",
-        CCACHE=b.ccache_dir if (b.ccache and b.ccache_dir) else "",
+        CCACHE=ccache_dir(cluster, host),
         WANT_SERVER=int(d.llama_cpp_server_target in wanted), WANT_RPC=int("rpc" in wanted),
         RPC_TARGETS=" ".join(d.llama_cpp_rpc_targets), KEY=key, BACKEND=host.backend)
 
@@ -143,23 +170,25 @@ def build(ctx: HostContext) -> Step:
                                [AttrDiff("commit", current_commit and current_commit[:12], None,
                                          forces_replacement=bool(current), known_after_apply=True)]),
                     build=BuildOutcome(None, changed=True))
-    key = build_key(cluster, host, commit)
+    key = build_key(cluster, host, commit, on_termux(ctx))
+    root = not host.rootless  # a rootless host: nothing through sudo
     if key in have["builds"]:
         if current == key:
             return Step(ctx.change(ROLE, "build", "no-op", f"{key} built and current"),
                         build=BuildOutcome(key, changed=False))
         return Step(ctx.change(ROLE, "build", "update", "switch to an existing build (no compile)",
                                [AttrDiff("current", current, key)]),
-                    [activate_script(ctx, key)], build=BuildOutcome(key, changed=True))
+                    [activate_script(ctx, key)], sudo=root,
+                    build=BuildOutcome(key, changed=True))
     diffs = [AttrDiff("commit", current_commit and current_commit[:12], commit[:12],
                       forces_replacement=bool(current)),
              AttrDiff("backend", None if current else None, host.backend),
              AttrDiff("targets", None, " ".join(targets(cluster, host)))]
     return Step(ctx.change(ROLE, "build", "replace" if current else "create",
                            f"no build of {commit[:12]} for {host.backend} with these flags", diffs),
-                [inflight.guarded("llama_cpp.build", build_script(ctx, key)),
+                [inflight.guarded("llama_cpp.build", build_script(ctx, key), host.layout),
                  activate_script(ctx, key)],
-                build=BuildOutcome(key, changed=True))
+                sudo=root, build=BuildOutcome(key, changed=True))
 
 
 def resolve(ctx: HostContext) -> Step:
@@ -175,17 +204,28 @@ def resolve(ctx: HostContext) -> Step:
 
 def destroy(ctx: HostContext, purge: bool):
     """The clone, cmake trees, builds and `current` link; only with purge (a build costs minutes
-    of every core). The prefix itself goes once nothing else is in it; the ccache folder is the
-    toolchain's, shared with other builds, and stays."""
+    of every core). The prefix itself goes once nothing else is in it; a ccache folder the file
+    names is shared with other builds and stays (on a rootless host meshdeploy's own under the
+    user's cache goes with the rest)."""
     stored = ctx.fact("llama_cpp.Stored") or {}
     builds = sorted((ctx.fact("llama_cpp.Builds") or {}).get("builds", {}))
     what = f"llama.cpp builds {', '.join(builds)}" if builds else "the llama.cpp clone"
+    parents = [f"{ctx.prefix}/src", ctx.prefix]
+    if own_ccache(ctx.cluster, ctx.host):
+        parents.append(ctx.host.layout.cache)
     return stored_teardown(ctx, ROLE, "build", stored, what, purge,
-                           (shell.command("rmdir", f"{ctx.prefix}/src", ctx.prefix, shell.QUIET,
-                                          shell.OR, "true"),))
+                           (shell.command("rmdir", *parents, shell.QUIET, shell.OR, "true"),))
+
+
+def own_ccache(cluster, host) -> str:
+    """The ccache folder meshdeploy made on a rootless host (not one the file names), or ""."""
+    b = cluster.llama_cpp.build
+    return ccache_dir(cluster, host) if host.rootless and not b.ccache_dir else ""
 
 
 def destroy_sections(cluster, host) -> list[Section]:
     p = paths(host.layout.prefix)
-    return [Section("llama_cpp.Stored", Stored,
-                    {"paths": [p["src"], p["build"], p["builds"], p["current"]]})]
+    stored = [p["src"], p["build"], p["builds"], p["current"]]
+    if own_ccache(cluster, host):
+        stored.append(own_ccache(cluster, host))
+    return [Section("llama_cpp.Stored", Stored, {"paths": stored})]

@@ -8,7 +8,16 @@ from meshdeploy.core import probe, shell
 from meshdeploy.roles.toolchain import defaults as d
 
 _TOOLS = ("cmake", "cc", "c++", "g++", "git", "curl", "ninja", "ccache", "nvcc", "nvidia-smi",
-          "apt-get", "dnf", "brew", "systemctl", "launchctl", "sha256sum", "shasum", "python3")
+          "apt-get", "dnf", "brew", "systemctl", "launchctl", "sha256sum", "shasum", "python3",
+          "pkg", "getconf", "flock", "setsid")
+
+# Termux: its `pkg` on PATH, and that `pkg` or $PREFIX inside the app's folder (com.termux), or
+# TERMUX_VERSION set. `pkg` alone is also FreeBSD's and Solaris's tool, and PREFIX an ordinary
+# variable (autotools users set it); TERMUX_VERSION is set in the app's own terminal, but not
+# always in an sshd session, whose environment is what the probe sees. No `pkg`: nothing can be
+# installed there, whatever else the host is (a Termux-like host without it is rootless Linux).
+_TERMUX = ('p=$(command -v pkg 2>/dev/null); case "$p ${PREFIX-}" in */com.termux/*) t=1 ;; '
+           '*) t=${TERMUX_VERSION-} ;; esac; [ -n "$p" ] && [ -n "$t" ] && echo termux; ')
 
 
 class Platform(FactBase):
@@ -16,8 +25,9 @@ class Platform(FactBase):
 
     ```python
     {"kernel": "Linux", "machine": "x86_64", "distro": "debian", "version": "12",
-     "tools": ["cmake", "git"], "cmake_version": (3, 25, 1) or None}
+     "tools": ["cmake", "git"], "cmake_version": (3, 25, 1) or None, "termux": False}
     ```
+    termux: the host is Termux (an Android app, no root; packages from `pkg`).
     """
 
     def command(self):
@@ -25,18 +35,20 @@ class Platform(FactBase):
         return ("uname -s; uname -m; (. /etc/os-release 2>/dev/null && echo \"$ID $VERSION_ID\") "
                 "|| echo 'unknown -'; "
                 f"for t in {tools}; do command -v $t >/dev/null 2>&1 && printf '%s ' $t; done; echo; "
-                "cmake --version 2>/dev/null | head -n 1")
+                + _TERMUX + "cmake --version 2>/dev/null | head -n 1")
 
     def process(self, output):
         kernel, machine, distro_line, tools_line = (output + ["", "", "", ""])[:4]
         distro, _, version = distro_line.partition(" ")
-        words = output[4].split() if len(output) > 4 else []
+        rest = [line.strip() for line in output[4:]]
+        words = next((line.split() for line in rest if line.startswith("cmake ")), [])
         cmake_version = None
         if words[:2] == ["cmake", "version"] and len(words) > 2:
             numbers = tuple(probe.uint(p) for p in words[2].split("-")[0].split(".")[:3])
             cmake_version = None if None in numbers else numbers
         return {"kernel": kernel, "machine": machine, "distro": distro, "version": version,
-                "tools": sorted(tools_line.split()), "cmake_version": cmake_version}
+                "tools": sorted(tools_line.split()), "cmake_version": cmake_version,
+                "termux": "termux" in rest}
 
 
 class DebPackages(FactBase):

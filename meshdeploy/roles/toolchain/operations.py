@@ -26,18 +26,22 @@ def wanted_packages(cluster, manager: str, host) -> tuple[str, ...]:
 
 
 def sections(cluster, host) -> list[Section]:
-    return [
+    out = [
         Section("toolchain.Platform", Platform),
         Section("toolchain.DebPackages", DebPackages,
                 {"packages": wanted_packages(cluster, "apt", host)}),
-        Section("toolchain.AptProxy", AptProxy),
     ]
+    if not host.rootless:  # apt's configuration is root's: a rootless host has no proxy file
+        out.append(Section("toolchain.AptProxy", AptProxy))
+    return out
 
 
 def package_manager(platform: dict) -> str | None:
     tools = platform.get("tools", [])
     if platform.get("kernel") == "Darwin":
         return "brew" if "brew" in tools else None
+    if platform.get("termux"):  # Termux has apt-get too, inside the app, driven by pkg
+        return "pkg"
     for manager, binary in (("apt", "apt-get"), ("dnf", "dnf")):
         if binary in tools:
             return manager
@@ -60,7 +64,12 @@ def preflight(ctx: HostContext) -> None:
     if backend == "cuda" and "nvidia-smi" not in tools:
         raise PlanError(f"host {host} has backend cuda but no NVIDIA driver (nvidia-smi missing)",
                         hint="install the NVIDIA driver on it")
-    if package_manager(platform) is None:
+    if platform.get("termux") and not ctx.host.rootless:
+        raise PlanError(f"host {host} runs Termux, where nothing has root",
+                        hint=f"set hosts.{host}.rootless: true")
+    if ctx.host.rootless:
+        refuse_missing(ctx, platform)
+    elif package_manager(platform) is None:
         raise PlanError(f"host {host}: no supported package manager (apt, dnf, Homebrew) found",
                         hint="install cmake, a C++ compiler, git, curl and ninja by hand "
                              "or use a Debian, Ubuntu, Fedora/RHEL or macOS host")
@@ -78,6 +87,10 @@ def apt_proxy(ctx: HostContext) -> Step:
     have = ctx.fact("toolchain.AptProxy")
     manager = package_manager(ctx.fact("toolchain.Platform") or {})
     path = d.toolchain_apt_proxy_file
+    if ctx.host.rootless and want_url is not None:
+        return Step(ctx.change(ROLE, "apt_proxy", "no-op",
+                               f"{want_url} not applied: apt's configuration needs root, and "
+                               f"{ctx.host.name} has none"))
     if manager != "apt" or (want_url is None and have is None):
         return Step(ctx.change(ROLE, "apt_proxy", "no-op", "no apt proxy configured"))
     if want_url is None:
@@ -112,6 +125,8 @@ def apt_proxy_conf(url: str) -> str:
 def packages(ctx: HostContext) -> Step:
     """toolchain.packages: cmake, compiler, git, curl, ninja (and ccache when asked)."""
     platform = ctx.fact("toolchain.Platform") or {}
+    if ctx.host.rootless:
+        return rootless_packages(ctx, platform)
     manager = package_manager(platform)
     if manager is None:
         preflight(ctx)  # raises the plain "no supported package manager" error
@@ -141,6 +156,75 @@ def packages(ctx: HostContext) -> Step:
     return Step(ctx.change(ROLE, "packages", "create", f"install with {manager}",
                            [AttrDiff("packages", None, " ".join(missing))]),
                 [command], sudo=manager != "brew")
+
+
+# -- hosts without root --------------------------------------------------------------------------
+# Termux installs into the app's own prefix as the app's user, so `pkg` needs no root; anywhere
+# else a rootless host can only be told what an administrator must install.
+
+def termux_missing(cluster, host, platform: dict) -> list[str]:
+    """Termux packages that bring the tools this host lacks (each once, in the role's order)."""
+    want = dict(d.toolchain_termux_packages)
+    if cluster.llama_cpp.build.ccache:
+        want.update(d.toolchain_termux_ccache)
+    if distribution.share_clients(cluster, host):
+        want.update(d.toolchain_termux_python)  # md-share serves the host's model copy
+    tools = set(platform.get("tools", []))
+    return list(dict.fromkeys(pkg for tool, pkg in want.items() if tool not in tools))
+
+
+def rootless_missing(ctx: HostContext, platform: dict) -> tuple[str | None, list[str]]:
+    """(package manager or None, what a rootless host that is not Termux lacks): package names
+    of apt or dnf, or tool names where neither is there. A package counts as present when its
+    tool is on PATH (the user's own cmake, say) or dpkg lists it installed."""
+    manager = package_manager(platform)
+    manager = manager if manager in ("apt", "dnf") else None
+    wanted = wanted_packages(ctx.cluster, manager or "apt", ctx.host)
+    installed = (ctx.fact("toolchain.DebPackages") or {}) if manager == "apt" else None
+    tools = set(platform.get("tools", []))
+    missing = []
+    for package in wanted:
+        tool = d.toolchain_package_tools.get(package, package)
+        if tool in tools or (installed or {}).get(package) or (tool is None and installed is None):
+            continue
+        missing.append(package if manager else tool)
+    return manager, missing
+
+
+def refuse_missing(ctx: HostContext, platform: dict) -> None:
+    """PlanError naming what a rootless host lacks and the one command an administrator runs;
+    nothing on Termux, where `pkg` installs it (toolchain.packages)."""
+    if platform.get("termux"):
+        return
+    manager, missing = rootless_missing(ctx, platform)
+    if not missing:
+        return
+    host = ctx.host.name
+    if manager is None:
+        hint = (f"an administrator of the host installs {' '.join(missing)} with its package "
+                "manager")
+    else:
+        binary = {"apt": "apt-get", "dnf": "dnf"}[manager]
+        hint = ("an administrator of the host runs, once: "
+                + shell.command("sudo", binary, "install", "-y", *missing))
+    raise PlanError(f"host {host} has no root and lacks {', '.join(missing)}: meshdeploy "
+                    "cannot install packages there", hint=hint)
+
+
+def rootless_packages(ctx: HostContext, platform: dict) -> Step:
+    """toolchain.packages on a host without root: `pkg install` on Termux; elsewhere nothing to
+    do, or the refusal preflight gives."""
+    if not platform.get("termux"):
+        refuse_missing(ctx, platform)
+        wanted = wanted_packages(ctx.cluster, rootless_missing(ctx, platform)[0] or "apt",
+                                 ctx.host)
+        return Step(ctx.change(ROLE, "packages", "no-op", f"{', '.join(wanted)} present"))
+    missing = termux_missing(ctx.cluster, ctx.host, platform)
+    if not missing:
+        return Step(ctx.change(ROLE, "packages", "no-op", "build tools present (Termux)"))
+    return Step(ctx.change(ROLE, "packages", "create", "install with pkg (Termux)",
+                           [AttrDiff("packages", None, " ".join(missing))]),
+                [shell.command("pkg", "install", "-y", *missing)], sudo=False)
 
 
 def destroy(ctx: HostContext, purge: bool) -> Teardown:
