@@ -5,7 +5,7 @@ set -e
 # An earlier run's build of this key may have finished while this run was planning.
 if [ -f "$OUT/manifest" ] && grep -qx "commit=$COMMIT" "$OUT/manifest"; then echo "$KEY: already built"; exit 0; fi
 if [ -n "$CCACHE" ]; then export CCACHE_DIR="$CCACHE"; fi
-# Paths under the prefix ($SRC is <prefix>/src/llama.cpp) are hashed relative to it, so hosts
+# Paths under the prefix (the folder two above $SRC) are hashed relative to it, so hosts
 # with other prefixes (a rootless host's is its user's) reuse each other's entries in a shared cache.
 export CCACHE_BASEDIR="${SRC%/*/*}"
 [ -n "$JOBS" ] || JOBS=$(getconf _NPROCESSORS_ONLN 2>/dev/null || sysctl -n hw.ncpu)
