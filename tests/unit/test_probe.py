@@ -139,9 +139,11 @@ def test_every_host_gets_the_same_slot_sequence():
         assert names[:4] == ["toolchain.apt_proxy", "toolchain.packages", "llama_cpp.source",
                              "llama_cpp.build"], inventory.name
         # Each host answers every slot with its own change (a no-op where it has nothing).
-        platform = {"kernel": "Linux", "tools": ["apt-get"], "cmake_version": None}
         resolved = Resolved(commit=None)
         for host in cluster.hosts:
+            # A rootless host of an inventory is a phone under Termux (pkg installs the tools).
+            platform = {"kernel": "Linux", "tools": ["pkg"] if host.rootless else ["apt-get"],
+                        "cmake_version": None, "termux": host.rootless}
             ctx = HostContext(cluster, host, {"toolchain.Platform": platform,
                                               "toolchain.DebPackages": {}}, resolved)
             seen = []
