@@ -293,6 +293,14 @@ def read_key(conn, server, sudo: bool) -> str | None:
     return next((line.strip() for line in text.splitlines() if line.strip()), None)
 
 
+def rootless_prefix(conn, host) -> str:
+    """A rootless host's prefix (core.account, read over this connection)."""
+    from meshdeploy.core import account
+
+    text = run_remote(conn, shell.command("sh", "-c", account.SCRIPT))
+    return account.layout(account.parse(host.name, text.splitlines())).prefix
+
+
 def build_of(conn, api: Api, prefix: str) -> dict:
     manifest = run_remote(conn, shell.script(
         'sed -n \'s/^commit=//p\' "$CURRENT/manifest" 2>/dev/null; true',
@@ -308,19 +316,28 @@ def bench_server(cluster, server, settings: SshSettings, runs: int, n_predict: i
                  local: bool, progress) -> dict:
     conn = connect(settings)
     try:
-        # The key file, the process's argv and systemd-run need root.
-        sudo = settings.sudo if settings.local else settings.user != "root"
+        host = cluster.host(server.host)
+        prefix = cluster.llama_cpp.prefix
+        if host.rootless:
+            # Everything is the login user's own there (the key file too): never sudo.
+            prefix, sudo = rootless_prefix(conn, host), False
+        else:
+            # The key file, the process's argv and systemd-run need root.
+            sudo = settings.sudo if settings.local else settings.user != "root"
         key = read_key(conn, server, sudo)
         api = Api(conn, local_address(server.bind), server.port, key)
         api.wait_healthy(0)
-        build = build_of(conn, api, cluster.llama_cpp.prefix)
+        build = build_of(conn, api, prefix)
         progress(f"llama-server {server.name} on {server.host}: {runs} runs")
         result = {"server": server.name, "host": server.host, "model": server.model,
                   "build": build, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "params": {"runs": runs, "warmup": WARMUP, "n_predict": n_predict,
                              "seed": SEED, "temperature": 0, "cache_prompt": False},
                   **measure(api, runs, n_predict, progress)}
-        if local:
+        if local and host.rootless:
+            result["local"] = {"skipped": f"{server.host} is rootless: the comparison runs as a "
+                                          "transient system unit, which needs root"}
+        elif local:
             result["local"] = compare_local(conn, sudo, server, key, runs, n_predict, progress)
             if "skipped" not in result["local"]:
                 result["ratio_to_local"] = report.ratio(result["overall"],

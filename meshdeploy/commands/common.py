@@ -117,3 +117,29 @@ def open_hosts(cluster, names: list[str], accept_new_host_keys: bool):
     for name, reason in hosts.unreachable.items():
         print(f"{name}: unreachable ({terminal_text(reason)})", file=sys.stderr)
     return hosts
+
+
+def read_layouts(cluster, hosts):
+    """`cluster` with the layout of each rootless host among the open fabric connections `hosts`
+    (remote.connections.Hosts), read as a Session reads it (core.account: one short command per
+    rootless host), and {host: reason} for those whose account could not be read or used; hosts
+    with root keep their fixed layout. For logs, exec and bench, which do not open a Session."""
+    from meshdeploy.core import account
+    from meshdeploy.remote import connections as remote
+
+    rootless = {n: c for n, c in hosts.connections.items()
+                if cluster.host(n).rootless and cluster.host(n).layout is None}
+    if not rootless:
+        return cluster, {}
+    results = remote.each(remote.Hosts(rootless, {}), lambda name, conn: conn.run(
+        remote.as_root(account.SCRIPT, False), hide=True, warn=True, in_stream=False))
+    found, failed = {}, {}
+    for name, result in results.items():
+        if isinstance(result, Exception):
+            failed[name] = remote.reason(result)
+            continue
+        try:
+            found[name] = account.layout(account.parse(name, result.stdout.splitlines()))
+        except PlanError as exc:
+            failed[name] = exc.message + (f" ({exc.hint})" if exc.hint else "")
+    return account.resolved(cluster, found), failed

@@ -68,6 +68,12 @@ def run(args: Args) -> int:
                                          hint=f"hosts: {', '.join(names)}")
         names = [n for n in names if n in args.limit]
     text = command_text(args.argv)
+    rootless = [n for n in names if cluster.host(n).rootless]
+    if args.sudo and rootless:
+        raise errors.MeshdeployError(f"--sudo: {', '.join(rootless)} "
+                                     f"{'is' if len(rootless) == 1 else 'are'} rootless: "
+                                     "nothing runs as root there",
+                                     hint="leave those hosts out with --limit, or drop --sudo")
     # stderr joins stdout so each host's output reads in the order it was written. --sudo on
     # the local host is sudo only when meshdeploy does not run as root (it may have no sudo).
     commands = {n: remote.as_root(text, args.sudo and (cluster.host(n).sudo

@@ -18,6 +18,7 @@ import heapq
 import json
 import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Iterable
 
 from meshdeploy.core import shell
@@ -66,11 +67,16 @@ def since_value(text: str | None) -> str | None:
 
 
 def host_script(sources: list[LogSource], lines: int | None, since: str | None,
-                follow: bool) -> str:
-    """The one command that reads (and with `follow` then follows) one host's logs."""
+                follow: bool, manager: str = "") -> str:
+    """The one command that reads (and with `follow` then follows) one host's logs.
+
+    + manager: a rootless host's service manager (Layout.manager): systemd-user reads the
+      user's journal; runit tails svlogd's files (each source's log file; --since is not
+      applied there: svlogd's files are read by lines)"""
     args = [v for s in sources for v in (s.unit, s.launchd_log)]
+    variables = {"MANAGER": manager} if manager else {}
     return shell.template(shell.TEMPLATES / "logs.sh", args=args, LINES=lines, SINCE=since,
-                          FOLLOW="1" if follow else None)
+                          FOLLOW="1" if follow else None, **variables)
 
 
 FOLLOW = "@follow"
@@ -84,14 +90,16 @@ class HostStream:
     order: int
     sources: list[LogSource]
     unit: LogSource | None = None
-    launchd: bool = False
+    launchd: bool = False  # plain lines from log files (launchd's, or runit's svlogd)
+    runit: bool = False  # svlogd -tt lines: each begins with its UTC time
     following: bool = False
 
     def feed(self, raw: str, now: int = 0) -> list[Line] | str:
         """The lines `raw` holds ([] for none), or FOLLOW when the backlog has ended."""
         raw = raw.rstrip("\r\n")
-        if raw == "@launchd":
+        if raw in ("@launchd", RUNIT_MARK):
             self.launchd = True
+            self.runit = raw == RUNIT_MARK
             return []
         if raw == FOLLOW:
             self.following = True
@@ -123,7 +131,8 @@ class HostStream:
             return []
         if not raw and self.following or self.unit is None:
             return []
-        return [Line(now, self.order, self.host, self.unit.service, terminal_text(raw))]
+        when, text = _svlogd_time(raw) if self.runit else (None, raw)
+        return [Line(when or now, self.order, self.host, self.unit.service, terminal_text(text))]
 
     def _source(self, value: str, field) -> LogSource | None:
         return next((s for s in self.sources if field(s) == value), None)
@@ -136,6 +145,24 @@ class HostStream:
             if source is not None:
                 return source
         return None
+
+
+RUNIT_MARK = "@runit"
+# svlogd -tt: "2026-11-26_16:40:54.12345 " before each line, UTC.
+_SVLOGD_TIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)_(\d\d):(\d\d):(\d\d)\.(\d{1,9}) (.*)", re.S)
+
+
+def _svlogd_time(raw: str) -> tuple[int | None, str]:
+    """(microseconds since the epoch, text) of an svlogd -tt line; (None, raw) without a time."""
+    m = _SVLOGD_TIME.fullmatch(raw)
+    if not m:
+        return None, raw
+    try:
+        when = datetime(*(int(m.group(i)) for i in range(1, 7)), tzinfo=timezone.utc)
+    except ValueError:
+        return None, raw
+    micros = int((m.group(7) + "000000")[:6])
+    return int(when.timestamp()) * 1_000_000 + micros, m.group(8)
 
 
 def _message(value) -> str:

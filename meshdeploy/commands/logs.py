@@ -69,8 +69,20 @@ def run(args: Args) -> int:
     since = since_value(args.since)
     lines = args.lines if args.lines is not None else (None if since else DEFAULT_LINES)
     hosts = common.open_hosts(cluster, list(by_host), args.accept_new_host_keys)
+    # A rootless host's logs are its own manager's (journalctl --user, svlogd's files): its
+    # layout is read first, and its sources named again with it.
+    cluster, unread = common.read_layouts(cluster, hosts)
+    for name, reason in unread.items():
+        print(f"{name}: cannot read the login user's folders ({terminal_text(reason)})",
+              file=sys.stderr)
+        hosts.connections.pop(name).close()
+        by_host.pop(name)
+    chosen = {(s.host, s.service) for s in sources}
+    by_host = {n: [s for s in registry.log_sources(cluster)
+                   if s.host == n and (s.host, s.service) in chosen] for n in by_host}
     streams = {n: HostStream(n, host_names.index(n), by_host[n]) for n in by_host}
-    scripts = {n: remote.as_root(host_script(by_host[n], lines, since, args.follow),
+    scripts = {n: remote.as_root(host_script(by_host[n], lines, since, args.follow,
+                                             _manager(cluster.host(n))),
                                  cluster.host(n).sudo) for n in by_host}
     shown = width(sources)
     try:
@@ -83,6 +95,11 @@ def run(args: Args) -> int:
     # Only when no host could show its logs is the command a failure: one host down is what
     # logs are read for.
     return errors.OK if answered else errors.CONNECT
+
+
+def _manager(host) -> str:
+    """A rootless host's service manager ("" for a host with root, or one not reached)."""
+    return host.layout.manager if host.layout is not None else ""
 
 
 def _now() -> int:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import registry, shell
 from meshdeploy.core.paths import llama_cpp_paths
 from meshdeploy.views import status as view
@@ -80,17 +81,36 @@ _SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/de
            '"$(curl -s --max-time 5 "$3/v1/models" | tr -d \'\\n\')"')
 
 
+# A rootless host's manager answers "is it running" in its own words: md_active UNIT prints
+# systemctl's (active, inactive, failed, ...) for it. runit: `sv status` on the unit's service
+# folder under $SVDIR_MD ("run:" is active, "down:" inactive, "fail:" failed: no runsv).
+_ACTIVE = {
+    SYSTEMD_USER: 'md_active() { systemctl --user is-active "$1" 2>/dev/null; }',
+    RUNIT: ('md_active() { case "$(sv status "$SVDIR_MD/$1" 2>/dev/null)" in '
+            'run:*) echo active ;; down:*) echo inactive ;; fail:*) echo failed ;; '
+            '*) echo unknown ;; esac; }'),
+}
+
+
 def host_script(cluster, host, nonce: str = "") -> str:
     """The status probe of one host: runs as the login user (nothing here needs root). A role's
-    lines follow a mark with this run's `nonce` on a line of its own (role_rows)."""
+    lines follow a mark with this run's `nonce` on a line of its own (role_rows). A rootless
+    host's services are asked through its own manager (md_active)."""
     p = llama_cpp_paths(host.layout.prefix)
     lines = [shell.script('printf \'proto %s\\n\' "$(sed -n \'s/^proto=//p\' "$CURRENT/manifest" '
                           '2>/dev/null)"', CURRENT=p["current"])]
+    rpc_body, server_body = _RPC, _SERVER
+    active = _ACTIVE.get(host.layout.manager)
+    if active:
+        lines.append(shell.script(active, SVDIR_MD=host.layout.services))
+        rpc_body = _RPC.replace('systemctl is-active "$3" 2>/dev/null', 'md_active "$3"')
+        server_body = _SERVER.replace('systemctl is-active "$2" 2>/dev/null', 'md_active "$2"')
     for rpc in host.rpc_servers:
-        lines.append(shell.subshell(shell.script(_RPC, args=[rpc.bind, rpc.port, rpc.unit_name],
+        lines.append(shell.subshell(shell.script(rpc_body,
+                                                 args=[rpc.bind, rpc.port, rpc.unit_name],
                                                  HELLO=HELLO)))
     for server in (s for s in cluster.servers if s.host == host.name):
-        lines.append(shell.subshell(shell.script(_SERVER,
+        lines.append(shell.subshell(shell.script(server_body,
                                                  args=[server.name, server.unit_name,
                                                        server.local_url])))
     for name, probe in registry.status_probes(cluster, host):

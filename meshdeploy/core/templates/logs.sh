@@ -1,13 +1,15 @@
 # Read (and with FOLLOW then follow) one host's service logs (commands/logs.py): journald's JSON
-# lines on Linux, the launchd log files on macOS, each unit's after a "@unit <name>" line.
-# Inputs: LINES, SINCE, FOLLOW (empty or 1); "$@" = unit, launchd log file, unit, file, ...
+# lines on Linux, the launchd log files on macOS, each unit's after a "@unit <name>" line. On a
+# rootless host MANAGER says whose: systemd-user reads the user's journal (journalctl --user),
+# runit tails svlogd's `current` files (passed where launchd's log files are).
+# Inputs: LINES, SINCE, FOLLOW (empty or 1), MANAGER; "$@" = unit, log file, unit, file, ...
 # Every value arrives as a variable or a positional parameter, never as shell text.
 if [ -n "$FOLLOW" ]; then
     exec 3<&0
     { cat <&3 >/dev/null 2>&1; kill 0; } >/dev/null 2>&1 &
 fi
-if [ "$(uname -s)" = Darwin ]; then
-    printf '@launchd\n'
+if [ "$MANAGER" = runit ] || [ "$(uname -s)" = Darwin ]; then
+    if [ "$MANAGER" = runit ]; then printf '@runit\n'; else printf '@launchd\n'; fi
     unit=
     for a; do
         if [ -z "$unit" ]; then unit=$a; continue; fi
@@ -22,13 +24,15 @@ if [ "$(uname -s)" = Darwin ]; then
     shift "$n"
     exec tail -F -n 0 "$@"
 fi
+user=
+[ "$MANAGER" = systemd-user ] && user=--user
 start=$(date '+%Y-%m-%d %H:%M:%S')
 unit=
 for a; do
     if [ -n "$unit" ]; then unit=; continue; fi
     unit=$a
     printf '@unit %s\n' "$unit"
-    journalctl --no-pager -o json -u "$unit" ${LINES:+-n "$LINES"} \
+    journalctl $user --no-pager -o json -u "$unit" ${LINES:+-n "$LINES"} \
         ${SINCE:+--since "$SINCE"} || exit
 done
 [ -n "$FOLLOW" ] || exit 0
@@ -36,4 +40,4 @@ printf '@follow\n'
 n=$#; unit=
 for a; do if [ -z "$unit" ]; then unit=$a; set -- "$@" -u "$a"; else unit=; fi; done
 shift "$n"
-exec journalctl --no-pager -o json -f -n all --since "$start" "$@"
+exec journalctl $user --no-pager -o json -f -n all --since "$start" "$@"

@@ -29,6 +29,10 @@ services_launchd_dir = "/Library/LaunchDaemons"
 services_launchd_prefix = "com.meshdeploy."
 services_launchd_log_dir = "/var/log/meshdeploy"
 
+# --- rootless hosts (systemd --user, runit) -------------------------------------------------------
+services_runit_log_dir = "log"        # svlogd's folders: <Layout.cache>/log/<unit>
+services_runit_wait_seconds = 15      # runsvdir picks a new service folder up within 5 s
+
 # --- readiness ------------------------------------------------------------------------------------
 services_rpc_probe_seconds = 30       # rpc-server must accept TCP within this after a (re)start
 services_journal_lines = 20           # journal lines shown when a service fails

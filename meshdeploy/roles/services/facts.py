@@ -6,10 +6,34 @@ import re
 
 from pyinfra.api import FactBase
 
+from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import probe, shell
 from meshdeploy.roles.services import defaults as d
 
 _MODE = re.compile(r"[0-7]{1,6}")  # stat's %a / %Lp: octal digits only
+_LOG_MARK = "@@log"
+_OWNED = " ".join(f'"$D"/{d.services_unit_prefix}{kind}*' for kind in d.services_unit_kinds)
+
+# systemd --user: the unit files of the user's unit folder "$D", as the system loop reads them.
+_USER_UNITS = (f"for f in {_OWNED.replace('*', '*.service')}; do "
+               '[ -f "$f" ] || continue; n=${f##*/}; n=${n%.service}; '
+               't=$(systemctl --user show -p ExecMainStartTimestamp --value "$n" 2>/dev/null); '
+               't=$( [ -n "$t" ] && date -d "$t" +%s 2>/dev/null || echo -); '
+               'echo "@@unit $n $(systemctl --user is-active "$n" 2>/dev/null) '
+               '$(systemctl --user is-enabled "$n" 2>/dev/null) $t $(stat -c %Y "$f")"; '
+               'cat "$f"; done')
+
+# runit: each service folder "$D/<unit>" with a run script. `sv status` prints
+# "run: <folder>: (pid N) Ss[; run: log: ...]" or "down: <folder>: Ss, ...".
+_RUNIT_SERVICES = (f"for f in {_OWNED}; do "
+                   '[ -f "$f/run" ] || continue; n=${f##*/}; '
+                   's=$(sv status "$f" 2>/dev/null | head -n 1); r=${s#*"$f": }; t=-; '
+                   'case "$s" in run:*) a=active; r=${r#"(pid "}; r=${r#*") "}; '
+                   'r=${r%%s*}; case "$r" in ""|*[!0-9]*) ;; *) t=$(( $(date +%s) - r ));; esac ;; '
+                   'down:*) a=inactive ;; fail:*) a=failed ;; *) a=unsupervised ;; esac; '
+                   'if [ -e "$f/down" ]; then e=disabled; else e=enabled; fi; '
+                   'echo "@@unit $n $a $e $t $(stat -c %Y "$f/run")"; cat "$f/run"; '
+                   f'echo {_LOG_MARK}; cat "$f/log/run" 2>/dev/null; done')
 
 
 class Units(FactBase):
@@ -23,9 +47,21 @@ class Units(FactBase):
     started: when its running process started (epoch seconds; None when not running or not
     known); written: the unit file's mtime. A unit file written after its process started was
     never applied (a run stopped between writing it and the restart).
+
+    On a rootless host (command's `manager`): systemd --user's unit files in the user's unit
+    folder, read with `systemctl --user`; or runit's service folders under $SVDIR, where content
+    is the `run` script, "log" its `log/run`, active is from `sv status` (run: active, down:
+    inactive, fail: failed (no runsv), unsupervised: runsvdir has not picked the folder up),
+    enabled means no `down` file, and started is now minus the seconds sv reports.
     """
 
-    def command(self):
+    def command(self, services: str | None = None, manager: str = ""):
+        """+ services, manager: a rootless host's Layout.services and Layout.manager; none on a
+        host with root, whose unit folders are fixed."""
+        if manager == SYSTEMD_USER:
+            return shell.script(_USER_UNITS, D=services)
+        if manager == RUNIT:
+            return shell.script(_RUNIT_SERVICES, D=services)
         # systemd hosts list unit files; macOS hosts list LaunchDaemon plists, whose running
         # state launchctl print reports.
         owned = " ".join(f"{d.services_unit_dir}/{d.services_unit_prefix}{kind}*.service"
@@ -54,10 +90,15 @@ class Units(FactBase):
                                    "enabled": parts[3] if len(parts) > 3 else "unknown",
                                    "started": _epoch(parts, 4), "written": _epoch(parts, 5),
                                    "lines": lines}
+            elif units and line == _LOG_MARK:
+                # runit: the service's log/run follows its run script.
+                lines = units[list(units)[-1]]["log_lines"] = []
             elif units:
                 lines.append(line)
         for unit in units.values():
             unit["content"] = "\n".join(unit.pop("lines")) + "\n"
+            if "log_lines" in unit:
+                unit["log"] = "\n".join(unit.pop("log_lines")) + "\n"
         return units
 
     @staticmethod
@@ -117,22 +158,66 @@ class KeyFile(FactBase):
     ```python
     {"exists": True, "mode": 0o600, "uid": 0, "owner": "root"}
     {"exists": False}
+    {"exists": True, "mode": 0o600, "uid": 1000, "owner": "md", "reader": 1000}  # reader=True
     ```
-    None: the host could not say (no stat, or an answer that is not mode/uid/owner).
+    reader: the login user's uid, on a rootless host (the service runs as that user and reads
+    the file itself). None: the host could not say (no stat, or an answer that is not mode/uid/owner).
     """
 
     # GNU stat first, then BSD stat (macOS).
     _BODY = ('if [ -e "$P" ]; then stat -L -c "%a %u %U" -- "$P" 2>/dev/null '
              '|| stat -L -f "%Lp %u %Su" -- "$P"; else echo missing; fi')
 
-    def command(self, path):
+    def command(self, path, reader: bool = False):
+        """+ reader: also print the uid of the login user reading it (rootless hosts)."""
+        if reader:
+            return shell.script(self._BODY + '; echo "reader $(id -u)"', P=path)
         return shell.script(self._BODY, P=path)
 
     def process(self, output):
         words = " ".join(output).split()
+        reader = None
+        if len(words) >= 2 and words[-2] == "reader":
+            reader = probe.uint(words[-1])
+            words = words[:-2]
+            if reader is None:
+                return None
         if words == ["missing"]:
-            return {"exists": False}
+            return {"exists": False} if reader is None else {"exists": False, "reader": reader}
         uid = probe.uint(words[1]) if len(words) == 3 else None
         if uid is None or not _MODE.fullmatch(words[0]):
             return None
-        return {"exists": True, "mode": int(words[0], 8), "uid": uid, "owner": words[2]}
+        out = {"exists": True, "mode": int(words[0], 8), "uid": uid, "owner": words[2]}
+        return out if reader is None else {**out, "reader": reader}
+
+
+class RunitTools(FactBase):
+    """Where a runit host's sh and svlogd are (runit hosts only): a service's `run` file is
+    executed by runsv itself, so its first line must name the host's own sh (Termux has none in
+    /bin), and `log/run` names svlogd.
+
+    ```python
+    {"sh": "/data/data/com.termux/files/usr/bin/sh", "svlogd": "/data/.../usr/bin/svlogd"}
+    ```
+    A value is None when the tool is missing or its path is not a plain absolute path.
+    """
+
+    def command(self):
+        return ('printf \'sh=%s\\nsvlogd=%s\\n\' "$(command -v sh)" '
+                '"$(command -v svlogd)"')
+
+    def process(self, output):
+        out = {"sh": None, "svlogd": None}
+        for line in output:
+            key, sep, value = line.partition("=")
+            if sep and key in out and _PLAIN_PATH.fullmatch(value):
+                out[key] = value
+        return out
+
+    @staticmethod
+    def default():
+        return {"sh": None, "svlogd": None}
+
+
+# A path a `#!` line or an unquoted word can carry as it is.
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9_./+-]*")

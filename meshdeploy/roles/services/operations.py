@@ -7,7 +7,7 @@ import ipaddress
 from pathlib import Path
 
 from meshdeploy.config.checks import exposed_rpc_servers
-from meshdeploy.config.model import HfResolved, rpc_ref
+from meshdeploy.config.model import RUNIT, HfResolved, rpc_ref
 from meshdeploy.core import progress, shell
 from meshdeploy.core.context import HostContext, Step, Teardown
 from meshdeploy.core.paths import installed_build, model_path, rpc_server_cache
@@ -28,17 +28,36 @@ from meshdeploy.core.units import (
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
-from meshdeploy.roles.services.facts import KeyFile, Rtt, Units
+from meshdeploy.roles.services import rootless
+from meshdeploy.roles.services.facts import KeyFile, Rtt, RunitTools, Units
+from meshdeploy.roles.services.managers import (  # noqa: F401 - Systemd/Launchd named here too
+    Launchd,
+    Runit,
+    Systemd,
+    SystemdUser,
+    for_layout,
+)
 
 ROLE = "services"
 TEMPLATES = Path(__file__).with_name("templates")
 
 
 def sections(cluster, host) -> list[Section]:
-    out = [Section("services.Units", Units)]
+    layout = host.layout
+    if layout is not None and layout.rootless:
+        out = [Section("services.Units", Units,
+                       {"services": layout.services, "manager": layout.manager})]
+        if layout.manager == RUNIT:
+            out.append(Section("services.RunitTools", RunitTools))
+    else:
+        out = [Section("services.Units", Units)]
     for server in (s for s in cluster.servers if s.host == host.name and s.api_key_file):
-        out.append(Section(f"services.KeyFile[{server.name}]", KeyFile,
-                           {"path": server.api_key_file}, privileged=True))
+        if host.rootless:
+            out.append(Section(f"services.KeyFile[{server.name}]", KeyFile,
+                               {"path": server.api_key_file, "reader": True}))
+        else:
+            out.append(Section(f"services.KeyFile[{server.name}]", KeyFile,
+                               {"path": server.api_key_file}, privileged=True))
     targets = rtt_targets(cluster, host)
     if targets:
         out.append(Section("services.Rtt", Rtt, {"targets": targets}))
@@ -49,13 +68,25 @@ def preflight(ctx: HostContext) -> None:
     """Refuse an API key file that is missing or that anyone but root can read: systemd reads
     it as root (LoadCredential=) and hands the service a private copy, so nothing else needs
     it. meshdeploy does not fix the mode itself: a key others could read may have leaked, and
-    the key is the operator's to replace."""
+    the key is the operator's to replace. A rootless host: llama-server reads it as the login
+    user, who must own it alone (rootless.check_key_file); a runit host needs sh and svlogd."""
+    layout = ctx.host.layout
+    if layout is not None and layout.manager == RUNIT and (ctx.host.rpc_servers or ctx.servers()):
+        tools = ctx.fact("services.RunitTools") or {}
+        missing = [t for t in ("sh", "svlogd") if not tools.get(t)]
+        if missing:
+            raise PlanError(f"host {ctx.host.name}: runit's services need {' and '.join(missing)} "
+                            "on the login user's PATH, as a plain absolute path",
+                            hint="Termux: pkg install termux-services; elsewhere install runit")
     if is_macos(ctx):
         return  # launchd: llama-server reads the file itself (services README)
     for server in ctx.servers():
         path = server.api_key_file
         fact = ctx.fact(f"services.KeyFile[{server.name}]") if path else None
         if fact is None:
+            continue
+        if ctx.host.rootless:
+            rootless.check_key_file(ctx, server, fact)
             continue
         where = f"servers.{server.name}.api_key_file {path} on host {ctx.host.name}"
         quoted = shell.quote(path)
@@ -146,7 +177,7 @@ def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
     argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{rpc_binary}", host, rpc,
                                       rpc_server_cache(host.layout, rpc.port))
     warning = ""
-    if any(exposed.host == host.name for exposed in exposed_rpc_servers(cluster)):
+    if _exposed(cluster, host):
         # Said in the journal at every start, not only at plan time (seed ernos, section 13.4).
         warning = ("ExecStartPre=/bin/echo \"meshdeploy: WARNING: RPC on this port is "
                    "unauthenticated and unencrypted\"\n")
@@ -158,6 +189,10 @@ def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
                    tunnel=_after_tunnel(cluster, rpc.bind == cluster.source_address(host)),
                    warning=warning, sandbox=_sandbox(host), firewall=_rpc_firewall(
                        cluster, host, rpc, f"{where} (IPAddressAllow)"))
+
+
+def _exposed(cluster, host) -> bool:
+    return any(exposed.host == host.name for exposed in exposed_rpc_servers(cluster))
 
 
 def _rpc_firewall(cluster, host, rpc, setting: str) -> str:
@@ -223,82 +258,13 @@ def _with_key_path(server, path):
     return replace(server, api_key_file=path)
 
 
-class Systemd:
-    """Where units live and how they are (re)started on systemd hosts."""
-
-    def name(self, unit: str) -> str:
-        return unit_name(unit, "service name")
-
-    def path(self, unit: str) -> str:
-        return f"{d.services_unit_dir}/{unit}.service"
-
-    def install(self, unit: str) -> str:
-        return shell.command("systemctl", "daemon-reload", shell.AND, "systemctl", "enable",
-                             "--quiet", unit, shell.AND, "systemctl", "restart", unit)
-
-    def restart(self, unit: str) -> str:
-        return shell.command("systemctl", "enable", "--quiet", unit, shell.AND,
-                             "systemctl", "restart", unit)
-
-    def stop(self, unit: str) -> str:
-        """Stopped if it runs; nothing when it does not exist yet."""
-        return shell.command("systemctl", "stop", unit, shell.QUIET, shell.THEN, "true")
-
-    def remove(self, unit: str) -> str:
-        return shell.command("systemctl", "disable", "--now", unit, shell.QUIET,
-                             shell.THEN, "rm", "-f", self.path(unit))
-
-    def journal(self, unit: str) -> str:
-        return shell.command("journalctl", "-u", unit, "-n", d.services_journal_lines,
-                             "--no-pager", "-o", "cat", shell.TO_STDERR, shell.QUIET,
-                             shell.OR, "true")
-
-
-class Launchd(Systemd):
-    """The same on macOS: LaunchDaemon plists, launchctl bootstrap/kickstart."""
-
-    def name(self, unit: str) -> str:
-        return unit_name(d.services_launchd_prefix + unit.removeprefix(d.services_unit_prefix),
-                         "service name")
-
-    def path(self, unit: str) -> str:
-        return f"{d.services_launchd_dir}/{unit}.plist"
-
-    def install(self, unit: str) -> str:
-        return (shell.command("mkdir", "-p", d.services_launchd_log_dir) + " && ("
-                + shell.command("launchctl", "bootout", f"system/{unit}", shell.QUIET,
-                                shell.THEN, "true")
-                + ") && " + shell.command("launchctl", "bootstrap", "system", self.path(unit)))
-
-    def restart(self, unit: str) -> str:
-        return shell.command("launchctl", "kickstart", "-k", f"system/{unit}", shell.QUIET,
-                             shell.OR, "launchctl", "bootstrap", "system", self.path(unit))
-
-    def stop(self, unit: str) -> str:
-        """Unloaded if loaded (restart bootstraps it again)."""
-        return shell.command("launchctl", "bootout", f"system/{unit}", shell.QUIET,
-                             shell.THEN, "true")
-
-    def remove(self, unit: str) -> str:
-        return shell.command("launchctl", "bootout", f"system/{unit}", shell.QUIET, shell.THEN,
-                             "rm", "-f", self.path(unit))
-
-    def journal(self, unit: str) -> str:
-        return shell.command("tail", "-n", d.services_journal_lines,
-                             f"{d.services_launchd_log_dir}/{unit}.log", shell.TO_STDERR,
-                             shell.QUIET, shell.OR, "true")
-
-
 def manager(ctx) -> Systemd:
+    """The host's service manager: a rootless host's own (Layout.manager) first, else the
+    system's (launchd when the Platform fact says Darwin)."""
+    rootless = for_layout(ctx.host.layout, ctx.fact("services.RunitTools"), ctx.cluster.name)
+    if rootless is not None:
+        return rootless
     return Launchd() if is_macos(ctx) else Systemd()
-
-
-def unit_path(name: str) -> str:
-    return Systemd().path(name)
-
-
-def journal_tail(unit: str) -> str:
-    return Systemd().journal(unit)
 
 
 def _unit_step(ctx, resource, unit, want, reason_restart=None):
@@ -306,13 +272,14 @@ def _unit_step(ctx, resource, unit, want, reason_restart=None):
     mgr = manager(ctx)
     units = ctx.fact("services.Units") or {}
     have = units.get(unit)
-    write = [shell.write_file(mgr.path(unit), want), mgr.install(unit)]
+    write = [*mgr.write(unit, want), mgr.install(unit)]
     if have is None:
         return Step(ctx.change(ROLE, resource, "create", "new service",
-                               unit_diff=_diff(None, want, unit)), write), True
-    if have["content"] != want:
+                               unit_diff=_diff(None, want, mgr.label(unit))), write), True
+    if mgr.differs(have, want, unit):
         return Step(ctx.change(ROLE, resource, "update", "unit file differs; restart",
-                               unit_diff=_diff(have["content"], want, unit)), write), True
+                               unit_diff=_diff(have["content"], want, mgr.label(unit))),
+                    write), True
     if reason_restart:
         return Step(ctx.change(ROLE, resource, "update", reason_restart,
                                [AttrDiff("restart", None, "yes")]),
@@ -334,10 +301,10 @@ def _unit_step(ctx, resource, unit, want, reason_restart=None):
     return Step(ctx.change(ROLE, resource, "no-op", f"{unit} active, unit unchanged")), False
 
 
-def _diff(before, after, unit) -> str:
+def _diff(before, after, label) -> str:
     a = (before or "").splitlines(keepends=True)
     return "".join(difflib.unified_diff(a, after.splitlines(keepends=True),
-                                        f"{unit}.service (host)", f"{unit}.service (wanted)"))
+                                        f"{label} (host)", f"{label} (wanted)"))
 
 
 def _build_info(ctx) -> tuple[str | None, dict | None]:
@@ -392,14 +359,24 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
     unit = mgr.name(rpc.unit_name)
     if manifest is None:
         return _awaits_build(ctx, resource, unit, restarts=(rpc_ref(ctx.host.name, port),))
-    if isinstance(mgr, Launchd):
+    cache = rpc_server_cache(ctx.host.layout, rpc.port)
+    if isinstance(mgr, (Launchd, SystemdUser, Runit)):
         argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{manifest['rpc_binary']}", ctx.host,
-                                          rpc, rpc_server_cache(ctx.host.layout, rpc.port))
+                                          rpc, cache)
+    if isinstance(mgr, Launchd):
         want = launchd_plist(unit, argv, env, d.services_launchd_log_dir)
+    elif isinstance(mgr, (SystemdUser, Runit)):
+        want = rootless.want(ctx, mgr, f"hosts.{ctx.host.name}.rpc_servers[{port}]", argv, env,
+                              f"llama.cpp RPC worker {rpc.bind}:{port} (meshdeploy)",
+                              "rpc-server.user.service",
+                              exposed=_exposed(ctx.cluster, ctx.host), bind=rpc.bind,
+                              port=int(port))
     else:
         want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
     step, restarted = _unit_step(ctx, resource, unit, want)
     if restarted:
+        if ctx.host.rootless and rpc.cache:
+            step.commands.insert(0, rootless.make_cache(cache))
         step.restarts = (rpc_ref(ctx.host.name, port),)
         step.commands.append(tcp_wait(rpc.bind, port, d.services_rpc_probe_seconds,
                                       mgr.journal(unit), f"{ctx.host.name}/{unit}"))
@@ -415,9 +392,7 @@ def stale_units(ctx: HostContext) -> Step:
     stale = sorted(u for u in units if u not in wanted)
     if not stale:
         return Step(ctx.change(ROLE, "cleanup", "no-op", "no stale units"))
-    cmds = [mgr.remove(u) for u in stale]
-    if not isinstance(mgr, Launchd):
-        cmds.append("systemctl daemon-reload")
+    cmds = [mgr.remove(u) for u in stale] + mgr.reload()
     return Step(ctx.change(ROLE, "cleanup", "delete", "no longer in the cluster file",
                            [AttrDiff("units", " ".join(stale), None)]), cmds)
 
@@ -429,14 +404,18 @@ def model_sha(ctx: HostContext, name: str) -> str | None:
     return None
 
 
-def health_wait(server, journal: str | None = None) -> str:
-    """llama-server answers 503 while loading; 200 on /health means ready."""
+def health_wait(server, journal: str | None = None, shim: str = "") -> str:
+    """llama-server answers 503 while loading; 200 on /health means ready.
+
+    + shim: fixed shell text before the script (_restarts_shim: how a rootless host's manager
+      counts restarts)"""
     h = server.health
-    return (shell.template(TEMPLATES / "health.sh", prelude=progress.REPORT,
+    prelude = progress.REPORT + ("\n" + shim if shim else "")
+    return (shell.template(TEMPLATES / "health.sh", prelude=prelude,
                            RETRIES=int(h.retries), INTERVAL=f"{h.interval:g}",
                            URL=f"{server.local_url}/health", UNIT=server.unit_name,
                            BUDGET=f"{h.budget:g}", EXITS=d.services_health_exits)
-            + "\n" + (journal or journal_tail(server.unit_name)) + "; exit 1")
+            + "\n" + (journal or Systemd().journal(server.unit_name)) + "; exit 1")
 
 
 def llama_server(ctx: HostContext, name: str) -> Step:
@@ -454,13 +433,21 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     if manifest is None:
         return _awaits_build(ctx, resource, unit)
     sha = model_sha(ctx, server.model)
-    if isinstance(mgr, Launchd):
+    if isinstance(mgr, (Launchd, SystemdUser, Runit)):
         flags = manifest.get("flags")
         argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", ctx.cluster, server,
                                        model_path(ctx.cluster, server.model, ctx.host),
                                        frozenset(flags) if flags else None)
-        want = launchd_plist(unit, argv, {"MESHDEPLOY_MODEL_SHA256": sha} if sha else {},
-                             d.services_launchd_log_dir)
+        env = {"MESHDEPLOY_MODEL_SHA256": sha} if sha else {}
+    if isinstance(mgr, Launchd):
+        want = launchd_plist(unit, argv, env, d.services_launchd_log_dir)
+    elif isinstance(mgr, (SystemdUser, Runit)):
+        where = f"servers.{server.name}"
+        want = rootless.want(ctx, mgr, where, argv, env,
+                              f"llama-server {server.name} on {server.bind}:{server.port} "
+                              "(meshdeploy)", "llama-server.user.service",
+                              name=unit_name(server.name, where), bind=server.bind,
+                              port=int(server.port))
     else:
         want = server_unit(ctx.cluster, ctx.host, server, build_dir, manifest.get("flags"), sha)
     step, restarted = _unit_step(ctx, resource, unit, want, reason)
@@ -469,7 +456,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
         checks = [tcp_wait(e.address, e.rpc.port, 10, None, f"{ctx.host.name} -> {e.target}")
                   for e in endpoints]
         step.commands = ([mgr.stop(unit)] if checks else []) + checks + step.commands + [
-            health_wait(server, mgr.journal(unit))]
+            health_wait(server, mgr.journal(unit), rootless.restarts_shim(mgr))]
         lost = sorted({e.host.name for e in endpoints} & ctx.failed_hosts)
         if lost:
             # Restarting now would stop a llama-server that still serves and start one that
@@ -499,9 +486,7 @@ def destroy(ctx: HostContext, purge: bool) -> Teardown:
     for unit in sorted(units):
         have = units[unit]
         # A llama-server whose workers stop first ends "failed": reset, so systemd forgets it.
-        cmds = [mgr.remove(unit)] + ([] if isinstance(mgr, Launchd) else [
-            shell.command("systemctl", "daemon-reload", shell.AND, "systemctl", "reset-failed",
-                          unit, shell.QUIET, shell.OR, "true")])
+        cmds = [mgr.remove(unit)] + mgr.forget(unit)
         steps.append(Step(ctx.change(ROLE, _unit_resource(unit), "delete",
                                      "leaves the cluster: stopped, disabled, removed",
                                      [AttrDiff("unit", unit, None),
