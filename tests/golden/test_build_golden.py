@@ -25,6 +25,7 @@ INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml")) + [
     Path(__file__).resolve().parents[1] / "data" / "vulkan-rocm.yaml"]
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "builds"
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+TERMUX_BIN = "/data/data/com.termux/files/usr/bin"
 FLAGS = ["-m", "--model", "--host", "--port", "--rpc", "-ngl", "-ts", "-c", "-lm",
          "--api-key-file"]
 
@@ -37,12 +38,16 @@ def contexts(cluster):
             resolved.models[name] = HfResolved(model.source.repo, "f" * 40, tuple(
                 HfFile(f, 1, "a" * 64, f"https://hf.example/{f}") for f in files))
     for host in cluster.hosts:
-        key = llama_cpp.build_key(cluster, host, COMMIT)
+        # An inventory's rootless hosts are phones under Termux (tests/support/accounts.py).
+        key = llama_cpp.build_key(cluster, host, COMMIT, termux=host.rootless)
         kernel = "Darwin" if host.backend == "metal" else "Linux"
-        facts = {"toolchain.Platform": {"kernel": kernel, "tools": []},
+        facts = {"toolchain.Platform": {"kernel": kernel, "tools": [], "termux": host.rootless},
                  "llama_cpp.Builds": {"current": None, "builds": {key: {
                      "commit": COMMIT, "rpc_binary": "ggml-rpc-server", "flags": FLAGS}}},
                  "services.Units": {}}
+        if host.rootless:
+            facts["services.RunitTools"] = {"sh": f"{TERMUX_BIN}/sh",
+                                            "svlogd": f"{TERMUX_BIN}/svlogd"}
         yield HostContext(cluster, host, facts, resolved)
 
 
@@ -53,14 +58,15 @@ def render(inventory: Path) -> str:
         host = ctx.host
         if not llama_cpp.targets(cluster, host):
             continue
-        key = llama_cpp.build_key(cluster, host, COMMIT)
+        key = llama_cpp.build_key(cluster, host, COMMIT, termux=host.rootless)
         decided(ctx, build_key=key)
         out.append(f"\n## {host.name} ({host.backend}) build {key}")
         out.append(llama_cpp.build_script(ctx, key))
         for rpc in host.rpc_servers:
             step = services.rpc_server(ctx, rpc.port)
             out.append(f"\n## {host.name} {step.change.address}")
-            out.append(step.commands[0])
+            # The unit file (a runit service folder: its run and log/run files): a heredoc.
+            out += [c for c in step.commands if "<<'" in c]
         for server in ctx.servers():
             step = services.llama_server(ctx, server.name)
             out.append(f"\n## {host.name} {step.change.address}")
