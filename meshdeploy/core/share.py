@@ -21,6 +21,14 @@ sandbox of HARDENING (pinned by tests/unit/test_unit_hardening.py): systemd owns
 any user may (the models role leaves 0644 files under 0755 folders; the llama-servers' own
 DynamicUser units read them too), and its lines go to LOG, opened for it by root (systemd's
 StandardOutput=append:, the shell's >>).
+
+On a rootless host it runs as the login user, who owns the files it serves, with its pid file
+and log in the user's folders (paths(): Layout.run, Layout.cache). Under systemd --user it is
+a transient unit of the user's manager, `systemd-run --user`, with what such a manager enforces
+(USER_HARDENING; no DynamicUser, and no IPAddressAllow: md-share's own allow-list is the filter
+there). Under runit, which supervises services and starts nothing for a step, it is a
+background process of the user's in a session of its own, stopped and replaced through its pid
+file as on a host without systemd. Either way it still exits by itself once idle.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
+from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import shell, transient
 from meshdeploy.core.paths import model_share_port
 
@@ -51,7 +60,19 @@ HARDENING = (
     "ProcSubset=pid", "SystemCallFilter=~@resources", "TimeoutStopSec=10",
 )
 
-START = Path(__file__).with_name("templates") / "md-share-start.sh"
+# md-share as a unit of a rootless host's systemd --user (transient.USER_SANDBOX says why so few).
+USER_HARDENING = (*transient.USER_SANDBOX, "SystemCallFilter=~@resources", "TimeoutStopSec=10")
+
+# The start script, and the preludes that give it md_share_launch (see md-share-start.sh).
+START = shell.TEMPLATES / "md-share-start.sh"
+_LAUNCH = shell.TEMPLATES / "md-share-launch.sh"  # a host with root: a unit, or nobody's process
+_UNIT = shell.TEMPLATES / "md-share-unit.sh"  # md_share_as_unit
+_DETACH = shell.TEMPLATES / "md-share-detach.sh"  # md_share_detach
+# A rootless host: md-share as the login user, its pid file and log in the user's folders made
+# the user's alone, then started as a unit of the user's manager or (runit) a process of its own.
+_USER_LAUNCH = ('md_share_launch() {{\n'
+                '  mkdir -p "$(dirname "$PID")" && chmod 700 "$(dirname "$PID")" "$(dirname "$LOG")" '
+                '|| exit 1\n  {start} "$@"\n}}')
 
 
 def properties(allow) -> list[str]:
@@ -65,6 +86,21 @@ def properties(allow) -> list[str]:
             pass
     return [*HARDENING, f"StandardOutput=append:{LOG}", f"StandardError=append:{LOG}",
             "IPAddressDeny=any", " ".join(["IPAddressAllow=127.0.0.0/8 ::1/128", *ips])]
+
+
+def user_properties(log: str) -> list[str]:
+    """The settings of md-share's unit under a rootless host's systemd --user, its log `log`."""
+    return [*USER_HARDENING, f"StandardOutput=append:{log}", f"StandardError=append:{log}"]
+
+
+def paths(layout) -> dict[str, str]:
+    """The start script's paths on a host of `layout`: PID, OLD_PID, LOG and BOOTED on a host
+    with root; on a rootless host PID and LOG in the login user's folders, and no earlier md-share
+    of root's to stop."""
+    if not layout.rootless:
+        return {"PID": PID, "OLD_PID": OLD_PID, "LOG": LOG, "BOOTED": transient.BOOTED}
+    return {"PID": f"{layout.run}/md-share.pid", "OLD_PID": "",
+            "LOG": f"{layout.cache}/md-share.log"}
 
 
 def server_path(prefix: str) -> str:
@@ -99,17 +135,36 @@ def start(cluster, host, files: dict[str, str], clients, growing: dict | None = 
     for name, (partial, size) in (growing or {}).items():
         args += ["--growing", f"{name}={partial}:{int(size)}"]
     server = server_path(host.layout.prefix)
+    layout = host.layout
     return [shell.write_file(server, SERVER.read_text(), "0755"),
-            start_script(server, args, host.name, allow)]
+            start_script(server, args, host.name, allow, layout.manager, **paths(layout))]
 
 
-def start_script(server: str, args: list, host_name: str, allow, **paths: str) -> str:
+def start_script(server: str, args: list, host_name: str, allow, manager: str = "",
+                 **where: str) -> str:
     """The script that (re)starts md-share `server` with `args` (`allow`: the clients' addresses);
-    `paths` replace PID, OLD_PID, LOG and BOOTED (tests run it in a folder of their own)."""
-    unit = shell.join(["md_systemd_run", "--quiet", "--collect", f"--unit={UNIT}",
-                       "--description=md-share: model files for the cluster (meshdeploy)",
-                       *(w for p in properties(allow) for w in ("-p", p)), "--"])
-    where = {"PID": PID, "OLD_PID": OLD_PID, "LOG": LOG, "BOOTED": transient.BOOTED, **paths}
-    prelude = shell.SYSTEMD_RUN + f'\nmd_share_unit() {{ {unit} "$@"; }}'
-    return shell.template(START, args=args, prelude=prelude, PY=PYTHON, SERVER=server,
+    `manager`: a rootless host's (Layout.manager), "" on a host with root; `where`: the paths
+    (paths(), which a host with root has by default; tests run it in a folder of their own)."""
+    if manager not in (SYSTEMD_USER, RUNIT):
+        where = {"PID": PID, "OLD_PID": OLD_PID, "LOG": LOG, "BOOTED": transient.BOOTED, **where}
+    if manager == SYSTEMD_USER:
+        prelude = [shell.SYSTEMD_RUN, transient.USER_SCOPE,
+                   _unit_function(["--user"], user_properties(where["LOG"])),
+                   shell.body(_UNIT), _USER_LAUNCH.format(start="md_share_as_unit")]
+    elif manager == RUNIT:
+        prelude = [shell.body(_DETACH),
+                   _USER_LAUNCH.format(start='stop_pid "$PID"; md_share_detach')]
+    else:
+        prelude = [shell.SYSTEMD_RUN, _unit_function([], properties(allow)), shell.body(_UNIT),
+                   shell.body(_DETACH), shell.body(_LAUNCH)]
+    return shell.template(START, args=args, prelude="\n".join(prelude), PY=PYTHON, SERVER=server,
                           UNIT=UNIT, HOST=host_name, PORT=model_share_port, **where)
+
+
+def _unit_function(scope: list[str], props: list[str]) -> str:
+    """md_share_unit: md_systemd_run with md-share's unit options (`scope`: ["--user"] for the
+    login user's manager) and settings `props`."""
+    unit = shell.join(["md_systemd_run", *scope, "--quiet", "--collect", f"--unit={UNIT}",
+                       "--description=md-share: model files for the cluster (meshdeploy)",
+                       *(w for p in props for w in ("-p", p)), "--"])
+    return f'md_share_unit() {{ {unit} "$@"; }}'

@@ -1,8 +1,10 @@
 # (Re)start md-share, never as root. Inputs (assigned above by core.share.start_script): PY,
-# SERVER (md-share.py), PID, OLD_PID, LOG, BOOTED, UNIT, HOST, PORT; md-share's arguments in
-# "$@"; md_share_unit (the prelude) is systemd-run with the unit's settings. An md-share left
-# by an earlier step or run is stopped first (it may serve other files). md-share writes PID
-# once it listens; its output goes to LOG, so the SSH channel closes when this ends.
+# SERVER (md-share.py), PID, OLD_PID, LOG, HOST, PORT, and what the prelude's functions read;
+# md-share's arguments in "$@". md_share_launch (the prelude: md-share-launch.sh on a host with
+# root, core.share's own lines on a rootless host) starts it and defines alive and why. An
+# md-share left by an earlier step or run is stopped first (it may serve other files).
+# md-share writes PID once it listens; its output goes to LOG, so the SSH channel closes when
+# this ends.
 command -v "$PY" >/dev/null 2>&1 ||
   { echo "$HOST: no $PY to run md-share; the toolchain role installs it" >&2; exit 1; }
 PY=$(command -v "$PY")
@@ -21,30 +23,7 @@ stop_pid() {
 }
 stop_pid "$OLD_PID"
 mkdir -p "$(dirname "$LOG")"
-if [ -d "$BOOTED" ] && command -v systemd-run >/dev/null 2>&1; then
-  md_unit_free "$UNIT.service"
-  md_share_unit "$PY" "$SERVER" --pid-file "$PID" "$@" ||
-    { echo "$HOST: md-share did not start (systemd-run)" >&2; exit 1; }
-  alive() { systemctl is-active --quiet "$UNIT.service"; }
-  why() { tail -n 5 "$LOG"; journalctl -u "$UNIT.service" -n 5 --no-pager -o cat 2>/dev/null; }
-else
-  stop_pid "$PID"
-  D=$(dirname "$PID"); mkdir -p "$D" && chown nobody "$D" && chmod 755 "$D" || exit 1
-  if command -v setpriv >/dev/null 2>&1; then
-    set -- setpriv --reuid="$(id -u nobody)" --regid="$(id -g nobody)" --clear-groups \
-      --no-new-privs "$PY" "$SERVER" --pid-file "$PID" "$@"
-  elif command -v sudo >/dev/null 2>&1; then
-    set -- sudo -n -u nobody "$PY" "$SERVER" --pid-file "$PID" "$@"
-  else
-    echo "$HOST: md-share runs as nobody through setpriv or sudo; this host has neither" >&2
-    exit 1
-  fi
-  if command -v setsid >/dev/null 2>&1; then set -- setsid "$@"; else set -- nohup "$@"; fi
-  "$@" </dev/null >>"$LOG" 2>&1 &
-  S=$!
-  alive() { kill -0 "$S" 2>/dev/null; }
-  why() { tail -n 5 "$LOG"; }
-fi
+md_share_launch "$PY" "$SERVER" --pid-file "$PID" "$@"
 i=0
 until [ -f "$PID" ]; do
   alive || { echo "$HOST: md-share did not start:" >&2; why >&2; exit 1; }

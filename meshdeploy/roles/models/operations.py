@@ -1,4 +1,8 @@
-"""models: GGUF files on the hosts that load them, downloaded with resume and verified once."""
+"""models: GGUF files on the hosts that load them, downloaded with resume and verified once.
+
+Every path is under the host's prefix (Layout.prefix: llama_cpp.prefix on a host with root, the
+login user's XDG data folder on a rootless host) or the operator's own (a path, an Ollama
+store); no command needs root, so a rootless host runs the same ones as that user."""
 
 from __future__ import annotations
 
@@ -131,7 +135,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
                 shell.subshell(verify_script(path, f.sha256)) + " || { "
                 + shell.command("rm", "-f", path) + "; "
                 + shell.subshell(download_script(path, url_of(f), f.size, f.sha256, auth,
-                                                 copying)) + "; }")))
+                                                 copying)) + "; }", ctx.host.layout)))
             continue
         have = fact["size"] if fact else None
         actions.add("create" if have is None else "replace")
@@ -144,15 +148,19 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
             commands.append(shell.command("rm", "-f", path, path + d.models_verified_suffix))
         commands.append(fed(inflight.guarded(f"models.gguf[{name}/{f.name}]",
                                              download_script(path, url_of(f), f.size,
-                                                             f.sha256, auth, copying))))
+                                                             f.sha256, auth, copying),
+                                             ctx.host.layout)))
     serve, copiers = _serve(ctx, name, resolved)
     if not commands and not serve:
         return Step(ctx.change(ROLE, resource, "no-op", f"{name} present, sha256 verified"))
     free = ctx.fact("models.DiskFree")
     if free is not None and missing_bytes + d.models_disk_headroom_bytes > free:
+        # A rootless host's prefix is the login user's XDG data folder (core.account).
+        larger = "set XDG_DATA_HOME of the login user there" if ctx.host.layout.rootless \
+            else "set llama_cpp.prefix"
         raise PlanError(f"host {ctx.host.name}: {name} needs {missing_bytes / 2**30:.2f} GiB more "
                         f"under {ctx.prefix}, only {free / 2**30:.2f} GiB free",
-                        hint="free disk space or set llama_cpp.prefix to a larger disk")
+                        hint=f"free disk space or {larger} to a larger disk")
     transfer = Transfer(lan_bytes=missing_bytes if copying else 0,
                         internet_bytes=0 if copying else missing_bytes,
                         disk_bytes=missing_bytes, disk_free=free) if missing_bytes else None
@@ -238,8 +246,9 @@ def _check_architecture(where: str, host: str, head_b64: str | None) -> None:
 
 
 def destroy(ctx: HostContext, purge: bool):
-    """The model folders under llama_cpp.prefix/models; only with purge (a model's bytes are
-    expensive to download again). A path or Ollama source is the operator's, never touched."""
+    """The model folders under the host's prefix (Layout.prefix: llama_cpp.prefix, a rootless
+    host's ~/.local/share/meshdeploy)/models; only with purge (a model's bytes are expensive to
+    download again). A path or Ollama source is the operator's, never touched."""
     stored = ctx.fact("models.Stored") or {}
     names = ", ".join(sorted(p.rsplit("/", 1)[-1] for p in stored))
     folder = f"{ctx.prefix}/{d.models_dir}"

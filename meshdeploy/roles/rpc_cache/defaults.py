@@ -21,7 +21,7 @@ rpc_cache_marker = ".meshdeploy-seeded"
 rpc_cache_digests_suffix = ".tensors"
 rpc_cache_fetch_attempts = 3                   # per tensor, each a fresh ranged GET
 rpc_cache_fetch_lanes = 4                      # tensors fetched and hashed at once (<= cores)
-rpc_cache_disk_headroom_bytes = 512 * 1024 * 1024  # left free under /var/cache after seeding
+rpc_cache_disk_headroom_bytes = 512 * 1024 * 1024  # left free in Layout.cache after seeding
 
 # --- reading a remote GGUF header ------------------------------------------------------------------
 rpc_cache_header_first_fetch = 1024 * 1024     # grown x4 until the tensor infos are complete

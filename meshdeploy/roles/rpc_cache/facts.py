@@ -54,7 +54,7 @@ class CacheDir(FactBase):
      "marker": [("<gguf sha256>", 6527680, 178257920, "f42cfb619b3cade9")]}
     ```
     Two keys appear only when the folder's service user left something odd (it owns the folder,
-    and this fact runs as root):
+    and this fact runs as root; on a rootless host, both are the login user):
     - "link": True: the folder itself is a symbolic link (or was swapped for one while being
       read); nothing in it was listed or read, entries/temporary/marker are empty. Seeding must
       refuse such a folder, never write through it.
@@ -67,14 +67,16 @@ class CacheDir(FactBase):
 
     # The folder by its physical path, compared with its parent's: a link swapped in after the
     # -L test is caught, and once inside only relative names are used.
-    _BODY = r"""[ -L "$D" ] && { echo link; exit 0; }
+    _LIST = r"""[ -L "$D" ] && { echo link; exit 0; }
 cd -P "$D" 2>/dev/null || exit 0
 P=$(cd -P "${D%/*}/" && pwd -P) && [ "$(pwd -P)" = "${P%/}/${D##*/}" ] || { echo link; exit 0; }
 echo dir
 if stat -c %s . >/dev/null 2>&1; then F=-c S='file %s %n'; else F=-f S='file %z %N'; fi
 find . -maxdepth 1 -type f \( -name "$H" -o -name ".$H.tmp" -o -name '.meshdeploy-seed*' \) \
   ! -name '*[!0-9a-z.-]*' -exec stat "$F" "$S" {} + 2>/dev/null
-o=$(stat -c %u . 2>/dev/null || stat -f %u .); g=$(stat -c %g . 2>/dev/null || stat -f %g .)
+"""
+    # The probe runs as root: the marker is read as the folder's owner.
+    _MARKER_AS_OWNER = r"""o=$(stat -c %u . 2>/dev/null || stat -f %u .); g=$(stat -c %g . 2>/dev/null || stat -f %g .)
 if [ -L "$MARKER" ]; then echo markerlink
 elif [ ! -f "$MARKER" ]; then :
 elif [ "$o" = 0 ]; then head -c "$MOST" < "$MARKER" | printable | sed 's/^/marker /'
@@ -86,10 +88,21 @@ elif command -v setpriv >/dev/null 2>&1; then
     read "$MOST" "./$MARKER" | printable | sed 's/^/marker /'
 else echo markerunread
 fi; true"""
+    # A rootless host: the probe runs as the login user, who runs the rpc-server too and owns
+    # the folder; setpriv could not clear its groups. Read as itself, the marker gives nothing
+    # the user could not read anyway, from inside the folder, and not forever.
+    _MARKER_AS_USER = r"""if [ -L "$MARKER" ]; then echo markerlink
+elif [ -f "$MARKER" ]; then
+  t=; command -v timeout >/dev/null 2>&1 && t="timeout 10"
+  $t sh -c 'exec head -c "$1" < "$2"' read "$MOST" "./$MARKER" | printable | sed 's/^/marker /'
+fi; true"""
 
-    def command(self, path):
+    def command(self, path, as_user=False):
+        """+ as_user: the folder is the login user's (a rootless host), not a service user's
+        that a root probe reads as."""
         # One stat for every file (a cache holds hundreds of entries); GNU stat, else BSD stat.
-        return shell.script(self._BODY, prelude=_PRINTABLE, D=path, MARKER=d.rpc_cache_marker,
+        body = self._LIST + (self._MARKER_AS_USER if as_user else self._MARKER_AS_OWNER)
+        return shell.script(body, prelude=_PRINTABLE, D=path, MARKER=d.rpc_cache_marker,
                             H="[0-9a-f]" * 16, MOST=_MARKER_MOST)
 
     def process(self, output):
@@ -133,7 +146,8 @@ def _marker_record(parts: list[str]) -> tuple | None:
 
 
 class CacheFree(probe.DiskFree):
-    """Free bytes where rpc-server caches live (/var/cache, or its nearest existing parent)."""
+    """Free bytes where rpc-server caches live (Layout.cache: /var/cache, a rootless host's
+    ~/.cache/meshdeploy; or its nearest existing parent)."""
 
 
 class Digests(FactBase):

@@ -106,7 +106,12 @@ def sections(cluster, host) -> list[Section]:
     if not ports:
         return out
     out.append(Section("rpc_cache.CacheFree", CacheFree, {"path": host.layout.cache}))
-    # A DynamicUser's CacheDirectory lives under /var/cache/private (0700 root): only root reads it.
+    # A DynamicUser's CacheDirectory lives under /var/cache/private (0700 root): only root reads
+    # it. A rootless host's is the login user's own, read as that user.
+    if host.layout.rootless:
+        return out + [Section(f"rpc_cache.CacheDir[{p}]", CacheDir,
+                              {"path": d.cache_dir_for(host.layout, p), "as_user": True})
+                      for p in ports]
     out += [Section(f"rpc_cache.CacheDir[{p}]", CacheDir, {"path": d.cache_dir_for(host.layout, p)},
                     privileged=True)
             for p in ports]
@@ -197,7 +202,9 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
 
     + model_path, model_sha: the GGUF on this worker and its sha256
     + tensors: what llama-server sends to this rpc-server (placement.device_tensors)
-    + cache_dir: rpc-server's $LLAMA_CACHE/rpc (defaults.cache_dir_for(port))
+    + cache_dir: rpc-server's $LLAMA_CACHE/rpc (defaults.cache_dir_for(layout, port)), seeded
+      as the rpc-server's user (as_service_user), on a rootless host as the login user
+      (as_login_user)
     + also: further models served through the same rpc-server; their entries are kept too
     + model, source: the model's name and, when this worker keeps no GGUF of it, the host whose
       verified copy its tensors are fetched from (ranged GETs to md-share, each tensor checked
@@ -279,11 +286,14 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
             return Step(change, transfer=transfer)
         fetches.append((m, share.url(ctx.cluster, m.source, m.model_sha),
                         [(off, size) + digests[off][1:] for off, size in missing]))
-    return Step(change,
-                [inflight.guarded(f"rpc_cache.seed[{port}]", as_service_user(port, _seed_script(
-                    tool_path(ctx.prefix), cache_dir, sorted(set(cov.keep_lines)),
-                    [t for t in cov.to_seed if not t[0].source], fetches),
-                    [ctx.cluster.source_address(ctx.cluster.host(m.source)) for m, _, _ in fetches]))],
+    script = _seed_script(tool_path(ctx.prefix), cache_dir, sorted(set(cov.keep_lines)),
+                          [t for t in cov.to_seed if not t[0].source], fetches)
+    if ctx.host.layout.rootless:
+        seeding = as_login_user(cache_dir.rsplit("/", 1)[0], script)  # $LLAMA_CACHE of rpc/
+    else:
+        seeding = as_service_user(port, script, [ctx.cluster.source_address(
+            ctx.cluster.host(m.source)) for m, _, _ in fetches])
+    return Step(change, [inflight.guarded(f"rpc_cache.seed[{port}]", seeding, ctx.host.layout)],
                 transfer=transfer)
 
 
@@ -355,6 +365,14 @@ def as_service_user(port: int, seed_script: str, sources=()) -> str:
     return shell.assign_text("SEED", seed_script) + "\n" + shell.template(
         TEMPLATES / "seed-as-service.sh", args=props, prelude=shell.SYSTEMD_RUN,
         UNIT=rpc_unit_name(port), BOOTED=transient.BOOTED, RUNDIR=RUNDIR)
+
+
+def as_login_user(cache: str, seed_script: str) -> str:
+    """`seed_script` run on a rootless host as its login user, the rpc-server's own
+    (templates/seed-as-user.sh): no unit, in the step's process group; `cache` (the
+    rpc-server's LLAMA_CACHE) made the user's alone, a link there replaced by a folder."""
+    return shell.assign_text("SEED", seed_script) + "\n" + shell.template(
+        TEMPLATES / "seed-as-user.sh", CACHE=cache)
 
 
 _HEX = re.compile(r"[0-9a-f]+")

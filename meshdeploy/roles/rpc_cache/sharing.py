@@ -85,7 +85,7 @@ def share(ctx: HostContext) -> Step:
                                f"digest lists of {', '.join(shares)} ({listed} tensors); "
                                "every fetching cache is seeded"))
     commands = [inflight.guarded(f"rpc_cache.share[{model}]",
-                                 _digest_script(ctx, model, sha, wanted))
+                                 _digest_script(ctx, model, sha, wanted), ctx.host.layout)
                 for model, sha, wanted in digest]
     reason = []
     if digest:

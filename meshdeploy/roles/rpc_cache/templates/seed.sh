@@ -3,12 +3,12 @@
 # fetched. Below these functions the operation appends one seed_one/fetch_one call per model,
 # each with its tensor list as a heredoc, then seed_finish.
 #
-# It runs as the rpc-server's own user (seed-as-service.sh), or as root where the folder is
-# root's: it refuses a folder another user owns. Whatever else can write here is that same user,
-# so nothing is written through a name that may already exist: work files live in a folder
-# mktemp makes, the marker is renamed into place, entries are md-rpc-seed's (O_EXCL|O_NOFOLLOW
-# temporaries renamed over whatever held the name), and a link where a folder or an entry
-# belongs is removed, never followed.
+# It runs as the rpc-server's own user (seed-as-service.sh; on a rootless host the login user,
+# seed-as-user.sh), or as root where the folder is root's: it refuses a folder another user
+# owns. Whatever else can write here is that same user, so nothing is written through a name
+# that may already exist: work files live in a folder mktemp makes, the marker is renamed into
+# place, entries are md-rpc-seed's (O_EXCL|O_NOFOLLOW temporaries renamed over whatever held the
+# name), and a link where a folder or an entry belongs is removed, never followed.
 set -e
 P=${D%/*}
 mkdir -p "$P"
