@@ -167,8 +167,24 @@ def refresh_script(holder: Holder, lock: str = HOST_LOCK) -> str:
     return shell.script(_REFRESH, LOCK=lock, TOKEN=holder.token)
 
 
-def release_script(holder: Holder, lock: str = HOST_LOCK) -> str:
-    return shell.script(_RELEASE, LOCK=lock, TOKEN=holder.token)
+def release_script(holder: Holder, lock: str = HOST_LOCK, layout: Layout | None = None) -> str:
+    """The lock removed when this run holds it; on a rootless host also meshdeploy's own
+    folders of the layout that are left empty (after destroy --purge: nothing of meshdeploy's
+    stays in the user's folders). rmdir removes only empty folders, so after an apply the
+    folders that hold something stay."""
+    script = shell.script(_RELEASE, LOCK=lock, TOKEN=holder.token)
+    if layout is None or not layout.rootless:
+        return script
+    tidy = shell.command("rmdir", *tidy_folders(layout), shell.QUIET)
+    return f"{script}; {tidy}; true"
+
+
+def tidy_folders(layout: Layout) -> list[str]:
+    """A rootless layout's folders that meshdeploy makes, children before their parents (its
+    services folder is the user's own, or termux-services', and stays)."""
+    folders = [f"{layout.run}/steps", layout.run, f"{layout.cache}/log", layout.cache,
+               layout.prefix]
+    return sorted(set(folders), key=lambda f: (-f.count("/"), folders.index(f)))
 
 
 @dataclass(frozen=True)
@@ -310,7 +326,8 @@ class HostLocks:
             self._beat = None
         for name in self.held:
             try:
-                self.session.run(name, release_script(self.holder, self.lock(name)))
+                self.session.run(name, release_script(self.holder, self.lock(name),
+                                                      self.layouts.get(name)))
             except Exception:  # an unreachable host keeps a lock that goes stale
                 pass
         self.held = []

@@ -176,3 +176,30 @@ def test_a_run_folder_the_user_cannot_make_is_named(home):
     assert "Permission denied" in str(info.value)
     assert f"must be able to make {walled}/meshdeploy" in info.value.hint
     assert "ssh.sudo" not in info.value.hint
+
+
+def test_release_leaves_no_empty_folder_of_meshdeploy_in_the_users_home(home):
+    """After destroy --purge the roles emptied the layout's folders; the lock's release removes
+    them (and the run folder that held the lock). A folder that still holds something stays."""
+    layout = user_layout(home, run=f"{home}/.cache/meshdeploy/run")  # Termux: no runtime dir
+    holder = locks.me("destroy")
+    acquired = subprocess.run(as_user(["sh", "-c", locks.acquire_script(
+        holder, lock=locks.host_lock(layout))]), capture_output=True, text=True)
+    assert acquired.stdout.strip() == "acquired", acquired.stderr
+    for folder in (f"{layout.run}/steps", f"{layout.cache}/log", layout.prefix):
+        subprocess.run(as_user(["mkdir", "-p", folder]), check=True)
+    release = locks.release_script(holder, locks.host_lock(layout), layout)
+    subprocess.run(as_user(["sh", "-c", release]), check=True)
+    left = [str(p.relative_to(home)) for p in sorted(home.rglob("*"))]
+    assert left == [".cache", ".local", ".local/share"]  # the user's own, not meshdeploy's
+    # After an apply the folders hold the services' files: they stay, only the lock goes.
+    acquired = subprocess.run(as_user(["sh", "-c", locks.acquire_script(
+        holder, lock=locks.host_lock(layout))]), capture_output=True, text=True)
+    assert acquired.stdout.strip() == "acquired"
+    subprocess.run(as_user(["mkdir", "-p", f"{layout.cache}/log/meshdeploy-rpc-50052"]),
+                   check=True)
+    subprocess.run(as_user(["sh", "-c", release]), check=True)
+    assert Path(f"{layout.cache}/log/meshdeploy-rpc-50052").is_dir()
+    assert not Path(locks.host_lock(layout)).exists()
+    # A host with root keeps the release it always had: nothing else is removed there.
+    assert locks.release_script(holder) == locks.release_script(holder, layout=system_layout("/o"))
