@@ -383,6 +383,12 @@ def warnings_for(cluster: Cluster) -> list[str]:
                 f"host {host.name} is rootless and unprotected: no allow-list guards its "
                 f"rpc-server port(s) {ports}; anything that reaches {host.address} can use them, "
                 "unauthenticated and unencrypted.")
+        for server in cluster.servers:
+            if host.unprotected and server.host == host.name and not is_loopback(server.bind):
+                warnings.append(
+                    f"host {host.name} is rootless and unprotected: no allow-list guards "
+                    f"llama-server {server.name} on {server.bind}:{server.port}; only its API "
+                    "key (if any) stands between it and anything that reaches the host.")
     for server in cluster.servers:
         if not is_loopback(server.bind) and server.api_key_file is None:
             warnings.append(

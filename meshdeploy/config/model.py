@@ -200,7 +200,7 @@ class Host:
     # file's explicit acknowledgement (warned in every plan).
     unprotected: bool = False
     # Where meshdeploy keeps its things on the host; a rootless host's is known once its
-    # account is read (Account.layout), until then None.
+    # account is read (core.account.layout), until then None.
     layout: Layout | None = None
 
     @property

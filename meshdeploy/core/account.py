@@ -43,7 +43,9 @@ ps -o user= -o comm= -u "$(id -u)" 2>/dev/null | grep -q ' runsvdir$' && printf 
 true
 """.lstrip()
 
-_CONTROL = re.compile("[\x00-\x1f\x7f]")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 (a terminal reads CSI)
+# What a login name may be: POSIX's portable user names (it is printed in plans).
+_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]{0,63}")
 # What `systemctl --user is-system-running` prints when a user manager answers.
 _ANSWERING = {"running", "degraded", "starting", "initializing", "maintenance"}
 
@@ -60,7 +62,9 @@ class Account:
 
     @property
     def user(self) -> str:
-        return self.get("user") or "the login user"
+        """The login name, when it is a portable user name (it reaches plans and hints)."""
+        name = self.get("user")
+        return name if _USER.fullmatch(name) else "the login user"
 
 
 def parse(host: str, lines: list[str]) -> Account:
@@ -128,7 +132,7 @@ def layout(account: Account) -> Layout:
         services = _absolute(account, "SVDIR", _svdir(account))
     return Layout(prefix=f"{xdg('xdg_data', '.local/share')}/meshdeploy", cache=cache, run=run,
                   services=services, manager=mgr, home=home,
-                  user=account.get("user"))
+                  user=account.user if _USER.fullmatch(account.get("user")) else "")
 
 
 def resolved(cluster: Cluster, layouts: dict[str, Layout]) -> Cluster:

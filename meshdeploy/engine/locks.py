@@ -168,15 +168,17 @@ def refresh_script(holder: Holder, lock: str = HOST_LOCK) -> str:
 
 
 def release_script(holder: Holder, lock: str = HOST_LOCK, layout: Layout | None = None) -> str:
-    """The lock removed when this run holds it; on a rootless host also meshdeploy's own
-    folders of the layout that are left empty (after destroy --purge: nothing of meshdeploy's
-    stays in the user's folders). rmdir removes only empty folders, so after an apply the
-    folders that hold something stay."""
-    script = shell.script(_RELEASE, LOCK=lock, TOKEN=holder.token)
+    """The lock removed when this run holds it; on a rootless host also the files finished
+    steps leave in the run folder, and meshdeploy's own folders of the layout that are left
+    empty (after destroy --purge: nothing of meshdeploy's stays in the user's folders). rmdir
+    removes only empty folders, so after an apply the folders that hold something stay."""
     if layout is None or not layout.rootless:
-        return script
-    tidy = shell.command("rmdir", *tidy_folders(layout), shell.QUIET)
-    return f"{script}; {tidy}; true"
+        return shell.script(_RELEASE, LOCK=lock, TOKEN=holder.token)
+    # Step files and md-share's pid file in the run folder first (see the template), then the
+    # lock, then the folders left empty.
+    return shell.template(shell.TEMPLATES / "rootless-tidy.sh", args=tidy_folders(layout),
+                          STEPS=inflight.steps_dir(layout), PID=f"{layout.run}/md-share.pid",
+                          LOCK=lock, TOKEN=holder.token)
 
 
 def tidy_folders(layout: Layout) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from meshdeploy import __version__
@@ -40,6 +40,7 @@ def probe_command(cluster: Cluster, host, first: bool, nonce: str,
     return sections, probes.compose(sections, nonce, sudo=host.sudo) + "true"
 
 
+LAYOUT_FACT = "account.Layout"  # a rootless host's folders and manager, as the session read them
 SUDO_REFUSED = re.compile(r"sudo: (a password is required|.*not in the sudoers|.*not allowed)")
 
 
@@ -81,6 +82,10 @@ def gather(session: Session, hosts=None, destroying=frozenset()) -> dict[str, di
         if check is not None and not check["ok"]:
             errors[h.name] = f"sudo refused for user {user}: {check['message']}"
             return
+        if h.rootless and h.layout is not None:
+            # Part of the host's fingerprint: a saved plan is refused when the folders or the
+            # service manager it was made for changed before apply (core.plan.check_fresh).
+            facts[LAYOUT_FACT] = asdict(h.layout)
         results[h.name] = facts
 
     gevent.joinall([gevent.spawn(one, h) for h in hosts])

@@ -188,7 +188,29 @@ def test_release_leaves_no_empty_folder_of_meshdeploy_in_the_users_home(home):
     assert acquired.stdout.strip() == "acquired", acquired.stderr
     for folder in (f"{layout.run}/steps", f"{layout.cache}/log", layout.prefix):
         subprocess.run(as_user(["mkdir", "-p", folder]), check=True)
-    release = locks.release_script(holder, locks.host_lock(layout), layout)
+    # What finished steps leave (their lock and pid files) and an md-share that exited idle.
+    steps = Path(f"{layout.run}/steps")
+    gone = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()
+    for name, text in (("build.lock", ""), ("build.pid", gone), ("clone.lock", "")):
+        subprocess.run(as_user(["sh", "-c", f"printf %s {text or chr(39) * 2} > {steps}/{name}"]),
+                       check=True)
+    subprocess.run(as_user(["sh", "-c", f"echo {gone} > {layout.run}/md-share.pid"]), check=True)
+    # A step still running holds its lock: its files stay, and so do the folders above them.
+    holding = subprocess.Popen(as_user(["flock", str(steps / "clone.lock"), "sleep", "30"]),
+                               start_new_session=True)
+    try:
+        time.sleep(0.5)
+        release = locks.release_script(holder, locks.host_lock(layout), layout)
+        subprocess.run(as_user(["sh", "-c", release]), check=True)
+        assert sorted(p.name for p in steps.iterdir()) == ["clone.lock"]
+        assert not Path(locks.host_lock(layout)).exists()
+        assert not Path(f"{layout.run}/md-share.pid").exists()
+    finally:
+        os.killpg(holding.pid, 9)  # flock and its sleep, which holds the lock too
+        holding.wait()
+    acquired = subprocess.run(as_user(["sh", "-c", locks.acquire_script(
+        holder, lock=locks.host_lock(layout))]), capture_output=True, text=True)
+    assert acquired.stdout.strip() == "acquired"
     subprocess.run(as_user(["sh", "-c", release]), check=True)
     left = [str(p.relative_to(home)) for p in sorted(home.rglob("*"))]
     assert left == [".cache", ".local", ".local/share"]  # the user's own, not meshdeploy's

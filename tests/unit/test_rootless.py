@@ -203,3 +203,52 @@ def test_a_rootless_host_that_listens_on_nothing_needs_no_acknowledgement(tmp_pa
     text = text.replace("{host: phone, model: m}",
                         "{host: phone, model: m, bind: 10.0.0.2, allow_unauthenticated: true}")
     assert [m for _, m in issues(tmp_path, text) if "or llama-server would be open" in m]
+
+
+def test_host_text_that_would_steer_a_terminal_is_refused_or_dropped():
+    """HOME and the login name come from the host and are printed in plans: an escape sequence
+    (C1's CSI too) is refused in a path, and a login name that is not a portable user name is
+    not shown."""
+    with pytest.raises(PlanError, match="not an absolute path"):
+        account.layout(parsed(systemd_user="running", linger="yes", home="/h/\x9b31m"))
+    layout = account.layout(parsed(systemd_user="running", linger="yes",
+                                   user="md\x1b]2;owned\x07"))
+    assert layout.user == ""
+    with pytest.raises(PlanError) as info:
+        account.layout(parsed(systemd_user="running", linger="no", user="md\x1b[31m"))
+    assert "\x1b" not in info.value.message + info.value.hint
+    assert "loginctl enable-linger the login user" in info.value.hint
+
+
+def test_an_unprotected_llama_server_on_the_network_is_warned(tmp_path):
+    text = cluster_text("    rootless: true\n    unprotected: true\n").replace(
+        "  main: {host: node1, model: m}",
+        "  main: {host: phone, model: m, bind: 10.0.0.2, allow_unauthenticated: true}")
+    _, cluster = load(tmp_path, text)
+    assert [w for w in warnings_for(cluster) if "guards llama-server main on 10.0.0.2:8080" in w]
+
+
+def test_a_saved_plan_is_stale_when_a_rootless_hosts_folders_changed(tmp_path, monkeypatch):
+    """The layout read at apply is part of the host's fingerprint: a plan made for other folders
+    (XDG_DATA_HOME changed, runit instead of systemd --user) is refused, not applied there."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from meshdeploy.core import probe
+    from meshdeploy.engine import planner
+
+    cluster = resolved_cluster(tmp_path)
+
+    def fingerprint(c):
+        session = SimpleNamespace(cluster=c, hosts=lambda: list(c.hosts), run=lambda *a, **k: (
+            True, SimpleNamespace(stdout_lines=[], stderr_lines=[])))
+        monkeypatch.setattr(probe, "decode", lambda sections, parts: {})
+        monkeypatch.setattr(probe, "split", lambda lines, sections, nonce: {})
+        facts = planner.gather(session)
+        return {h: probe.fingerprint(f, ()) for h, f in facts.items()}
+
+    before = fingerprint(cluster)
+    moved = replace(cluster.host("phone").layout, prefix="/data/md/meshdeploy")
+    after = fingerprint(account.resolved(cluster, {"phone": moved}))
+    assert before["node1"] == after["node1"]
+    assert before["phone"] != after["phone"]

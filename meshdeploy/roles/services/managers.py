@@ -180,7 +180,7 @@ class Runit(Systemd):
         return f"{self.layout.services}/.{unit}.{suffix}"
 
     def log_run(self, unit: str) -> str:
-        # Without the RunitTools fact (see operations._rootless_want): the POSIX names.
+        # Without the RunitTools fact (see rootless.want): the POSIX names.
         return render(TEMPLATES / "runit.log-run", sh=self.tools.get("sh") or "/bin/sh",
                       cluster=comment_value(self.cluster, "cluster"), unit=unit,
                       svlogd=shell.quote(self.tools.get("svlogd") or "svlogd"),

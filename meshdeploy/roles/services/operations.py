@@ -407,7 +407,7 @@ def model_sha(ctx: HostContext, name: str) -> str | None:
 def health_wait(server, journal: str | None = None, shim: str = "") -> str:
     """llama-server answers 503 while loading; 200 on /health means ready.
 
-    + shim: fixed shell text before the script (_restarts_shim: how a rootless host's manager
+    + shim: fixed shell text before the script (rootless.restarts_shim: how a rootless host's manager
       counts restarts)"""
     h = server.health
     prelude = progress.REPORT + ("\n" + shim if shim else "")

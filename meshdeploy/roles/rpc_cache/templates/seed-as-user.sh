@@ -15,4 +15,4 @@ if [ -L "$CACHE" ] || { [ -e "$CACHE" ] && [ ! -d "$CACHE" ]; }; then
   rm -f "$CACHE"
 fi
 mkdir -p "$CACHE" && chmod 0700 "$CACHE" || exit 1
-exec /bin/sh -c "$SEED"
+exec sh -c "$SEED"
