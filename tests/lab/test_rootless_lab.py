@@ -136,7 +136,9 @@ def completion(info) -> dict:
 
 
 def rpc_pid(info, host: str) -> str:
-    proc = info.run(host, "pgrep -u md -f 'rpc-server.*-p 50052' | head -n 1")
+    """md's rpc-server on the port: its command line starts with the binary (the shell that
+    runs pgrep has the pattern in its own command line, further along)."""
+    proc = info.run(host, "pgrep -u md -f '^[^ ]*rpc-server .*-p 50052' | head -n 1")
     return proc.stdout.strip()
 
 
@@ -145,7 +147,7 @@ def test_apply_runs_everything_as_md_in_its_folders(applied, rl_lab):
     for host in KINDS:
         assert info.run(host, "sudo -n true").returncode != 0  # really no root here
         assert outside(applied["written"][host], HOMES[host] + "/") == [], host
-        owner = info.run(host, "ps -o user= -p \"$(pgrep -f 'rpc-server.*-p 50052' | "
+        owner = info.run(host, "ps -o user= -p \"$(pgrep -f '^[^ ]*rpc-server .*-p 50052' | "
                                "head -n 1)\"").stdout.strip()
         assert owner == "md", host
     # The same check on the root host finds what a root apply writes: it can fail.
