@@ -76,6 +76,7 @@ def _apply(args: Args, cluster, saved, limit, replacing, purge, lock) -> int:
     from meshdeploy.execute.apply import begin
 
     state = states.load(cluster)
+    state.same_access(cluster, limit)
     session = common.open_session(cluster, limit, args.accept_new_host_keys,
                                   state.departed(cluster, purge))
     try:

@@ -49,6 +49,7 @@ def _destroy(args: Args, cluster, lock) -> int:
     from meshdeploy.engine.planner import make_destroy_plan
 
     state = states.load(cluster)
+    state.same_access(cluster, args.limit)
     session = common.open_session(cluster, args.limit, args.accept_new_host_keys,
                                   state.departed(cluster, purge=True))
     try:

@@ -48,7 +48,9 @@ def run(args: Args) -> int:
 
     cluster = load_cluster(args.file)
     started = time.monotonic()
-    departed = states.load(cluster).departed(cluster, args.purge)
+    state = states.load(cluster)
+    state.same_access(cluster, args.limit)
+    departed = state.departed(cluster, args.purge)
     session = common.open_session(cluster, args.limit, args.accept_new_host_keys, departed)
     try:
         planned = make_plan(session, args.replace or (), args.purge)

@@ -39,7 +39,7 @@ if command -v systemctl >/dev/null 2>&1; then
   printf 'linger=%s\n' "$(loginctl show-user "$(id -un)" -p Linger --value 2>/dev/null)"
 fi
 command -v sv >/dev/null 2>&1 && printf 'sv=yes\n'
-ps -o user= -o comm= -u "$(id -u)" 2>/dev/null | grep -q ' runsvdir$' && printf 'runsvdir=yes\n'
+ps -ww -o args= -u "$(id -u)" 2>/dev/null | grep -E '^([^ ]*/)?runsvdir( |$)' | sed 's/^/runsvdir=/'
 true
 """.lstrip()
 
@@ -58,7 +58,8 @@ class Account:
     values: dict
 
     def get(self, key: str) -> str:
-        return self.values.get(key, "")
+        value = self.values.get(key, "")
+        return value if isinstance(value, str) else ""
 
     @property
     def user(self) -> str:
@@ -68,10 +69,14 @@ class Account:
 
 
 def parse(host: str, lines: list[str]) -> Account:
-    values = {}
+    values: dict = {}
     for line in lines:
         key, sep, value = line.partition("=")
-        if sep and key and key not in values:
+        if not (sep and key):
+            continue
+        if key == "runsvdir":  # one line per runsvdir of the user: its command line
+            values.setdefault(key, []).append(value)
+        elif key not in values:
             values[key] = value
     return Account(host, values)
 
@@ -87,11 +92,14 @@ def manager(account: Account) -> str:
                 "its services would stop when the last login of the user ends",
                 hint=f"an administrator of the host runs, once: loginctl enable-linger {user}")
         return SYSTEMD_USER
-    if account.get("sv") == "yes" and account.get("runsvdir") == "yes" and _svdir(account):
+    svdir = _svdir(account).rstrip("/")
+    if account.get("sv") == "yes" and svdir and any(
+            f" {svdir} " in f" {args} " or f" {svdir}/ " in f" {args} "
+            for args in account.values.get("runsvdir", [])):
         return RUNIT
     raise PlanError(
         f"host {account.host}: no service manager for {user}: systemd --user does not answer "
-        "and no runsvdir of the user runs",
+        f"and no runsvdir of the user runs over {svdir or 'SVDIR (unset)'}",
         hint=f"on Linux, an administrator runs: loginctl enable-linger {user}; under Termux: "
              "pkg install termux-services, then restart Termux (it starts runsvdir)")
 

@@ -88,6 +88,25 @@ class State:
     # [{"host", "step", "status", "detail"}, ...]}: what ran, also when it did not finish.
     last_apply: dict | None = None
 
+    def same_access(self, cluster: Cluster, limit=None) -> None:
+        """Refuse a host the file now makes rootless that meshdeploy set up with root, or the
+        reverse: its services, builds and caches live where the other kind never looks (system
+        units against the user's own), so the old ones would keep running and hold the ports."""
+        flipped = [(h, self.hosts[h.name]) for h in cluster.hosts
+                   if h.name in self.hosts and self.hosts[h.name].status == MANAGED
+                   and self.hosts[h.name].rootless != h.rootless
+                   and (not limit or h.name in limit)]
+        if not flipped:
+            return
+        names = ", ".join(h.name for h, _ in flipped)
+        was = "with root" if not flipped[0][1].rootless else "rootless"
+        raise PlanError(
+            f"{names}: the cluster file says rootless: {str(flipped[0][0].rootless).lower()}, "
+            f"but meshdeploy set {'them' if len(flipped) > 1 else 'it'} up {was} "
+            f"({self.path.name}); what runs there would be left running beside the new setup",
+            hint=f"put rootless back as it was, run `meshdeploy destroy --limit {names} FILE`, "
+                 "then change it and apply")
+
     def departed(self, cluster: Cluster, purge: bool = False) -> list[Host]:
         """Hosts recorded but no longer in the file: destroyed at the next apply. Retired hosts
         only when purging (their kept bytes are all that is left)."""

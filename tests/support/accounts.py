@@ -8,7 +8,7 @@ from meshdeploy.core import account
 
 # A phone under Termux: termux-services' runit, the app's home and prefix.
 TERMUX = ["home=/data/data/com.termux/files/home", "user=u0_a123", "uid=10123", "sv=yes",
-          "runsvdir=yes", "termux_prefix=/data/data/com.termux/files/usr"]
+          "runsvdir=runsvdir -P /data/data/com.termux/files/usr/var/service", "termux_prefix=/data/data/com.termux/files/usr"]
 # A shared Linux machine: systemd --user with lingering.
 SYSTEMD_USER = ["home=/home/md", "user=md", "uid=1000", "systemd_user=running", "linger=yes",
                 "runtime=/run/user/1000"]

@@ -26,7 +26,7 @@ from meshdeploy.roles.llama_cpp import operations as llama_cpp
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "rootless"
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 TERMUX_USER = ["home=/data/data/com.termux/files/home", "user=u0_a123", "uid=10123", "sv=yes",
-               "runsvdir=yes", "termux_prefix=/data/data/com.termux/files/usr"]
+               "runsvdir=runsvdir -P /data/data/com.termux/files/usr/var/service", "termux_prefix=/data/data/com.termux/files/usr"]
 DEBIAN_USER = ["home=/home/md", "user=md", "uid=1000", "systemd_user=running", "linger=yes",
                "runtime=/run/user/1000"]
 SUDO = re.compile(r"(^|[^\w-])sudo([^\w-]|$)")

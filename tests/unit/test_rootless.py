@@ -84,6 +84,9 @@ def test_rootless_is_not_for_the_local_host(tmp_path):
 
 # -- core.account --------------------------------------------------------------------------
 
+TERMUX_SV = "/data/data/com.termux/files/usr/var/service"
+
+
 def parsed(**values) -> account.Account:
     base = {"home": "/home/md", "user": "md", "uid": "1000"}
     base.update(values)
@@ -119,11 +122,24 @@ def test_without_lingering_the_admin_command_is_named():
 
 def test_termux_runit_uses_prefix_var_service():
     layout = account.layout(parsed(home="/data/data/com.termux/files/home", sv="yes",
-                                   runsvdir="yes",
+                                   runsvdir=f"runsvdir -P {TERMUX_SV}",
                                    termux_prefix="/data/data/com.termux/files/usr"))
     assert layout.manager == RUNIT
     assert layout.services == "/data/data/com.termux/files/usr/var/service"
     assert layout.prefix == "/data/data/com.termux/files/home/.local/share/meshdeploy"
+
+
+def test_runit_counts_only_with_a_runsvdir_over_the_service_folder():
+    """A runsvdir of the user over another folder would never start what apply writes into
+    SVDIR: refused before anything changes, as with none at all."""
+    termux = {"home": "/data/data/com.termux/files/home", "sv": "yes",
+              "termux_prefix": "/data/data/com.termux/files/usr"}
+    with pytest.raises(PlanError, match=f"no runsvdir of the user runs over {TERMUX_SV}"):
+        account.layout(parsed(runsvdir="runsvdir -P /home/md/other-services", **termux))
+    lines = [f"{k}={v}" for k, v in {"home": "/h", "user": "md", **termux}.items()]
+    two = account.parse("phone", lines + ["runsvdir=/usr/bin/runsvdir /etc/service",
+                                          f"runsvdir=runsvdir -P {TERMUX_SV}/ log: ......"])
+    assert account.layout(two).manager == RUNIT
 
 
 def test_no_service_manager_names_both_fixes():
@@ -252,3 +268,26 @@ def test_a_saved_plan_is_stale_when_a_rootless_hosts_folders_changed(tmp_path, m
     after = fingerprint(account.resolved(cluster, {"phone": moved}))
     assert before["node1"] == after["node1"]
     assert before["phone"] != after["phone"]
+
+
+def test_a_host_that_changes_between_root_and_rootless_is_refused(tmp_path):
+    """Set up with root, then made rootless in the file (or the reverse): its system units
+    would keep running beside the user's own and hold the ports."""
+    from meshdeploy.engine import state as states
+
+    _, with_root = load(tmp_path, cluster_text("", "network:\n  firewall: false\n"))
+    state = states.State(path=tmp_path / "c.state.json", cluster="t")
+    for host in with_root.hosts:
+        state.hosts[host.name] = states.record_for(with_root, host)
+    state.same_access(with_root)  # the same file: nothing changed
+    _, rootless = load(tmp_path, cluster_text("    rootless: true\n",
+                                              "network:\n  firewall: false\n"))
+    with pytest.raises(PlanError) as info:
+        state.same_access(rootless)
+    assert info.value.message.startswith("phone: the cluster file says rootless: true, but "
+                                         "meshdeploy set it up with root")
+    assert "destroy --limit phone" in info.value.hint
+    state.same_access(rootless, limit=["node1"])  # a run that leaves the host out
+    state.hosts["phone"] = states.record_for(rootless, rootless.host("phone"))
+    with pytest.raises(PlanError, match="set it up rootless"):
+        state.same_access(with_root)

@@ -58,7 +58,7 @@ needs_user = pytest.mark.skipif(not AS_USER, reason="seeds as a user without roo
 
 TERMUX = account.layout(account.parse("phone", [
     "home=/data/data/com.termux/files/home", "user=u0_a123", "uid=10123", "sv=yes",
-    "runsvdir=yes", "termux_prefix=/data/data/com.termux/files/usr"]))
+    "runsvdir=runsvdir -P /data/data/com.termux/files/usr/var/service", "termux_prefix=/data/data/com.termux/files/usr"]))
 LINUX = account.layout(account.parse("gpubox", [
     "home=/home/md", "user=md", "uid=1001", "systemd_user=running", "linger=yes",
     "runtime=/run/user/1001"]))
@@ -264,8 +264,8 @@ def home(seed_bin, synthetic):  # noqa: F811 (fixture)
 
 def user_layout(home: Path):
     return account.layout(account.parse("phone", [
-        f"home={home}", "user=nobody", f"uid={NOBODY.pw_uid}", "sv=yes", "runsvdir=yes",
-        f"svdir={home}/sv"]))
+        f"home={home}", "user=nobody", f"uid={NOBODY.pw_uid}", "sv=yes",
+        f"runsvdir=runsvdir -P {home}/sv", f"svdir={home}/sv"]))
 
 
 def user_ctx(home: Path, facts: dict):

@@ -42,7 +42,7 @@ ACCOUNTS = {
     SYSTEMD_USER: ["home=/home/md", "user=md", "uid=1000", "systemd_user=running",
                    "linger=yes", "runtime=/run/user/1000"],
     RUNIT: ["home=/data/data/com.termux/files/home", "user=u0_a123", "uid=10123", "sv=yes",
-            "runsvdir=yes", "termux_prefix=/data/data/com.termux/files/usr"],
+            "runsvdir=runsvdir -P /data/data/com.termux/files/usr/var/service", "termux_prefix=/data/data/com.termux/files/usr"],
 }
 MANAGERS = [SYSTEMD_USER, RUNIT]
 
@@ -553,3 +553,19 @@ def test_exec_sudo_is_refused_on_a_rootless_host(tmp_path, monkeypatch):
                       accept_new_host_keys=False)
     with pytest.raises(errors.MeshdeployError, match="node2 is rootless"):
         exec_.run(args)
+
+
+def test_the_account_script_finds_the_users_runsvdir_over_its_folder(runsvdir):
+    """core.account's script, run as the user beside a real runsvdir of that user: runit is its
+    service manager over SVDIR; the same runsvdir does not count for another SVDIR."""
+    def read(svdir: str):
+        env = ["env", "-i", f"HOME={runsvdir}", f"SVDIR={svdir}", "PATH=/usr/bin:/bin"]
+        out = subprocess.run([*user_prefix(), *env, "sh", "-c", account.SCRIPT],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return account.parse("phone", out.stdout.splitlines())
+
+    layout = account.layout(read(f"{runsvdir}/sv"))
+    assert (layout.manager, layout.services) == (RUNIT, f"{runsvdir}/sv")
+    with pytest.raises(PlanError, match="no runsvdir of the user runs over"):
+        account.layout(read(f"{runsvdir}/other"))

@@ -25,7 +25,7 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "rootless"
 DEBIAN_USER = ["home=/home/md", "user=md", "uid=1000", "systemd_user=running", "linger=yes",
                "runtime=/run/user/1000"]
 TERMUX_USER = ["home=/data/data/com.termux/files/home", "user=u0_a123", "uid=10123", "sv=yes",
-               "runsvdir=yes", "termux_prefix=/data/data/com.termux/files/usr"]
+               "runsvdir=runsvdir -P /data/data/com.termux/files/usr/var/service", "termux_prefix=/data/data/com.termux/files/usr"]
 
 ALL_TOOLS = ["apt-get", "c++", "cc", "cmake", "curl", "g++", "git", "ninja", "python3",
              "sha256sum", "flock", "setsid", "getconf"]
