@@ -220,3 +220,37 @@ def test_the_connection_to_a_rootless_host_runs_nothing_through_sudo(tmp_path):
     assert ssh_settings.resolve(phone, home=str(tmp_path)).pyinfra_data()["_sudo"] is False
     assert ssh_settings.resolve(cluster.host("node1"),
                                 home=str(tmp_path)).pyinfra_data()["_sudo"] is True
+
+
+def test_a_ccache_dir_the_user_cannot_write_is_refused_before_the_build(tmp_path):
+    """The file's ccache_dir applies to every host; a rootless host builds as its user, so a
+    root-owned one would fail every compile: the probe asks as that user, preflight refuses."""
+    from meshdeploy.errors import PlanError
+    from meshdeploy.roles.llama_cpp.facts import CcacheWritable
+
+    mine = owned_folder()
+    try:
+        roots = tmp_path / "root-only"
+        roots.mkdir(mode=0o700)
+
+        def writable(path: str) -> bool:
+            out = subprocess.run(as_user(["sh", "-c", CcacheWritable().command(path)]),
+                                 capture_output=True, text=True)
+            return CcacheWritable().process(out.stdout.splitlines())
+
+        assert writable(str(mine)) and writable(f"{mine}/not/yet/made")
+        assert not writable(str(roots)) and not writable(f"{roots}/ccache")
+        layout = read_layout(DEBIAN_USER)
+        cluster = cluster_with(tmp_path, layout,
+                               f"  build: {{ccache: true, ccache_dir: '{roots}/ccache'}}\n")
+        keys = [s.key for s in llama_cpp.sections(cluster, cluster.host("phone"), COMMIT, False)]
+        assert "llama_cpp.CcacheWritable" in keys
+        assert "llama_cpp.CcacheWritable" not in [
+            s.key for s in llama_cpp.sections(cluster, cluster.host("node1"), COMMIT, False)]
+        with pytest.raises(PlanError, match="is rootless and cannot write"):
+            llama_cpp.preflight(context(cluster, termux=False, facts={
+                "llama_cpp.CcacheWritable": writable(f"{roots}/ccache")}))
+        llama_cpp.preflight(context(cluster, termux=False, facts={
+            "llama_cpp.CcacheWritable": writable(f"{mine}/ccache")}))
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)

@@ -28,6 +28,7 @@ ROLE = Role(
     prepare=_prepare,
     check=consistency.check,
     destroy=ops.destroy,
+    preflight=ops.preflight,
     inputs=lambda cluster: [lock.lock_path(cluster.path)],
     apply_started=lambda cluster, resolved: lock.record(cluster, resolved.commit,
                                                         resolved.commit_source),

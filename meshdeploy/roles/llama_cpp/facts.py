@@ -42,6 +42,19 @@ class Source(FactBase):
                 "has_commit": {"has": True, "missing": False}.get(output[2].strip())}
 
 
+class CcacheWritable(FactBase):
+    """Whether the login user can keep a ccache in `path`: the folder writable, or its nearest
+    existing parent writable when it does not exist yet. True / False."""
+
+    def command(self, path):
+        return shell.script(
+            'd=$P; while [ ! -e "$d" ] && [ "$d" != / ]; do d=$(dirname "$d"); done; '
+            '[ -d "$d" ] && [ -w "$d" ] && [ -x "$d" ] && echo yes || echo no', P=path)
+
+    def process(self, output):
+        return bool(output) and output[-1].strip() == "yes"
+
+
 class Builds(FactBase):
     """Installed builds under `builds_dir` and the `current` link.
 

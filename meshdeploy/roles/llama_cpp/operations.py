@@ -8,13 +8,21 @@ from pathlib import Path
 
 from meshdeploy.core import inflight, progress, shell
 from meshdeploy.core.context import BuildOutcome, HostContext, Step, stored_teardown
+from meshdeploy.errors import PlanError
 from meshdeploy.core.paths import installed_build
 from meshdeploy.core.paths import llama_cpp_paths as paths
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d
 from meshdeploy.roles.llama_cpp import lock
-from meshdeploy.roles.llama_cpp.facts import GIT_SAFE, Builds, RemoteRef, Source, Stored
+from meshdeploy.roles.llama_cpp.facts import (
+    GIT_SAFE,
+    Builds,
+    CcacheWritable,
+    RemoteRef,
+    Source,
+    Stored,
+)
 from meshdeploy.roles.llama_cpp.lock import checked_commit
 
 ROLE = "llama_cpp"
@@ -30,7 +38,21 @@ def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
     if first:
         out.append(Section("llama_cpp.RemoteRef", RemoteRef,
                            {"repo": cluster.llama_cpp.repo, "ref": cluster.llama_cpp.ref}))
+    b = cluster.llama_cpp.build
+    if host.rootless and b.ccache and b.ccache_dir and targets(cluster, host):
+        out.append(Section("llama_cpp.CcacheWritable", CcacheWritable, {"path": b.ccache_dir}))
     return out
+
+
+def preflight(ctx: HostContext) -> None:
+    """A rootless host builds as its login user: a ccache_dir the file sets must be one that
+    user can write (a system path usually is root's), else every compile would fail."""
+    if ctx.fact("llama_cpp.CcacheWritable") is False:
+        path = ctx.cluster.llama_cpp.build.ccache_dir
+        raise PlanError(f"host {ctx.host.name} is rootless and cannot write "
+                        f"llama_cpp.build.ccache_dir {path}",
+                        hint="remove ccache_dir (a rootless host then keeps its ccache in its "
+                             "user's cache folder), or make the folder writable by that user")
 
 
 def targets(cluster, host) -> list[str]:
