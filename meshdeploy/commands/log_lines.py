@@ -18,7 +18,7 @@ import heapq
 import json
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Iterable
 
 from meshdeploy.core import shell
@@ -66,13 +66,42 @@ def since_value(text: str | None) -> str | None:
     return f"-{m['n']}{m['unit']}" if m["n"] else m.group(0)
 
 
+def since_cutoff(text: str | None, now: datetime | None = None) -> int | None:
+    """--since (as the user wrote it) as microseconds since the epoch, for log lines that
+    carry their own time (svlogd's): durations back from `now`, dates in local time, as
+    journalctl reads them. None without --since."""
+    if text is None:
+        return None
+    now = now or datetime.now().astimezone()
+    m = _SINCE.fullmatch(text.strip())
+    if m is None:
+        raise MeshdeployError(f"--since {text!r}: not a duration or a date")
+    if m["n"]:
+        seconds = int(m["n"]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m["unit"]]
+        return int((now.timestamp() - seconds) * 1_000_000)
+    word = m.group(0)
+    if word in ("today", "yesterday"):
+        day = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        start = day - timedelta(days=1) if word == "yesterday" else day
+    else:
+        for form in ("%Y-%m-%d %H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%d"):
+            try:
+                start = datetime.strptime(word, form).astimezone()
+                break
+            except ValueError:
+                continue
+        else:
+            raise MeshdeployError(f"--since {text!r}: not a date")
+    return int(start.timestamp() * 1_000_000)
+
+
 def host_script(sources: list[LogSource], lines: int | None, since: str | None,
                 follow: bool, manager: str = "") -> str:
     """The one command that reads (and with `follow` then follows) one host's logs.
 
     + manager: a rootless host's service manager (Layout.manager): systemd-user reads the
-      user's journal; runit tails svlogd's files (each source's log file; --since is not
-      applied there: svlogd's files are read by lines)"""
+      user's journal; runit tails svlogd's files (each source's log file; with --since all
+      their lines, which HostStream keeps from `since_cutoff` on)"""
     args = [v for s in sources for v in (s.unit, s.launchd_log)]
     variables = {"MANAGER": manager} if manager else {}
     return shell.template(shell.TEMPLATES / "logs.sh", args=args, LINES=lines, SINCE=since,
@@ -93,6 +122,7 @@ class HostStream:
     launchd: bool = False  # plain lines from log files (launchd's, or runit's svlogd)
     runit: bool = False  # svlogd -tt lines: each begins with its UTC time
     following: bool = False
+    since: int | None = None  # --since as microseconds since the epoch (svlogd's lines)
 
     def feed(self, raw: str, now: int = 0) -> list[Line] | str:
         """The lines `raw` holds ([] for none), or FOLLOW when the backlog has ended."""
@@ -132,6 +162,8 @@ class HostStream:
         if not raw and self.following or self.unit is None:
             return []
         when, text = _svlogd_time(raw) if self.runit else (None, raw)
+        if self.since is not None and when is not None and when < self.since:
+            return []
         return [Line(when or now, self.order, self.host, self.unit.service, terminal_text(text))]
 
     def _source(self, value: str, field) -> LogSource | None:

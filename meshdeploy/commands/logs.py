@@ -21,6 +21,7 @@ from meshdeploy.commands.log_lines import (
     merge,
     parse,
     select,
+    since_cutoff,
     since_value,
 )
 from meshdeploy.config.load import load_cluster
@@ -80,7 +81,8 @@ def run(args: Args) -> int:
     chosen = {(s.host, s.service) for s in sources}
     by_host = {n: [s for s in registry.log_sources(cluster)
                    if s.host == n and (s.host, s.service) in chosen] for n in by_host}
-    streams = {n: HostStream(n, host_names.index(n), by_host[n]) for n in by_host}
+    cutoff = since_cutoff(args.since)  # svlogd's lines are kept from here on, by their time
+    streams = {n: HostStream(n, host_names.index(n), by_host[n], since=cutoff) for n in by_host}
     scripts = {n: remote.as_root(host_script(by_host[n], lines, since, args.follow,
                                              _manager(cluster.host(n))),
                                  cluster.host(n).sudo) for n in by_host}

@@ -569,3 +569,32 @@ def test_the_account_script_finds_the_users_runsvdir_over_its_folder(runsvdir):
     assert (layout.manager, layout.services) == (RUNIT, f"{runsvdir}/sv")
     with pytest.raises(PlanError, match="no runsvdir of the user runs over"):
         account.layout(read(f"{runsvdir}/other"))
+
+
+def test_logs_since_on_runit_keeps_svlogd_lines_from_then_on(tmp_path):
+    """--since reaches runit hosts too: all of svlogd's lines are read (not the last 10), and
+    only those from the cutoff on are kept, by the time each line carries."""
+    from datetime import datetime, timezone
+
+    from meshdeploy.commands.log_lines import HostStream, host_script, parse, since_cutoff
+    from meshdeploy.core import registry
+
+    cluster = rootless_lab(RUNIT)
+    source = [s for s in registry.log_sources(cluster) if s.host == "node2"][0]
+    log = tmp_path / "current"
+    old = [f"2026-11-26_10:{m:02d}:00.000000 old line {m}" for m in range(30)]
+    new = [f"2026-11-26_16:{m:02d}:00.000000 new line {m}" for m in range(3)]
+    log.write_text("\n".join(old + new) + "\n")
+    sources = [dataclasses.replace(source, launchd_log=str(log))]
+    now = datetime(2026, 11, 26, 17, 0, tzinfo=timezone.utc)
+    cutoff = since_cutoff("2h", now)
+    assert cutoff == int(datetime(2026, 11, 26, 15, 0, tzinfo=timezone.utc).timestamp()) * 10**6
+    out = subprocess.run(["sh", "-c", host_script(sources, None, "-2h", False, RUNIT)],
+                         capture_output=True, text=True, timeout=30).stdout
+    assert len(out.splitlines()) == 2 + len(old) + len(new)  # every line, not the last 10
+    kept = parse(HostStream("node2", 1, sources, since=cutoff), out, now=1)
+    assert [line.text for line in kept] == [f"new line {m}" for m in range(3)]
+    # Without --since: the last lines, as before.
+    out = subprocess.run(["sh", "-c", host_script(sources, 10, None, False, RUNIT)],
+                         capture_output=True, text=True, timeout=30).stdout
+    assert len(parse(HostStream("node2", 1, sources), out, now=1)) == 10

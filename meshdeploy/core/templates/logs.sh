@@ -10,11 +10,15 @@ if [ -n "$FOLLOW" ]; then
 fi
 if [ "$MANAGER" = runit ] || [ "$(uname -s)" = Darwin ]; then
     if [ "$MANAGER" = runit ]; then printf '@runit\n'; else printf '@launchd\n'; fi
+    # svlogd's lines carry their time: with --since and no -n, all of them (meshdeploy keeps
+    # those since then); launchd's carry none, so their last lines.
+    n=${LINES:-10}
+    if [ "$MANAGER" = runit ] && [ -n "$SINCE" ] && [ -z "$LINES" ]; then n=+1; fi
     unit=
     for a; do
         if [ -z "$unit" ]; then unit=$a; continue; fi
         printf '@unit %s\n' "$unit"
-        tail -n "${LINES:-10}" "$a" 2>/dev/null
+        tail -n "$n" "$a" 2>/dev/null
         unit=
     done
     [ -n "$FOLLOW" ] || exit 0
