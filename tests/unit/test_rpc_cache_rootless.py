@@ -191,6 +191,8 @@ def test_a_rootless_hosts_probe_and_destroy_stay_in_its_folders(name, tmp_path):
             assert probe.kwargs == {"path": f"{host.layout.cache}/meshdeploy-rpc-50052/rpc",
                                     "as_user": True}
         assert by_key["rpc_cache.Stored"].kwargs["folders"] == [host.layout.cache]
+        # destroy --purge finds md-share's log too: nothing of meshdeploy's stays in the cache.
+        assert f"{host.layout.cache}/md-share.log" in by_key["rpc_cache.Stored"].kwargs["paths"]
 
 
 def _values(value):

@@ -407,8 +407,11 @@ def destroy_sections(cluster, host) -> list[Section]:
     cache = host.layout.cache
     # A DynamicUser's CacheDirectory lives under <cache>/private on a host with root.
     folders = [cache] if host.layout.rootless else [cache, f"{cache}/private"]
+    # md-share's log on a rootless host is the user's file in its cache folder (on a host with
+    # root it is the system's log, under /var/log).
+    logs = [share.paths(host.layout)["LOG"]] if host.layout.rootless else []
     return [Section("rpc_cache.Stored", Stored,
                     {"paths": [tool, tool + d.rpc_cache_tool_source_suffix,
-                               share.server_path(host.layout.prefix)],
+                               share.server_path(host.layout.prefix), *logs],
                      "folders": folders, "prefix": _CACHE + "-"},
                     privileged=not host.layout.rootless)]
