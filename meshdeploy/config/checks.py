@@ -43,7 +43,7 @@ def check(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     """Every problem of `cluster` (built from `doc`), in file order."""
     issues: list[ConfigIssue] = []
     for checker in (check_ref, check_models, check_hosts, check_local, check_rootless,
-                    check_ports, check_servers, check_wireguard):
+                    check_ports, check_servers, check_wireguard, check_ssh_transport):
         issues += checker(doc, cluster)
     issues.sort(key=lambda i: (i.line, i.col))
     return issues
@@ -190,15 +190,16 @@ def check_rootless(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                 f"host {host.name} is rootless, so it cannot hold network.firewall's allow-list "
                 "(nftables needs root): its rpc-servers or llama-server would be open to every "
                 "machine that reaches it",
-                f"set hosts.{host.name}.unprotected: true to accept that (warned in every "
-                "plan), or give meshdeploy root on the host"))
+                "use network.transport: ssh (rpc-servers then bind loopback and only the "
+                f"orchestrators' forwards reach them), or set hosts.{host.name}.unprotected: "
+                "true to accept the open ports (warned in every plan)"))
     return issues
 
 
 def _listens(cluster: Cluster, host) -> bool:
     """Whether the host has a port the allow-list would guard: an rpc-server, or a llama-server
     on a non-loopback bind (one on loopback is reached from the host only)."""
-    return bool(host.rpc_servers) or any(
+    return any(not is_loopback(r.bind or "") for r in host.rpc_servers) or any(
         s.host == host.name and not is_loopback(s.bind) for s in cluster.servers)
 
 
@@ -216,6 +217,17 @@ def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     for host in cluster.hosts:
         for i, rpc in enumerate(host.rpc_servers):
             claim(host.name, rpc.port, ("hosts", host.name, "rpc_servers", i, "port"))
+        for forward in cluster.ssh_forwards(host):
+            for local, remote in forward.ports:
+                # Said at network.ssh.local_port_base: the forwards' ports follow from it.
+                owner = owners.setdefault((host.name, local), f"the forward to {forward.worker.name}")
+                if owner != f"the forward to {forward.worker.name}":
+                    issues.append(doc.issue(
+                        ("network", "ssh", "local_port_base") if doc.written(
+                            ("network", "ssh", "local_port_base")) is not None else ("network",),
+                        f"port {local} on host {host.name} is taken by {owner}, but the ssh "
+                        f"forward to {forward.worker.name}:{remote} listens there",
+                        "pick another network.ssh.local_port_base", at_key=True))
     names = {host.name for host in cluster.hosts}
     for server in cluster.servers:
         if server.host in names:
@@ -403,6 +415,32 @@ def warnings_for(cluster: Cluster) -> list[str]:
                 "allow-list lets only the host itself connect. List the clients' addresses "
                 "or networks there.")
     return warnings
+
+
+def check_ssh_transport(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
+    """network.transport: ssh: every rpc-server binds loopback (the worker's own sshd forwards
+    to it), and a cached worker is not seeded over it yet (seeding fetches from the
+    orchestrator's md-share over the hosts' network)."""
+    if not cluster.network.forwarded:
+        return []
+    issues = []
+    for host in cluster.hosts:
+        for i, rpc in enumerate(host.rpc_servers):
+            path = ("hosts", host.name, "rpc_servers", i)
+            if doc.written(path + ("bind",)) and not is_loopback(rpc.bind or ""):
+                issues.append(doc.issue(
+                    path + ("bind",),
+                    f"binds {rpc.bind}, but under network.transport: ssh an rpc-server listens "
+                    "on loopback only: the forward from its orchestrators reaches it there",
+                    "remove bind (or bind 127.0.0.1)"))
+            if rpc.cache:
+                issues.append(doc.issue(
+                    path + ("cache",) if doc.written(path + ("cache",)) is not None else path,
+                    "a cached rpc-server is seeded from its orchestrator's copy over the hosts' "
+                    "network, which network.transport: ssh does not carry yet",
+                    "remove cache (the weights then travel through the forward at each load), "
+                    "or use network.transport: plain or wireguard", at_key=True))
+    return issues
 
 
 def check_wireguard(doc: Document, cluster: Cluster) -> list[ConfigIssue]:

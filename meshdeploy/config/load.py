@@ -35,6 +35,7 @@ from meshdeploy.config.model import (
     PathSource,
     RpcServer,
     Server,
+    SshTransport,
     Toolchain,
     WireGuard,
     rpc_ref,
@@ -118,11 +119,12 @@ def control_path(value: str, base: Path) -> str | None:
     return str(path)
 
 
-def resolve_bind(host: dict, rpc: dict, rule: str) -> str | None:
-    """-H value for an rpc-server, or None when the rule needs an address that isn't IPv4."""
+def resolve_bind(host: dict, rpc: dict, rule: str, transport: str = "plain") -> str | None:
+    """-H value for an rpc-server, or None when the rule needs an address that isn't IPv4.
+    Under network.transport: ssh, loopback: the forward reaches it there."""
     if rpc["bind"]:
         return rpc["bind"]
-    if rule == "loopback":
+    if rule == "loopback" or transport == "ssh":
         return "127.0.0.1"
     try:
         return str(ipaddress.IPv4Address(host["address"]))
@@ -155,7 +157,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
     hosts = []
     for name, h in data["hosts"].items():
         rpcs = tuple(
-            RpcServer(port=r["port"], bind=resolve_bind(h, r, net["rpc_bind"]),
+            RpcServer(port=r["port"], bind=resolve_bind(h, r, net["rpc_bind"], net["transport"]),
                       device=unset(r["device"]), threads=r["threads"], cache=r["cache"],
                       fetch=r["fetch"])
             for r in h["rpc_servers"])
@@ -197,6 +199,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                                     e.rstrip("/") for e in hf["trusted_http_endpoints"])),
         network=Network(rpc_bind=net["rpc_bind"], allow_public=net["allow_public"],
                         firewall=net["firewall"], transport=net["transport"],
+                        ssh=SshTransport(local_port_base=net["ssh"]["local_port_base"]),
                         wireguard=WireGuard(subnet=wg["subnet"], listen_port=wg["listen_port"],
                                             interface=wg["interface"],
                                             addresses=tuple(wg["addresses"].items()))),

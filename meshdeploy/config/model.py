@@ -104,16 +104,40 @@ def derived_tunnel_address(subnet: str, host_name: str) -> str:
 
 
 @dataclass(frozen=True)
+class SshTransport:
+    local_port_base: int = 51000
+
+
+@dataclass(frozen=True)
 class Network:
     rpc_bind: Literal["address", "loopback"]
     allow_public: bool
     firewall: bool = True  # roles/network: the allow-list table on every host
-    transport: Literal["plain", "wireguard"] = "plain"
+    transport: Literal["plain", "wireguard", "ssh"] = "plain"
     wireguard: WireGuard = WireGuard()
+    ssh: SshTransport = SshTransport()
 
     @property
     def tunnel(self) -> bool:
         return self.transport == "wireguard"
+
+    @property
+    def forwarded(self) -> bool:
+        """network.transport: ssh: orchestrators reach remote rpc-servers through forwards."""
+        return self.transport == "ssh"
+
+
+@dataclass(frozen=True)
+class SshForward:
+    """One orchestrator's OpenSSH forward to one worker: every rpc-server of the worker its
+    llama-servers use, each from a loopback port of the orchestrator."""
+
+    worker: Host
+    ports: tuple[tuple[int, int], ...]  # (loopback port on the orchestrator, rpc-server port)
+
+    @property
+    def unit_name(self) -> str:
+        return f"meshdeploy-ssh-{self.worker.name}"
 
 
 @dataclass(frozen=True)
@@ -169,6 +193,7 @@ class Layout:
     services: str  # where service definitions go: unit files, or runit's service folders
     manager: str = ""  # SYSTEMD_USER or RUNIT on a rootless host; "" = the system's
     home: str = ""  # the login user's home on a rootless host
+    config: str = "/etc/meshdeploy"  # meshdeploy's own settings and keys on the host
     user: str = ""  # the login user on a rootless host
 
     @property
@@ -245,6 +270,10 @@ class RpcEndpoint:
     host: Host
     rpc: RpcServer
     address: str  # what the orchestrator dials
+    # network.transport: ssh: the orchestrator's loopback port of the forward, and the worker's
+    # own address the forward reaches (None: dialled directly, address:rpc.port).
+    local_port: int | None = None
+    via: str | None = None
 
     @property
     def ref(self) -> str:
@@ -252,14 +281,19 @@ class RpcEndpoint:
         return rpc_ref(self.host.name, self.rpc.port)
 
     @property
+    def port(self) -> int:
+        """The port the orchestrator dials: the forward's on loopback, else the rpc-server's."""
+        return self.local_port if self.local_port is not None else self.rpc.port
+
+    @property
     def target(self) -> str:
         """The `address:port` form that goes into llama-server's --rpc list."""
-        return f"{self.address}:{self.rpc.port}"
+        return f"{self.address}:{self.port}"
 
     @property
     def ssh_target(self) -> str:
         """`address:ssh port` of the worker: what the orchestrator's RTT probe connects to."""
-        return f"{self.address}:{self.host.ssh.port}"
+        return f"{self.via or self.address}:{self.host.ssh.port}"
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -422,8 +456,49 @@ class Cluster:
             rpc = host.rpc_server(port)
             if rpc is None:
                 raise KeyError(f"no rpc-server {ref!r} in cluster {self.name!r}")
-            endpoints.append(RpcEndpoint(host, rpc, dial_address(host, rpc, server.host)))
+            forward = self._forward_port(server.host, host.name, port)
+            if forward is not None:
+                endpoints.append(RpcEndpoint(host, rpc, "127.0.0.1", forward, host.address))
+            else:
+                endpoints.append(RpcEndpoint(host, rpc, dial_address(host, rpc, server.host)))
         return endpoints
+
+    def ssh_forwards(self, host: Host) -> list[SshForward]:
+        """Under network.transport: ssh, the forwards `host` runs for its llama-servers: one per
+        remote worker, loopback ports from network.ssh.local_port_base in the order its servers
+        list the rpc-servers (an rpc-server on `host` itself is dialled directly)."""
+        if not self.network.forwarded:
+            return []
+        pairs: list[tuple[str, int]] = []
+        for server in self.servers:
+            if server.host != host.name or not server.rpc:
+                continue
+            for ref in server.rpc:
+                worker, port = parse_rpc_ref(ref)
+                if worker != host.name and (worker, port) not in pairs:
+                    pairs.append((worker, port))
+        base = self.network.ssh.local_port_base
+        by_worker: dict[str, list[tuple[int, int]]] = {}
+        for i, (worker, port) in enumerate(pairs):
+            by_worker.setdefault(worker, []).append((base + i, port))
+        return [SshForward(self.host(w), tuple(p)) for w, p in by_worker.items()]
+
+    def forwarded_to(self, worker: Host) -> list[tuple[Host, SshForward]]:
+        """(orchestrator, its forward) pairs that reach `worker` under network.transport: ssh."""
+        out = []
+        for host in self.hosts:
+            for forward in self.ssh_forwards(host):
+                if forward.worker.name == worker.name:
+                    out.append((host, forward))
+        return out
+
+    def _forward_port(self, orchestrator: str, worker: str, port: int) -> int | None:
+        if not self.network.forwarded or orchestrator == worker:
+            return None
+        for forward in self.ssh_forwards(self.host(orchestrator)):
+            if forward.worker.name == worker:
+                return next((local for local, remote in forward.ports if remote == port), None)
+        return None
 
     def source_address(self, host: Host) -> str:
         """The address `host` connects to other hosts' rpc-servers from: its tunnel address

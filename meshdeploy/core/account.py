@@ -134,12 +134,13 @@ def layout(account: Account) -> Layout:
     runtime = account.get("runtime")
     run = f"{_absolute(account, 'XDG_RUNTIME_DIR', runtime)}/meshdeploy" if runtime \
         else f"{cache}/run"
+    config = xdg("xdg_config", ".config")
     if mgr == SYSTEMD_USER:
-        services = f"{xdg('xdg_config', '.config')}/systemd/user"
+        services = f"{config}/systemd/user"
     else:
         services = _absolute(account, "SVDIR", _svdir(account))
     return Layout(prefix=f"{xdg('xdg_data', '.local/share')}/meshdeploy", cache=cache, run=run,
-                  services=services, manager=mgr, home=home,
+                  services=services, manager=mgr, home=home, config=f"{config}/meshdeploy",
                   user=account.user if _USER.fullmatch(account.get("user")) else "")
 
 

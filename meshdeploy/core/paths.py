@@ -79,6 +79,18 @@ def ollama_blob(fact: dict) -> tuple[str, str]:
     return digest, f"{fact['store']}/blobs/sha256-{digest.split(':', 1)[1]}"
 
 
+def ssh_key(layout) -> str:
+    """network.transport: ssh: an orchestrator's private key for its forwards (the public key
+    beside it, .pub); made on the host, never read off it."""
+    return f"{layout.config}/ssh/rpc_ed25519"
+
+
+def ssh_known_hosts(layout) -> str:
+    """network.transport: ssh: the workers' host keys an orchestrator's forwards accept, pinned
+    from what the probe read on each worker over meshdeploy's own checked connection."""
+    return f"{layout.config}/ssh/known_hosts"
+
+
 def rpc_server_cache(layout, port: int) -> str:
     """rpc-server's LLAMA_CACHE on a host of `layout` (config.model.Layout): its unit's systemd
     CacheDirectory under /var/cache, or a folder of the user's cache on a rootless host."""
