@@ -87,6 +87,15 @@ def exec_arg(value, setting: str) -> str:
     return _double_quoted(escaped)
 
 
+def exec_script(text: str, setting: str) -> str:
+    """One ExecStart= word carrying a fixed multi-line script (the code's own template text,
+    for `sh -c`): newlines written as C escapes (\\n), which ExecStart= words unescape; any
+    other control character is refused."""
+    lines = [checked(line, setting) for line in text.split("\n")]
+    escaped = "\n".join(lines).replace("%", "%%").replace("$", "$$")
+    return _double_quoted(escaped).replace("\n", "\\n")
+
+
 def exec_line(argv: list, setting: str) -> str:
     """ExecStart= value; the program must be an absolute path (no `-@:+!` prefixes)."""
     program = checked(argv[0], setting)

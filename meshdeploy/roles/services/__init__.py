@@ -3,6 +3,7 @@
 from meshdeploy.config.checks import warnings_for
 from meshdeploy.config.model import LAUNCHD, RUNIT, SYSTEMD, SYSTEMD_USER
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
+from meshdeploy.roles.services import forward
 from meshdeploy.roles.services import operations as ops
 from meshdeploy.roles.services.logs import log_sources
 from meshdeploy.roles.services.rtt import network
@@ -16,6 +17,11 @@ def _manager_name(host, facts: dict) -> str:
         return _ROOTLESS_MANAGERS.get(host.layout.manager, host.layout.manager)
     darwin = (facts.get(host.name, {}).get("toolchain.Platform") or {}).get("kernel") == "Darwin"
     return LAUNCHD if darwin else SYSTEMD
+
+
+def _preflight(ctx) -> None:
+    ops.preflight(ctx)
+    forward.preflight(ctx)
 
 
 def _prepare(p: Prepare) -> Prepared:
@@ -35,7 +41,7 @@ ROLE = Role(
     volatile=("services.Rtt",),
     prepare=_prepare,
     logs=log_sources,
-    preflight=ops.preflight,
+    preflight=_preflight,
     destroy=ops.destroy,
     after=("llama_cpp", "models", "rpc_cache"),
     resources=(
@@ -43,6 +49,11 @@ ROLE = Role(
                  "meshdeploy units the cluster file no longer describes"),
         Resource("rpc_server", ops.rpc_server, "one rpc-server, proven listening",
                  keys=lambda cluster: cluster.rpc_ports(), rereads=_MANIFEST),
+        # After every worker's rpc-server (slot order: every host's before any host's next),
+        # before the llama-servers that dial it.
+        Resource("ssh_forward", forward.ssh_forward,
+                 "network.transport: ssh: one orchestrator's forward to a worker, accepting",
+                 keys=forward.keys, cluster_wide=True),
         Resource("llama_server", ops.llama_server,
                  "the orchestrator, restarted after its workers, then healthy",
                  keys=lambda cluster: [s.name for s in cluster.servers], rereads=_MANIFEST),

@@ -5,7 +5,7 @@ services_unit_dir = "/etc/systemd/system"
 services_unit_prefix = "meshdeploy-"
 # The units this role owns (and removes when the file no longer names them): other roles'
 # meshdeploy-* units (network's meshdeploy-nftables) are theirs.
-services_unit_kinds = ("rpc-", "server-")
+services_unit_kinds = ("rpc-", "server-", "ssh-")
 # GPU device nodes that are group-owned (ROCm's /dev/kfd, render nodes) need these groups.
 services_gpu_groups = {"rocm": "render video", "vulkan": "render video"}
 # DevicePolicy=closed leaves only /dev/null, zero, full, random, urandom, tty and ptmx; each

@@ -11,7 +11,8 @@ from meshdeploy.roles.services.managers import Launchd, log_dir
 
 
 def log_sources(cluster: Cluster) -> list[LogSource]:
-    """rpc-servers and llama-servers, hosts in file order (rpc-servers first on each host)."""
+    """rpc-servers, llama-servers and (network.transport: ssh) forwards, hosts in file order
+    (rpc-servers first on each host)."""
     launchd = Launchd()
     out = []
     for host in cluster.hosts:
@@ -21,6 +22,9 @@ def log_sources(cluster: Cluster) -> list[LogSource]:
         for server in (s for s in cluster.servers if s.host == host.name):
             out.append(_source(host, f"llama-server:{server.name}", server.unit_name,
                                launchd, "llama-server", server.name))
+        for forward in cluster.ssh_forwards(host):
+            out.append(_source(host, f"ssh-forward:{forward.worker.name}", forward.unit_name,
+                               launchd, "ssh-forward"))
     return out
 
 

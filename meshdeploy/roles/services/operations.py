@@ -151,12 +151,17 @@ def _firewall(peers: list[str], setting: str, why_not: str | None = None) -> str
 
 def _rpc_peers(cluster, host, rpc) -> list[str]:
     """Addresses an rpc-server hears from: the hosts whose llama-servers use it (their tunnel
-    addresses under network.transport: wireguard), and its own bind (the local TCP probe and a llama-server on the same host come from it)."""
+    addresses under network.transport: wireguard; loopback under ssh, where sshd connects), and
+    its own bind (the local TCP probe and a llama-server on the same host come from it)."""
     peers = []
     for server in cluster.servers:
-        if any(e.host.name == host.name and e.rpc.port == rpc.port
-               for e in cluster.rpc_endpoints(server)):
-            peers.append(cluster.source_address(cluster.host(server.host)))
+        for e in cluster.rpc_endpoints(server):
+            if e.host.name != host.name or e.rpc.port != rpc.port:
+                continue
+            # network.transport: ssh: a forwarded connection comes from the worker's own sshd.
+            peers.append("127.0.0.1" if e.via is not None
+                         else cluster.source_address(cluster.host(server.host)))
+            break
     if not peers:
         return []
     return peers + ([] if rpc.bind == "0.0.0.0" else [rpc.bind])
@@ -215,6 +220,12 @@ def _server_firewall(cluster, server, setting: str) -> str:
                      setting)
 
 
+def _after_forwards(cluster, host) -> str:
+    """network.transport: ssh: llama-server dials its workers through this host's forwards."""
+    return "".join(ordered_after(f.unit_name, f"network.transport (forward to {f.worker.name})")
+                   for f in cluster.ssh_forwards(host))
+
+
 def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | None) -> str:
     where = f"servers.{server.name}"
     api_key = server.api_key_file
@@ -234,7 +245,8 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
                    environment=_env_lines(env, f"{where} (Environment)"),
                    credentials=credentials, groups=_groups(host), sandbox=_sandbox(host),
                    tunnel=_after_tunnel(cluster, any(e.host.name != server.host
-                                                     for e in cluster.rpc_endpoints(server))),
+                                                     for e in cluster.rpc_endpoints(server)))
+                   + _after_forwards(cluster, host),
                    firewall=_server_firewall(cluster, server, f"{where} (IPAddressAllow)"))
 
 
@@ -388,6 +400,7 @@ def stale_units(ctx: HostContext) -> Step:
     mgr = manager(ctx)
     wanted = {mgr.name(r.unit_name) for r in ctx.host.rpc_servers}
     wanted |= {mgr.name(s.unit_name) for s in ctx.servers()}
+    wanted |= {mgr.name(f.unit_name) for f in ctx.cluster.ssh_forwards(ctx.host)}
     units = ctx.fact("services.Units") or {}
     stale = sorted(u for u in units if u not in wanted)
     if not stale:
@@ -427,6 +440,10 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     endpoints = ctx.cluster.rpc_endpoints(server)
     moved = [e.target for e in endpoints if e.ref in ctx.steps.restarted()]
     reason = f"workers restart ({', '.join(moved)})" if moved else None
+    forwards = _restarted_forwards(ctx, endpoints)
+    if forwards and not reason:
+        # Its connections through the forward closed: it aborted, or will at its next request.
+        reason = f"forwards restart ({', '.join(forwards)})"
     build_dir, manifest = _build_info(ctx)
     mgr = manager(ctx)
     unit = mgr.name(server.unit_name)
@@ -447,13 +464,15 @@ def llama_server(ctx: HostContext, name: str) -> Step:
                               f"llama-server {server.name} on {server.bind}:{server.port} "
                               "(meshdeploy)", "llama-server.user.service",
                               name=unit_name(server.name, where), bind=server.bind,
-                              port=int(server.port))
+                              port=int(server.port),
+                              after=_after_forwards(ctx.cluster, ctx.host))
     else:
         want = server_unit(ctx.cluster, ctx.host, server, build_dir, manifest.get("flags"), sha)
     step, restarted = _unit_step(ctx, resource, unit, want, reason)
     if restarted:
         # Stopped first: its RPC connections close, so each worker accepts the check at once.
-        checks = [tcp_wait(e.address, e.rpc.port, 10, None, f"{ctx.host.name} -> {e.target}")
+        # e.port: the port it dials (the forward's loopback port under network.transport: ssh).
+        checks = [tcp_wait(e.address, e.port, 10, None, f"{ctx.host.name} -> {e.target}")
                   for e in endpoints]
         step.commands = ([mgr.stop(unit)] if checks else []) + checks + step.commands + [
             health_wait(server, mgr.journal(unit), rootless.restarts_shim(mgr))]
@@ -468,17 +487,30 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     return step
 
 
+def _restarted_forwards(ctx, endpoints) -> list[str]:
+    """Unit names of this host's forwards to the server's workers that this run (re)starts."""
+    steps = ctx.steps.on(ctx.host.name)
+    out = []
+    for e in endpoints:
+        step = steps.get(f"services.ssh_forward[{e.host.name}]")
+        name = f"meshdeploy-ssh-{e.host.name}"
+        if e.via is not None and step is not None and step.commands and name not in out:
+            out.append(name)
+    return out
+
+
 def _unit_resource(unit: str) -> str:
     """The resource address of a unit this role owns: meshdeploy-rpc-50052 -> rpc_server[50052],
-    meshdeploy-server-main -> llama_server[main] (com.meshdeploy.* on macOS alike)."""
+    meshdeploy-server-main -> llama_server[main], meshdeploy-ssh-node2 -> ssh_forward[node2]
+    (com.meshdeploy.* on macOS alike)."""
     short = unit.removeprefix(d.services_unit_prefix).removeprefix(d.services_launchd_prefix)
     kind, _, rest = short.partition("-")
-    return {"rpc": f"rpc_server[{rest}]", "server": f"llama_server[{rest}]"}.get(kind,
-                                                                                f"unit[{unit}]")
+    return {"rpc": f"rpc_server[{rest}]", "server": f"llama_server[{rest}]",
+            "ssh": f"ssh_forward[{rest}]"}.get(kind, f"unit[{unit}]")
 
 
 def destroy(ctx: HostContext, purge: bool) -> Teardown:
-    """Every rpc-server and llama-server unit of meshdeploy on the host: stopped, disabled and
+    """Every rpc-server, llama-server and forward unit of meshdeploy on the host: stopped, disabled and
     deleted (the Units fact lists exactly meshdeploy's own)."""
     mgr = manager(ctx)
     units = ctx.fact("services.Units") or {}

@@ -85,16 +85,21 @@ def check_key_file(ctx, server, fact: dict) -> None:
 
 
 def want(ctx, mgr, where: str, argv: list, env: dict, description: str,
-                   template: str, exposed: bool = False, **values) -> str:
-    """A rootless host's definition: a systemd --user unit, or a runit `run` script."""
+                   template: str, exposed: bool = False, after: str | None = None,
+                   **values) -> str:
+    """A rootless host's definition: a systemd --user unit, or a runit `run` script.
+
+    + after: whole lines a unit template takes as ${after} (ordered_after's; runit has no
+      ordering: llama-server's worker checks stand for it)"""
     if isinstance(mgr, Runit):
         # Without the RunitTools fact at all (a plan rendered without a probe) the POSIX path
         # stands in; a probed host without sh was refused at preflight.
         sh = mgr.tools.get("sh") if ctx.fact("services.RunitTools") is not None else "/bin/sh"
         return runit_run(ctx.cluster, argv, env, description, sh, where, exposed)
-    return user_unit(template, ctx.cluster, ctx.host, argv, env, where, exposed,
-                              **{k: line_value(v, where) if isinstance(v, str) else v
-                                 for k, v in values.items()})
+    quoted = {k: line_value(v, where) if isinstance(v, str) else v for k, v in values.items()}
+    if after is not None:
+        quoted["after"] = after
+    return user_unit(template, ctx.cluster, ctx.host, argv, env, where, exposed, **quoted)
 
 
 # health.sh reads the unit's restart count with `systemctl show -p NRestarts`: on a rootless

@@ -1,0 +1,56 @@
+# network.transport: ssh: one orchestrator's forward to one worker. The master ssh runs in the
+# background (forward only, -N, with a control socket); once its socket answers `-O check`, one
+# session through it runs the key's forced command (it exits 1: the expected answer): OpenSSH
+# before 10.1 sets TCP_NODELAY on sshd's end of a connection only when a session runs a command,
+# and without it every small rpc-server reply waits for a delayed ACK (docs/benchmarks.md).
+# Then it waits for the master and exits with its status; the supervisor starts it again.
+# TERM and INT stop the master first.
+# Inputs (positional): CTL (control socket), KEY, KNOWN (known_hosts), SSHPORT, USER, ADDR, then
+# one -L value per forwarded port (127.0.0.1:LOCAL:127.0.0.1:PORT).
+ctl=$1 key=$2 known=$3 sshport=$4 user=$5 addr=$6
+shift 6
+# The -L options replace the forwards in "$@" (the for loop's list is read once).
+for forward do
+  set -- "$@" -L "$forward"
+  shift
+done
+master=
+trap 'if [ -n "$master" ]; then kill -TERM "$master" 2>/dev/null; else exit 143; fi' TERM INT
+mkdir -p "${ctl%/*}"
+# A socket left by a master that died would make the new one run without multiplexing.
+rm -f "$ctl"
+ssh -F none -N -M -S "$ctl" -o ControlPersist=no -i "$key" -o IdentitiesOnly=yes \
+  -o BatchMode=yes -o "UserKnownHostsFile=\"$known\"" -o GlobalKnownHostsFile=/dev/null \
+  -o StrictHostKeyChecking=yes -o UpdateHostKeys=no \
+  -o Ciphers=aes128-gcm@openssh.com,chacha20-poly1305@openssh.com -o Compression=no \
+  -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -o ConnectTimeout=10 \
+  -o ExitOnForwardFailure=yes "$@" -p "$sshport" -l "$user" "$addr" &
+master=$!
+i=0
+until ssh -F none -S "$ctl" -O check x >/dev/null 2>&1; do
+  if ! kill -0 "$master" 2>/dev/null; then
+    wait "$master"
+    exit
+  fi
+  i=$((i + 1))
+  if [ "$i" -gt 10 ]; then
+    echo "ssh-forward: the master to $addr did not answer on $ctl within 10 s" >&2
+    kill -TERM "$master" 2>/dev/null
+    wait "$master"
+    exit 1
+  fi
+  sleep 1
+done
+ssh -F none -S "$ctl" -T -n -o BatchMode=yes x nudge </dev/null
+rc=$?
+if [ "$rc" -ne 1 ]; then
+  echo "ssh-forward: the nudge session to $addr exited $rc, not 1 (the key's forced command):" \
+    "sshd may leave Nagle on for this connection" >&2
+fi
+# wait returns early when a trapped signal arrives: wait again until the master is gone.
+while :; do
+  wait "$master"
+  rc=$?
+  kill -0 "$master" 2>/dev/null || break
+done
+exit "$rc"
