@@ -137,7 +137,7 @@ def node1(lc_lab):
     root = hosts.host_dir(Path(info.state_dir), "node1") / "root"
     copied = install_meshdeploy(root)
     print(f"copied meshdeploy and {copied / 1e6:.0f} MB of packages into node1")
-    deploy = hosts._ids(root, "deploy")
+    deploy = hosts._account(root, "deploy")[:2]
     home = root / HOME.lstrip("/")
     write_owned(home / ".ssh" / "lab_key", Path(info.ssh["key"]).read_text(), deploy, 0o600)
     write_owned(home / "cluster" / "ssh_config", SSH_CONFIG, deploy)
