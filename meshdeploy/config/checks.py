@@ -281,7 +281,7 @@ def check_servers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                 "rpc-server", at_key=not listed))
         for i, ref in enumerate(refs):
             where = spath + ("rpc", i) if listed else spath + ("rpc",)
-            problem = rpc_ref_problem(hosts, ref, server.host)
+            problem = rpc_ref_problem(hosts, ref, server.host, cluster.network.forwarded)
             if problem:
                 issues.append(doc.issue(where, *problem))
                 bad_ref = True
@@ -343,8 +343,10 @@ def count_devices(hosts: dict[str, Host], refs: tuple[str, ...], local: Host) ->
     return total + len(local.devices)
 
 
-def rpc_ref_problem(hosts: dict[str, Host], ref: str,
-                    from_host: str) -> tuple[str, str] | None:
+def rpc_ref_problem(hosts: dict[str, Host], ref: str, from_host: str,
+                    forwarded: bool = False) -> tuple[str, str] | None:
+    """What is wrong with `ref` in from_host's --rpc list; under network.transport: ssh
+    (forwarded) a loopback bind is reached through the forward."""
     name, port = parse_rpc_ref(ref)
     if name not in hosts:
         return f"unknown host '{name}' in '{ref}'", suggest(name, list(hosts), "hosts")
@@ -354,7 +356,7 @@ def rpc_ref_problem(hosts: dict[str, Host], ref: str,
         ports = ", ".join(str(r.port) for r in host.rpc_servers) or "none"
         return (f"host {name} has no rpc-server on port {ref.rpartition(':')[2]}",
                 f"rpc-server ports on {name}: {ports}")
-    if rpc.bind is not None and not reachable_from(host, rpc.bind, from_host):
+    if rpc.bind is not None and not forwarded and not reachable_from(host, rpc.bind, from_host):
         return (f"rpc-server {ref} listens on {rpc.bind}, unreachable from host {from_host}",
                 "bind it to an address other hosts can reach, or run the server on "
                 f"host {name}")

@@ -1,13 +1,15 @@
 """network: each host's meshdeploy ports filtered to their peers (nftables `inet meshdeploy`),
-and the WireGuard tunnel between orchestrators and workers (network.transport: wireguard)."""
+the WireGuard tunnel between orchestrators and workers (network.transport: wireguard), and the
+keys of the ssh forwards (network.transport: ssh)."""
 
 from meshdeploy.core.registry import Prepared, Resource, Role
 from meshdeploy.roles.network import operations as ops
+from meshdeploy.roles.network import ssh_ops
 
 ROLE = Role(
     name="network",
     doc=__doc__,
-    facts=lambda req: ops.sections(req.cluster, req.host),
+    facts=lambda req: ops.sections(req.cluster, req.host, req.destroying),
     preflight=ops.preflight,
     destroy=ops.destroy,
     prepare=lambda p: Prepared(warnings=tuple(ops.warnings(p.cluster, p.facts)),
@@ -23,5 +25,15 @@ ROLE = Role(
                  "the WireGuard tunnel to the host's RPC peers (wg-quick@, at boot)",
                  rereads=(("network.wireguard_key", "network.WireGuard"),),
                  cluster_wide=True, replaceable=True),
+        Resource("ssh_key", lambda ctx, key: ssh_ops.ssh_key(ctx),
+                 "an orchestrator's key pair for its ssh forwards, made on the host "
+                 "(network.transport: ssh)", replaceable=True),
+        Resource("ssh_authorize", lambda ctx, key: ssh_ops.ssh_authorize(ctx),
+                 "the orchestrators' forward keys in a worker's authorized_keys, each limited "
+                 "to its forward",
+                 rereads=(("network.ssh_key", "network.SshKey"),), cluster_wide=True),
+        Resource("ssh_known_hosts", lambda ctx, key: ssh_ops.ssh_known_hosts(ctx),
+                 "the workers' sshd host keys an orchestrator's forwards accept (pinned)",
+                 cluster_wide=True),
     ),
 )

@@ -1,14 +1,17 @@
-"""Facts of the network role: the live allow-list, and which packet filter the host has."""
+"""Facts of the network role: the live allow-list, which packet filter the host has, the
+WireGuard interface, and the keys of network.transport: ssh."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import re
 
 from pyinfra.api import FactBase
 
 from meshdeploy.core import probe, shell
 from meshdeploy.roles.network import defaults as d
+from meshdeploy.roles.network import ssh as sshk
 from meshdeploy.roles.network.rules import LOOPBACK, TEMPLATES, VIA, normalize, port_key
 
 _DPORT = {proto: {"payload": {"protocol": proto, "field": "dport"}} for proto in ("tcp", "udp")}
@@ -214,6 +217,107 @@ class WireGuard(FactBase):
                 peer, _, rest = value.partition(" ")
                 field = "allowed_ips" if name == "peer" else "endpoint"
                 out["peers"].setdefault(peer, {})[field] = " ".join(rest.split())
+        return out
+
+    @staticmethod
+    def default():
+        return None
+
+
+class SshKey(FactBase):
+    """An orchestrator's key pair for its ssh forwards (network.transport: ssh); never the
+    private key.
+
+    ```python
+    {"tools": ["ssh", "ssh-keygen"], "private": True,
+     "public_key": "ssh-ed25519 AAAA...",     # None: no key pair yet (or none that parses)
+     "known_hosts": ["10.200.0.12 ssh-ed25519 AAAA...", "<odd line>"] | None}  # None: no file
+    ```
+    public_key is what `ssh-keygen -y` derives from the private key (the .pub file's line when
+    that fails), type and base64 only. A known_hosts line that is not in the form meshdeploy
+    writes is "<odd line>", so the plan rewrites the file. Run as root on a host with root
+    (privileged section: the folder is root's, 0700); as the login user on a rootless host.
+    + key: the private key file (core.paths.ssh_key); known: core.paths.ssh_known_hosts
+    """
+
+    def command(self, key, known):
+        return shell.template(TEMPLATES / "ssh-key-probe.sh", KEY=key, KNOWN=known)
+
+    def process(self, output):
+        out = {"tools": [], "private": False, "public_key": None, "known_hosts": None}
+        derived = public = None
+        for line in output:
+            name, _, value = line.partition("=")
+            if name == "tools":
+                out["tools"] = sorted({"ssh", "ssh-keygen"} & set(value.split()))
+            elif name == "private":
+                out["private"] = value.strip() == "yes"
+            elif name == "derived":
+                derived = sshk.public_key(value)
+            elif name == "public":
+                public = sshk.public_key(value)
+            elif name == "known":
+                out["known_hosts"] = []
+            elif name == "known_line" and out["known_hosts"] is not None:
+                out["known_hosts"].append(sshk.parse_known(value) or ODD_LINE)
+        out["public_key"] = derived or public
+        return out
+
+    @staticmethod
+    def default():
+        return None
+
+
+ODD_LINE = "<odd line>"
+_LOGIN = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]{0,63}\$?")
+
+
+class SshLogin(FactBase):
+    """What a worker's login user offers the orchestrators' forwards (network.transport: ssh),
+    read as that user over meshdeploy's own checked connection.
+
+    ```python
+    {"user": "md",                                   # id -un; None when it is no user name
+     "host_keys": ["ssh-ed25519 AAAA...", ...],      # sshd's host keys (type + base64), sorted
+     "authorized": ["command=... ssh-ed25519 AAAA... meshdeploy-rpc:lab:node1", ...],
+     "unparsed": ["meshdeploy-rpc:lab:node1"],        # marker lines whose key does not parse
+     "authorized_link": False}                      # ~/.ssh/authorized_keys is a symbolic link
+    ```
+    host_keys: /etc/ssh/ssh_host_*_key.pub and $PREFIX/etc/ssh/... (Termux), comments dropped,
+    key types ssh-ed25519, ecdsa-sha2-* and ssh-rsa whose base64 holds a key of that type;
+    anything else is dropped. authorized: the lines whose last field starts with
+    "meshdeploy-rpc:" (every cluster's; the resource picks its own). Not privileged: the login
+    user's own files. None: not read.
+    """
+
+    def command(self):
+        return shell.template(TEMPLATES / "ssh-login-probe.sh")
+
+    def process(self, output):
+        out = {"user": None, "host_keys": [], "authorized": [], "unparsed": [],
+               "authorized_link": False}
+        keys = set()
+        for line in output:
+            name, _, value = line.partition("=")
+            if name == "user":
+                out["user"] = value if _LOGIN.fullmatch(value) else None
+            elif name == "host_key":
+                key = sshk.public_key(value)
+                if key is not None:
+                    keys.add(key)
+            elif name == "authorized_link":
+                out["authorized_link"] = value == "yes"
+            elif name == "authorized":
+                parsed = sshk.parse_authorized(value)
+                if parsed is not None:
+                    out["authorized"].append(value)
+                else:
+                    # Its last field as the write script sees it (awk's $NF), made safe to
+                    # show: a line the plan cannot read still counts as one of the cluster's.
+                    last = value.split()[-1] if value.split() else ""
+                    if last.startswith(sshk.MARKER):
+                        out["unparsed"].append(re.sub(r"[^A-Za-z0-9_.:@-]", "?", last)[:200])
+        out["host_keys"] = sorted(keys)
         return out
 
     @staticmethod

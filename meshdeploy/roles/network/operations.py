@@ -11,7 +11,7 @@ from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import defaults as d
-from meshdeploy.roles.network import rules
+from meshdeploy.roles.network import rules, ssh_ops
 from meshdeploy.roles.network import tunnel as wgr
 from meshdeploy.roles.network.facts import Allowlist, Tools, WireGuard
 
@@ -19,17 +19,20 @@ ROLE = "network"
 OPT_OUT = "network.firewall: false"
 
 
-def sections(cluster, host) -> list[Section]:
+def sections(cluster, host, destroying: bool = False) -> list[Section]:
     """The filters the host has, and the live table (nft needs root to list it). The table is
     read even with the firewall off, so turning it off removes what an earlier apply loaded.
-    A rootless host has neither (each needs root): nothing to read."""
+    A rootless host has neither (each needs root). network.transport: ssh's keys on both
+    (ssh_ops.sections)."""
+    keys = ssh_ops.sections(cluster, host, destroying)
     if host.rootless:
-        return []
+        return keys
     return [Section("network.Tools", Tools),
             Section("network.Allowlist", Allowlist, privileged=True),
             Section("network.WireGuard", WireGuard, privileged=True,
                     kwargs={"interface": cluster.network.wireguard.interface,
-                            "key": wgr.key_file(cluster), "conf": wgr.conf_path(cluster)})]
+                            "key": wgr.key_file(cluster), "conf": wgr.conf_path(cluster)}),
+            *keys]
 
 
 def _darwin(ctx) -> bool:
@@ -53,8 +56,9 @@ def _installer(ctx, packages=("nftables",)) -> str | None:
 
 def preflight(ctx: HostContext) -> None:
     """A host that must be firewalled, has no nft (nor pfctl on macOS) and cannot install
-    nftables with apt or dnf is refused."""
+    nftables with apt or dnf is refused; so is an orchestrator of ssh forwards without ssh."""
     _wg_preflight(ctx)
+    ssh_ops.preflight(ctx)
     if not ctx.cluster.network.firewall or ctx.host.rootless:
         return None
     tools = ctx.fact("network.Tools") or []
@@ -67,7 +71,9 @@ def preflight(ctx: HostContext) -> None:
 
 
 def access(cluster, hosts, facts: dict) -> list[tuple[str, str, str]]:
-    """What guards each host's meshdeploy ports, for the plan's Hosts table."""
+    """What guards each host's meshdeploy ports, for the plan's Hosts table. Under
+    network.transport: ssh a worker's rpc-servers listen on loopback only (the allow-list has
+    no rule for them: rules.ports), and its other ports keep the allow-list where it has one."""
     out = []
     for h in hosts:
         darwin = (facts.get(h.name, {}).get("toolchain.Platform") or {}).get("kernel") == "Darwin"
@@ -75,6 +81,10 @@ def access(cluster, hosts, facts: dict) -> list[tuple[str, str, str]]:
                  "nothing: unprotected (no root for nftables)" if h.rootless else
                  "nothing: macOS pf anchor not loaded yet" if darwin else
                  "allow-list (nftables)")
+        if cluster.network.forwarded and cluster.forwarded_to(h):
+            forwarded = "loopback only; reached through ssh forwards"
+            guard = forwarded if guard.startswith("nothing") or not rules.allowlist(
+                cluster, h) else f"{forwarded}; {guard}"
         if cluster.network.tunnel and cluster.tunnel_peers(h):
             guard += "; RPC through WireGuard"
         out.append((h.name, "protection", guard))
@@ -197,13 +207,8 @@ def _peer_key(ctx, peer) -> str | None:
     """The peer's public key, or None while it is known only after apply: the peer has none
     yet, or its wireguard_key step makes a new one that has not been re-read."""
     key = (ctx.fact_of(peer.name, "network.WireGuard") or {}).get("public_key")
-    step = ctx.steps.on(peer.name).get("network.wireguard_key")
-    if step is None and ctx.replacing("network.wireguard", peer.name):
-        return None  # planned without the peer's steps: its key is being replaced
-    if step is not None and step.commands:
-        before = next((x.before for x in step.change.diffs if x.name == "public key"), None)
-        if key is None or wgr.fingerprint(key) == before:
-            return None
+    key = ssh_ops.settled_key(ctx, peer.name, key, "network.wireguard_key",
+                              "network.wireguard", wgr.fingerprint)
     return key if key and wgr.PUBLIC_KEY.fullmatch(key) else None
 
 
@@ -279,7 +284,8 @@ def wireguard(ctx: HostContext) -> Step:
 
 def destroy(ctx: HostContext, purge: bool) -> Teardown:
     """The allow-list table and its boot unit, the WireGuard tunnel, its file and the host's
-    key pair. The packages (nftables, wireguard-tools) stay: they are the host's tools."""
+    key pair; network.transport: ssh's authorized lines, key pair and known_hosts. The packages
+    (nftables, wireguard-tools) stay: they are the host's tools."""
     steps = []
     live = ctx.fact("network.Allowlist")
     if live is not None:
@@ -295,6 +301,7 @@ def destroy(ctx: HostContext, purge: bool) -> Teardown:
                                      [AttrDiff("public key", wgr.fingerprint(fact["public_key"]),
                                                None)]),
                           [shell.command("rm", "-f", wgr.key_file(ctx.cluster)), _RMDIRS]))
+    steps += ssh_ops.destroy(ctx)
     return Teardown(tuple(steps))
 
 

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshdeploy.config.model import is_loopback
 from meshdeploy.core import distribution, shell
 from meshdeploy.core.paths import model_share_port
 from meshdeploy.core.plan import AttrDiff
@@ -64,6 +65,10 @@ def ports(cluster, host) -> list[Port]:
     found: dict[tuple[str, int], tuple[list[str], list[str]]] = {}
     tunnel = cluster.network.wireguard if cluster.network.tunnel else None
     for rpc in host.rpc_servers:
+        if cluster.network.forwarded and is_loopback(rpc.bind or ""):
+            # network.transport: ssh: the rpc-server listens on loopback, where only this host
+            # (and the forwards its sshd opens for the orchestrators) reaches it: no rule.
+            continue
         peers = [_peer_address(cluster, host, rpc, s) for s in _rpc_clients(cluster, host, rpc)]
         if tunnel is not None:
             # Under WireGuard the orchestrator's tunnel address counts only on the tunnel: the
