@@ -469,3 +469,19 @@ def test_runit_run_script_runs(tmp_path):
     (tmp_path / "stop").touch()
     assert proc.wait(timeout=15) == 7
     assert master_call(tmp_path)[5] == f"{layout.run}/ssh-node2.ctl"
+
+
+def test_a_debian_orchestrator_with_forwards_gets_nss_systemd():
+    """ssh exits ("No user exists for uid ...") when it cannot look up its DynamicUser, which
+    only nss-systemd names: a Debian orchestrator with forwards installs libnss-systemd (found
+    missing in the lab's minimal Debian: the forward restarted for ever); its workers and a
+    cluster without forwards do not."""
+    from meshdeploy.roles.toolchain.operations import wanted_packages
+
+    cluster = ssh_lab()
+    assert "libnss-systemd" in wanted_packages(cluster, "apt", cluster.host("node1"))
+    assert "libnss-systemd" not in wanted_packages(cluster, "apt", cluster.host("node2"))
+    plain = load_cluster(ROOT / "inventories" / "lab.yaml")
+    assert "libnss-systemd" not in wanted_packages(plain, "apt", plain.host("node1"))
+    rootless = ssh_lab(SYSTEMD_USER)  # a user manager's units need no dynamic user
+    assert "libnss-systemd" not in wanted_packages(rootless, "apt", rootless.host("node1"))

@@ -5,6 +5,8 @@ toolchain_apt_packages = ("cmake", "g++", "git", "curl", "ca-certificates", "nin
 toolchain_dnf_packages = ("cmake", "gcc-c++", "git", "curl", "ca-certificates", "ninja-build")
 toolchain_python_package = "python3"  # on a host whose model copy others fetch tensors from
 toolchain_brew_packages = ("cmake", "git", "ninja")
+# network.transport: ssh on a Debian orchestrator with root: its forwards' DynamicUser by name.
+toolchain_nss_systemd_package = "libnss-systemd"
 toolchain_ccache_package = "ccache"
 
 # --- Termux (`pkg`, no root): the tool meshdeploy looks for on PATH -> the package that brings it

@@ -22,6 +22,11 @@ def wanted_packages(cluster, manager: str, host) -> tuple[str, ...]:
         base = base + (d.toolchain_ccache_package,)
     if distribution.share_clients(cluster, host) and manager != "brew":  # macOS ships python3 with its CLT
         base = base + (d.toolchain_python_package,)  # md-share serves the host's model copy
+    if manager == "apt" and not host.rootless and cluster.ssh_forwards(host):
+        # The forwards run as a DynamicUser, and ssh exits when it cannot look its own user up:
+        # nss-systemd names those users (Debian's package adds it to nsswitch.conf; Fedora has
+        # it by default).
+        base = base + (d.toolchain_nss_systemd_package,)
     return base
 
 
