@@ -105,7 +105,10 @@ def derived_tunnel_address(subnet: str, host_name: str) -> str:
 
 @dataclass(frozen=True)
 class SshTransport:
-    local_port_base: int = 51000
+    # Below Linux's ephemeral ports (32768-60999): in that range a client connection of the
+    # orchestrator's own (a health poll on loopback) can hold the port the forward must bind
+    # (seen in the lab: "bind [127.0.0.1]:51000: Address already in use").
+    local_port_base: int = 31000
 
 
 @dataclass(frozen=True)

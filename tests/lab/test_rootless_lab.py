@@ -14,8 +14,12 @@ Runs on its own lab, `mdrl`, never the shared `mdlab`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,7 +98,7 @@ SYSTEM_NOISE = ("/var/log/journal/", "/var/log/wtmp", "/var/log/btmp", "/var/log
 
 @pytest.fixture(scope="module")
 def rl_lab(lab_available, request):
-    with own_lab(request, RL_LAB, hosts=3, toolchain=True, kinds=KINDS) as (info, handle):
+    with own_lab(request, RL_LAB, hosts=3, rogue=1, toolchain=True, kinds=KINDS) as (info, handle):
         yield info, handle
 
 
@@ -218,9 +222,187 @@ def test_a_killed_worker_comes_back_by_itself(applied, rl_lab):
         time.sleep(3)
 
 
-def test_destroy_leaves_nothing_of_meshdeploy_on_the_rootless_hosts(applied, rl_lab):
+# -- the same hosts, RPC over plain OpenSSH (network.transport: ssh) -----------------------------
+
+PROBE = ("import socket, sys\n"
+         "try:\n"
+         "    socket.create_connection((sys.argv[1], int(sys.argv[2])), 3.0).close()\n"
+         "    print('open')\n"
+         "except OSError as e:\n"
+         "    print('closed', type(e).__name__)\n")
+CAPTURE = Path(__file__).resolve().parents[1] / "support" / "capture.py"
+SSH_PORTS = {"node2": 8022, "node3": 22}
+
+
+def reach(info, source: str, address: str, port: int) -> str:
+    proc = info.run(source, ["python3", "-c", PROBE, address, str(port)], timeout=30,
+                    root=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+@contextlib.contextmanager
+def idle_orchestrator(info):
+    """node1's llama-server stopped, so an rpc-server accepts a probe (one client at a time)."""
+    info.run("node1", "sudo systemctl stop meshdeploy-server-main", check=True)
+    try:
+        yield
+    finally:
+        info.run("node1", "sudo systemctl start meshdeploy-server-main", check=True)
+        healthy = info.run("node1", "for i in $(seq 120); do curl -sf -m 2 "
+                                    "http://127.0.0.1:8080/health >/dev/null && exit 0; "
+                                    "sleep 1; done; exit 1", timeout=300)
+        assert healthy.returncode == 0, "llama-server did not come back after the probes"
+
+
+@pytest.fixture(scope="module")
+def window(applied, gemma):
+    """(64 bytes of a weight tensor every load sends to node2, its tensor's name): from the
+    plain transport's placement, a window with at least 40 distinct byte values."""
+    plan = meshdeploy("plan", applied["path"], "--json")
+    placement = json.loads(plan.stdout)["placement"]
+    [row] = [r for p in placement for r in p["rows"] if r["host"] == "node2"]
+    layers = range(row["first_layer"], row["last_layer"] + 1)
+    from meshdeploy.roles.rpc_cache.tensors import weight_tensors
+
+    candidates = sorted((t for t in weight_tensors(gemma) if t.layer in layers),
+                        key=lambda t: -t.size)
+    with open(gemma, "rb") as f:
+        for t in candidates:
+            f.seek(t.offset + t.size // 2)
+            chunk = f.read(4096)
+            for i in range(0, len(chunk) - 64, 64):
+                if len(set(chunk[i:i + 64])) >= 40:
+                    return chunk[i:i + 64], t.name
+    raise AssertionError("no high-entropy window in node2's tensors")
+
+
+def load_seen(info, folder: Path, data: bytes) -> dict:
+    """Capture the bridge's RPC and SSH frames while node1's llama-server restarts and loads
+    the model; whether `data` is in a frame or a reassembled TCP stream, and the bytes seen."""
+    from support import capture, wire
+
+    out = folder / "frames.bin"
+    ports = [str(PORT), *(str(p) for p in sorted(set(SSH_PORTS.values())))]
+    proc = subprocess.Popen(["ip", "netns", "exec", info.name, sys.executable, str(CAPTURE),
+                             str(out), *ports], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        wire.restart_server(info)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    flows = capture.flows(out)
+    return {"frame": any(data in frame for _, frame in capture.frames(out)),
+            "stream": any(data in v for k, v in flows.items() if k[0] == "tcp"),
+            "tcp bytes": {" ".join(map(str, k)): len(v) for k, v in flows.items()
+                          if k[0] == "tcp" and len(v) > 100_000}}
+
+
+def test_plain_rpc_is_open_to_a_rogue_and_carries_weights_in_clear(applied, rl_lab, window,
+                                                                    tmp_path):
+    """What the ssh transport takes away, shown first on the plain one (the checks can fail):
+    the rogue node4 reaches node2's rpc-server, and a model load carries a weight window in
+    clear on the bridge."""
     info, _ = rl_lab
-    proc = meshdeploy("destroy", applied["path"], "--auto-approve", "--purge")
+    with idle_orchestrator(info):
+        assert reach(info, info.rogue[0], info.host("node2").address, PORT) == "open"
+    seen = load_seen(info, tmp_path, window[0])
+    assert seen["stream"], seen
+
+
+@pytest.fixture(scope="module")
+def ssh_applied(applied, rl_lab):
+    """The same cluster under network.transport: ssh (no unprotected host: nothing listens
+    off loopback), applied over the plain one."""
+    info, _ = rl_lab
+    text = applied["path"].read_text()
+    text = text.replace("network:\n  rpc_bind: address\n",
+                        "network:\n  rpc_bind: address\n  transport: ssh\n")
+    text = text.replace("    unprotected: true\n", "")
+    text = text.replace(f"    ssh: {{config: {info.ssh['config']}}}   # md on port 8022",
+                        f"    ssh: {{config: {info.ssh['config']}, port: 8022}}   # md on 8022")
+    assert "transport: ssh" in text and "port: 8022" in text and "unprotected" not in text
+    path = applied["path"].with_name("rootless-ssh.yaml")
+    path.write_text(text)
+    proc = meshdeploy("apply", path, "--auto-approve")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
+    return {"path": path, "apply": proc}
+
+
+def test_chat_goes_through_the_forwards_and_the_plan_is_empty(ssh_applied, rl_lab):
+    info, _ = rl_lab
+    assert completion(info)["tokens_predicted"] > 0
+    args = info.run("node1", "ps -ww -o args= -C llama-server").stdout
+    assert "--rpc 127.0.0.1:31000,127.0.0.1:31001" in args, args
+    for host in KINDS:  # the workers listen on loopback only
+        listen = info.run(host, "ss -Hltn 'sport = :50052'").stdout
+        assert [line.split()[3] for line in listen.splitlines()] == ["127.0.0.1:50052"], (
+            host, listen)
+    plan = meshdeploy("plan", ssh_applied["path"], "--detailed-exitcode")
+    assert plan.returncode == 0, plan.stdout[-3000:] + plan.stderr
+    assert "unprotected" not in plan.stdout
+
+
+def test_no_rogue_reaches_a_worker_and_no_weight_crosses_in_clear(ssh_applied, rl_lab, window,
+                                                                   tmp_path):
+    info, _ = rl_lab
+    with idle_orchestrator(info):
+        for host in KINDS:
+            assert reach(info, info.rogue[0], info.host(host).address, PORT).startswith(
+                "closed"), host
+    seen = load_seen(info, tmp_path, window[0])
+    assert not seen["frame"] and not seen["stream"], seen
+    assert any(f" {SSH_PORTS['node2']} " in f" {k} " for k in seen["tcp bytes"]), seen
+
+
+def test_the_forward_key_opens_no_shell_and_no_other_forward(ssh_applied, rl_lab):
+    """The orchestrator's key, used by hand as root on node1: no command runs on the worker,
+    and a forward to anything but the rpc-server is refused."""
+    info, _ = rl_lab
+    base = ("ssh -F none -i /etc/meshdeploy/ssh/rpc_ed25519 -o BatchMode=yes "
+            "-o UserKnownHostsFile=/etc/meshdeploy/ssh/known_hosts -o StrictHostKeyChecking=yes "
+            f"-p {SSH_PORTS['node2']} -l md {info.host('node2').address}")
+    ran = info.run("node1", f"sudo {base} id; echo exit=$?", timeout=60)
+    assert "uid=" not in ran.stdout and "exit=1" in ran.stdout, ran.stdout + ran.stderr
+    other = info.run("node1", f"sudo {base} -W 127.0.0.1:8022 </dev/null; echo exit=$?",
+                     timeout=60)
+    assert "administratively prohibited" in other.stderr, other.stdout + other.stderr
+    # The allowed channel opens and stays open (rpc-server waits for a client's HELLO), so it
+    # is ended after a few seconds: only a refusal would end it at once, with that message.
+    allowed = info.run("node1", f"sudo timeout 8 {base} -W 127.0.0.1:50052 </dev/null; "
+                                "echo exit=$?", timeout=60)
+    assert "administratively prohibited" not in allowed.stderr, allowed.stderr
+    # sshd let the channel through: it is open (ended by timeout), or sshd's own connect to
+    # the busy rpc-server failed, which it tries only for a permitted destination.
+    assert "exit=124" in allowed.stdout or "connect failed" in allowed.stderr, (
+        allowed.stdout + allowed.stderr)
+    # Without the pinned host key the forward's options refuse the worker.
+    unknown = info.run("node1", "sudo " + base.replace("/etc/meshdeploy/ssh/known_hosts",
+                                                       "/dev/null") + " id; echo exit=$?",
+                       timeout=60)
+    assert "Host key verification failed" in unknown.stderr, unknown.stderr
+
+
+def test_a_killed_forward_comes_back_and_the_cluster_serves(ssh_applied, rl_lab):
+    info, _ = rl_lab
+    killed = info.run("node1", "sudo pkill -9 -f '^ssh -F none -N -M .* md@?10.200.0.12|"
+                               "^ssh -F none -N -M .*10.200.0.12$'; echo $?")
+    assert killed.stdout.strip().endswith("0"), killed.stdout + killed.stderr
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if completion(info)["tokens_predicted"] > 0:
+                break
+        except (AssertionError, ValueError):
+            pass
+        assert time.monotonic() < deadline, "the cluster did not recover"
+        time.sleep(3)
+
+
+def test_destroy_leaves_nothing_of_meshdeploy_on_the_rootless_hosts(ssh_applied, rl_lab):
+    info, _ = rl_lab
+    proc = meshdeploy("destroy", ssh_applied["path"], "--auto-approve", "--purge")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     for host in KINDS:
         left = info.run(host, f"find {HOMES[host]} -iname '*meshdeploy*' 2>/dev/null").stdout
@@ -230,3 +412,7 @@ def test_destroy_leaves_nothing_of_meshdeploy_on_the_rootless_hosts(applied, rl_
     assert units.stdout.strip() == ""
     services = info.run("node2", 'ls -A "$SVDIR"').stdout.split()
     assert not [s for s in services if "meshdeploy" in s]
+    for host in KINDS:  # the forward's key is no longer allowed in
+        keys = info.run(host, "cat ~/.ssh/authorized_keys 2>/dev/null").stdout
+        assert "meshdeploy-rpc:" not in keys, (host, keys)
+    assert info.run("node1", "sudo test -e /etc/meshdeploy/ssh/rpc_ed25519").returncode != 0

@@ -127,7 +127,7 @@ def test_system_unit_runs_the_script_with_credentials():
     assert argv[2] == str(shell.body(forward.SCRIPT))  # the template, byte for byte
     assert argv[3:] == ["ssh-forward", "${RUNTIME_DIRECTORY}/ctl",
                         "${CREDENTIALS_DIRECTORY}/key", "${CREDENTIALS_DIRECTORY}/known_hosts",
-                        "22", "md", "10.200.0.12", "127.0.0.1:51000:127.0.0.1:50052"]
+                        "22", "md", "10.200.0.12", "127.0.0.1:31000:127.0.0.1:50052"]
     assert "LoadCredential=key:/etc/meshdeploy/ssh/rpc_ed25519\n" in text
     assert "LoadCredential=known_hosts:/etc/meshdeploy/ssh/known_hosts\n" in text
     assert "RuntimeDirectory=meshdeploy-ssh-node2\n" in text
@@ -193,7 +193,7 @@ def test_create_then_noop(manager):
     step = forward.ssh_forward(context(cluster, manager=manager), "node2")
     assert step.change.action == "create"
     # Readiness: the forward's loopback port accepts within 20 s.
-    assert "127.0.0.1 51000" in step.commands[-1] and " 20 " in step.commands[-1]
+    assert "127.0.0.1 31000" in step.commands[-1] and " 20 " in step.commands[-1]
     again = forward.ssh_forward(context(cluster, installed(manager), manager=manager), "node2")
     assert again.noop, again.change
 
@@ -203,8 +203,8 @@ def test_a_changed_port_updates_and_restarts(manager):
     moved = ssh_lab(manager, base=52000)
     step = forward.ssh_forward(context(moved, installed(manager), manager=manager), "node2")
     assert step.change.action == "update"
-    assert "-127.0.0.1:51000:127.0.0.1:50052" in step.change.unit_diff.replace("\"", "") or \
-        "51000" in step.change.unit_diff
+    assert "-127.0.0.1:31000:127.0.0.1:50052" in step.change.unit_diff.replace("\"", "") or \
+        "31000" in step.change.unit_diff
     assert any("52000" in c for c in step.commands)
 
 
@@ -259,8 +259,8 @@ def test_llama_server_waits_for_its_forwards_and_checks_through_them():
         assert f"+Wants=meshdeploy-ssh-{worker}.service" in text
     # The worker checks dial the forward's loopback ports, not the rpc-servers' own port.
     checks = [c for c in step.commands if "tcp-wait" in c]
-    assert any("127.0.0.1 51000" in c for c in checks)
-    assert any("127.0.0.1 51001" in c for c in checks)
+    assert any("127.0.0.1 31000" in c for c in checks)
+    assert any("127.0.0.1 31001" in c for c in checks)
     assert not any("127.0.0.1 50052" in c for c in checks)
 
 
@@ -354,7 +354,7 @@ def wait_for(predicate, seconds=15):
 
 
 def master_argv(ctl, key, known, user="md", addr="10.200.0.12", port="22",
-                forwards=("127.0.0.1:51000:127.0.0.1:50052",)) -> list[str]:
+                forwards=("127.0.0.1:31000:127.0.0.1:50052",)) -> list[str]:
     """The spec's command line (network.transport: ssh)."""
     return ["-F", "none", "-N", "-M", "-S", ctl, "-o", "ControlPersist=no", "-i", key,
             "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",

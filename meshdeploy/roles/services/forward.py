@@ -138,7 +138,7 @@ def ssh_forward(ctx: HostContext, worker: str) -> Step:
 
     + worker: the worker's host name
 
-    Example: node1/services.ssh_forward[node2]: meshdeploy-ssh-node2, 127.0.0.1:51000 ->
+    Example: node1/services.ssh_forward[node2]: meshdeploy-ssh-node2, 127.0.0.1:31000 ->
     node2's 127.0.0.1:50052.
     """
     resource = f"ssh_forward[{worker}]"
