@@ -60,7 +60,7 @@ servers:
   main: {host: node1, model: m, rpc: ["node2:50052", "node3:50052", "node3:50053"]}
 """
 LINE1 = ('command="false",restrict,port-forwarding,permitopen="127.0.0.1:50052",'
-         f'from="10.200.0.11" {K1} meshdeploy-rpc:lab:node1')
+         f'permitlisten="127.0.0.1:1",from="10.200.0.11" {K1} meshdeploy-rpc:lab:node1')
 TERMUX = ["home=/data/data/com.termux/files/home", "user=u0_a123", "uid=10123", "sv=yes",
           "runsvdir=runsvdir -P /data/data/com.termux/files/usr/var/service",
           "termux_prefix=/data/data/com.termux/files/usr"]
@@ -96,7 +96,8 @@ def test_the_lab_line_is_the_spec_shape_and_openssh_reads_it(cluster, tmp_path):
     facts = {"node1": {"network.SshKey": key_fact()}, "node3": {"network.SshLogin": login_fact()}}
     step = ssh_ops.ssh_authorize(ctx_for(cluster, "node3", facts))
     line = ('command="false",restrict,port-forwarding,permitopen="127.0.0.1:50052",'
-            'permitopen="127.0.0.1:50053",from="10.200.0.11" ' + K1 + " meshdeploy-rpc:lab:node1")
+            'permitopen="127.0.0.1:50053",permitlisten="127.0.0.1:1",from="10.200.0.11" ' + K1 +
+            " meshdeploy-rpc:lab:node1")
     assert line in step.commands[0]
     node2 = ssh_ops.ssh_authorize(ctx_for(cluster, "node2", {
         **facts, "node2": {"network.SshLogin": login_fact()}}))

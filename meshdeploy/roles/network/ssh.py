@@ -93,7 +93,11 @@ def authorized_line(cluster, orchestrator, forward, key: str) -> str:
     if public_key(key) != key:
         raise PlanError(f"{orchestrator.name}: {key[:40]!r} is not an ssh public key")
     opens = ",".join(f'permitopen="127.0.0.1:{int(remote)}"' for _, remote in forward.ports)
-    return (f'command="false",restrict,port-forwarding,{opens},'
+    # port-forwarding turns remote (-R) forwards back on too, and permitopen does not limit
+    # them: permitlisten to a port no login user can bind refuses every TCP listener (sshd
+    # rejects the whole line for permitlisten="none"). Unix-socket listeners cannot be refused
+    # from this file (only sshd_config's AllowStreamLocalForwarding can).
+    return (f'command="false",restrict,port-forwarding,{opens},permitlisten="127.0.0.1:1",'
             f'from="{_source(cluster, orchestrator)}" {key} '
             f"{cluster_marker(cluster)}{orchestrator.name}")
 
