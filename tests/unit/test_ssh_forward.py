@@ -306,7 +306,12 @@ def test_logs_include_the_forwards():
 # control socket's file and runs until $DIR/stop appears (then exits 7) or TERM (exits 143);
 # `-O check` answers 0 once that file exists; the nudge exits $NUDGE_RC (the forced command's 1).
 STUB = r"""#!/bin/sh
-{ printf '%s\0' "$@"; echo; } >> "$STUB_DIR/calls"
+# Each call's line goes to the log in one write (cat of a file of its own): two calls written
+# piecewise at once interleaved into one line under load.
+one="$STUB_DIR/call.$$"
+{ printf '%s\0' "$@"; echo; } > "$one"
+cat "$one" >> "$STUB_DIR/calls"
+rm -f "$one"
 case " $* " in
   *" -M "*)
     trap 'echo term >> "$STUB_DIR/master"; exit 143' TERM
