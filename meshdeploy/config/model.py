@@ -165,7 +165,7 @@ class RpcServer:
     threads: int  # 0 = rpc-server's default
     cache: bool
     # With cache: fetch only its tensors of a one-file Hub model from the cluster's copy
-    # (core.distribution.tensor_fetches); False: keep a whole GGUF on the host (copies),
+    # (config.distribution.tensor_fetches); False: keep a whole GGUF on the host (copies),
     # seed from it.
     fetch: bool = True
 

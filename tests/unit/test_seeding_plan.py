@@ -18,7 +18,7 @@ from support.model_headers import gemma27_header
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
-from meshdeploy.core import distribution
+from meshdeploy.config import distribution
 from meshdeploy.core.context import Resolved
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.models import operations as models

@@ -1,7 +1,7 @@
 """models: GGUF files from Hugging Face (or a mirror), an Ollama store, or a path."""
 
 from meshdeploy.config.model import HfSource
-from meshdeploy.core import distribution
+from meshdeploy.config import distribution
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
 from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as ops

@@ -10,7 +10,8 @@ import base64
 from pathlib import Path
 
 from meshdeploy.config.model import HfSource, OllamaSource, PathSource  # noqa: F401 (engine)
-from meshdeploy.core import distribution, inflight, progress, share, shell
+from meshdeploy.config import distribution
+from meshdeploy.core import inflight, progress, share, shell
 from meshdeploy.core.context import HostContext, SecretStdin, Step, Transfer, stored_teardown
 from meshdeploy.core.gguf import KNOWN_ARCHITECTURES, GgufHeaderError, architecture
 from meshdeploy.core.paths import model_dir, model_files, ollama_blob

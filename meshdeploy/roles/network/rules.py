@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshdeploy.config.model import is_loopback
-from meshdeploy.core import distribution, shell
+from meshdeploy.config import distribution
+from meshdeploy.core import shell
 from meshdeploy.core.paths import model_share_port
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.units import exec_arg, render

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshdeploy.config.model import rpc_unit_name
-from meshdeploy.core import distribution, inflight, progress, share, shell, transient
+from meshdeploy.config import distribution
+from meshdeploy.core import inflight, progress, share, shell, transient
 from meshdeploy.core.context import HostContext, Step, Transfer, stored_teardown
 from meshdeploy.core.paths import model_path
 from meshdeploy.core.plan import AttrDiff

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshdeploy.config.model import HfSource, OllamaSource, rpc_ref
-from meshdeploy.core import distribution
+from meshdeploy.config import distribution
 from meshdeploy.core.context import HostContext, Step
 from meshdeploy.core.paths import model_path, ollama_blob
 from meshdeploy.errors import PlanError

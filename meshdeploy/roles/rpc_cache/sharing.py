@@ -2,8 +2,8 @@
 their tensors of it.
 
 A worker with a seeded cache keeps no GGUF of a one-file Hub model it does not load itself
-(core.distribution.tensor_fetches): the host of the model's first llama-server downloads it once from the
-internet and verifies its sha256 (models.gguf), and this step, on that host,
+(config.distribution.tensor_fetches): the host of the model's first llama-server downloads it
+once from the internet and verifies its sha256 (models.gguf), and this step, on that host,
 
 - makes the model's digest list once from that verified file: "<gguf sha256> <offset> <size>
   <16hex fnv> <sha256>" per hashed tensor (md-rpc-seed --digest), beside the GGUF;
@@ -19,7 +19,8 @@ FNV-1a and sha256 are the list's: a worker never caches bytes that differ from t
 from __future__ import annotations
 
 from meshdeploy.config.model import rpc_ref
-from meshdeploy.core import distribution, inflight
+from meshdeploy.config import distribution
+from meshdeploy.core import inflight
 from meshdeploy.core import share as md_share
 from meshdeploy.core import shell
 from meshdeploy.core.context import HostContext, Step

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from meshdeploy.core import distribution, shell
+from meshdeploy.config import distribution
+from meshdeploy.core import shell
 from meshdeploy.core.context import HostContext, Step, Teardown
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
