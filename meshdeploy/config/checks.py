@@ -421,8 +421,9 @@ def warnings_for(cluster: Cluster) -> list[str]:
 
 def check_ssh_transport(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     """network.transport: ssh: every rpc-server binds loopback (the worker's own sshd forwards
-    to it), and a cached worker is not seeded over it yet (seeding fetches from the
-    orchestrator's md-share over the hosts' network)."""
+    to it). Model bytes need no check: a model has one llama-server, whose host is its source,
+    and every host that gets bytes of it (a cached worker's tensors or whole copy) is a worker
+    of that server, reached by the source's forward (core/share.py: its reverse end)."""
     if not cluster.network.forwarded:
         return []
     issues = []
@@ -435,13 +436,6 @@ def check_ssh_transport(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                     f"binds {rpc.bind}, but under network.transport: ssh an rpc-server listens "
                     "on loopback only: the forward from its orchestrators reaches it there",
                     "remove bind (or bind 127.0.0.1)"))
-            if rpc.cache:
-                issues.append(doc.issue(
-                    path + ("cache",) if doc.written(path + ("cache",)) is not None else path,
-                    "a cached rpc-server is seeded from its orchestrator's copy over the hosts' "
-                    "network, which network.transport: ssh does not carry yet",
-                    "remove cache (the weights then travel through the forward at each load), "
-                    "or use network.transport: plain or wireguard", at_key=True))
     return issues
 
 

@@ -102,3 +102,21 @@ def share_clients(cluster: Cluster, host: Host) -> list[Host]:
     """The hosts that get tensors or copies from `host` (file order)."""
     names = {f.worker for f in tensor_fetches(cluster) + copies(cluster) if f.source == host.name}
     return [h for h in cluster.hosts if h.name in names]
+
+
+def share_sources(cluster: Cluster) -> list[Host]:
+    """The hosts some other host gets model bytes from (file order)."""
+    names = {f.source for f in tensor_fetches(cluster) + copies(cluster)}
+    return [h for h in cluster.hosts if h.name in names]
+
+
+def reverse_slot(cluster: Cluster, source: str, client: str) -> int | None:
+    """Under network.transport: ssh, which reverse forward carries `source`'s md-share to
+    `client` (the index of `source` among share_sources: each source's forwards listen on a
+    port of their own on the workers), or None: no bytes go that way, or not under ssh."""
+    if not cluster.network.forwarded:
+        return None
+    if not any(f.source == source and f.worker == client
+               for f in tensor_fetches(cluster) + copies(cluster)):
+        return None
+    return [h.name for h in share_sources(cluster)].index(source)

@@ -102,6 +102,11 @@ class Resource:
     apply_only: bool = False
     # `-replace=ADDRESS` may name it: its plan reads ctx.replacing() and answers `-/+`.
     replaceable: bool = False
+    # Resources of roles that come earlier in the registry that this one must still precede
+    # ("models.gguf"): it runs just before the first of them, ahead of its role's place (where
+    # none is registered, in its place). For a resource that only needs what those roles'
+    # predecessors made, and that their steps need.
+    runs_before: tuple[str, ...] = ()
     role: str = ""  # filled by Role
 
     @property
@@ -246,8 +251,16 @@ def role(name: str) -> Role:
     raise KeyError(name)
 
 
-def resources() -> list[Resource]:
-    return [r for role_ in roles() for r in role_.resources]
+def resources() -> tuple[Resource, ...]:
+    """Every resource in apply order: role by role, each role's in its own order, except that a
+    resource with runs_before moves to just before the first resource it names."""
+    out = [r for role_ in roles() for r in role_.resources]
+    for moved in [r for r in out if r.runs_before]:
+        ahead = [i for i, r in enumerate(out) if r.qualified in moved.runs_before]
+        if ahead and out.index(moved) > min(ahead):
+            out.remove(moved)
+            out.insert(min(ahead), moved)
+    return tuple(out)
 
 
 def resource(qualified: str) -> Resource:

@@ -11,7 +11,10 @@ that host, each with what its step needs:
 
 A later start replaces an earlier one; md-share answers loopback and the hosts named, on the
 host's cluster address (its tunnel address under WireGuard), and exits by itself once idle.
-network.allowlist opens its port to the same hosts alone.
+network.allowlist opens its port to the same hosts alone. Under network.transport: ssh it binds
+loopback only: each receiving host is a worker of the source, and the source's forward to it
+carries a reverse end (`-R`, reverse_port) from the worker's loopback back to md-share, so no
+model byte crosses the hosts' network in clear and no port opens.
 
 md-share never runs as root. Where systemd is PID 1 (the lab's Debian 12, systemd 252) it is a
 transient unit, `systemd-run --unit=meshdeploy-share --collect` with a dynamic user and the
@@ -36,13 +39,16 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
+from meshdeploy.config import distribution
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import shell, transient
 from meshdeploy.core.paths import model_share_port
+from meshdeploy.errors import PlanError
 
 SERVER = Path(__file__).with_name("templates") / "md-share.py"
 NAME = "md-share.py"  # under llama_cpp.prefix/tools
 PYTHON = "python3"
+LOOPBACK = "127.0.0.1"
 IDLE = 300  # seconds without a request before md-share exits
 MAX = 6 * 3600  # and at the latest this long after it started
 WAIT = 120  # seconds a growing file may stall before a reply is cut short
@@ -107,13 +113,36 @@ def server_path(prefix: str) -> str:
     return f"{prefix}/tools/{NAME}"
 
 
-def url(cluster, source: str, sha256: str) -> str:
-    """Where another host fetches the file whose content is `sha256` from host `source`.
+def reverse_port(cluster, source: str, client: str) -> int | None:
+    """Under network.transport: ssh, the loopback port on `client` where `source`'s forward to
+    it listens for md-share (`-R 127.0.0.1:PORT:127.0.0.1:model_share_port`): the next ports
+    after md-share's, one per sharing host in file order; None where no bytes go that way."""
+    slot = distribution.reverse_slot(cluster, source, client)
+    return None if slot is None else model_share_port + 1 + slot
+
+
+def address(cluster, host: str) -> str:
+    """`host`'s address for md-share (the one a source binds, the one a client's connections
+    come from): loopback under network.transport: ssh (they arrive through the forwards'
+    reverse ends), else its cluster address."""
+    return LOOPBACK if cluster.network.forwarded else cluster.source_address(cluster.host(host))
+
+
+def url(cluster, source: str, sha256: str, client: str) -> str:
+    """Where host `client` fetches the file whose content is `sha256` from host `source`: the
+    source's cluster address, or under network.transport: ssh the client's own loopback port
+    that the source's forward carries back to it.
 
     md-share names files by their sha256, never by model: an md-share an earlier step or run
     left running (it stays until idle) may serve other bytes under a model's name, and a
     client that read those would only find out at its final sha256 check. By content, such a
     server answers 404 until the new one replaces it, and the client tries again."""
+    if cluster.network.forwarded:
+        port = reverse_port(cluster, source, client)
+        if port is None:
+            raise PlanError(f"{client} gets no model bytes from {source} through a forward",
+                            hint="a cluster file check should have refused this: report it")
+        return f"http://{LOOPBACK}:{port}/models/{sha256}"
     address = cluster.source_address(cluster.host(source))
     host = f"[{address}]" if ":" in address else address
     return f"http://{host}:{model_share_port}/models/{sha256}"
@@ -125,11 +154,11 @@ def start(cluster, host, files: dict[str, str], clients, growing: dict | None = 
     + files: sha256 of a file -> its path on `host`
     + growing: sha256 -> (partial path, final size), for a file still being downloaded
     """
-    args = ["--bind", cluster.source_address(host), "--port", model_share_port,
+    args = ["--bind", address(cluster, host.name), "--port", model_share_port,
             "--idle", IDLE, "--max", MAX, "--wait", WAIT]
-    allow = sorted({cluster.source_address(c) for c in clients})
-    for address in allow:
-        args += ["--allow", address]
+    allow = sorted({address(cluster, c.name) for c in clients})
+    for client in allow:
+        args += ["--allow", client]
     for name, path in files.items():
         args += ["--file", f"{name}={path}"]
     for name, (partial, size) in (growing or {}).items():

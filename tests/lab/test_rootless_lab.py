@@ -277,26 +277,54 @@ def window(applied, gemma):
     raise AssertionError("no high-entropy window in node2's tensors")
 
 
-def load_seen(info, folder: Path, data: bytes) -> dict:
-    """Capture the bridge's RPC and SSH frames while node1's llama-server restarts and loads
-    the model; whether `data` is in a frame or a reassembled TCP stream, and the bytes seen."""
-    from support import capture, wire
+@contextlib.contextmanager
+def captured(info, folder: Path, data: bytes):
+    """Capture the bridge's RPC, md-share and SSH frames while the block runs; the dict it
+    yields is filled after: whether `data` is in a frame or a reassembled TCP stream, and the
+    bytes of each TCP flow over 100 kB."""
+    from support import capture
 
     out = folder / "frames.bin"
-    ports = [str(PORT), *(str(p) for p in sorted(set(SSH_PORTS.values())))]
+    ports = [str(PORT), "50180", *(str(p) for p in sorted(set(SSH_PORTS.values())))]
     proc = subprocess.Popen(["ip", "netns", "exec", info.name, sys.executable, str(CAPTURE),
                              str(out), *ports], stdout=subprocess.PIPE, text=True)
+    seen: dict = {}
     try:
         assert proc.stdout.readline().strip() == "ready"
-        wire.restart_server(info)
+        yield seen
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
     flows = capture.flows(out)
-    return {"frame": any(data in frame for _, frame in capture.frames(out)),
-            "stream": any(data in v for k, v in flows.items() if k[0] == "tcp"),
-            "tcp bytes": {" ".join(map(str, k)): len(v) for k, v in flows.items()
-                          if k[0] == "tcp" and len(v) > 100_000}}
+    seen.update({"frame": any(data in frame for _, frame in capture.frames(out)),
+                 "stream": any(data in v for k, v in flows.items() if k[0] == "tcp"),
+                 "tcp bytes": {" ".join(map(str, k)): len(v) for k, v in flows.items()
+                               if k[0] == "tcp" and len(v) > 100_000}})
+
+
+@pytest.fixture(scope="module")
+def seeded_window(gemma) -> bytes:
+    """64 bytes of the biggest weight tensor (the token embedding, which is the output tensor
+    too): node3 holds the output, and it is the tensor rpc-server's cache keeps."""
+    from meshdeploy.roles.rpc_cache.tensors import weight_tensors
+
+    biggest = max(weight_tensors(gemma), key=lambda t: t.size)
+    with open(gemma, "rb") as f:
+        f.seek(biggest.offset + biggest.size // 2)
+        chunk = f.read(4096)
+    for i in range(0, len(chunk) - 64, 64):
+        if len(set(chunk[i:i + 64])) >= 40:
+            return chunk[i:i + 64]
+    raise AssertionError(f"no high-entropy window in {biggest.name}")
+
+
+def load_seen(info, folder: Path, data: bytes) -> dict:
+    """captured() while node1's llama-server restarts and loads the model."""
+    from support import wire
+
+    with captured(info, folder, data) as seen:
+        wire.restart_server(info)
+    return seen
 
 
 def test_plain_rpc_is_open_to_a_rogue_and_carries_weights_in_clear(applied, rl_lab, window,
@@ -312,11 +340,17 @@ def test_plain_rpc_is_open_to_a_rogue_and_carries_weights_in_clear(applied, rl_l
 
 
 @pytest.fixture(scope="module")
-def ssh_applied(applied, rl_lab):
+def ssh_applied(applied, rl_lab, seeded_window, tmp_path_factory):
     """The same cluster under network.transport: ssh (no unprotected host: nothing listens
-    off loopback), applied over the plain one."""
+    off loopback), applied over the plain one, node3's rpc-server now cached (it holds the
+    output tensor, the one big enough for rpc-server's cache): its tensors come from node1's
+    copy through node1's forward (its reverse end). The bridge is captured while that apply
+    runs, for a window of the tensor node3 seeds."""
     info, _ = rl_lab
     text = applied["path"].read_text()
+    node3_rpc = f"      - port: {PORT}\nmodels:"
+    assert node3_rpc in text
+    text = text.replace(node3_rpc, f"      - port: {PORT}\n        cache: true\nmodels:")
     text = text.replace("network:\n  rpc_bind: address\n",
                         "network:\n  rpc_bind: address\n  transport: ssh\n")
     text = text.replace("    unprotected: true\n", "")
@@ -325,9 +359,10 @@ def ssh_applied(applied, rl_lab):
     assert "transport: ssh" in text and "port: 8022" in text and "unprotected" not in text
     path = applied["path"].with_name("rootless-ssh.yaml")
     path.write_text(text)
-    proc = meshdeploy("apply", path, "--auto-approve")
+    with captured(info, tmp_path_factory.mktemp("ssh-apply"), seeded_window) as seen:
+        proc = meshdeploy("apply", path, "--auto-approve")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
-    return {"path": path, "apply": proc}
+    return {"path": path, "apply": proc, "seen": seen}
 
 
 def test_chat_goes_through_the_forwards_and_the_plan_is_empty(ssh_applied, rl_lab):
@@ -342,6 +377,12 @@ def test_chat_goes_through_the_forwards_and_the_plan_is_empty(ssh_applied, rl_la
     plan = meshdeploy("plan", ssh_applied["path"], "--detailed-exitcode")
     assert plan.returncode == 0, plan.stdout[-3000:] + plan.stderr
     assert "unprotected" not in plan.stdout
+    status = meshdeploy("status", ssh_applied["path"], "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    forwards = {r["service"]: r for r in json.loads(status.stdout) if r["host"] == "node1"
+                and r["service"].startswith("ssh-forward")}
+    assert sorted(forwards) == ["ssh-forward node2", "ssh-forward node3"], forwards
+    assert all(r["healthy"] and r["unit"] == "active" for r in forwards.values()), forwards
 
 
 def test_no_rogue_reaches_a_worker_and_no_weight_crosses_in_clear(ssh_applied, rl_lab, window,
@@ -353,7 +394,29 @@ def test_no_rogue_reaches_a_worker_and_no_weight_crosses_in_clear(ssh_applied, r
                 "closed"), host
     seen = load_seen(info, tmp_path, window[0])
     assert not seen["frame"] and not seen["stream"], seen
+    # node2 caches nothing: its weights crossed, inside its forward's connection.
     assert any(f" {SSH_PORTS['node2']} " in f" {k} " for k in seen["tcp bytes"]), seen
+
+
+def test_a_cached_worker_is_seeded_through_the_forward(ssh_applied, rl_lab):
+    """node3's tensors came from node1's md-share, bound to node1's loopback, through the
+    forward's reverse end: the capture of that apply holds its bytes on node3's ssh port,
+    nothing on md-share's, and no window of the tensor it seeded."""
+    info, _ = rl_lab
+    out = ssh_applied["apply"].stdout
+    seeded = [line for line in out.splitlines()
+              if line.startswith("  node3 ") and "rpc_cache.seed[50052]" in line]
+    assert seeded and "ok" in seeded[0], out[-3000:]
+    seen = ssh_applied["seen"]
+    assert not seen["frame"] and not seen["stream"], seen
+    assert not any(" 50180 " in f" {k} " for k in seen["tcp bytes"]), seen
+    assert any(f" {SSH_PORTS['node3']} " in f" {k} " and n > 50_000_000
+               for k, n in seen["tcp bytes"].items()), seen
+    entries = info.run("node3", "find ~/.cache/meshdeploy -path '*/rpc/*' -type f | wc -l")
+    assert int(entries.stdout.strip()) > 0, entries.stdout + entries.stderr
+    # md-share (if still up: it leaves once idle) listens on node1's loopback alone.
+    listen = info.run("node1", "ss -Hltn 'sport = :50180'").stdout.split("\n")
+    assert all(line.split()[3].startswith("127.0.0.1:") for line in listen if line.strip())
 
 
 def test_the_forward_key_opens_no_shell_and_no_other_forward(ssh_applied, rl_lab):
@@ -377,6 +440,13 @@ def test_the_forward_key_opens_no_shell_and_no_other_forward(ssh_applied, rl_lab
     # the busy rpc-server failed, which it tries only for a permitted destination.
     assert "exit=124" in allowed.stdout or "connect failed" in allowed.stderr, (
         allowed.stdout + allowed.stderr)
+    # No listener on the worker but the reverse end's own port (permitlisten): -R elsewhere
+    # is refused.
+    listen = info.run("node1", f"sudo timeout 20 {base} -N -o ExitOnForwardFailure=yes "
+                               "-R 127.0.0.1:50199:127.0.0.1:22 </dev/null; echo exit=$?",
+                      timeout=60)
+    assert "remote port forwarding failed for listen port 50199" in listen.stderr, (
+        listen.stdout + listen.stderr)
     # Without the pinned host key the forward's options refuse the worker.
     unknown = info.run("node1", "sudo " + base.replace("/etc/meshdeploy/ssh/known_hosts",
                                                        "/dev/null") + " id; echo exit=$?",
@@ -386,8 +456,8 @@ def test_the_forward_key_opens_no_shell_and_no_other_forward(ssh_applied, rl_lab
 
 def test_a_killed_forward_comes_back_and_the_cluster_serves(ssh_applied, rl_lab):
     info, _ = rl_lab
-    killed = info.run("node1", "sudo pkill -9 -f '^ssh -F none -N -M .* md@?10.200.0.12|"
-                               "^ssh -F none -N -M .*10.200.0.12$'; echo $?")
+    killed = info.run("node1", "sudo pkill -9 -f '^ssh -F none .* -N -M .*10[.]200[.]0[.]12$'; "
+                               "echo $?")
     assert killed.stdout.strip().endswith("0"), killed.stdout + killed.stderr
     deadline = time.monotonic() + 180
     while True:
@@ -406,7 +476,8 @@ def test_destroy_leaves_nothing_of_meshdeploy_on_the_rootless_hosts(ssh_applied,
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     for host in KINDS:
         left = info.run(host, f"find {HOMES[host]} -iname '*meshdeploy*' 2>/dev/null").stdout
-        assert left.strip() == "", (host, left)
+        inside = info.run(host, f"find {HOMES[host]} -ipath '*meshdeploy*' -ls 2>/dev/null")
+        assert left.strip() == "", (host, inside.stdout)
         assert rpc_pid(info, host) == ""
     units = info.run("node3", "systemctl --user list-units --all --no-legend 'meshdeploy*'")
     assert units.stdout.strip() == ""

@@ -60,7 +60,7 @@ def built_plan(scenario: str) -> Plan:
         rtt = facts.setdefault(server.host, {}).setdefault("services.Rtt", {})
         for i, e in enumerate(cluster.rpc_endpoints(server)):
             us = 0 if scenario.endswith("zero") else 1234 * i + 87
-            rtt[f"{e.address}:{e.host.ssh.port}"] = us
+            rtt[e.ssh_target] = us
     hosts = [h.name for h in cluster.hosts]
     changes = [Change(hosts[0], "llama_cpp", "build", "create",
                       [AttrDiff("ref", None, "b11312"), AttrDiff("commit", None,

@@ -193,6 +193,12 @@ def test_a_rootless_hosts_probe_and_destroy_stay_in_its_folders(name, tmp_path):
         assert by_key["rpc_cache.Stored"].kwargs["folders"] == [host.layout.cache]
         # destroy --purge finds md-share's log too: nothing of meshdeploy's stays in the cache.
         assert f"{host.layout.cache}/md-share.log" in by_key["rpc_cache.Stored"].kwargs["paths"]
+        # and the source seed_tool compiles beside the binary (it was left behind once, seen
+        # in the lab's destroy).
+        source = ops.tool_path(host.layout.prefix) + ".c"
+        assert source in by_key["rpc_cache.Stored"].kwargs["paths"]
+        steps = ops.seed_tool(HostContext(cluster, host, {}, Resolved())).commands
+        assert not steps or any(source in c for c in steps)
 
 
 def _values(value):

@@ -359,16 +359,21 @@ def wait_for(predicate, seconds=15):
 
 
 def master_argv(ctl, key, known, user="md", addr="10.200.0.12", port="22",
-                forwards=("127.0.0.1:31000:127.0.0.1:50052",)) -> list[str]:
+                forwards=("-L", "127.0.0.1:31000:127.0.0.1:50052")) -> list[str]:
     """The spec's command line (network.transport: ssh)."""
-    return ["-F", "none", "-N", "-M", "-S", ctl, "-o", "ControlPersist=no", "-i", key,
-            "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+    return [*common_options(key, known, user, port), "-N", "-M", "-S", ctl,
+            "-o", "ControlPersist=no", "-o", "ExitOnForwardFailure=yes", *forwards, addr]
+
+
+def common_options(key, known, user="md", port="22") -> list[str]:
+    """What every ssh of the script is given: the key alone, the pinned host keys, no prompt."""
+    return ["-F", "none", "-i", key, "-o", "IdentitiesOnly=yes", "-o", "IdentityAgent=none",
+            "-o", "BatchMode=yes",
             "-o", f'UserKnownHostsFile="{known}"', "-o", "GlobalKnownHostsFile=/dev/null",
             "-o", "StrictHostKeyChecking=yes", "-o", "UpdateHostKeys=no",
             "-o", "Ciphers=aes128-gcm@openssh.com,chacha20-poly1305@openssh.com",
             "-o", "Compression=no", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
-            "-o", "ConnectTimeout=10", "-o", "ExitOnForwardFailure=yes",
-            *(x for f in forwards for x in ("-L", f)), "-p", port, "-l", user, addr]
+            "-o", "ConnectTimeout=10", "-p", port, "-l", user]
 
 
 def spaced_layout(tmp_path) -> Layout:
@@ -402,11 +407,13 @@ def test_script_runs_the_specs_master_then_the_nudge(tmp_path):
     assert err == ""  # the nudge's exit 1 is the expected answer
     ctl = f"{layout.run}/ssh-node2.ctl"
     made = calls(tmp_path)
-    assert master_call(tmp_path) == ["-F", "none", *master_argv(
-        ctl, f"{layout.config}/ssh/rpc_ed25519", f"{layout.config}/ssh/known_hosts")[2:]]
-    assert ["-F", "none", "-S", ctl, "-O", "check", "x"] in made
-    assert made[-1] == ["-F", "none", "-S", ctl, "-T", "-n", "-o", "BatchMode=yes", "x",
-                        "nudge"]
+    key, known = f"{layout.config}/ssh/rpc_ed25519", f"{layout.config}/ssh/known_hosts"
+    assert master_call(tmp_path) == master_argv(ctl, key, known)
+    # The check and the nudge carry the master's options: were the master gone, the nudge's
+    # own connection would log in with this key alone and check the pinned host key.
+    assert [*common_options(key, known), "-S", ctl, "-O", "check", "10.200.0.12"] in made
+    assert made[-1] == [*common_options(key, known), "-S", ctl, "-o", "ControlMaster=no", "-T",
+                        "-n", "10.200.0.12", "nudge"]
 
 
 def test_system_unit_argv_runs_too(tmp_path):
@@ -473,7 +480,8 @@ def test_runit_run_script_runs(tmp_path):
     assert wait_for(lambda: any("nudge" in c for c in calls(tmp_path)))
     (tmp_path / "stop").touch()
     assert proc.wait(timeout=15) == 7
-    assert master_call(tmp_path)[5] == f"{layout.run}/ssh-node2.ctl"
+    call = master_call(tmp_path)
+    assert call[call.index("-S") + 1] == f"{layout.run}/ssh-node2.ctl"
 
 
 def test_a_debian_orchestrator_with_forwards_gets_nss_systemd():
@@ -490,3 +498,61 @@ def test_a_debian_orchestrator_with_forwards_gets_nss_systemd():
     assert "libnss-systemd" not in wanted_packages(plain, "apt", plain.host("node1"))
     rootless = ssh_lab(SYSTEMD_USER)  # a user manager's units need no dynamic user
     assert "libnss-systemd" not in wanted_packages(rootless, "apt", rootless.host("node1"))
+
+
+def test_the_script_turns_an_r_value_into_a_reverse_end(tmp_path):
+    """A worker that gets model bytes from this host: its R= value becomes -R, after the -L."""
+    ctl, key, known = str(tmp_path / "ctl"), "/k", "/kh"
+    proc = subprocess.Popen(["sh", "-c", forward.SCRIPT.read_text(), "ssh-forward", ctl, key,
+                             known, "22", "md", "10.200.0.12", "127.0.0.1:31000:127.0.0.1:50052",
+                             "R=127.0.0.1:50181:127.0.0.1:50180"],
+                            env=stub_env(tmp_path), stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: any("nudge" in c for c in calls(tmp_path)))
+    (tmp_path / "stop").touch()
+    assert proc.wait(timeout=15) == 7
+    assert master_call(tmp_path) == master_argv(ctl, key, known, forwards=(
+        "-L", "127.0.0.1:31000:127.0.0.1:50052", "-R", "127.0.0.1:50181:127.0.0.1:50180"))
+
+
+def test_status_rows_of_the_forwards_run_for_real(tmp_path, monkeypatch):
+    """The status probe as a runit orchestrator runs it (a stub `sv` answers for the units):
+    node2's forward runs and its port accepts (a real listener), node3's runs but nothing
+    listens on its port: that one is unhealthy."""
+    import socket
+
+    layout = dataclasses.replace(spaced_layout(tmp_path), manager=RUNIT)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    closed_port = free.getsockname()[1]
+    free.close()
+    base = listener.getsockname()[1]
+    cluster = ssh_lab(RUNIT, layout=layout, base=base)
+    forwards = {f.worker.name: f for f in cluster.ssh_forwards(cluster.host("node1"))}
+    assert forwards["node2"].ports[0][0] == base
+    monkeypatch.setattr(type(cluster), "ssh_forwards", lambda self, host: [
+        # node3's forward on a port nothing listens on
+        forwards["node2"], dataclasses.replace(forwards["node3"], ports=((closed_port, 50052),))])
+    probe = forward.status(cluster, cluster.host("node1"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sv").write_text('#!/bin/sh\necho "run: $2: (pid 1) 5s"\n')
+    (bin_dir / "sv").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    try:
+        out = subprocess.run(["sh", "-c", probe.script], env=env, capture_output=True,
+                             text=True, timeout=30)
+    finally:
+        listener.close()
+    assert out.returncode == 0, out.stderr
+    rows = {r.service: r for r in probe.parse(out.stdout.splitlines())}
+    assert rows["ssh-forward node2"].healthy and rows["ssh-forward node2"].unit == "active"
+    assert rows["ssh-forward node2"].answer == "1/1 loopback ports accepting"
+    assert not rows["ssh-forward node3"].healthy
+    assert rows["ssh-forward node3"].answer == "0/1 loopback ports accepting"
+    # A host's stray line names no forward of the file; a missing line is a row of its own.
+    rows = probe.parse(["forward nodeX active 1/1", "forward node2 active 1/1"])
+    assert [(r.service, r.healthy) for r in rows] == [("ssh-forward node2", True),
+                                                     ("ssh-forward node3", False)]

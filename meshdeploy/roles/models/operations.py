@@ -109,7 +109,7 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     copying = source is not None and source != ctx.host.name
 
     def url_of(f) -> str:
-        return share.url(ctx.cluster, source, f.sha256) if copying else f.url
+        return share.url(ctx.cluster, source, f.sha256, ctx.host.name) if copying else f.url
     # Only a gated or private repo gets the token (hf.resolve decided, and checked that its
     # endpoints are trusted with it). It reaches curl on standard input over the SSH channel:
     # never in arguments, a file on the host, units, logs or the plan.
@@ -173,7 +173,8 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
         reason += (f", {missing_bytes / 2**20:.1f} MiB to copy from {source} over the LAN"
                    if copying else f", {missing_bytes / 2**20:.1f} MiB to download")
     if serve:
-        reason += f"; served to {', '.join(copiers)} over the LAN while they copy it"
+        way = "through the ssh forwards" if ctx.cluster.network.forwarded else "over the LAN"
+        reason += f"; served to {', '.join(copiers)} {way} while they copy it"
         diffs.append(AttrDiff("md-share", None, f"{', '.join(copiers)}"))
     # md-share first: the copies trail this host's download as its bytes arrive.
     return Step(ctx.change(ROLE, resource, action, reason, diffs), serve + commands,

@@ -79,7 +79,9 @@ def ports(cluster, host) -> list[Port]:
     for server in (s for s in cluster.servers if s.host == host.name):
         allow = [_literal(a, f"servers.{server.name}.allow") for a in server.allow]
         _add(found, ("tcp", server.port), f"llama-server {server.name}", allow)
-    fetchers = distribution.share_clients(cluster, host)
+    # Under network.transport: ssh md-share listens on loopback, reached through the forwards'
+    # reverse ends: no port to open.
+    fetchers = [] if cluster.network.forwarded else distribution.share_clients(cluster, host)
     if fetchers:
         # md-share serves this host's model copy to the hosts that fetch tensors or copies of
         # it (models.gguf, rpc_cache.share), over the tunnel when there is one.

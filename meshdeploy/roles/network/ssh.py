@@ -7,8 +7,9 @@ keys as the probe read them over meshdeploy's own checked connection:
 
 ```python
 authorized_line(cluster, node1, forward, "ssh-ed25519 AAAA...")
-# 'command="false",restrict,port-forwarding,permitopen="127.0.0.1:50052",from="10.200.0.11"
-#  ssh-ed25519 AAAA... meshdeploy-rpc:lab:node1'
+# 'command="false",restrict,port-forwarding,permitopen="127.0.0.1:50052",
+#  permitlisten="127.0.0.1:1",from="10.200.0.11" ssh-ed25519 AAAA... meshdeploy-rpc:lab:node1'
+# (permitlisten="127.0.0.1:50181" where node1's md-share reaches the worker through it)
 known_hosts_line(node2, "ssh-ed25519 AAAA...")      # '10.200.0.12 ssh-ed25519 AAAA...'
 ```
 """
@@ -22,6 +23,7 @@ import ipaddress
 import re
 import struct
 
+from meshdeploy.core import share
 from meshdeploy.errors import PlanError
 
 MARKER = "meshdeploy-rpc:"
@@ -94,10 +96,14 @@ def authorized_line(cluster, orchestrator, forward, key: str) -> str:
         raise PlanError(f"{orchestrator.name}: {key[:40]!r} is not an ssh public key")
     opens = ",".join(f'permitopen="127.0.0.1:{int(remote)}"' for _, remote in forward.ports)
     # port-forwarding turns remote (-R) forwards back on too, and permitopen does not limit
-    # them: permitlisten to a port no login user can bind refuses every TCP listener (sshd
-    # rejects the whole line for permitlisten="none"). Unix-socket listeners cannot be refused
-    # from this file (only sshd_config's AllowStreamLocalForwarding can).
-    return (f'command="false",restrict,port-forwarding,{opens},permitlisten="127.0.0.1:1",'
+    # them: permitlisten names the one loopback port where the forward's reverse end carries
+    # the orchestrator's md-share to this worker (share.reverse_port), or a port no login user
+    # can bind, which refuses every TCP listener (sshd rejects the whole line for
+    # permitlisten="none"). Unix-socket listeners cannot be refused from this file (only
+    # sshd_config's AllowStreamLocalForwarding can).
+    reverse = share.reverse_port(cluster, orchestrator.name, forward.worker.name)
+    listen = f"127.0.0.1:{int(reverse) if reverse else 1}"
+    return (f'command="false",restrict,port-forwarding,{opens},permitlisten="{listen}",'
             f'from="{_source(cluster, orchestrator)}" {key} '
             f"{cluster_marker(cluster)}{orchestrator.name}")
 
@@ -144,5 +150,7 @@ def shown_line(line: str | None) -> str | None:
     options = parsed.group("options") or ""
     opens = re.findall(r'permitopen="([^"]*)"', options)
     source = re.findall(r'from="([^"]*)"', options)
-    return (f"forwards {', '.join(opens) or 'nothing'} from {', '.join(source) or 'anywhere'}, "
-            f"key {fingerprint(parsed.group('key'))}")
+    listens = [p for p in re.findall(r'permitlisten="([^"]*)"', options) if p != "127.0.0.1:1"]
+    back = f", back to {', '.join(listens)}" if listens else ""
+    return (f"forwards {', '.join(opens) or 'nothing'}{back} from "
+            f"{', '.join(source) or 'anywhere'}, key {fingerprint(parsed.group('key'))}")

@@ -134,7 +134,7 @@ def seed_tool(ctx: HostContext) -> Step:
     if have and have.get("source_sha256") == want:
         return Step(ctx.change(ROLE, "seed_tool", "no-op", f"md-rpc-seed built from source {want[:12]}"))
     binary = tool_path(ctx.prefix)
-    src = f"{binary}.c"
+    src = f"{binary}.c"  # kept beside the binary; destroy --purge removes it (destroy_sections)
     stamp = f"{binary}{d.rpc_cache_tool_source_suffix}"
     build = shell.template(TEMPLATES / "build-tool.sh", HOST=ctx.host.name, CC=d.rpc_cache_tool_cc, BIN=binary,
                          SRC=src, SHA=want, STAMP=stamp)
@@ -285,15 +285,15 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
                                 hint="run apply again; the plan shows what the share step does")
             change.reason += f" (tensor digests known after apply on {m.source})"
             return Step(change, transfer=transfer)
-        fetches.append((m, share.url(ctx.cluster, m.source, m.model_sha),
+        fetches.append((m, share.url(ctx.cluster, m.source, m.model_sha, ctx.host.name),
                         [(off, size) + digests[off][1:] for off, size in missing]))
     script = _seed_script(tool_path(ctx.prefix), cache_dir, sorted(set(cov.keep_lines)),
                           [t for t in cov.to_seed if not t[0].source], fetches)
     if ctx.host.layout.rootless:
         seeding = as_login_user(cache_dir.rsplit("/", 1)[0], script)  # $LLAMA_CACHE of rpc/
     else:
-        seeding = as_service_user(port, script, [ctx.cluster.source_address(
-            ctx.cluster.host(m.source)) for m, _, _ in fetches])
+        seeding = as_service_user(port, script, [share.address(ctx.cluster, m.source)
+                                                 for m, _, _ in fetches])
     return Step(change, [inflight.guarded(f"rpc_cache.seed[{port}]", seeding, ctx.host.layout)],
                 transfer=transfer)
 
@@ -412,7 +412,7 @@ def destroy_sections(cluster, host) -> list[Section]:
     # root it is the system's log, under /var/log).
     logs = [share.paths(host.layout)["LOG"]] if host.layout.rootless else []
     return [Section("rpc_cache.Stored", Stored,
-                    {"paths": [tool, tool + d.rpc_cache_tool_source_suffix,
+                    {"paths": [tool, f"{tool}.c", tool + d.rpc_cache_tool_source_suffix,
                                share.server_path(host.layout.prefix), *logs],
                      "folders": folders, "prefix": _CACHE + "-"},
                     privileged=not host.layout.rootless)]

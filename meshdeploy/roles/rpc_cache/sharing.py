@@ -93,9 +93,10 @@ def share(ctx: HostContext) -> Step:
         reason.append(f"digest list of {', '.join(m for m, _, _ in digest)}")
     if serve:
         total = sum(serve.values())
-        reason.append(f"serve {total / 1e9:.2f} GB to {', '.join(sorted(serve))} over the LAN "
+        way = "through the ssh forwards" if cluster.network.forwarded else "over the LAN"
+        reason.append(f"serve {total / 1e9:.2f} GB to {', '.join(sorted(serve))} {way} "
                       f"(md-share, port {model_share_port}, until idle {md_share.IDLE} s)")
-        diffs.append(AttrDiff("md-share", None, f"{cluster.source_address(ctx.host)}:"
+        diffs.append(AttrDiff("md-share", None, f"{md_share.address(cluster, ctx.host.name)}:"
                                                 f"{model_share_port}"))
         clients = [w for workers in shares.values() for w in workers]
         files = {ctx.resolved.models[m].files[0].sha256: model_path(cluster, m, ctx.host) for m in shares

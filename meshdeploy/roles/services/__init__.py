@@ -38,6 +38,7 @@ ROLE = Role(
     name="services",
     doc=__doc__,
     facts=lambda req: ops.sections(req.cluster, req.host),
+    status=forward.status,
     volatile=("services.Rtt",),
     prepare=_prepare,
     logs=log_sources,
@@ -49,11 +50,12 @@ ROLE = Role(
                  "meshdeploy units the cluster file no longer describes"),
         Resource("rpc_server", ops.rpc_server, "one rpc-server, proven listening",
                  keys=lambda cluster: cluster.rpc_ports(), rereads=_MANIFEST),
-        # After every worker's rpc-server (slot order: every host's before any host's next),
-        # before the llama-servers that dial it.
+        # Right after the network role's keys and pins, before any model byte moves: the
+        # forward's reverse ends carry md-share's copies and tensors to the workers
+        # (models.gguf, rpc_cache.seed), and the llama-servers dial its local ends.
         Resource("ssh_forward", forward.ssh_forward,
                  "network.transport: ssh: one orchestrator's forward to a worker, accepting",
-                 keys=forward.keys, cluster_wide=True),
+                 keys=forward.keys, cluster_wide=True, runs_before=("models.gguf",)),
         Resource("llama_server", ops.llama_server,
                  "the orchestrator, restarted after its workers, then healthy",
                  keys=lambda cluster: [s.name for s in cluster.servers], rereads=_MANIFEST),

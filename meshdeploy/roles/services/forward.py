@@ -14,10 +14,11 @@ import re
 from pathlib import Path
 
 from meshdeploy.config.model import SshForward
-from meshdeploy.core import shell
+from meshdeploy.core import share, shell
 from meshdeploy.core.context import HostContext, Step
-from meshdeploy.core.paths import ssh_key, ssh_known_hosts
+from meshdeploy.core.paths import model_share_port, ssh_key, ssh_known_hosts
 from meshdeploy.core.plan import AttrDiff
+from meshdeploy.core.registry import StatusProbe, StatusRow
 from meshdeploy.core.units import (
     SystemdExpr,
     comment_value,
@@ -66,15 +67,35 @@ def _ssh_path(path, what: str):
     return path
 
 
-def args(forward: SshForward, ctl, key, known, user: str) -> list:
+def reverse(cluster, host, forward: SshForward) -> str | None:
+    """The forward's reverse end, `R=127.0.0.1:PORT:127.0.0.1:<md-share's port>`, when `host`'s
+    md-share serves the worker model bytes (share.reverse_port), else None; refused when the
+    worker's own services take that port."""
+    port = share.reverse_port(cluster, host.name, forward.worker.name)
+    if port is None:
+        return None
+    worker = forward.worker
+    taken = {r.port for r in worker.rpc_servers} | {
+        s.port for s in cluster.servers if s.host == worker.name}
+    if port in taken:
+        raise PlanError(f"the forward from {host.name} to {worker.name} carries {host.name}'s "
+                        f"model share back to {worker.name}'s loopback port {port}, which a "
+                        f"service of {worker.name} listens on",
+                        hint=f"move that service of {worker.name} off port {port}")
+    return f"R=127.0.0.1:{port}:127.0.0.1:{model_share_port}"
+
+
+def args(cluster, host, forward: SshForward, ctl, key, known, user: str) -> list:
     """ssh-forward.sh's positional parameters."""
     where = f"the forward to {forward.worker.name}"
     if not _USER.fullmatch(user):
         raise PlanError(f"{where}: the worker's login user {user!r} is not a portable user name")
+    back = reverse(cluster, host, forward)
     return [_ssh_path(ctl, f"{where}: control socket"), _ssh_path(key, f"{where}: key"),
             _ssh_path(known, f"{where}: known_hosts"), int(forward.worker.ssh.port), user,
             forward.worker.address,
-            *(f"127.0.0.1:{int(local)}:127.0.0.1:{int(port)}" for local, port in forward.ports)]
+            *(f"127.0.0.1:{int(local)}:127.0.0.1:{int(port)}" for local, port in forward.ports),
+            *([back] if back else [])]
 
 
 def _description(forward) -> str:
@@ -84,7 +105,7 @@ def _description(forward) -> str:
 def system_unit(cluster, host, forward: SshForward, user: str) -> str:
     where = f"network.transport (forward to {forward.worker.name})"
     unit = unit_name(forward.unit_name, where)
-    argv = args(forward, SystemdExpr("${RUNTIME_DIRECTORY}/ctl"),
+    argv = args(cluster, host, forward, SystemdExpr("${RUNTIME_DIRECTORY}/ctl"),
                 SystemdExpr("${CREDENTIALS_DIRECTORY}/key"),
                 SystemdExpr("${CREDENTIALS_DIRECTORY}/known_hosts"), user)
     exec_start = " ".join([exec_arg("/bin/sh", where), "-c",
@@ -99,17 +120,18 @@ def system_unit(cluster, host, forward: SshForward, user: str) -> str:
                   firewall=ops._firewall([forward.worker.address], f"{where} (IPAddressAllow)"))
 
 
-def _user_args(host, forward, user) -> list:
+def _user_args(cluster, host, forward, user) -> list:
     layout = host.layout
-    return args(forward, f"{layout.run}/ssh-{forward.worker.name}.ctl", ssh_key(layout),
-                ssh_known_hosts(layout), user)
+    return args(cluster, host, forward, f"{layout.run}/ssh-{forward.worker.name}.ctl",
+                ssh_key(layout), ssh_known_hosts(layout), user)
 
 
 def user_unit(cluster, host, forward: SshForward, user: str) -> str:
     where = f"network.transport (forward to {forward.worker.name})"
+    argv = _user_args(cluster, host, forward, user)
     exec_start = " ".join([exec_arg("/bin/sh", where), "-c",
                            exec_script(str(shell.body(SCRIPT)), where), "ssh-forward",
-                           *(exec_arg(a, where) for a in _user_args(host, forward, user))])
+                           *(exec_arg(a, where) for a in argv)])
     return render(TEMPLATES / "ssh-forward.user.service",
                   cluster=comment_value(cluster.name, "cluster"),
                   worker=comment_value(forward.worker.name, where),
@@ -119,7 +141,7 @@ def user_unit(cluster, host, forward: SshForward, user: str) -> str:
 def run_script(cluster, host, forward: SshForward, user: str, sh: str | None) -> str:
     where = f"network.transport (forward to {forward.worker.name})"
     argv = [sh or "", "-c", str(shell.body(SCRIPT)), "ssh-forward",
-            *_user_args(host, forward, user)]
+            *_user_args(cluster, host, forward, user)]
     return rootless.runit_run(cluster, argv, {}, _description(forward), sh, where)
 
 
@@ -178,3 +200,38 @@ def _user_unknown(ctx, resource: str, unit: str, worker: str) -> Step:
                                        f"{worker}'s login user, which its probe did not read",
                                        shell.TO_STDERR) + "; exit 1"]
     return step
+
+
+STATUS = TEMPLATES / "forward-status.sh"
+_STATUS_LINE = re.compile(r"forward (\S+) (\S+) (\d+)/(\d+)")
+
+
+def status(cluster, host) -> StatusProbe | None:
+    """`meshdeploy status` rows of an orchestrator's forwards: each unit's state as its manager
+    says it, and how many of its loopback ports accept a connection (ssh's own listener: the
+    master is up with its forwards; the rpc-server behind it is the worker's own row)."""
+    forwards = cluster.ssh_forwards(host)
+    if not forwards:
+        return None
+    args = [w for f in forwards for w in (
+        f.worker.name, f.unit_name, ",".join(str(int(local)) for local, _ in f.ports))]
+    script = shell.template(STATUS, args=args, MANAGER=host.layout.manager,
+                            SVDIR_MD=host.layout.services)
+    names = {f.worker.name for f in forwards}
+
+    def parse(lines: list[str]) -> list[StatusRow]:
+        rows, seen = [], set()
+        for line in lines:
+            m = _STATUS_LINE.fullmatch(line.strip())
+            if m is None or m[1] not in names or m[1] in seen:
+                continue
+            seen.add(m[1])
+            state, accepting, total = m[2], int(m[3]), int(m[4])
+            rows.append(StatusRow(f"ssh-forward {m[1]}", state,
+                                  f"{accepting}/{total} loopback ports accepting",
+                                  state == "active" and accepting == total > 0))
+        rows += [StatusRow(f"ssh-forward {n}", "unknown", "no status line", False)
+                 for n in sorted(names - seen)]
+        return rows
+
+    return StatusProbe(script, parse)

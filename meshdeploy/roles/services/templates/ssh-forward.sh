@@ -6,28 +6,40 @@
 # Then it waits for the master and exits with its status; the supervisor starts it again.
 # TERM and INT stop the master first.
 # Inputs (positional): CTL (control socket), KEY, KNOWN (known_hosts), SSHPORT, USER, ADDR, then
-# one -L value per forwarded port (127.0.0.1:LOCAL:127.0.0.1:PORT).
+# one -L value per forwarded port (127.0.0.1:LOCAL:127.0.0.1:PORT) and, where this host's
+# md-share serves the worker, one R=127.0.0.1:PORT:127.0.0.1:SHAREPORT (a reverse end).
 ctl=$1 key=$2 known=$3 sshport=$4 user=$5 addr=$6
 shift 6
-# The -L options replace the forwards in "$@" (the for loop's list is read once).
+# The -L and -R options replace the forwards in "$@" (the for loop's list is read once).
 for forward do
-  set -- "$@" -L "$forward"
+  case $forward in
+    R=*) set -- "$@" -R "${forward#R=}" ;;
+    *) set -- "$@" -L "$forward" ;;
+  esac
   shift
 done
+# Every ssh here gets the same options: the pinned host key, this key alone (no agent, no
+# default keys), no prompt. A session through the control socket falls back to a connection of
+# its own when the master is gone; with these options that is one more login of the same key.
+# $run is "exec" in the master's subshell: ssh replaces it, so $! is ssh's pid (TERM reaches it).
+run=
+ssh_to() {
+  $run ssh -F none -i "$key" -o IdentitiesOnly=yes -o IdentityAgent=none -o BatchMode=yes \
+    -o "UserKnownHostsFile=\"$known\"" -o GlobalKnownHostsFile=/dev/null \
+    -o StrictHostKeyChecking=yes -o UpdateHostKeys=no \
+    -o Ciphers=aes128-gcm@openssh.com,chacha20-poly1305@openssh.com -o Compression=no \
+    -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -o ConnectTimeout=10 \
+    -p "$sshport" -l "$user" "$@"
+}
 master=
 trap 'if [ -n "$master" ]; then kill -TERM "$master" 2>/dev/null; else exit 143; fi' TERM INT
 mkdir -p "${ctl%/*}"
 # A socket left by a master that died would make the new one run without multiplexing.
 rm -f "$ctl"
-ssh -F none -N -M -S "$ctl" -o ControlPersist=no -i "$key" -o IdentitiesOnly=yes \
-  -o BatchMode=yes -o "UserKnownHostsFile=\"$known\"" -o GlobalKnownHostsFile=/dev/null \
-  -o StrictHostKeyChecking=yes -o UpdateHostKeys=no \
-  -o Ciphers=aes128-gcm@openssh.com,chacha20-poly1305@openssh.com -o Compression=no \
-  -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -o ConnectTimeout=10 \
-  -o ExitOnForwardFailure=yes "$@" -p "$sshport" -l "$user" "$addr" &
+(run="exec"; ssh_to -N -M -S "$ctl" -o ControlPersist=no -o ExitOnForwardFailure=yes "$@" "$addr") &
 master=$!
 i=0
-until ssh -F none -S "$ctl" -O check x >/dev/null 2>&1; do
+until ssh_to -S "$ctl" -O check "$addr" >/dev/null 2>&1; do
   if ! kill -0 "$master" 2>/dev/null; then
     wait "$master"
     exit
@@ -41,7 +53,7 @@ until ssh -F none -S "$ctl" -O check x >/dev/null 2>&1; do
   fi
   sleep 1
 done
-ssh -F none -S "$ctl" -T -n -o BatchMode=yes x nudge </dev/null
+ssh_to -S "$ctl" -o ControlMaster=no -T -n "$addr" nudge </dev/null
 rc=$?
 if [ "$rc" -ne 1 ]; then
   echo "ssh-forward: the nudge session to $addr exited $rc, not 1 (the key's forced command):" \
