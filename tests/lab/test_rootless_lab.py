@@ -357,6 +357,16 @@ def ssh_applied(applied, rl_lab, seeded_window, tmp_path_factory):
     text = text.replace(f"    ssh: {{config: {info.ssh['config']}}}   # md on port 8022",
                         f"    ssh: {{config: {info.ssh['config']}, port: 8022}}   # md on 8022")
     assert "transport: ssh" in text and "port: 8022" in text and "unprotected" not in text
+    # The forward pins the host keys meshdeploy read: only from a connection that checks them
+    # (the lab's own ssh_config checks none), so this file's ssh_config learns each key once.
+    folder = tmp_path_factory.mktemp("ssh-keys")
+    config = Path(info.ssh["config"]).read_text()
+    assert "StrictHostKeyChecking no" in config and "UserKnownHostsFile /dev/null" in config
+    checked = folder / "ssh_config"
+    checked.write_text(config.replace("StrictHostKeyChecking no", "StrictHostKeyChecking accept-new")
+                       .replace("UserKnownHostsFile /dev/null",
+                                f"UserKnownHostsFile {folder / 'known_hosts'}"))
+    text = text.replace(str(info.ssh["config"]), str(checked))
     path = applied["path"].with_name("rootless-ssh.yaml")
     path.write_text(text)
     with captured(info, tmp_path_factory.mktemp("ssh-apply"), seeded_window) as seen:
@@ -383,6 +393,10 @@ def test_chat_goes_through_the_forwards_and_the_plan_is_empty(ssh_applied, rl_la
                 and r["service"].startswith("ssh-forward")}
     assert sorted(forwards) == ["ssh-forward node2", "ssh-forward node3"], forwards
     assert all(r["healthy"] and r["unit"] == "active" for r in forwards.values()), forwards
+    # What apply's owner check read: ss names the forward's unit as the port's holder (the check
+    # passes on it, and refuses another cgroup's: tests/unit/test_ssh_forward.py).
+    held = info.run("node1", "ss -Hltne 'sport = :31000'").stdout
+    assert "cgroup:" in held and "/meshdeploy-ssh-node2.service" in held, held
 
 
 def test_no_rogue_reaches_a_worker_and_no_weight_crosses_in_clear(ssh_applied, rl_lab, window,

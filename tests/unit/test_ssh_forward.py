@@ -192,8 +192,10 @@ def test_create_then_noop(manager):
     cluster = ssh_lab(manager)
     step = forward.ssh_forward(context(cluster, manager=manager), "node2")
     assert step.change.action == "create"
-    # Readiness: the forward's loopback port accepts within 20 s.
-    assert "127.0.0.1 31000" in step.commands[-1] and " 20 " in step.commands[-1]
+    # Readiness: the forward's loopback port accepts within 20 s, and is the forward's own.
+    assert "127.0.0.1 31000" in step.commands[-2] and " 20 " in step.commands[-2]
+    assert "set -- 31000\n" in step.commands[-1]
+    assert "held by" in step.commands[-1]
     again = forward.ssh_forward(context(cluster, installed(manager), manager=manager), "node2")
     assert again.noop, again.change
 
@@ -556,3 +558,59 @@ def test_status_rows_of_the_forwards_run_for_real(tmp_path, monkeypatch):
     rows = probe.parse(["forward nodeX active 1/1", "forward node2 active 1/1"])
     assert [(r.service, r.healthy) for r in rows] == [("ssh-forward node2", True),
                                                      ("ssh-forward node3", False)]
+
+
+def _listener_as(user: str | None):
+    """A process listening on a free loopback port, as `user` (None: this one's), and its port."""
+    code = ("import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\n"
+            "s.listen()\nprint(s.getsockname()[1], flush=True)\ntime.sleep(60)\n")
+    argv = ["/usr/bin/python3", "-c", code]
+    if user is not None:
+        argv = ["setpriv", f"--reuid={pwd_uid(user)}", "--regid=65534", "--clear-groups", *argv]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None,
+                    reason="needs root (a listener of another uid) and ss")
+def test_a_port_another_user_took_first_is_not_taken_for_the_forward(tmp_path):
+    """A local user who binds the forward's port while the forward is down would be sent
+    llama-server's tensors: the TCP readiness alone accepts that listener (shown), the owner
+    check refuses it, by uid under runit and by cgroup under systemd; the user's own listener
+    passes under runit."""
+    squatter, port = _listener_as("nobody")
+    try:
+        ready = subprocess.run(["sh", "-c", services.tcp_wait("127.0.0.1", port, 3, None, "t")])
+        assert ready.returncode == 0  # the attack: readiness is satisfied by anyone's listener
+        fwd = forward.SshForward(load_cluster(ROOT / "inventories" / "lab.yaml").host("node2"),
+                                 ((port, 50052),))
+        runit = services.manager(context(ssh_lab(RUNIT), manager=RUNIT))
+        check = subprocess.run(["sh", "-c", forward.owner_check(runit, "meshdeploy-ssh-node2",
+                                                                "node1/u", fwd)],
+                               capture_output=True, text=True)
+        assert check.returncode == 1 and f"held by uid {pwd_uid('nobody')}" in check.stderr, (
+            check.stderr)
+        system = services.manager(context(ssh_lab()))
+        check = subprocess.run(["sh", "-c", forward.owner_check(system, "meshdeploy-ssh-node2",
+                                                                "node1/u", fwd)],
+                               capture_output=True, text=True)
+        assert check.returncode == 1 and "not by the forward" in check.stderr, check.stderr
+    finally:
+        squatter.kill()
+    own, port = _listener_as(None)  # runit: the login user's own listener (here root's)
+    try:
+        fwd = forward.SshForward(load_cluster(ROOT / "inventories" / "lab.yaml").host("node2"),
+                                 ((port, 50052),))
+        runit = services.manager(context(ssh_lab(RUNIT), manager=RUNIT))
+        check = subprocess.run(["sh", "-c", forward.owner_check(runit, "meshdeploy-ssh-node2",
+                                                                "node1/u", fwd)],
+                               capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+    finally:
+        own.kill()
+
+
+def pwd_uid(name: str) -> int:
+    import pwd
+
+    return pwd.getpwnam(name).pw_uid
