@@ -571,6 +571,16 @@ def _listener_as(user: str | None):
     return proc, int(proc.stdout.readline())
 
 
+def _owner_check(manager: str, port: int) -> subprocess.CompletedProcess:
+    """forward.owner_check of node1's forward to node2 on `port`, run by sh."""
+    fwd = forward.SshForward(load_cluster(ROOT / "inventories" / "lab.yaml").host("node2"),
+                             ((port, 50052),))
+    mgr = services.manager(context(ssh_lab(manager), manager=manager))
+    return subprocess.run(["sh", "-c", forward.owner_check(mgr, "meshdeploy-ssh-node2",
+                                                           "node1/u", fwd)],
+                          capture_output=True, text=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None,
                     reason="needs root (a listener of another uid) and ss")
 def test_a_port_another_user_took_first_is_not_taken_for_the_forward(tmp_path):
@@ -582,29 +592,16 @@ def test_a_port_another_user_took_first_is_not_taken_for_the_forward(tmp_path):
     try:
         ready = subprocess.run(["sh", "-c", services.tcp_wait("127.0.0.1", port, 3, None, "t")])
         assert ready.returncode == 0  # the attack: readiness is satisfied by anyone's listener
-        fwd = forward.SshForward(load_cluster(ROOT / "inventories" / "lab.yaml").host("node2"),
-                                 ((port, 50052),))
-        runit = services.manager(context(ssh_lab(RUNIT), manager=RUNIT))
-        check = subprocess.run(["sh", "-c", forward.owner_check(runit, "meshdeploy-ssh-node2",
-                                                                "node1/u", fwd)],
-                               capture_output=True, text=True)
+        check = _owner_check(RUNIT, port)
         assert check.returncode == 1 and f"held by uid {pwd_uid('nobody')}" in check.stderr, (
             check.stderr)
-        system = services.manager(context(ssh_lab()))
-        check = subprocess.run(["sh", "-c", forward.owner_check(system, "meshdeploy-ssh-node2",
-                                                                "node1/u", fwd)],
-                               capture_output=True, text=True)
+        check = _owner_check("systemd", port)
         assert check.returncode == 1 and "not by the forward" in check.stderr, check.stderr
     finally:
         squatter.kill()
     own, port = _listener_as(None)  # runit: the login user's own listener (here root's)
     try:
-        fwd = forward.SshForward(load_cluster(ROOT / "inventories" / "lab.yaml").host("node2"),
-                                 ((port, 50052),))
-        runit = services.manager(context(ssh_lab(RUNIT), manager=RUNIT))
-        check = subprocess.run(["sh", "-c", forward.owner_check(runit, "meshdeploy-ssh-node2",
-                                                                "node1/u", fwd)],
-                               capture_output=True, text=True)
+        check = _owner_check(RUNIT, port)
         assert check.returncode == 0, check.stderr
     finally:
         own.kill()
