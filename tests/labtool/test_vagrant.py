@@ -93,7 +93,7 @@ def test_vagrant_validate_catches_a_typo(tmp_path):
 
 def test_vagrantfile_provisions_nothing_meshdeploy_does():
     text = VAGRANTFILE.read_text()
-    assert 'MESHDEPLOY_BOX = "debian/bookworm64"' in text
+    assert 'MESHDEPLOY_BOX = ENV.fetch("MESHDEPLOY_BOX", "debian/bookworm64")' in text
     script = text.split("<<~SHELL", 1)[1].split("\n  SHELL", 1)[0]
     installs = [line.split("install", 1)[1].split() for line in script.splitlines()
                 if "apt-get install" in line]
