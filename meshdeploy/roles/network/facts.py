@@ -281,13 +281,18 @@ class SshLogin(FactBase):
      "host_keys": ["ssh-ed25519 AAAA...", ...],      # sshd's host keys (type + base64), sorted
      "authorized": ["command=... ssh-ed25519 AAAA... meshdeploy-rpc:lab:node1", ...],
      "unparsed": ["meshdeploy-rpc:lab:node1"],        # marker lines whose key does not parse
-     "authorized_link": False}                      # ~/.ssh/authorized_keys is a symbolic link
+     "authorized_link": False,                      # ~/.ssh/authorized_keys is a symbolic link
+     "keys_file": ".ssh/authorized_keys .ssh/authorized_keys2"}  # sshd's AuthorizedKeysFile
     ```
-    host_keys: /etc/ssh/ssh_host_*_key.pub and $PREFIX/etc/ssh/... (Termux), comments dropped,
+    host_keys: /etc/ssh/ssh_host_*_key.pub and, on Termux only (PREFIX ends in
+    /com.termux/files/usr, or TERMUX_VERSION is set), $PREFIX/etc/ssh/...; comments dropped,
     key types ssh-ed25519, ecdsa-sha2-* and ssh-rsa whose base64 holds a key of that type;
     anything else is dropped. authorized: the lines whose last field starts with
     "meshdeploy-rpc:" (every cluster's; the resource picks its own). Not privileged: the login
-    user's own files. None: not read.
+    user's own files. keys_file: the first AuthorizedKeysFile value outside a Match block in
+    sshd_config.d/*.conf then sshd_config (Termux: under $PREFIX/etc/ssh), printable ASCII, at
+    most 200 characters; None: no such line, or the config is not readable (sshd's default,
+    .ssh/authorized_keys, is assumed). None: not read.
     """
 
     def command(self):
@@ -295,7 +300,7 @@ class SshLogin(FactBase):
 
     def process(self, output):
         out = {"user": None, "host_keys": [], "authorized": [], "unparsed": [],
-               "authorized_link": False}
+               "authorized_link": False, "keys_file": None}
         keys = set()
         for line in output:
             name, _, value = line.partition("=")
@@ -307,6 +312,8 @@ class SshLogin(FactBase):
                     keys.add(key)
             elif name == "authorized_link":
                 out["authorized_link"] = value == "yes"
+            elif name == "keys_file":
+                out["keys_file"] = re.sub(r"[^ -~]", "?", value.strip())[:200] or None
             elif name == "authorized":
                 parsed = sshk.parse_authorized(value)
                 if parsed is not None:

@@ -16,6 +16,7 @@ from meshdeploy.core.context import HostContext, Step
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.errors import PlanError
+from meshdeploy.remote import ssh_settings
 from meshdeploy.roles.network import ssh as sshk
 from meshdeploy.roles.network.facts import ODD_LINE, SshKey, SshLogin
 from meshdeploy.roles.network.rules import TEMPLATES
@@ -26,16 +27,15 @@ LOGIN_FACT = "network.SshLogin"
 
 
 def sections(cluster, host, destroying: bool = False) -> list[Section]:
-    """SshKey on an orchestrator with forwards (privileged where the host has root: the folder
-    is root's), SshLogin on every host of an ssh cluster (as the login user: its own files; a
-    host that stopped being a worker still has its old lines removed); both on every host of an
-    ssh cluster that is destroyed. Nothing under plain or wireguard: those hosts' probes stay as
-    they were (what an ssh cluster left stays when its file turns to another transport)."""
-    if not cluster.network.forwarded:
-        return []
+    """SshKey on every host whose layout is known (privileged where the host has root: the
+    folder is root's) and SshLogin on every host (as the login user: its own files), whatever
+    the transport: what an earlier network.transport: ssh apply left (a key pair, known_hosts,
+    authorized lines) is found and removed when the file turns to plain or wireguard, or when a
+    host stops forwarding or being forwarded to. Two more sections in the one probe per host; a
+    no-op plan stays one remote command per host."""
     out = []
     layout = host.layout
-    if layout is not None and (destroying or cluster.ssh_forwards(host)):
+    if layout is not None:
         out.append(Section(KEY_FACT, SshKey, privileged=True,
                            kwargs={"key": paths.ssh_key(layout),
                                    "known": paths.ssh_known_hosts(layout)}))
@@ -70,7 +70,10 @@ def ssh_key(ctx: HostContext) -> Step:
     + example: node1/network.ssh_key  + create  public key (known after apply)
     """
     if not ctx.cluster.ssh_forwards(ctx.host):
-        return Step(ctx.change(ROLE, "ssh_key", "no-op", "no ssh forwards from this host"))
+        left = _key_delete(ctx, "no ssh forwards from this host any more" if
+                           ctx.cluster.network.forwarded else
+                           "left by an earlier network.transport: ssh apply")
+        return left or Step(ctx.change(ROLE, "ssh_key", "no-op", "no ssh forwards from this host"))
     fact = ctx.fact(KEY_FACT) or {}
     have = fact.get("public_key") if fact.get("private") else None
     rotate = ctx.replacing("network.ssh_key")
@@ -154,6 +157,21 @@ def authorize_script(cluster, lines: list[str]) -> str:
                           LINES="\n".join(lines))
 
 
+# sshd's AuthorizedKeysFile values that name the file ssh-authorize.sh writes.
+_OUR_FILE = {".ssh/authorized_keys", "%h/.ssh/authorized_keys", "~/.ssh/authorized_keys"}
+
+
+def _refuse_other_keys_file(ctx, fact: dict) -> None:
+    keys_file = fact.get("keys_file")
+    if keys_file is None or _OUR_FILE & set(keys_file.split()):
+        return
+    raise PlanError(
+        f"{ctx.host.name}: sshd reads AuthorizedKeysFile {keys_file}, not ~/.ssh/authorized_keys, "
+        "where meshdeploy writes the forwards' keys: the forwards would be refused",
+        hint="add .ssh/authorized_keys to AuthorizedKeysFile in sshd_config (then reload sshd), "
+             "or use network.transport: plain or wireguard")
+
+
 def _refuse_link(ctx, fact: dict) -> None:
     if fact.get("authorized_link"):
         raise PlanError(
@@ -192,7 +210,11 @@ def ssh_authorize(ctx: HostContext) -> Step:
                                f"public keys known after apply ({', '.join(who)})", diffs),
                     sudo=False)
     _refuse_link(ctx, fact)
+    if wanted:
+        _refuse_other_keys_file(ctx, fact)
     reason = ("no key of this cluster authorized yet" if action == "create" else
+              "left by an earlier network.transport: ssh apply"
+              if action == "delete" and not cluster.network.forwarded else
               "no ssh forward reaches this host any more" if action == "delete" else
               "authorized lines differ (a new key, port or address, or drift)")
     return Step(ctx.change(ROLE, "ssh_authorize", action, reason, diffs),
@@ -215,6 +237,7 @@ def ssh_known_hosts(ctx: HostContext) -> Step:
     live = (ctx.fact(KEY_FACT) or {}).get("known_hosts")
     missing, found = [], []
     for forward in forwards:
+        _refuse_unchecked(ctx, forward.worker)
         login = ctx.fact_of(forward.worker.name, LOGIN_FACT)
         if login is None:
             missing.append(forward.worker.name)
@@ -263,6 +286,19 @@ def ssh_known_hosts(ctx: HostContext) -> Step:
                  shell.write_file(path, "\n".join(want), "0644")])
 
 
+def _refuse_unchecked(ctx, worker) -> None:
+    """The host keys pinned are what the worker's SshLogin probe read over meshdeploy's own
+    connection: with host-key checking off, whoever sat on that path chose them."""
+    settings = ssh_settings.resolve(worker)
+    if settings.host_key != ssh_settings.NO:
+        return
+    raise PlanError(
+        f"{worker.name}: meshdeploy reaches it with host-key checking off ({settings.host_key_from}"
+        f"), so the host keys it read there are not pins for the forward from {ctx.host.name}",
+        hint=f"set hosts.{worker.name}.ssh.host_key: yes (or accept-new), or drop "
+             "StrictHostKeyChecking no from the ssh_config, then plan again")
+
+
 def _keys_shown(prefix: str, keys: list[str]) -> str | None:
     if not keys:
         return None
@@ -274,23 +310,29 @@ def _keys_shown(prefix: str, keys: list[str]) -> str | None:
 def destroy(ctx: HostContext) -> list[Step]:
     """This cluster's authorized lines (as the login user), and the key pair and known_hosts
     with their folder once empty."""
-    steps = []
+    steps: list[Step] = []
     live, odd = _live_lines(ctx.cluster, ctx.fact(LOGIN_FACT) or {})
     if live or odd:
         diffs = _authorize_diffs({}, live, odd)
         _refuse_link(ctx, ctx.fact(LOGIN_FACT) or {})
         steps.append(Step(ctx.change(ROLE, "ssh_authorize", "delete", "leaves the cluster", diffs),
                           [authorize_script(ctx.cluster, [])], sudo=False))
+    left = _key_delete(ctx, "leaves the cluster")
+    return steps + ([left] if left else [])
+
+
+def _key_delete(ctx: HostContext, reason: str) -> Step | None:
+    """The removal of the key pair and known_hosts (and their folder once empty) the host's
+    SshKey fact found, or None when it found none."""
     fact = ctx.fact(KEY_FACT)
-    if fact and (fact.get("private") or fact.get("public_key") or
-                 fact.get("known_hosts") is not None):
-        key = paths.ssh_key(ctx.host.layout)
-        folder = posixpath.dirname(key)
-        steps.append(Step(ctx.change(ROLE, "ssh_key", "delete", "leaves the cluster",
-                                     [AttrDiff("public key",
-                                               sshk.fingerprint(fact.get("public_key")), None)]),
-                          [shell.command("rm", "-f", key, f"{key}.pub",
-                                         paths.ssh_known_hosts(ctx.host.layout), shell.THEN,
-                                         "rmdir", folder, ctx.host.layout.config, shell.QUIET,
-                                         shell.OR, "true")]))
-    return steps
+    if not fact or not (fact.get("private") or fact.get("public_key") or
+                        fact.get("known_hosts") is not None):
+        return None
+    key = paths.ssh_key(ctx.host.layout)
+    folder = posixpath.dirname(key)
+    return Step(ctx.change(ROLE, "ssh_key", "delete", reason,
+                           [AttrDiff("public key", sshk.fingerprint(fact.get("public_key")), None)]),
+                [shell.command("rm", "-f", key, f"{key}.pub",
+                               paths.ssh_known_hosts(ctx.host.layout), shell.THEN,
+                               "rmdir", folder, ctx.host.layout.config, shell.QUIET,
+                               shell.OR, "true")])
