@@ -16,6 +16,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from meshdeploy.config import distribution
 from meshdeploy.config.document import Document
 from meshdeploy.config.model import (
     CPU_DEVICE,
@@ -204,9 +205,11 @@ def _listens(cluster: Cluster, host) -> bool:
 
 
 def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
-    """One listener per (host, port), whether rpc-server or llama-server."""
+    """One listener per (host, port), whether rpc-server, llama-server, a forward's end or
+    md-share (the last two claimed first: a service of the file on their port is the one told
+    to move)."""
     issues = []
-    owners: dict[tuple[str, int], str] = {}
+    owners = _derived_ports(cluster)
 
     def claim(host: str, port: int, path: tuple) -> None:
         owner = owners.setdefault((host, port), render_path(path[:-1]))
@@ -233,6 +236,26 @@ def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
         if server.host in names:
             claim(server.host, server.port, ("servers", server.name, "port"))
     return issues
+
+
+def _derived_ports(cluster: Cluster) -> dict[tuple[str, int], str]:
+    """(host, port) -> owner of the ports no line of the file names: md-share's on a sharing
+    host, a forward's reverse end on a worker. Nothing while an rpc entry names an unknown
+    rpc-server (check_servers says so; the distribution cannot be read)."""
+    owners: dict[tuple[str, int], str] = {}
+    try:
+        fetches = distribution.tensor_fetches(cluster) + distribution.copies(cluster)
+    except KeyError:
+        return owners
+    for source in distribution.share_sources(cluster):
+        owners[(source.name, distribution.MODEL_SHARE_PORT)] = (
+            "md-share (the model copies other hosts get from this one)")
+    for f in fetches:
+        port = distribution.reverse_port(cluster, f.source, f.worker)
+        if port is not None:
+            owners.setdefault((f.worker, port), f"the reverse end of {f.source}'s ssh forward "
+                                                "(network.ssh.share_port_base)")
+    return owners
 
 
 def check_servers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:

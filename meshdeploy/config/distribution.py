@@ -25,6 +25,11 @@ from typing import NamedTuple
 from meshdeploy.config.model import Cluster, HfSource, Host
 
 
+# md-share's port on a host whose verified copy of a model other hosts copy or fetch tensors of
+# (models and rpc_cache start it; network opens it to them alone; core.paths names it too).
+MODEL_SHARE_PORT = 50180
+
+
 class Fetch(NamedTuple):
     """`worker` gets `model` from the copy on host `source`: its tensors (tensor_fetches) or a
     whole copy of the GGUF (copies)."""
@@ -110,13 +115,15 @@ def share_sources(cluster: Cluster) -> list[Host]:
     return [h for h in cluster.hosts if h.name in names]
 
 
-def reverse_slot(cluster: Cluster, source: str, client: str) -> int | None:
-    """Under network.transport: ssh, which reverse forward carries `source`'s md-share to
-    `client` (the index of `source` among share_sources: each source's forwards listen on a
-    port of their own on the workers), or None: no bytes go that way, or not under ssh."""
+def reverse_port(cluster: Cluster, source: str, client: str) -> int | None:
+    """Under network.transport: ssh, the loopback port on `client` where `source`'s forward to
+    it listens for md-share (its reverse end): network.ssh.share_port_base + the index of
+    `source` among share_sources (each sharing host's forwards listen on a port of their own on
+    the workers); None where no bytes go that way, or not under ssh."""
     if not cluster.network.forwarded:
         return None
     if not any(f.source == source and f.worker == client
                for f in tensor_fetches(cluster) + copies(cluster)):
         return None
-    return [h.name for h in share_sources(cluster)].index(source)
+    return (cluster.network.ssh.share_port_base
+            + [h.name for h in share_sources(cluster)].index(source))

@@ -109,6 +109,9 @@ class SshTransport:
     # orchestrator's own (a health poll on loopback) can hold the port the forward must bind
     # (seen in the lab: "bind [127.0.0.1]:51000: Address already in use").
     local_port_base: int = 31000
+    # The workers' ports where the forwards' reverse ends carry md-share back (one per sharing
+    # host, file order): below the ephemeral ports too, and apart from local_port_base's.
+    share_port_base: int = 30180
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from meshdeploy.config.distribution import MODEL_SHARE_PORT
 from meshdeploy.config.model import HfSource, OllamaSource, PathSource, rpc_unit_name
 
 # --- layout under llama_cpp.prefix ----------------------------------------------------------
@@ -23,9 +24,9 @@ llama_cpp_current_link = "current"         # -> builds/<key>, flipped only after
 models_dir = "models"                      # models/<name>/<file>
 
 # --- model distribution ----------------------------------------------------------------------
-# The port of md-share (core/share.py) on a host whose verified copy of a model other hosts
-# copy or fetch tensors of (models and rpc_cache start it; network opens it to them alone).
-model_share_port = 50180
+# The port of md-share (core/share.py): config.distribution's, which the cluster file's checks
+# claim on each sharing host.
+model_share_port = MODEL_SHARE_PORT
 
 OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
 

@@ -113,12 +113,12 @@ def server_path(prefix: str) -> str:
     return f"{prefix}/tools/{NAME}"
 
 
-def reverse_port(cluster, source: str, client: str) -> int | None:
-    """Under network.transport: ssh, the loopback port on `client` where `source`'s forward to
-    it listens for md-share (`-R 127.0.0.1:PORT:127.0.0.1:model_share_port`): the next ports
-    after md-share's, one per sharing host in file order; None where no bytes go that way."""
-    slot = distribution.reverse_slot(cluster, source, client)
-    return None if slot is None else model_share_port + 1 + slot
+reverse_port = distribution.reverse_port  # `-R 127.0.0.1:PORT:127.0.0.1:model_share_port`
+
+
+def way(cluster) -> str:
+    """How md-share's bytes travel, as a plan says it."""
+    return "through the ssh forwards" if cluster.network.forwarded else "over the LAN"
 
 
 def address(cluster, host: str) -> str:

@@ -136,9 +136,12 @@ def test_roles_are_found_in_dependency_order():
     cluster = load_cluster(LAB)
     names = [s.name for s in registry.slots(cluster)]
     # The day-one sequence keeps its order whatever roles join it.
+    # services.cleanup runs before any model byte moves (runs_before): a stale forward may hold
+    # the loopback port of the one that carries them.
     day_one = ["toolchain.apt_proxy", "toolchain.packages", "llama_cpp.source", "llama_cpp.build",
-               "models.gguf[gemma]", "rpc_cache.seed_tool", "rpc_cache.seed[50052]",
-               "services.cleanup", "services.rpc_server[50052]", "services.llama_server[main]"]
+               "services.cleanup", "models.gguf[gemma]", "rpc_cache.seed_tool",
+               "rpc_cache.seed[50052]", "services.rpc_server[50052]",
+               "services.llama_server[main]"]
     assert [n for n in names if n in day_one] == day_one
     assert names.index("network.allowlist") < names.index("services.rpc_server[50052]")
     apply_only = [s.name for s in registry.slots(cluster, apply=True)

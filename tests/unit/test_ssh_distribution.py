@@ -14,7 +14,7 @@ import pytest
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import registry, share
-from meshdeploy.errors import PlanError
+from meshdeploy.errors import ConfigError
 from meshdeploy.roles.network import rules
 from meshdeploy.roles.network import ssh as sshk
 from meshdeploy.roles.services import forward
@@ -65,10 +65,10 @@ def test_tensors_and_copies_come_back_through_the_forward(tmp_path):
     cluster = load(tmp_path)
     # node2 fetches its tensors, node3 copies the GGUF, node4 gets nothing: one source (node1),
     # so each receiver's reverse end listens on md-share's port + 1.
-    assert share.reverse_port(cluster, "node1", "node2") == 50181
-    assert share.reverse_port(cluster, "node1", "node3") == 50181
+    assert share.reverse_port(cluster, "node1", "node2") == 30180
+    assert share.reverse_port(cluster, "node1", "node3") == 30180
     assert share.reverse_port(cluster, "node1", "node4") is None
-    assert share.url(cluster, "node1", SHA, "node2") == f"http://127.0.0.1:50181/models/{SHA}"
+    assert share.url(cluster, "node1", SHA, "node2") == f"http://127.0.0.1:30180/models/{SHA}"
     # md-share binds loopback and answers loopback alone (the reverse ends' connections).
     start = share.start(cluster, cluster.host("node1"), {SHA: "/m.gguf"},
                         [cluster.host("node2"), cluster.host("node3")])[1]
@@ -95,8 +95,8 @@ def test_the_authorized_line_lets_only_the_reverse_port_listen(tmp_path):
     node1 = cluster.host("node1")
     by_worker = {f.worker.name: f for f in cluster.ssh_forwards(node1)}
     line = sshk.authorized_line(cluster, node1, by_worker["node2"], K1)
-    assert 'permitlisten="127.0.0.1:50181"' in line and line.count("permitlisten") == 1
-    assert "back to 127.0.0.1:50181" in sshk.shown_line(line)
+    assert 'permitlisten="127.0.0.1:30180"' in line and line.count("permitlisten") == 1
+    assert "back to 127.0.0.1:30180" in sshk.shown_line(line)
     # A worker that gets no bytes keeps the listener nobody can bind.
     line4 = sshk.authorized_line(cluster, node1, by_worker["node4"], K1)
     assert 'permitlisten="127.0.0.1:1"' in line4
@@ -108,12 +108,14 @@ def test_the_forward_carries_the_reverse_end(tmp_path):
     node1 = cluster.host("node1")
     by_worker = {f.worker.name: f for f in cluster.ssh_forwards(node1)}
     argv = forward.args(cluster, node1, by_worker["node2"], "/c", "/k", "/kh", "u0_a1")
-    assert argv[-1] == "R=127.0.0.1:50181:127.0.0.1:50180"
+    assert argv[-1] == "R=127.0.0.1:30180:127.0.0.1:50180"
     assert not any(str(a).startswith("R=") for a in forward.args(
         cluster, node1, by_worker["node4"], "/c", "/k", "/kh", "md"))
 
 
-def test_a_worker_service_on_the_reverse_port_is_refused(tmp_path):
+def test_a_worker_service_on_the_reverse_port_is_refused_at_its_line(tmp_path):
+    """node2's own llama-server on the port where node1's reverse end listens: the cluster
+    file's port check names it (the forward would fail to listen there)."""
     text = CLUSTER.replace("\nservers:\n", """
   other:
     huggingface:
@@ -121,12 +123,30 @@ def test_a_worker_service_on_the_reverse_port_is_refused(tmp_path):
       file: q.gguf
       sha256: """ + "b" * 64 + """
 servers:
-""")
-    cluster = load(tmp_path, text + "  local: {host: node2, model: other, port: 50181, rpc: none}\n")
-    node1 = cluster.host("node1")
-    fwd = next(f for f in cluster.ssh_forwards(node1) if f.worker.name == "node2")
-    with pytest.raises(PlanError, match="listens on"):
-        forward.args(cluster, node1, fwd, "/c", "/k", "/kh", "md")
+""") + "  local: {host: node2, model: other, port: 30180, rpc: none}\n"
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path, text)
+    [issue] = err.value.issues
+    assert issue.path == "servers.local.port"
+    assert "already used by the reverse end of node1's ssh forward" in issue.message
+    # Elsewhere the port is free: the same server on a port of its own loads.
+    load(tmp_path, text.replace("port: 30180", "port: 30190"))
+
+
+def test_md_share_port_is_claimed_on_the_sharing_host(tmp_path):
+    text = CLUSTER.replace("  node1:\n    address: 10.200.0.11\n",
+                           "  node1:\n    address: 10.200.0.11\n    rpc_servers:\n"
+                           "      - {port: 50180}\n")
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path, text)
+    assert any(i.path == "hosts.node1.rpc_servers[0].port" and "md-share" in i.message
+               for i in err.value.issues), err.value.issues
+
+
+def test_share_port_base_moves_the_reverse_ends(tmp_path):
+    cluster = load(tmp_path, CLUSTER.replace("  transport: ssh\n",
+                                             "  transport: ssh\n  ssh: {share_port_base: 20000}\n"))
+    assert share.reverse_port(cluster, "node1", "node2") == 20000
 
 
 def test_two_sources_get_a_port_each(tmp_path):
@@ -145,12 +165,13 @@ servers:
     text = text.replace("    address: 10.200.0.13\n",
                         "    address: 10.200.0.13\n    backend: cuda\n    devices: [CUDA0, CUDA1]\n")
     cluster = load(tmp_path, text)
-    assert share.reverse_port(cluster, "node1", "node3") == 50181
-    assert share.reverse_port(cluster, "node4", "node3") == 50182
+    assert share.reverse_port(cluster, "node1", "node3") == 30180
+    assert share.reverse_port(cluster, "node4", "node3") == 30181
 
 
 def test_the_forward_runs_before_any_model_byte_moves():
     order = [r.qualified for r in registry.resources()]
-    assert order.index("network.ssh_known_hosts") < order.index("services.ssh_forward") \
+    assert order.index("network.ssh_known_hosts") < order.index("services.cleanup") \
+        < order.index("services.ssh_forward") \
         < order.index("models.gguf") < order.index("rpc_cache.seed") \
         < order.index("services.rpc_server") < order.index("services.llama_server")

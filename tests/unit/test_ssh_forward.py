@@ -328,6 +328,14 @@ case " $* " in
     for a do [ "$prev" = -S ] && ctl=$a; prev=$a; done
     [ -e "$ctl" ] ;;
   *" nudge "*) exit "${NUDGE_RC:-1}" ;;
+  *" -O forward "*)
+    # $STUB_DIR/forward-rc holds each answer in turn (then 0): 255 is sshd's refusal
+    rc=$(head -n 1 "$STUB_DIR/forward-rc" 2>/dev/null)
+    [ -f "$STUB_DIR/forward-rc" ] && sed -i 1d "$STUB_DIR/forward-rc"
+    if [ "${rc:-0}" != 0 ]; then
+      echo "remote port forwarding failed for listen port 50181" >&2
+    fi
+    exit "${rc:-0}" ;;
 esac
 """
 
@@ -502,18 +510,30 @@ def test_a_debian_orchestrator_with_forwards_gets_nss_systemd():
     assert "libnss-systemd" not in wanted_packages(rootless, "apt", rootless.host("node1"))
 
 
-def test_the_script_turns_an_r_value_into_a_reverse_end(tmp_path):
-    """A worker that gets model bytes from this host: its R= value becomes -R, after the -L."""
+def test_the_reverse_end_is_asked_of_the_running_master_and_retried(tmp_path):
+    """A worker that gets model bytes from this host: its R= value is not on the master's
+    command line (ExitOnForwardFailure would end the RPC ports with it when the worker's port is
+    taken) but asked through the socket once the master answers; a refusal is logged once,
+    leaves the master up, and is asked again until it holds, which is logged once."""
     ctl, key, known = str(tmp_path / "ctl"), "/k", "/kh"
-    proc = subprocess.Popen(["sh", "-c", forward.SCRIPT.read_text(), "ssh-forward", ctl, key,
-                             known, "22", "md", "10.200.0.12", "127.0.0.1:31000:127.0.0.1:50052",
+    (tmp_path / "forward-rc").write_text("255\n255\n")
+    env = stub_env(tmp_path)
+    script = forward.SCRIPT.read_text().replace("sleep 10 &", "sleep 0.2 &")
+    proc = subprocess.Popen(["sh", "-c", script, "ssh-forward", ctl, key, known, "22", "md",
+                             "10.200.0.12", "127.0.0.1:31000:127.0.0.1:50052",
                              "R=127.0.0.1:50181:127.0.0.1:50180"],
-                            env=stub_env(tmp_path), stderr=subprocess.PIPE, text=True)
-    assert wait_for(lambda: any("nudge" in c for c in calls(tmp_path)))
+                            env=env, stderr=subprocess.PIPE, text=True)
+    asked = lambda: [c for c in calls(tmp_path) if "forward" in c and "-O" in c]  # noqa: E731
+    assert wait_for(lambda: len(asked()) >= 4)
     (tmp_path / "stop").touch()
-    assert proc.wait(timeout=15) == 7
-    assert master_call(tmp_path) == master_argv(ctl, key, known, forwards=(
-        "-L", "127.0.0.1:31000:127.0.0.1:50052", "-R", "127.0.0.1:50181:127.0.0.1:50180"))
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 7, err
+    assert master_call(tmp_path) == master_argv(ctl, key, known)  # no -R there
+    assert asked()[0] == [*common_options(key, known), "-S", ctl, "-O", "forward", "-R",
+                          "127.0.0.1:50181:127.0.0.1:50180", "10.200.0.12"]
+    assert err.count("failed (tried again every 10 s; the RPC ports are not affected)") == 1
+    assert err.count("the reverse end 127.0.0.1:50181:127.0.0.1:50180 to 10.200.0.12 holds") == 1
+    assert err.index("failed") < err.index("holds")
 
 
 def test_status_rows_of_the_forwards_run_for_real(tmp_path, monkeypatch):

@@ -170,11 +170,11 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     action = "replace" if "replace" in actions else ("create" if "create" in actions else "update")
     reason = f"{resolved.repo}@{resolved.commit[:12]}"
     if missing_bytes:
-        reason += (f", {missing_bytes / 2**20:.1f} MiB to copy from {source} over the LAN"
-                   if copying else f", {missing_bytes / 2**20:.1f} MiB to download")
+        reason += (f", {missing_bytes / 2**20:.1f} MiB to copy from {source} "
+                   f"{share.way(ctx.cluster)}" if copying
+                   else f", {missing_bytes / 2**20:.1f} MiB to download")
     if serve:
-        way = "through the ssh forwards" if ctx.cluster.network.forwarded else "over the LAN"
-        reason += f"; served to {', '.join(copiers)} {way} while they copy it"
+        reason += f"; served to {', '.join(copiers)} {share.way(ctx.cluster)} while they copy it"
         diffs.append(AttrDiff("md-share", None, f"{', '.join(copiers)}"))
     # md-share first: the copies trail this host's download as its bytes arrive.
     return Step(ctx.change(ROLE, resource, action, reason, diffs), serve + commands,

@@ -9,7 +9,7 @@ keys as the probe read them over meshdeploy's own checked connection:
 authorized_line(cluster, node1, forward, "ssh-ed25519 AAAA...")
 # 'command="false",restrict,port-forwarding,permitopen="127.0.0.1:50052",
 #  permitlisten="127.0.0.1:1",from="10.200.0.11" ssh-ed25519 AAAA... meshdeploy-rpc:lab:node1'
-# (permitlisten="127.0.0.1:50181" where node1's md-share reaches the worker through it)
+# (permitlisten="127.0.0.1:30180" where node1's md-share reaches the worker through it)
 known_hosts_line(node2, "ssh-ed25519 AAAA...")      # '10.200.0.12 ssh-ed25519 AAAA...'
 ```
 """
@@ -97,8 +97,8 @@ def authorized_line(cluster, orchestrator, forward, key: str) -> str:
     opens = ",".join(f'permitopen="127.0.0.1:{int(remote)}"' for _, remote in forward.ports)
     # port-forwarding turns remote (-R) forwards back on too, and permitopen does not limit
     # them: permitlisten names the one loopback port where the forward's reverse end carries
-    # the orchestrator's md-share to this worker (share.reverse_port), or a port no login user
-    # can bind, which refuses every TCP listener (sshd rejects the whole line for
+    # the orchestrator's md-share to this worker (share.reverse_port), or port 1, which only
+    # root can bind: that refuses every TCP listener (sshd rejects the whole line for
     # permitlisten="none"). Unix-socket listeners cannot be refused from this file (only
     # sshd_config's AllowStreamLocalForwarding can).
     reverse = share.reverse_port(cluster, orchestrator.name, forward.worker.name)

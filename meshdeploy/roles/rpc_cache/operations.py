@@ -252,7 +252,7 @@ def seed(ctx: HostContext, port: int, model_path: str, tensors: list[Tensor], ca
         diffs.append(AttrDiff("marker", "damaged: " + "; ".join(cov.damaged), "rewritten"))
     if cov.to_seed:
         action = "create" if not cov.keep_lines else "update"
-        where = ", ".join(sorted({f"over the LAN from {m.source}" if m.source else
+        where = ", ".join(sorted({f"{share.way(ctx.cluster)} from {m.source}" if m.source else
                                   f"from {m.model_path}" for m, _ in cov.to_seed}))
         reason = (f"{seed_bytes / 1e9:.2f} GB to seed {where}; {small / 1e6:.1f} MB of "
                   "small tensors still cross the network at each load")

@@ -93,8 +93,8 @@ def share(ctx: HostContext) -> Step:
         reason.append(f"digest list of {', '.join(m for m, _, _ in digest)}")
     if serve:
         total = sum(serve.values())
-        way = "through the ssh forwards" if cluster.network.forwarded else "over the LAN"
-        reason.append(f"serve {total / 1e9:.2f} GB to {', '.join(sorted(serve))} {way} "
+        reason.append(f"serve {total / 1e9:.2f} GB to {', '.join(sorted(serve))} "
+                      f"{md_share.way(cluster)} "
                       f"(md-share, port {model_share_port}, until idle {md_share.IDLE} s)")
         diffs.append(AttrDiff("md-share", None, f"{md_share.address(cluster, ctx.host.name)}:"
                                                 f"{model_share_port}"))

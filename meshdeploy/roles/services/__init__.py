@@ -46,8 +46,11 @@ ROLE = Role(
     destroy=ops.destroy,
     after=("llama_cpp", "models", "rpc_cache"),
     resources=(
+        # Before the forwards (which run before any model byte moves): a forward whose worker
+        # left the file holds the loopback port another forward moves to.
         Resource("cleanup", lambda ctx, key: ops.stale_units(ctx),
-                 "meshdeploy units the cluster file no longer describes"),
+                 "meshdeploy units the cluster file no longer describes",
+                 runs_before=("models.gguf",)),
         Resource("rpc_server", ops.rpc_server, "one rpc-server, proven listening",
                  keys=lambda cluster: cluster.rpc_ports(), rereads=_MANIFEST),
         # Right after the network role's keys and pins, before any model byte moves: the

@@ -70,20 +70,10 @@ def _ssh_path(path, what: str):
 
 def reverse(cluster, host, forward: SshForward) -> str | None:
     """The forward's reverse end, `R=127.0.0.1:PORT:127.0.0.1:<md-share's port>`, when `host`'s
-    md-share serves the worker model bytes (share.reverse_port), else None; refused when the
-    worker's own services take that port."""
+    md-share serves the worker model bytes (share.reverse_port; the cluster file's check_ports
+    keeps the worker's services off PORT), else None."""
     port = share.reverse_port(cluster, host.name, forward.worker.name)
-    if port is None:
-        return None
-    worker = forward.worker
-    taken = {r.port for r in worker.rpc_servers} | {
-        s.port for s in cluster.servers if s.host == worker.name}
-    if port in taken:
-        raise PlanError(f"the forward from {host.name} to {worker.name} carries {host.name}'s "
-                        f"model share back to {worker.name}'s loopback port {port}, which a "
-                        f"service of {worker.name} listens on",
-                        hint=f"move that service of {worker.name} off port {port}")
-    return f"R=127.0.0.1:{port}:127.0.0.1:{model_share_port}"
+    return None if port is None else f"R=127.0.0.1:{int(port)}:127.0.0.1:{model_share_port}"
 
 
 def args(cluster, host, forward: SshForward, ctl, key, known, user: str) -> list:

@@ -5,15 +5,21 @@
 # and without it every small rpc-server reply waits for a delayed ACK (docs/benchmarks.md).
 # Then it waits for the master and exits with its status; the supervisor starts it again.
 # TERM and INT stop the master first.
+# Where this host's md-share serves the worker model bytes, the reverse end (-R) is asked of the
+# running master through its socket, again every 10 s until it holds and whenever it is lost,
+# never on the master's command line: there ExitOnForwardFailure would take the RPC ports down
+# with it whenever the worker's port is taken (a stale session of a dropped link keeps it until
+# the worker's sshd notices, a local process may bind it, an sshd may refuse remote forwards).
 # Inputs (positional): CTL (control socket), KEY, KNOWN (known_hosts), SSHPORT, USER, ADDR, then
-# one -L value per forwarded port (127.0.0.1:LOCAL:127.0.0.1:PORT) and, where this host's
-# md-share serves the worker, one R=127.0.0.1:PORT:127.0.0.1:SHAREPORT (a reverse end).
+# one -L value per forwarded port (127.0.0.1:LOCAL:127.0.0.1:PORT) and at most one
+# R=127.0.0.1:PORT:127.0.0.1:SHAREPORT (the reverse end).
 ctl=$1 key=$2 known=$3 sshport=$4 user=$5 addr=$6
 shift 6
-# The -L and -R options replace the forwards in "$@" (the for loop's list is read once).
+reverse=
+# The -L options replace the forwards in "$@" (the for loop's list is read once).
 for forward do
   case $forward in
-    R=*) set -- "$@" -R "${forward#R=}" ;;
+    R=*) reverse=${forward#R=} ;;
     *) set -- "$@" -L "$forward" ;;
   esac
   shift
@@ -31,8 +37,8 @@ ssh_to() {
     -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -o ConnectTimeout=10 \
     -p "$sshport" -l "$user" "$@"
 }
-master=
-trap 'if [ -n "$master" ]; then kill -TERM "$master" 2>/dev/null; else exit 143; fi' TERM INT
+master='' stopping=''
+trap 'stopping=1; if [ -n "$master" ]; then kill -TERM "$master" 2>/dev/null; else exit 143; fi' TERM INT
 mkdir -p "${ctl%/*}"
 # A socket left by a master that died would make the new one run without multiplexing.
 rm -f "$ctl"
@@ -59,6 +65,19 @@ if [ "$rc" -ne 1 ]; then
   echo "ssh-forward: the nudge session to $addr exited $rc, not 1 (the key's forced command):" \
     "sshd may leave Nagle on for this connection" >&2
 fi
+state=
+while [ -n "$reverse" ] && [ -z "$stopping" ] && kill -0 "$master" 2>/dev/null; do
+  if out=$(ssh_to -S "$ctl" -O forward -R "$reverse" "$addr" 2>&1 >/dev/null); then
+    [ "$state" = up ] || echo "ssh-forward: the reverse end $reverse to $addr holds" >&2
+    state=up
+  else
+    [ "$state" = down ] || echo "ssh-forward: the reverse end $reverse to $addr failed (tried" \
+      "again every 10 s; the RPC ports are not affected): $out" >&2
+    state=down
+  fi
+  sleep 10 &
+  wait "$!"
+done
 # wait returns early when a trapped signal arrives: wait again until the master is gone.
 while :; do
   wait "$master"
