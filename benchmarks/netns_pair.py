@@ -1,8 +1,11 @@
-"""Two network namespaces joined by a rate-limited veth pair, and a throwaway sshd in one of them.
+"""Two network namespaces joined by a rate-limited veth pair, a throwaway sshd in one of them and
+a wireguard-go tunnel between them.
 
 For benchmarks/transport_cost.py: an orchestrator namespace and a worker namespace, addresses
-that exist only inside them, `tc tbf` on both ends of the link (this kernel has no netem), and
-an sshd with its own config, host key and authorized_keys in a temporary folder. Root only.
+that exist only inside them, `tc tbf` on both ends of the link (this kernel has no netem), an
+sshd with its own config, host key and authorized_keys in a temporary folder, and wireguard-go
+(userspace, over TUN: this kernel has no WireGuard module) on both ends of the veth pair with
+a subnet of its own. Root only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from pathlib import Path
 
 ORCH_ADDR, WORKER_ADDR = "10.231.0.1", "10.231.0.2"
+WG_ORCH_ADDR, WG_WORKER_ADDR, WG_PORT = "10.232.0.1", "10.232.0.2", 51820
 
 
 def run(*argv: str, ns: str | None = None, check: bool = True) -> str:
@@ -155,17 +159,105 @@ class Sshd:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
         self.log.close()
         if self.keep_log:
             shutil.copy(self.dir / "sshd.log", self.keep_log)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Wireguard:
+    """wireguard-go in both namespaces of a veth `pair`: interface `<tag>o-wg` (WG_ORCH_ADDR) and
+    `<tag>w-wg` (WG_WORKER_ADDR) in 10.232.0.0/24, each the other's only peer (endpoint: the
+    peer's veth address, UDP WG_PORT; allowed-ips: the peer's tunnel address). MTU 1420 and no
+    persistent keepalive, as wg-quick sets up meshdeploy's `network.transport: wireguard`.
+    `procs` are the two wireguard-go processes (run in the foreground, so their pids are the
+    daemons')."""
+
+    def __init__(self, pair: Pair, binary: str = "wireguard-go"):
+        if pair.loopback:
+            raise ValueError("wireguard needs the veth pair (a --rate), not loopback")
+        self.pair, self.binary = pair, binary
+        self.dir = Path(tempfile.mkdtemp(prefix="meshdeploy-wg-"))
+        self.dev = {ns: f"{dev[:-2]}-wg" for ns, dev in pair.dev.items()}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def __enter__(self) -> "Wireguard":
+        try:
+            self._up()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _up(self) -> None:
+        p, d = self.pair, self.dir
+        ends = {p.orch: (WG_ORCH_ADDR, ORCH_ADDR), p.worker: (WG_WORKER_ADDR, WORKER_ADDR)}
+        keys = {}
+        for ns in ends:
+            key = run("wg", "genkey").strip()
+            (d / ns).write_text(key + "\n")
+            os.chmod(d / ns, 0o600)
+            keys[ns] = subprocess.run(["wg", "pubkey"], input=key, capture_output=True,
+                                      text=True, check=True).stdout.strip()
+        for ns, (tunnel_addr, _) in ends.items():
+            dev = self.dev[ns]
+            # WG_PROCESS_FOREGROUND: no daemon fork (the pid stays the one to count CPU of)
+            # and no "use the kernel module" banner.
+            with open(d / f"{ns}.log", "w") as log:
+                self.procs[ns] = subprocess.Popen(
+                    ["ip", "netns", "exec", ns, self.binary, "-f", dev],
+                    stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                    env={**os.environ, "WG_PROCESS_FOREGROUND": "1", "LOG_LEVEL": "error"})
+            _wait_for(lambda: Path(f"/var/run/wireguard/{dev}.sock").exists(),
+                      f"wireguard-go's {dev}.sock", self.procs[ns])
+            peer = next(n for n in ends if n != ns)
+            run("wg", "set", dev, "listen-port", str(WG_PORT), "private-key", str(d / ns),
+                "peer", keys[peer], "endpoint", f"{ends[peer][1]}:{WG_PORT}",
+                "allowed-ips", f"{ends[peer][0]}/32", ns=ns)
+            run("ip", "addr", "add", f"{tunnel_addr}/24", "dev", dev, ns=ns)
+            run("ip", "link", "set", dev, "mtu", "1420", "up", ns=ns)
+
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.procs.values()]
+
+    def handshaken(self, within: float = 100.0) -> bool:
+        """Whether the orchestrator's end completed a handshake in the last `within` seconds
+        (WireGuard rekeys after 120 s; a session that old makes the next packet wait)."""
+        out = run("wg", "show", self.dev[self.pair.orch], "latest-handshakes", ns=self.pair.orch)
+        latest = max((int(line.split()[1]) for line in out.splitlines() if line.strip()),
+                     default=0)
+        return time.time() - latest < within
+
+    def __exit__(self, *exc) -> None:
+        # `ip netns exec` execs wireguard-go: the Popen pid is the daemon's. SIGTERM makes it
+        # remove its TUN device and UAPI socket.
+        for proc in self.procs.values():
+            stop(proc)
+        for dev in self.dev.values():
+            Path(f"/var/run/wireguard/{dev}.sock").unlink(missing_ok=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _wait_for(ready, what: str, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited {proc.returncode} before {what} appeared")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """SIGTERM, then SIGKILL after 10 s; nothing if it is gone or was never started."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def descendants(pid: int) -> list[int]:

@@ -1,44 +1,51 @@
-"""What the RPC transport costs: plain TCP vs OpenSSH port forwarding (stock and tuned), one
-orchestrator and one worker in two network namespaces.
+"""What the RPC transport costs: plain TCP vs OpenSSH port forwarding (stock and tuned) vs
+wireguard-go, one orchestrator and one worker in two network namespaces.
 
-Usage (root; ~20 min on 2 cores with both models and four transports; ~2.2 GB of disk for the
-synthetic model):
+Usage (root; ~20 min on 2 cores with both models and five transports; ~2.2 GB of disk for the
+synthetic model; wireguard needs Debian's wireguard-go and wireguard-tools):
     .venv/bin/python benchmarks/transport_cost.py --bin DIR [--gemma PATH] [--synthetic PATH]
             [--rate 1gbit|loopback] [--runs 3] [--completions 3] [--threads 1]
-            [--transports plain,ssh-stock,ssh-aes,ssh-tuned] [--models gemma,synthetic]
+            [--transports plain,ssh-stock,ssh-aes,ssh-tuned,wireguard] [--models gemma,synthetic]
 
 `--bin` holds llama-server and ggml-rpc-server (or rpc-server) of one build with GGML_RPC.
 `--synthetic` is written (tests/support/synthetic.py LARGE, ~2.1 GB) when it does not exist.
 The worker's rpc-server runs without its cache (-c), so every load sends the whole model.
 `--rate R`: a veth pair shaped with `tc tbf rate R` on both ends (this kernel has no netem);
-`--rate loopback`: both ends in one namespace, talking over lo (MTU 65536, unshaped).
+`--rate loopback`: both ends in one namespace, talking over lo (MTU 65536, unshaped; not with
+wireguard).
 
 The sshd is Debian 12's (OpenSSH 9.2; the lab base's copy when this machine has none), with
 its own host key, config and authorized_keys in a temporary folder; the client key is limited
-the way meshdeploy would limit it (KEY_OPTIONS). Transports: see TRANSPORTS.
+the way meshdeploy would limit it (KEY_OPTIONS). wireguard-go (userspace over TUN: this kernel
+has no WireGuard module) runs in both namespaces for the whole run, a tunnel subnet of its own
+over the veth pair (netns_pair.Wireguard). Transports: see TRANSPORTS.
 
 Per round, for each transport in turn (rounds interleave the transports, so drift on a shared
 machine hits them alike): rpc-server starts in the worker namespace (plain: on the worker's
 address; ssh: on 127.0.0.1, reached through `ssh -L` from the orchestrator namespace, the
-tunnel up before the clock starts); llama-server starts and is timed to its first /health 200;
-then `--completions` greedy /completion requests, whose prompt and generation tok/s come from
-llama-server's own timings (their median counts for the load). CPU: utime + stime of the ssh
-client and the connection's sshd processes over the load (start to /health 200), per GB that
-plain moved for the same model. Prints medians over the rounds, ratios against plain computed
-within the run, and whether the greedy output was the same everywhere.
+tunnel up before the clock starts; wireguard: on the worker's tunnel address, a handshake
+less than 100 s old before the clock starts); llama-server starts and is timed to its first
+/health 200; then `--completions` greedy /completion requests, whose prompt and generation
+tok/s come from llama-server's own timings (their median counts for the load). CPU: utime +
+stime over the load (start to /health 200) of the ssh client and the connection's sshd
+processes, or of both wireguard-go processes, per GB that plain moved for the same model.
+Prints medians over the rounds, ratios against plain computed within the run, the load
+average at the start and the end, and whether the greedy output was the same everywhere.
 
-Earlier WireGuard figures in docs/benchmarks.md came from this script's lab-based version
-(git show d5ca079:benchmarks/transport_cost.py); wireguard-go is not part of this one.
+The lab-based plain vs wireguard-go script (benchmarks/wireguard_cost.py, whole deployments
+with rpc caches seeded) measures something else: this one sends every tensor on every load.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import glob
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -49,8 +56,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns_pair import (WORKER_ADDR, Pair, Sshd, cpu_seconds, descendants,  # noqa: E402
-                        wait_listening)
+from netns_pair import (WG_WORKER_ADDR, WORKER_ADDR, Pair, Sshd, Wireguard,  # noqa: E402
+                        cpu_seconds, descendants, stop, wait_listening)
 
 REPO = Path(__file__).resolve().parent.parent
 # This machine has no openssh-server; the lab's base image has Debian 12's.
@@ -70,7 +77,9 @@ SSHD_OPTIONS = {"ClientAliveInterval": "5", "ClientAliveCountMax": "3",
                 "AllowAgentForwarding": "no", "PermitTunnel": "no", "GatewayPorts": "no"}
 FORWARD = ["-L", f"127.0.0.1:{LOCAL_PORT}:127.0.0.1:{RPC_PORT}", "-o", "ExitOnForwardFailure=yes"]
 KEEPALIVE = ["-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
-# name -> ssh arguments before the destination; None: plain TCP. "{ctl}": a ControlPath.
+# name -> ssh arguments before the destination; None: no ssh, llama-server dials the worker's
+# address (plain) or its tunnel address (wireguard, see netns_pair.Wireguard). "{ctl}": a
+# ControlPath.
 TRANSPORTS: dict[str, list[str] | None] = {
     "plain": None,
     # `ssh -N -L` with OpenSSH's defaults (9.2 negotiates chacha20-poly1305@openssh.com).
@@ -81,7 +90,10 @@ TRANSPORTS: dict[str, list[str] | None] = {
     # TCP_NODELAY on the connection (see NUDGE).
     "ssh-tuned": ["-N", "-M", "-S", "{ctl}", "-o", "ControlPersist=no",
                   "-c", "aes128-gcm@openssh.com", *KEEPALIVE, *FORWARD],
+    # wireguard-go on both ends of the veth pair, rpc-server on the worker's tunnel address.
+    "wireguard": None,
 }
+RPC_HOST = {"plain": WORKER_ADDR, "wireguard": WG_WORKER_ADDR}   # others: ssh's 127.0.0.1
 # OpenSSH before 10.1 sets TCP_NODELAY on sshd's end of the connection only when a session runs
 # a command (session.c do_exec_no_pty -> ssh_packet_set_interactive); with `-N` it never does,
 # so sshd's ssh packets smaller than the MSS wait for the client's delayed ACK (~40 ms). One
@@ -107,19 +119,9 @@ def rpc_binary(bin_dir: Path) -> Path:
     sys.exit(f"no ggml-rpc-server or rpc-server in {bin_dir}")
 
 
-def stop(proc: subprocess.Popen | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class Bench:
-    def __init__(self, args, pair: Pair, sshd: Sshd | None, logs: Path):
-        self.args, self.pair, self.sshd, self.logs = args, pair, sshd, logs
+    def __init__(self, args, pair: Pair, sshd: Sshd | None, wg: Wireguard | None, logs: Path):
+        self.args, self.pair, self.sshd, self.wg, self.logs = args, pair, sshd, wg, logs
         self.rpc = rpc_binary(args.bin)
         # --threads 0: llama.cpp's defaults (rpc-server: cores / 2; llama-server: physical cores)
         self.threads = ["-t", str(args.threads)] if args.threads else []
@@ -161,17 +163,20 @@ class Bench:
         afterwards."""
         a, pair = self.args, self.pair
         ssh_args = TRANSPORTS[transport]
-        host = WORKER_ADDR if ssh_args is None else "127.0.0.1"
+        host = RPC_HOST.get(transport, "127.0.0.1")
         rpc = tunnel = server = None
         try:
             rpc = self.popen(pair.worker, [str(self.rpc), "-H", host, "-p", str(RPC_PORT),
                                            *self.threads], f"rpc-{transport}.log")
             wait_listening(pair.worker, RPC_PORT)
-            target = f"{WORKER_ADDR}:{RPC_PORT}"
+            target = f"{host}:{RPC_PORT}"
             if ssh_args is not None:
                 tunnel = self.tunnel(ssh_args, transport)
                 target = f"127.0.0.1:{LOCAL_PORT}"
-            cpu0, link0 = cpu_seconds(self.ssh_pids(tunnel)), pair.link_bytes()
+            if transport == "wireguard":
+                self.handshake()
+            pids = self.transport_pids(transport, tunnel)
+            cpu0, link0 = cpu_seconds(pids), pair.link_bytes()
             t0 = time.monotonic()
             server = self.popen(pair.orch, [
                 str(a.bin / "llama-server"), "-m", str(path), "--rpc", target, "-ngl", "99",
@@ -179,10 +184,10 @@ class Bench:
                 "--port", str(HTTP_PORT)], f"server-{transport}.log")
             ready = self.health_in_ns(server, t0)
             moved = pair.link_bytes() - link0
-            cpu1 = cpu_seconds(self.ssh_pids(tunnel))
-            ssh_cpu = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1)
+            cpu1 = cpu_seconds(pids)
+            cpu = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1)
             done = [self.complete_in_ns(model) for _ in range(a.completions)]
-            return {"ready": ready, "moved": moved, "ssh_cpu": ssh_cpu,
+            return {"ready": ready, "moved": moved, "cpu": cpu,
                     "pp": statistics.median(d["pp"] for d in done),
                     "tg": statistics.median(d["tg"] for d in done),
                     "prompt_n": done[0]["prompt_n"], "texts": {d["text"] for d in done}}
@@ -209,11 +214,31 @@ class Bench:
             raise
         return proc
 
-    def ssh_pids(self, tunnel: subprocess.Popen | None) -> list[int]:
-        """The ssh client and the sshd processes serving connections (not the listener)."""
+    def transport_pids(self, transport: str, tunnel: subprocess.Popen | None) -> list[int]:
+        """The processes that carry the transport: the ssh client and the sshd processes serving
+        connections (not the listener), or wireguard-go on both ends; none for plain."""
+        if transport == "wireguard":
+            return self.wg.pids()
         if tunnel is None:
             return []
         return [tunnel.pid] + descendants(self.sshd.proc.pid)[1:]
+
+    def handshake(self) -> None:
+        """A fresh WireGuard session before the clock starts (as the ssh tunnel is up before
+        it): one datagram through the tunnel to the discard port makes the orchestrator's end
+        handshake when its session is older than WireGuard's rekey time."""
+        if self.wg.handshaken():
+            return
+
+        def nudge():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.sendto(b"x", (WG_WORKER_ADDR, 9))
+        deadline = time.monotonic() + 10
+        while not self.wg.handshaken():
+            if time.monotonic() > deadline:
+                raise RuntimeError("no WireGuard handshake within 10 s")
+            self.in_ns(nudge)
+            time.sleep(0.2)
 
     # llama-server listens on the orchestrator namespace's loopback: reach it from there.
     def health_in_ns(self, server: subprocess.Popen, t0: float) -> float:
@@ -238,25 +263,26 @@ class Bench:
 
 def row(model: str, transport: str, runs: list[dict]) -> dict:
     med = {k: statistics.median(r[k] for r in runs) for k in ("ready", "pp", "tg", "moved")}
-    cpu = statistics.median(r["ssh_cpu"] for r in runs)
-    return {"model": model, "transport": transport, **med, "ssh_cpu": cpu,
+    cpu = statistics.median(r["cpu"] for r in runs)
+    return {"model": model, "transport": transport, **med, "cpu": cpu,
             "prompt_n": runs[0]["prompt_n"], "texts": set().union(*(r["texts"] for r in runs))}
 
 
 def table(rows: list[dict], runs: int) -> str:
     lines = ["| model | transport | to /health 200 (s) | prompt tok/s | generation tok/s | "
-             "MB on the link | ssh CPU s per load | ssh CPU s per GB | ready x plain | "
+             "MB on the link | transport CPU s per load | transport CPU s per GB | ready x plain | "
              "pp x plain | tg x plain |", "|---|---|" + "---:|" * 9]
     plain = {r["model"]: r for r in rows if r["transport"] == "plain"}
     for r in rows:
         p = plain[r["model"]]
         lines.append(f"| {r['model']} | {r['transport']} | {r['ready']:.2f} | {r['pp']:.1f} | "
-                     f"{r['tg']:.1f} | {r['moved'] / 1e6:,.0f} | {r['ssh_cpu']:.2f} | "
-                     f"{r['ssh_cpu'] / (p['moved'] / 1e9):.2f} | {r['ready'] / p['ready']:.2f} | "
+                     f"{r['tg']:.1f} | {r['moved'] / 1e6:,.0f} | {r['cpu']:.2f} | "
+                     f"{r['cpu'] / (p['moved'] / 1e9):.2f} | {r['ready'] / p['ready']:.2f} | "
                      f"{r['pp'] / p['pp']:.2f} | {r['tg'] / p['tg']:.2f} |")
     lines.append(f"\nMedians of {runs} loads (each: the median of its completions). MB on the "
-                 "link during the load, both ways (loopback: each leg a forwarded byte crosses); "
-                 "ssh CPU per GB: the ssh client's and sshd's utime + stime over the load, per GB "
+                 "link during the load, both ways (loopback: each leg a forwarded byte crosses; "
+                 "wireguard: UDP with its overhead); transport CPU per GB: utime + stime over "
+                 "the load of the ssh client and sshd, or of wireguard-go on both ends, per GB "
                  "that plain moved for the same model. Prompts of "
                  + ", ".join(f"{r['prompt_n']} tokens ({r['model']})"
                              for r in plain.values()) + ".")
@@ -270,6 +296,10 @@ def table(rows: list[dict], runs: int) -> str:
     return "\n".join(lines)
 
 
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def measure(args, bench: Bench, models: dict, transports: list[str], rows: list) -> None:
     for model in args.models.split(","):
         runs: dict[str, list[dict]] = {t: [] for t in transports}
@@ -278,8 +308,8 @@ def measure(args, bench: Bench, models: dict, transports: list[str], rows: list)
                 runs[t].append(bench.one(model, models[model], t))
                 r = runs[t][-1]
                 print(f"{model} {t} run {i + 1}: ready {r['ready']:.2f} s, pp {r['pp']:.1f}, "
-                      f"tg {r['tg']:.1f} tok/s, {r['moved'] / 1e6:,.0f} MB, ssh CPU "
-                      f"{r['ssh_cpu']:.2f} s", flush=True)
+                      f"tg {r['tg']:.1f} tok/s, {r['moved'] / 1e6:,.0f} MB, transport CPU "
+                      f"{r['cpu']:.2f} s, load {loadavg()}", flush=True)
         rows += [row(model, t, runs[t]) for t in transports]
 
 
@@ -289,29 +319,38 @@ def main() -> None:
     ap.add_argument("--gemma", type=Path, default=GEMMA)
     ap.add_argument("--synthetic", type=Path, default=Path("/tmp/meshdeploy-synthetic-2g.gguf"))
     ap.add_argument("--models", default="gemma,synthetic")
-    ap.add_argument("--transports", default="plain,ssh-stock,ssh-aes,ssh-tuned")
+    ap.add_argument("--transports", default="plain,ssh-stock,ssh-aes,ssh-tuned,wireguard")
     ap.add_argument("--rate", default="1gbit", help="tc rate, or loopback")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="0: llama.cpp's defaults")
     ap.add_argument("--completions", type=int, default=3, help="per load; their median counts")
     ap.add_argument("--sshd", default=SSHD)
+    ap.add_argument("--wireguard-go", default="wireguard-go")
     args = ap.parse_args()
     transports = args.transports.split(",")
     unknown = set(transports) - set(TRANSPORTS)
     if unknown or transports[0] != "plain":
         sys.exit(f"transports: plain first, then any of {', '.join(TRANSPORTS)}")
+    if "wireguard" in transports and args.rate == "loopback":
+        sys.exit("wireguard needs two namespaces: give a --rate, not loopback")
     models = {"gemma": args.gemma, "synthetic": args.synthetic}
     if "synthetic" in args.models and not args.synthetic.exists():
         sys.path.insert(0, str(REPO / "tests"))
         from support.synthetic import LARGE, write_llama
         write_llama(args.synthetic, LARGE)
     logs = Path(tempfile.mkdtemp(prefix="meshdeploy-transport-"))
-    started, rows = time.monotonic(), []
+    started, load0, rows = time.monotonic(), loadavg(), []
     try:
-        with Pair(args.rate) as pair, Sshd(pair, args.sshd, SSHD_OPTIONS,
-                                          KEY_OPTIONS.format(client=pair.client_addr),
-                                          logs / "sshd.log") as sshd:
-            measure(args, Bench(args, pair, sshd, logs), models, transports, rows)
+        with contextlib.ExitStack() as stack:
+            pair = stack.enter_context(Pair(args.rate))
+            sshd = wg = None
+            if any(TRANSPORTS[t] for t in transports):
+                sshd = stack.enter_context(Sshd(pair, args.sshd, SSHD_OPTIONS,
+                                                KEY_OPTIONS.format(client=pair.client_addr),
+                                                logs / "sshd.log"))
+            if "wireguard" in transports:
+                wg = stack.enter_context(Wireguard(pair, args.wireguard_go))
+            measure(args, Bench(args, pair, sshd, wg, logs), models, transports, rows)
     except BaseException:
         print(f"logs kept in {logs}", file=sys.stderr)
         raise
@@ -324,7 +363,8 @@ def main() -> None:
               "across transports and runs")
     link = "loopback" if args.rate == "loopback" else f"veth {args.rate} (tc tbf, both ways)"
     print(f"{link}; -t {args.threads or 'default'}; "
-          f"{(time.monotonic() - started) / 60:.1f} min")
+          f"{(time.monotonic() - started) / 60:.1f} min; load average {load0} at the start, "
+          f"{loadavg()} at the end")
 
 
 if __name__ == "__main__":
