@@ -141,7 +141,8 @@ def url(cluster, source: str, sha256: str, client: str) -> str:
         port = reverse_port(cluster, source, client)
         if port is None:
             raise PlanError(f"{client} gets no model bytes from {source} through a forward",
-                            hint="a cluster file check should have refused this: report it")
+                            hint="every host that gets a model's bytes is a worker of its one "
+                                 "llama-server, whose host is the source: report this")
         return f"http://{LOOPBACK}:{port}/models/{sha256}"
     address = cluster.source_address(cluster.host(source))
     host = f"[{address}]" if ":" in address else address
