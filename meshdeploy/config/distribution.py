@@ -27,7 +27,11 @@ from meshdeploy.config.model import Cluster, HfSource, Host
 
 # md-share's port on a host whose verified copy of a model other hosts copy or fetch tensors of
 # (models and rpc_cache start it; network opens it to them alone; core.paths names it too).
-MODEL_SHARE_PORT = 50180
+# Below every common ephemeral range (Linux 32768-60999; macOS, the BSDs and Windows 49152-65535):
+# md-share binds it afresh on each start, and a port in that range can be held at that moment by
+# any outgoing connection of the host (a llama-server's to its workers lasts as long as it runs),
+# which made the start fail with "Address already in use" (seen on the lab at 50180).
+MODEL_SHARE_PORT = 29180
 
 
 class Fetch(NamedTuple):

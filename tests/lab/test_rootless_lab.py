@@ -285,7 +285,7 @@ def captured(info, folder: Path, data: bytes):
     from support import capture
 
     out = folder / "frames.bin"
-    ports = [str(PORT), "50180", *(str(p) for p in sorted(set(SSH_PORTS.values())))]
+    ports = [str(PORT), "29180", *(str(p) for p in sorted(set(SSH_PORTS.values())))]
     proc = subprocess.Popen(["ip", "netns", "exec", info.name, sys.executable, str(CAPTURE),
                              str(out), *ports], stdout=subprocess.PIPE, text=True)
     seen: dict = {}
@@ -423,13 +423,13 @@ def test_a_cached_worker_is_seeded_through_the_forward(ssh_applied, rl_lab):
     assert seeded and "ok" in seeded[0], out[-3000:]
     seen = ssh_applied["seen"]
     assert not seen["frame"] and not seen["stream"], seen
-    assert not any(" 50180 " in f" {k} " for k in seen["tcp bytes"]), seen
+    assert not any(" 29180 " in f" {k} " for k in seen["tcp bytes"]), seen
     assert any(f" {SSH_PORTS['node3']} " in f" {k} " and n > 50_000_000
                for k, n in seen["tcp bytes"].items()), seen
     entries = info.run("node3", "find ~/.cache/meshdeploy -path '*/rpc/*' -type f | wc -l")
     assert int(entries.stdout.strip()) > 0, entries.stdout + entries.stderr
     # md-share (if still up: it leaves once idle) listens on node1's loopback alone.
-    listen = info.run("node1", "ss -Hltn 'sport = :50180'").stdout.split("\n")
+    listen = info.run("node1", "ss -Hltn 'sport = :29180'").stdout.split("\n")
     assert all(line.split()[3].startswith("127.0.0.1:") for line in listen if line.strip())
 
 

@@ -165,7 +165,7 @@ def _render_host(ctx, cluster, extras, prefix, out):
             extras.seed_cache or f"{prefix}/cache", [("a" * 64, 0, 11 << 20, "0" * 16)],
             [(rpc_cache.SeedModel(seed_model, "a" * 64, ()), [(0, 11 << 20)])],
             [(rpc_cache.SeedModel("", "a" * 64, (), seed_model, ctx.host.name),
-              f"http://{ctx.host.address}:50180/models/{seed_model}",
+              f"http://{ctx.host.address}:29180/models/{seed_model}",
               [(0, 11 << 20, "0" * 16, "b" * 64)])]))
     for server in ctx.servers():
         steps.append(_attempt(services.llama_server, ctx, server.name))

@@ -110,7 +110,7 @@ def test_start_puts_md_share_in_the_users_prefix(tmp_path):
     assert write.startswith(f"mkdir -p {layout.prefix}/tools && cat > "
                             f"{layout.prefix}/tools/md-share.py.meshdeploy-tmp")
     assert f"SERVER={layout.prefix}/tools/md-share.py\n" in start
-    assert "--bind 10.0.0.2 --port 50180" in start and "--allow 10.0.0.3" in start
+    assert "--bind 10.0.0.2 --port 29180" in start and "--allow 10.0.0.3" in start
 
 
 @needs_user

@@ -125,14 +125,25 @@ def test_without_systemd_it_runs_as_nobody_and_a_stale_pid_file_kills_nothing(pl
 @pytest.mark.skipif(not ROOTED, reason="runs md-share as nobody: needs root, setpriv and /proc")
 def test_without_systemd_a_failed_start_says_why(place):
     d, _ = place
-    busy = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", busy))
-        s.listen()
+    # What held md-share's port on the lab: no listener, an outgoing connection of the host's
+    # that the kernel gave that port as its source (SO_REUSEADDR does not get past it).
+    # The port is md-share's own: the script names the sockets on it.
+    busy = model_share_port
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        try:
+            client.bind(("127.0.0.1", busy))
+        except OSError as e:
+            pytest.skip(f"port {busy} is in use here: {e}")
+        client.connect(server.getsockname())
         done = run(script(d, busy))
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith("node1: md-share did not start:\n"), done.stderr
     assert f"cannot listen on 127.0.0.1 port {busy}" in done.stderr
+    if shutil.which("ss"):
+        held = done.stderr.split(f"port {busy} is held by:\n", 1)[-1]
+        assert held.startswith("ESTAB") and f"127.0.0.1:{busy} " in held, done.stderr
 
 
 # Stand-ins: systemd-run records its arguments and starts the command it was given (as the

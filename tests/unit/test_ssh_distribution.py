@@ -81,13 +81,13 @@ def test_plain_transport_is_unchanged(tmp_path):
         "    rootless: true\n", "").replace("ssh: {port: 8022}", "ssh: {port: 22}"))
     assert share.reverse_port(cluster, "node1", "node2") is None
     assert share.url(cluster, "node1", SHA, "node2") == \
-        f"http://10.200.0.11:50180/models/{SHA}"
-    assert any(p.port == 50180 for p in rules.ports(cluster, cluster.host("node1")))
+        f"http://10.200.0.11:29180/models/{SHA}"
+    assert any(p.port == 29180 for p in rules.ports(cluster, cluster.host("node1")))
 
 
 def test_no_allowlist_port_for_md_share_under_ssh(tmp_path):
     cluster = load(tmp_path)
-    assert all(p.port != 50180 for p in rules.ports(cluster, cluster.host("node1")))
+    assert all(p.port != 29180 for p in rules.ports(cluster, cluster.host("node1")))
 
 
 def test_the_authorized_line_lets_only_the_reverse_port_listen(tmp_path):
@@ -108,7 +108,7 @@ def test_the_forward_carries_the_reverse_end(tmp_path):
     node1 = cluster.host("node1")
     by_worker = {f.worker.name: f for f in cluster.ssh_forwards(node1)}
     argv = forward.args(cluster, node1, by_worker["node2"], "/c", "/k", "/kh", "u0_a1")
-    assert argv[-1] == "R=127.0.0.1:30180:127.0.0.1:50180"
+    assert argv[-1] == "R=127.0.0.1:30180:127.0.0.1:29180"
     assert not any(str(a).startswith("R=") for a in forward.args(
         cluster, node1, by_worker["node4"], "/c", "/k", "/kh", "md"))
 
@@ -136,7 +136,7 @@ servers:
 def test_md_share_port_is_claimed_on_the_sharing_host(tmp_path):
     text = CLUSTER.replace("  node1:\n    address: 10.200.0.11\n",
                            "  node1:\n    address: 10.200.0.11\n    rpc_servers:\n"
-                           "      - {port: 50180}\n")
+                           "      - {port: 29180}\n")
     with pytest.raises(ConfigError) as err:
         load(tmp_path, text)
     assert any(i.path == "hosts.node1.rpc_servers[0].port" and "md-share" in i.message

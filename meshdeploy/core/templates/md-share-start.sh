@@ -21,12 +21,18 @@ stop_pid() {
   esac
   rm -f "$1"
 }
+# held: the sockets on PORT that kept md-share from listening, if any (ss from iproute2).
+held() {
+  command -v ss >/dev/null 2>&1 || return 0
+  s=$(ss -Htan "sport = :$PORT" 2>/dev/null) || return 0
+  [ -z "$s" ] || printf 'port %s is held by:\n%s\n' "$PORT" "$s"
+}
 stop_pid "$OLD_PID"
 mkdir -p "$(dirname "$LOG")"
 md_share_launch "$PY" "$SERVER" --pid-file "$PID" "$@"
 i=0
 until [ -f "$PID" ]; do
-  alive || { echo "$HOST: md-share did not start:" >&2; why >&2; exit 1; }
+  alive || { echo "$HOST: md-share did not start:" >&2; why >&2; held >&2; exit 1; }
   i=$((i + 1))
   [ $i -lt 100 ] || { echo "$HOST: md-share did not listen within 10 s" >&2; exit 1; }
   sleep 0.1
