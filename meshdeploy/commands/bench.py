@@ -1,31 +1,42 @@
 """meshdeploy bench: tokens/s of a deployed llama-server, measured through its HTTP API and read
-from its own `timings`, optionally against the same build and model on the orchestrator alone.
+from its own `timings`, optionally against the same build and model on the orchestrator alone
+(--compare-local), or at several layer splits to fit each device's speed (--sweep:
+meshdeploy.commands.sweep).
 
-The server usually listens on the orchestrator's loopback: requests travel through the SSH
-connection as direct-tcpip channels (no port is opened on the control machine). The API key,
-when the server has one, is read on the host with `sudo -n cat` and kept in memory only.
-Statistics, views and the kept result: meshdeploy.views.bench. fabric (remote.connections)
-and http.client are imported where they are used: the command line imports this module to build
-its parser, and ssl must not be imported before gevent's patch.
+How the server is reached and measured: meshdeploy.commands.server_api. Statistics, views and
+the kept result: meshdeploy.views.bench.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from meshdeploy import errors
-from meshdeploy.commands import common, options
+from meshdeploy.commands import common, options, sweep
+from meshdeploy.commands.server_api import (
+    N_PREDICT,
+    SEED,
+    WARMUP,
+    Api,
+    Copy,
+    build_of,
+    connect,
+    free_port,
+    local_argv,
+    measure,
+    model_files,
+    read_key,
+    rootless_prefix,
+    run_remote,
+    running_argv,
+)
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import local_address
 from meshdeploy.core import shell
-from meshdeploy.core.paths import llama_cpp_paths
-from meshdeploy.errors import ConnectError, MeshdeployError, PlanError
+from meshdeploy.errors import PlanError
 from meshdeploy.remote import ssh_settings
 from meshdeploy.remote.ssh_settings import SshSettings
 from meshdeploy.views import bench as report
@@ -42,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-local", action="store_true",
                    help="also run the same build and model on the orchestrator alone, when it "
                         "fits, and show cluster/local")
+    p.add_argument("--sweep", action="store_true",
+                   help="measure several layer splits (stopping the deployed llama-server "
+                        "meanwhile) and keep each device's fitted speed for placement: auto")
+    p.add_argument("--points", type=int, metavar="N",
+                   help=f"with --sweep: how many splits to measure (default {sweep.POINTS})")
+    options.auto_approve(p)
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     options.host_keys(p)
 
@@ -52,169 +69,17 @@ class Args(options.Arguments):
     server: str | None
     runs: int
     compare_local: bool
+    sweep: bool
+    points: int | None
+    auto_approve: bool
     json: bool
     accept_new_host_keys: bool
 
 
-# Fixed prompts of different lengths: prompt processing is measured on each, generation after
-# each. The long one stays well inside a 2048-token context with N_PREDICT added.
-_STORY = ("The lighthouse keeper wrote down the weather every hour: the wind, the height of "
-          "the waves, the ships that passed and the colour of the sky at dusk. ")
-PROMPTS = (
-    ("short", "Write one sentence about the sea."),
-    ("medium", "Summarise the following notes in three sentences.\n" + _STORY * 4),
-    ("long", "Read the log below and list every kind of entry it contains.\n" + _STORY * 16),
-)
-N_PREDICT = 64
-SEED = 42
-WARMUP = 1
 LOCAL_UNIT = "meshdeploy-bench-{name}"
-# The local comparison stops itself after this long even if meshdeploy is killed outright.
-LOCAL_MAX_SECONDS = 1800
 # Memory a llama-server needs besides the model's bytes (context, compute buffers): a rough,
 # documented margin for the "does it fit" check.
 LOCAL_MARGIN = 512 << 20
-_SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
-# Flags the local copy drops with their value: the workers and the split among them.
-_DROPPED = frozenset({"--rpc", "-ts", "--tensor-split"})
-
-
-class BenchError(MeshdeployError):
-    """The benchmark could not run (server unhealthy, a request failed)."""
-
-
-def connect(settings: SshSettings):
-    """An open fabric Connection to the orchestrator, built by meshdeploy.remote.connections
-    from the same settings (ssh_config, user, key, port, ProxyCommand, host-key policy) as plan
-    and apply; a refused host key is the same HostKeyError. A local orchestrator is run here,
-    its API dialled directly."""
-    from meshdeploy.remote import connections as remote
-
-    hosts = remote.connect([settings])
-    if settings.host in hosts.unreachable:
-        raise ConnectError(f"cannot connect over SSH to {settings.host}: "
-                           f"{hosts.unreachable[settings.host]}",
-                           hint="check that `meshdeploy status` reaches the host")
-    return hosts.connections[settings.host]
-
-
-def run_remote(conn, command: str, sudo: bool = False) -> str:
-    """stdout of `command` (built by meshdeploy.core.shell) on the host; BenchError on failure."""
-    if sudo:
-        command = shell.sudo(command)
-    result = conn.run(command, hide=True, warn=True, in_stream=False)
-    if result.exited != 0:
-        raise BenchError(f"{conn.original_host}: a command failed (exit {result.exited}): "
-                         f"{result.stderr.strip()[:300]}")
-    return result.stdout
-
-
-class Api:
-    """llama-server's HTTP API on (address, port) as the host sees it, over the SSH connection."""
-    def __init__(self, conn, address: str, port: int, key: str | None, timeout: float = 600):
-        self.conn, self.address, self.port, self.key, self.timeout = \
-            conn, address, port, key, timeout
-
-    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        import http.client
-
-        channel = self.conn.dial(self.address, self.port, timeout=30)
-        channel.settimeout(self.timeout)
-        client = http.client.HTTPConnection(self.address, self.port)
-        client.sock = channel  # http.client then never dials itself
-        headers = {"Content-Type": "application/json"}
-        if self.key:
-            headers["Authorization"] = f"Bearer {self.key}"
-        try:
-            client.request(method, path, json.dumps(body) if body is not None else None, headers)
-            response = client.getresponse()
-            data = response.read()
-        finally:
-            client.close()
-        try:
-            return response.status, json.loads(data) if data else {}
-        except ValueError:
-            return response.status, {}
-
-    def completion(self, prompt: str, n_predict: int) -> dict:
-        status, answer = self.call("POST", "/completion", request_body(prompt, n_predict))
-        if status != 200 or "timings" not in answer:
-            message = (answer.get("error") or {}).get("message") if isinstance(
-                answer.get("error"), dict) else answer.get("error")
-            raise BenchError(f"llama-server on {self.address}:{self.port} answered "
-                             f"HTTP {status} to /completion: {message or 'no timings'}")
-        return answer["timings"]
-
-    def wait_healthy(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while True:
-            try:
-                status, _ = self.call("GET", "/health")
-                if status == 200:
-                    return
-            except Exception:  # not listening yet: the channel open fails
-                status = None
-            if time.monotonic() > deadline:
-                raise BenchError(f"llama-server on {self.address}:{self.port} is not healthy "
-                                 f"(last answer: {status or 'no connection'})",
-                                 hint="check it with `meshdeploy status FILE`")
-            time.sleep(1)
-
-
-def request_body(prompt: str, n_predict: int) -> dict:
-    """Deterministic and the same every run: greedy, fixed seed, exactly n_predict tokens, and
-    no prompt cache, so every run processes the whole prompt."""
-    return {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "seed": SEED,
-            "cache_prompt": False, "ignore_eos": True, "stream": False}
-
-
-def measure(api: Api, runs: int, n_predict: int, progress) -> dict:
-    """One warm-up request, then `runs` passes over every prompt; report.summarize of them."""
-    for _ in range(WARMUP):
-        api.completion(PROMPTS[0][1], 8)
-    passes = []
-    for i in range(runs):
-        progress(f"  run {i + 1}/{runs}")
-        passes.append([api.completion(text, n_predict) for _, text in PROMPTS])
-    return report.summarize(passes, [name for name, _ in PROMPTS])
-
-
-# -- the same build and model on the orchestrator alone --------------------------------------
-
-def local_argv(argv: list[str], port: int, key_path: str | None) -> list[str]:
-    """The running llama-server's argv for a copy alone on loopback: --rpc and -ts dropped,
-    --host 127.0.0.1, --port `port`, the API key from `key_path`."""
-    out, i = [argv[0]], 1
-    replace = {"--host": "127.0.0.1", "--port": str(port), "--api-key-file": key_path}
-    while i < len(argv):
-        flag = argv[i]
-        name, eq, _ = flag.partition("=")
-        if name in _DROPPED:
-            i += 1 if eq else 2
-            continue
-        if name in replace:
-            out += [name, replace[name]] if replace[name] else []
-            i += 1 if eq else 2
-            continue
-        out.append(flag)
-        i += 1
-    if "--host" not in out:
-        out += ["--host", "127.0.0.1"]
-    if "--port" not in out:
-        out += ["--port", str(port)]
-    return out
-
-
-def model_files(argv: list[str]) -> list[str]:
-    """Every file of the model in argv's -m: all parts of a split GGUF."""
-    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-m", "--model")), None)
-    if path is None:
-        raise BenchError("the running llama-server has no -m/--model argument")
-    split = _SPLIT.fullmatch(path)
-    if not split:
-        return [path]
-    stem, total = split.group(1), int(split.group(3))
-    return [f"{stem}-{k:05d}-of-{total:05d}.gguf" for k in range(1, total + 1)]
 
 
 def fits(model_bytes: int, available_bytes: int) -> tuple[bool, str]:
@@ -227,90 +92,39 @@ def fits(model_bytes: int, available_bytes: int) -> tuple[bool, str]:
     return need <= available_bytes, text
 
 
-_FREE_PORT = ("python3 -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0)); "
-              "print(s.getsockname()[1])'")
 _MEMINFO = "sed -n 's/^MemAvailable: *\\([0-9]*\\) kB$/\\1/p' /proc/meminfo"
 
 
 def compare_local(conn, sudo: bool, server, key: str | None, runs: int, n_predict: int,
                   progress) -> dict:
     """The same binary and model, without the workers, on a free loopback port of the
-    orchestrator, as a transient systemd unit (DynamicUser, stopped afterwards in every case
-    and after LOCAL_MAX_SECONDS at the latest)."""
-    unit = LOCAL_UNIT.format(name=server.name)
-    pid = run_remote(conn, shell.command("systemctl", "show", "-p", "MainPID", "--value",
-                                         server.unit_name)).strip()
-    if not pid.isdigit() or pid == "0":
-        raise BenchError(f"{server.unit_name} is not running", hint="run `meshdeploy apply`")
-    argv = [a for a in run_remote(conn, shell.command("cat", f"/proc/{pid}/cmdline"),
-                                  sudo).split("\0") if a]
+    orchestrator, as a transient systemd unit (server_api.Copy: stopped afterwards in every
+    case)."""
+    unit = Copy(conn, sudo, server, LOCAL_UNIT.format(name=server.name), key)
+    argv = running_argv(conn, sudo, server)
     files = model_files(argv)
     sizes = run_remote(conn, shell.command("stat", "-L", "-c", "%s", "--", *files), sudo)
     available = int(run_remote(conn, shell.command(shell.Raw(_MEMINFO))).strip() or 0) * 1024
     ok, why = fits(sum(int(s) for s in sizes.split()), available)
     if not ok:
         return {"skipped": f"the model does not fit beside what runs on the host ({why})"}
-    port = int(run_remote(conn, shell.Raw(_FREE_PORT)).strip())
-    key_path = f"/run/credentials/{unit}.service/api-key" if key else None
-    argv = local_argv(argv, port, key_path)
-    props = ["DynamicUser=yes", f"RuntimeMaxSec={LOCAL_MAX_SECONDS}"]
-    groups = run_remote(conn, shell.command("systemctl", "show", "-p", "SupplementaryGroups",
-                                            "--value", server.unit_name)).strip()
-    if groups:
-        props.append(f"SupplementaryGroups={groups}")
-    if key:
-        props.append(f"LoadCredential=api-key:{server.api_key_file}")
-    # systemd-run hands argv over D-Bus; `$` may still be expanded and `%` resolved by some
-    # versions, so a word holding either is refused rather than escaped here.
-    odd = next((w for w in argv + props if "$" in w or "%" in w), None)
+    port = free_port(conn)
+    argv = local_argv(argv, port, unit.key_path)
+    odd = unit.refusal(argv)
     if odd is not None:
-        return {"skipped": f"{odd!r} holds '$' or '%', which a transient unit may expand"}
-    stop = shell.command("systemctl", "stop", unit, shell.QUIET, shell.THEN,
-                         "systemctl", "reset-failed", unit, shell.QUIET, shell.THEN, "true")
-    run_remote(conn, stop, sudo)
-    start = ["systemd-run", "--quiet", "--collect", "--unit", unit]
-    for prop in props:
-        start += ["-p", prop]
+        return {"skipped": odd}
     try:
-        progress(f"starting {unit} on port {port} (no workers)")
-        run_remote(conn, shell.join([*start, "--", *argv]), sudo)
+        progress(f"starting {unit.unit} on port {port} (no workers)")
+        unit.start(argv)
         api = Api(conn, "127.0.0.1", port, key)
         api.wait_healthy(server.health.retries * server.health.interval + 30)
         result = measure(api, runs, n_predict, progress)
     finally:
-        run_remote(conn, stop, sudo)
+        unit.stop()
     return {**result, "port": port, "fits": why, "argv": argv}
 
 
 # -- the server and its build ------------------------------------------------------------------
-
-def read_key(conn, server, sudo: bool) -> str | None:
-    """The server's API key from its root-only file on the host (first non-empty line), or None
-    when it has none. Never printed, logged or stored."""
-    if not server.api_key_file:
-        return None
-    text = run_remote(conn, shell.command("cat", "--", server.api_key_file), sudo=sudo)
-    return next((line.strip() for line in text.splitlines() if line.strip()), None)
-
-
-def rootless_prefix(conn, host) -> str:
-    """A rootless host's prefix (core.account, read over this connection)."""
-    from meshdeploy.core import account
-
-    text = run_remote(conn, shell.command("sh", "-c", account.SCRIPT))
-    return account.layout(account.parse(host.name, text.splitlines())).prefix
-
-
-def build_of(conn, api: Api, prefix: str) -> dict:
-    manifest = run_remote(conn, shell.script(
-        'sed -n \'s/^commit=//p\' "$CURRENT/manifest" 2>/dev/null; true',
-        CURRENT=llama_cpp_paths(prefix)["current"])).strip()
-    try:
-        _, props = api.call("GET", "/props")
-    except Exception:  # older servers without /props: the manifest says enough
-        props = {}
-    return {"commit": manifest or None, "info": props.get("build_info")}
-
 
 def bench_server(cluster, server, settings: SshSettings, runs: int, n_predict: int,
                  local: bool, progress) -> dict:
@@ -360,9 +174,17 @@ def run(args: Args) -> int:
                         hint="add a servers: entry and apply it")
     if args.runs < 1:
         raise PlanError("--runs must be at least 1")
+    if args.sweep and args.compare_local:
+        raise PlanError("--sweep and --compare-local cannot be used together",
+                        hint="run bench --compare-local and bench --sweep one after the other")
+    if args.points is not None and not args.sweep:
+        raise PlanError("--points is an option of --sweep", hint="add --sweep, or drop --points")
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
+
+    if args.sweep:
+        return sweep.run(args, cluster, servers, progress)
 
     previous = report.read_state(cluster.path)
     results = []

@@ -5,7 +5,9 @@ HTTP API over SSH, alone and against the same build and model on node1 without w
 Checks that the figures are llama-server's own (token counts equal to what the server reports
 to a request sent by hand on the host, rates equal to tokens over its milliseconds), that the
 local copy is always stopped (also on Ctrl-C), that the last result is kept and a second bench
-shows the change, and that an API key is used without ever being shown or kept.
+shows the change, and that an API key is used without ever being shown or kept. The sweep
+(--sweep) measures splits over the two workers with the deployed server stopped, keeps the
+fitted speeds beside the cluster file and leaves the deployed server as it found it.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def by_hand(info, prompt: str, n_predict: int) -> dict:
 
 
 def test_figures_are_llama_servers_own(first, bn_lab, cluster_file):
-    from meshdeploy.commands.bench import PROMPTS
+    from meshdeploy.commands.server_api import PROMPTS
 
     info, _ = bn_lab
     assert first["format_version"] == 1 and first["cluster"] == "lab"
@@ -175,3 +177,40 @@ def test_api_key_is_used_and_never_shown(first, bn_lab, cluster_file):
     finally:
         restored = meshdeploy("apply", cluster_file, "--auto-approve")
         assert restored.returncode == 0, restored.stderr
+
+
+def test_sweep_fits_each_devices_speed_and_brings_the_server_back(bn_lab, cluster_file):
+    from meshdeploy.views import sweep as view
+
+    info, _ = bn_lab
+    before = deployed_argv(info)
+    proc = bench(cluster_file, "--sweep", "--points", "4", "--runs", "1", "--auto-approve",
+                 "--json")
+    assert "bench --sweep stops llama-server main on node1 for the sweep" in proc.stderr
+    (server,) = json.loads(proc.stdout)["servers"]
+    print(view.render_text([server]))  # the table, in the captured output (pytest -rP)
+    assert "calibration" in server, server
+    assert all(s["loaded"] for s in server["splits"]), server["splits"]
+    kept = json.loads(cluster_file.with_name("lab.speed.json").read_text())
+    entry = kept["servers"]["main"]
+    assert entry["devices"] == ["node2:50052/CPU", "node3:50052/CPU"]
+    assert entry["commit"] == info.mirrors["git_tags"]["b11312"]
+    assert entry["points"] == 4 and len(entry["splits"]) == 4
+    assert len({tuple(s["layers"]) for s in entry["splits"]}) == 4
+    for split in entry["splits"]:
+        for metric in ("gen", "prompt"):
+            assert split["measured"][metric] > 0, split
+            predicted = split["predicted"][metric]
+            assert isinstance(predicted, float) and predicted > 0, split
+    assert len(entry["gen"]) == 2 and all(v >= 0 for v in entry["gen"])
+    # The copies are gone, and the deployed server answers again, as it was deployed.
+    assert info.run("node1", "systemctl is-active meshdeploy-sweep-main").stdout.strip() \
+        != "active"
+    assert info.run("node1", "curl -sf http://127.0.0.1:8080/health").returncode == 0
+    assert deployed_argv(info) == before
+
+
+def deployed_argv(info) -> list[str]:
+    pid = info.run("node1", "systemctl show -p MainPID --value meshdeploy-server-main").stdout
+    assert pid.strip().isdigit() and pid.strip() != "0", pid
+    return info.run("node1", f"cat /proc/{pid.strip()}/cmdline", root=True).stdout.split("\0")

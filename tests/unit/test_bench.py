@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.commands import bench
+from meshdeploy.commands import bench, server_api
 from meshdeploy.views import bench as report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,7 +142,8 @@ RUNNING = ["/opt/meshdeploy/builds/k/bin/llama-server", "-m", "/opt/m/g.gguf",
 
 
 def test_local_argv_drops_the_workers_and_moves_to_a_loopback_port():
-    argv = bench.local_argv(RUNNING, 40001, "/run/credentials/meshdeploy-bench-main.service/api-key")
+    argv = server_api.local_argv(RUNNING, 40001,
+                                 "/run/credentials/meshdeploy-bench-main.service/api-key")
     assert argv == ["/opt/meshdeploy/builds/k/bin/llama-server", "-m", "/opt/m/g.gguf",
                     "--host", "127.0.0.1", "--port", "40001", "-ngl", "99", "-c", "2048",
                     "--api-key-file", "/run/credentials/meshdeploy-bench-main.service/api-key",
@@ -150,17 +151,17 @@ def test_local_argv_drops_the_workers_and_moves_to_a_loopback_port():
 
 
 def test_local_argv_without_a_key_and_with_equals_forms():
-    argv = bench.local_argv([RUNNING[0], "-m", "x.gguf", "--rpc=h:1", "--tensor-split=1,2",
+    argv = server_api.local_argv([RUNNING[0], "-m", "x.gguf", "--rpc=h:1", "--tensor-split=1,2",
                              "--api-key-file", "/k", "-c", "0"], 5, None)
     assert argv == [RUNNING[0], "-m", "x.gguf", "-c", "0", "--host", "127.0.0.1", "--port", "5"]
 
 
 def test_model_files_lists_every_part_of_a_split_gguf():
-    assert bench.model_files(RUNNING) == ["/opt/m/g.gguf"]
-    assert bench.model_files(["s", "--model", "/m/q-00001-of-00003.gguf"]) == [
+    assert server_api.model_files(RUNNING) == ["/opt/m/g.gguf"]
+    assert server_api.model_files(["s", "--model", "/m/q-00001-of-00003.gguf"]) == [
         "/m/q-00001-of-00003.gguf", "/m/q-00002-of-00003.gguf", "/m/q-00003-of-00003.gguf"]
-    with pytest.raises(bench.BenchError):
-        bench.model_files(["s", "--port", "1"])
+    with pytest.raises(server_api.BenchError):
+        server_api.model_files(["s", "--port", "1"])
 
 
 def test_fits_compares_model_and_margin_with_available_memory():
@@ -172,10 +173,10 @@ def test_fits_compares_model_and_margin_with_available_memory():
 
 
 def test_requests_are_deterministic_and_skip_the_prompt_cache():
-    body = bench.request_body("hi", 64)
-    assert body["temperature"] == 0 and body["seed"] == bench.SEED
+    body = server_api.request_body("hi", 64)
+    assert body["temperature"] == 0 and body["seed"] == server_api.SEED
     assert body["cache_prompt"] is False and body["ignore_eos"] is True and body["n_predict"] == 64
-    assert len({len(text) for _, text in bench.PROMPTS}) == len(bench.PROMPTS)
+    assert len({len(text) for _, text in server_api.PROMPTS}) == len(server_api.PROMPTS)
 
 
 def meshdeploy(*args):

@@ -1,0 +1,275 @@
+"""A deployed llama-server as `meshdeploy bench` reaches it: the SSH connection to its host, its
+HTTP API through that connection, the fixed measurement, its running argv, and copies of it as
+transient systemd units (bench --compare-local, bench --sweep).
+
+The server usually listens on the orchestrator's loopback: requests travel through the SSH
+connection as direct-tcpip channels (no port is opened on the control machine). The API key,
+when the server has one, is read on the host with `sudo -n cat` and kept in memory only.
+fabric (remote.connections) and http.client are imported where they are used: the command line
+imports this module to build its parser, and ssl must not be imported before gevent's patch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from meshdeploy.core import shell
+from meshdeploy.core.paths import llama_cpp_paths
+from meshdeploy.errors import ConnectError, MeshdeployError
+from meshdeploy.remote.ssh_settings import SshSettings
+from meshdeploy.views import bench as report
+
+# Fixed prompts of different lengths: prompt processing is measured on each, generation after
+# each. The long one stays well inside a 2048-token context with N_PREDICT added.
+_STORY = ("The lighthouse keeper wrote down the weather every hour: the wind, the height of "
+          "the waves, the ships that passed and the colour of the sky at dusk. ")
+PROMPTS = (
+    ("short", "Write one sentence about the sea."),
+    ("medium", "Summarise the following notes in three sentences.\n" + _STORY * 4),
+    ("long", "Read the log below and list every kind of entry it contains.\n" + _STORY * 16),
+)
+N_PREDICT = 64
+SEED = 42
+WARMUP = 1
+# A copy stops itself after this long even if meshdeploy is killed outright.
+COPY_MAX_SECONDS = 1800
+_SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+# Flags a copy alone on the orchestrator drops with their value: the workers and their split.
+WORKERS = frozenset({"--rpc", "-ts", "--tensor-split"})
+_FREE_PORT = ("python3 -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0)); "
+              "print(s.getsockname()[1])'")
+
+
+class BenchError(MeshdeployError):
+    """The benchmark could not run (server unhealthy, a request failed)."""
+
+
+def connect(settings: SshSettings):
+    """An open fabric Connection to the orchestrator, built by meshdeploy.remote.connections
+    from the same settings (ssh_config, user, key, port, ProxyCommand, host-key policy) as plan
+    and apply; a refused host key is the same HostKeyError. A local orchestrator is run here,
+    its API dialled directly."""
+    from meshdeploy.remote import connections as remote
+
+    hosts = remote.connect([settings])
+    if settings.host in hosts.unreachable:
+        raise ConnectError(f"cannot connect over SSH to {settings.host}: "
+                           f"{hosts.unreachable[settings.host]}",
+                           hint="check that `meshdeploy status` reaches the host")
+    return hosts.connections[settings.host]
+
+
+def run_remote(conn, command: str, sudo: bool = False) -> str:
+    """stdout of `command` (built by meshdeploy.core.shell) on the host; BenchError on failure."""
+    if sudo:
+        command = shell.sudo(command)
+    result = conn.run(command, hide=True, warn=True, in_stream=False)
+    if result.exited != 0:
+        raise BenchError(f"{conn.original_host}: a command failed (exit {result.exited}): "
+                         f"{result.stderr.strip()[:300]}")
+    return result.stdout
+
+
+class Api:
+    """llama-server's HTTP API on (address, port) as the host sees it, over the SSH connection."""
+    def __init__(self, conn, address: str, port: int, key: str | None, timeout: float = 600):
+        self.conn, self.address, self.port, self.key, self.timeout = \
+            conn, address, port, key, timeout
+
+    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        import http.client
+
+        channel = self.conn.dial(self.address, self.port, timeout=30)
+        channel.settimeout(self.timeout)
+        client = http.client.HTTPConnection(self.address, self.port)
+        client.sock = channel  # http.client then never dials itself
+        headers = {"Content-Type": "application/json"}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        try:
+            client.request(method, path, json.dumps(body) if body is not None else None, headers)
+            response = client.getresponse()
+            data = response.read()
+        finally:
+            client.close()
+        try:
+            return response.status, json.loads(data) if data else {}
+        except ValueError:
+            return response.status, {}
+
+    def completion(self, prompt: str, n_predict: int) -> dict:
+        status, answer = self.call("POST", "/completion", request_body(prompt, n_predict))
+        if status != 200 or "timings" not in answer:
+            message = (answer.get("error") or {}).get("message") if isinstance(
+                answer.get("error"), dict) else answer.get("error")
+            raise BenchError(f"llama-server on {self.address}:{self.port} answered "
+                             f"HTTP {status} to /completion: {message or 'no timings'}")
+        return answer["timings"]
+
+    def wait_healthy(self, seconds: float, alive=None) -> None:
+        """Until /health answers 200; BenchError after `seconds`, or as soon as alive(), when
+        given, says the process is gone (a copy that failed to load)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                status, _ = self.call("GET", "/health")
+                if status == 200:
+                    return
+            except Exception:  # not listening yet: the channel open fails
+                status = None
+            if alive is not None and not alive():
+                raise BenchError(f"llama-server on {self.address}:{self.port} exited before it "
+                                 "was healthy")
+            if time.monotonic() > deadline:
+                raise BenchError(f"llama-server on {self.address}:{self.port} is not healthy "
+                                 f"(last answer: {status or 'no connection'})",
+                                 hint="check it with `meshdeploy status FILE`")
+            time.sleep(1)
+
+
+def request_body(prompt: str, n_predict: int) -> dict:
+    """Deterministic and the same every run: greedy, fixed seed, exactly n_predict tokens, and
+    no prompt cache, so every run processes the whole prompt."""
+    return {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "seed": SEED,
+            "cache_prompt": False, "ignore_eos": True, "stream": False}
+
+
+def measure(api: Api, runs: int, n_predict: int, progress) -> dict:
+    """One warm-up request, then `runs` passes over every prompt; report.summarize of them."""
+    for _ in range(WARMUP):
+        api.completion(PROMPTS[0][1], 8)
+    passes = []
+    for i in range(runs):
+        progress(f"  run {i + 1}/{runs}")
+        passes.append([api.completion(text, n_predict) for _, text in PROMPTS])
+    return report.summarize(passes, [name for name, _ in PROMPTS])
+
+
+# -- the running server and copies of it ---------------------------------------------------------
+
+def running_argv(conn, sudo: bool, server) -> list[str]:
+    """The deployed llama-server's argv, from /proc/PID/cmdline of its unit's main process."""
+    pid = run_remote(conn, shell.command("systemctl", "show", "-p", "MainPID", "--value",
+                                         server.unit_name)).strip()
+    if not pid.isdigit() or pid == "0":
+        raise BenchError(f"{server.unit_name} is not running", hint="run `meshdeploy apply`")
+    return [a for a in run_remote(conn, shell.command("cat", f"/proc/{pid}/cmdline"),
+                                  sudo).split("\0") if a]
+
+
+def local_argv(argv: list[str], port: int, key_path: str | None,
+               drop: frozenset[str] = WORKERS) -> list[str]:
+    """The running llama-server's argv for a copy on loopback: the flags in `drop` left out with
+    their values (by default --rpc and -ts: the copy runs alone), --host 127.0.0.1, --port
+    `port`, the API key from `key_path`."""
+    out, i = [argv[0]], 1
+    replace = {"--host": "127.0.0.1", "--port": str(port), "--api-key-file": key_path}
+    while i < len(argv):
+        flag = argv[i]
+        name, eq, _ = flag.partition("=")
+        if name in drop:
+            i += 1 if eq else 2
+            continue
+        if name in replace:
+            out += [name, replace[name]] if replace[name] else []
+            i += 1 if eq else 2
+            continue
+        out.append(flag)
+        i += 1
+    if "--host" not in out:
+        out += ["--host", "127.0.0.1"]
+    if "--port" not in out:
+        out += ["--port", str(port)]
+    return out
+
+
+def model_files(argv: list[str]) -> list[str]:
+    """Every file of the model in argv's -m: all parts of a split GGUF."""
+    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-m", "--model")), None)
+    if path is None:
+        raise BenchError("the running llama-server has no -m/--model argument")
+    split = _SPLIT.fullmatch(path)
+    if not split:
+        return [path]
+    stem, total = split.group(1), int(split.group(3))
+    return [f"{stem}-{k:05d}-of-{total:05d}.gguf" for k in range(1, total + 1)]
+
+
+def free_port(conn) -> int:
+    """A TCP port free on the host's loopback now."""
+    return int(run_remote(conn, shell.Raw(_FREE_PORT)).strip())
+
+
+class Copy:
+    """A copy of `server` as the transient system unit `unit` on its host: DynamicUser, the
+    deployed unit's supplementary groups, the API key as a credential (key_path is where the
+    copy reads it), stopped by stop() and after COPY_MAX_SECONDS at the latest."""
+
+    def __init__(self, conn, sudo: bool, server, unit: str, key: str | None):
+        self.conn, self.sudo, self.unit = conn, sudo, unit
+        self.key_path = f"/run/credentials/{unit}.service/api-key" if key else None
+        self.props = ["DynamicUser=yes", f"RuntimeMaxSec={COPY_MAX_SECONDS}"]
+        groups = run_remote(conn, shell.command("systemctl", "show", "-p",
+                                                "SupplementaryGroups", "--value",
+                                                server.unit_name)).strip()
+        if groups:
+            self.props.append(f"SupplementaryGroups={groups}")
+        if key:
+            self.props.append(f"LoadCredential=api-key:{server.api_key_file}")
+
+    def refusal(self, argv: list[str]) -> str | None:
+        """Why `argv` cannot run as this unit, or None."""
+        # systemd-run hands argv over D-Bus; `$` may still be expanded and `%` resolved by some
+        # versions, so a word holding either is refused rather than escaped here.
+        odd = next((w for w in argv + self.props if "$" in w or "%" in w), None)
+        return None if odd is None else \
+            f"{odd!r} holds '$' or '%', which a transient unit may expand"
+
+    def start(self, argv: list[str]) -> None:
+        self.stop()  # one left by a killed run holds the name
+        start = ["systemd-run", "--quiet", "--collect", "--unit", self.unit]
+        for prop in self.props:
+            start += ["-p", prop]
+        run_remote(self.conn, shell.join([*start, "--", *argv]), self.sudo)
+
+    def active(self) -> bool:
+        state = run_remote(self.conn, shell.command("systemctl", "is-active", self.unit,
+                                                    shell.OR, "true"))
+        return state.strip() in ("active", "activating", "reloading")
+
+    def stop(self) -> None:
+        run_remote(self.conn, shell.command(
+            "systemctl", "stop", self.unit, shell.QUIET, shell.THEN, "systemctl",
+            "reset-failed", self.unit, shell.QUIET, shell.THEN, "true"), self.sudo)
+
+
+# -- the server and its build ------------------------------------------------------------------
+
+def read_key(conn, server, sudo: bool) -> str | None:
+    """The server's API key from its root-only file on the host (first non-empty line), or None
+    when it has none. Never printed, logged or stored."""
+    if not server.api_key_file:
+        return None
+    text = run_remote(conn, shell.command("cat", "--", server.api_key_file), sudo=sudo)
+    return next((line.strip() for line in text.splitlines() if line.strip()), None)
+
+
+def rootless_prefix(conn, host) -> str:
+    """A rootless host's prefix (core.account, read over this connection)."""
+    from meshdeploy.core import account
+
+    text = run_remote(conn, shell.command("sh", "-c", account.SCRIPT))
+    return account.layout(account.parse(host.name, text.splitlines())).prefix
+
+
+def build_of(conn, api: Api, prefix: str) -> dict:
+    manifest = run_remote(conn, shell.script(
+        'sed -n \'s/^commit=//p\' "$CURRENT/manifest" 2>/dev/null; true',
+        CURRENT=llama_cpp_paths(prefix)["current"])).strip()
+    try:
+        _, props = api.call("GET", "/props")
+    except Exception:  # older servers without /props: the manifest says enough
+        props = {}
+    return {"commit": manifest or None, "info": props.get("build_info")}

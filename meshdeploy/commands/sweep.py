@@ -1,0 +1,335 @@
+"""meshdeploy bench --sweep: each device's speed, fitted to measured layer splits.
+
+The deployed llama-server is stopped (an rpc-server serves one client at a time), and copies of
+it with other -ts values run one after the other as a transient unit on a free loopback port of
+the orchestrator (server_api.Copy, as --compare-local runs its copy); each is measured as bench
+measures, stopped, and the deployed server is started again in every case. Every split's
+weight bytes per device and its seconds per token are the points roles.rpc_cache.speed fits;
+the fit is kept by engine.speeds for placement: auto. Views: meshdeploy.views.sweep.
+
+The rpc_cache role's modules (numpy, gguf, and through the role's package pyinfra and ssl) and
+engine.speeds are imported where they are used: the command line imports this module to build
+its parser, before gevent's patch, and its other commands need none of them.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime, timezone
+
+from meshdeploy import errors
+from meshdeploy.commands import common, server_api
+from meshdeploy.config.model import local_address
+from meshdeploy.core import shell
+from meshdeploy.errors import AbortedError, PlanError
+from meshdeploy.remote import ssh_settings
+from meshdeploy.views import sweep as view
+
+POINTS = 7
+UNIT = "meshdeploy-sweep-{name}"
+# How far a candidate moves layers toward one device: the share of every other device's layers
+# it takes. Mild first, so that the first few candidates already tell every device apart.
+STRENGTHS = (0.3, 0.6, 0.85)
+_SPLIT_FLAGS = ("-ts", "--tensor-split")
+_GPU_LAYERS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
+
+
+# -- the splits ----------------------------------------------------------------------------------
+
+def apportion(total: int, weights: list[float], minimum: int = 1) -> list[int]:
+    """`total` whole slots in proportion to `weights` (largest remainder), each at least
+    `minimum` while there are enough slots for that."""
+    n = len(weights)
+    floor = minimum if total >= minimum * n else 0
+    whole = sum(weights) or 1.0
+    spare = [max(w * total / whole - floor, 0.0) for w in weights]
+    left = total - floor * n
+    scale = left / sum(spare) if sum(spare) > 0 else 0.0
+    exact = [s * scale for s in spare]
+    counts = [int(e) for e in exact]
+    by_remainder = sorted(range(n), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[:left - sum(counts)]:
+        counts[i] += 1
+    return [floor + c for c in counts]
+
+
+def candidates(n_layers: int, labels: list[str], count: int,
+               n_gpu_layers: int | None = None) -> list[tuple[list[int], object]]:
+    """Up to `count` (-ts values, Placement) pairs whose placements all differ: the even split,
+    then, at each of STRENGTHS in turn, a split moved toward each device.
+
+    The values are layer counts over llama.cpp's n_layers + 1 slots (the output takes one), so
+    place() lands them exactly. Every device keeps at least one slot where there are enough.
+    With at least one more split than devices, the byte counts the splits give are linearly
+    independent (their sum is the model's, so distinct splits never lie on one line through
+    zero), which speed.fit's rank check needs."""
+    from meshdeploy.roles.rpc_cache.placement import place
+
+    slots, n = n_layers + 1, len(labels)
+    even = [slots / n] * n
+    weights = [even]
+    for strength in STRENGTHS:
+        for d in range(n):
+            weights.append([(1 - strength) * w + (strength * slots if i == d else 0.0)
+                            for i, w in enumerate(even)])
+    out, seen = [], set()
+    for w in weights:
+        ts = apportion(slots, w)
+        placement = place(n_layers, labels, ts, n_gpu_layers=n_gpu_layers)
+        key = (placement.layer_device, placement.output_device)
+        if key not in seen:
+            seen.add(key)
+            out.append((ts, placement))
+        if len(out) == count:
+            break
+    return out
+
+
+def with_split(argv: list[str], ts: list[int]) -> list[str]:
+    """argv with its -ts/--tensor-split value (either spelling, `--tensor-split=` too) replaced
+    by `ts`, or -ts added when it has none."""
+    value = ",".join(str(v) for v in ts)
+    out, i, found = [], 0, False
+    while i < len(argv):
+        name, eq, _ = argv[i].partition("=")
+        if name in _SPLIT_FLAGS:
+            out += [f"{name}={value}"] if eq else [name, value]
+            i, found = i + (1 if eq else 2), True
+            continue
+        out.append(argv[i])
+        i += 1
+    return out if found else out + ["-ts", value]
+
+
+def gpu_layers(argv: list[str]) -> int | None:
+    """-ngl of argv as place() takes it: None for every layer (absent, negative, or a word such
+    as `all` or `auto`)."""
+    for i, flag in enumerate(argv):
+        name, eq, inline = flag.partition("=")
+        if name in _GPU_LAYERS:
+            value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                return int(value) if int(value) >= 0 else None
+            except ValueError:
+                return None
+    return None
+
+
+# -- the fit ------------------------------------------------------------------------------------
+
+def _rate(fit, held) -> float | None:
+    seconds = fit.seconds(held) if fit is not None else 0.0
+    return 1.0 / seconds if seconds > 0 else None
+
+
+def held_out(devices, points: list) -> list[dict]:
+    """Each point's tokens/s predicted by a fit of the other points only ({"gen", "prompt"};
+    None where the others cannot be fitted), so no prediction has seen what it predicts."""
+    from meshdeploy.roles.rpc_cache import speed
+
+    out = []
+    for i, point in enumerate(points):
+        try:
+            others = points[:i] + points[i + 1:]
+            if len(others) < len(devices):
+                raise ValueError("fewer points than devices")
+            cal = speed.calibrate(devices, "", "", others)
+        except ValueError:
+            out.append({"gen": None, "prompt": None})
+            continue
+        out.append({"gen": _rate(cal.gen, point.bytes), "prompt": _rate(cal.prompt, point.bytes)})
+    return out
+
+
+def read_model(conn, path: str) -> tuple[dict, list]:
+    """(model_shape, weight_tensors) of the GGUF at `path` on the orchestrator, from its header
+    only, read over the bench's connection (SFTP; a local host's file directly), as a plan
+    reads a model that is only on a host."""
+    from meshdeploy.core.gguf import GgufHeaderError, parse_header
+    from meshdeploy.roles.rpc_cache.tensors import header_bytes, model_shape, weight_tensors
+
+    where = f"{conn.settings.host}:{path}"
+    try:
+        if conn.settings.local:
+            with open(path, "rb") as f:
+                data = header_bytes(f, where)
+        else:
+            with conn.sftp().open(path, "rb") as f:
+                data = header_bytes(f, where)
+    except OSError as exc:
+        raise server_api.BenchError(f"{where}: {exc.strerror or exc}",
+                                    hint="the sweep reads the model's header as the SSH "
+                                         "user") from None
+    header = parse_header(data)
+    if header is None:
+        raise GgufHeaderError(f"{where}: no complete GGUF header")
+    return model_shape(header), weight_tensors(header)
+
+
+# -- one server ---------------------------------------------------------------------------------
+
+def _measure_split(conn, copy: server_api.Copy, argv: list[str], ts: list[int], key, server,
+                   runs: int, progress) -> dict:
+    """One candidate on a free port: its bench summary, or {"error": why it did not load}."""
+    port = server_api.free_port(conn)
+    split_argv = with_split(server_api.local_argv(argv, port, copy.key_path, drop=frozenset()),
+                            ts)
+    try:
+        copy.start(split_argv)
+        api = server_api.Api(conn, "127.0.0.1", port, key)
+        api.wait_healthy(server.health.retries * server.health.interval + 30, alive=copy.active)
+        return server_api.measure(api, runs, server_api.N_PREDICT, progress)
+    except Exception as exc:  # HTTP, SSH channel and socket failures come in many classes
+        return {"error": f"{exc} (see `journalctl -u {copy.unit}`)"}
+    finally:
+        copy.stop()
+
+
+def _sweep(conn, sudo: bool, server, key, argv: list[str], splits, runs: int, progress) -> list:
+    """Every split measured with the deployed server stopped; that server started again and
+    healthy afterwards, also when a split or the sweep itself fails."""
+    copy = server_api.Copy(conn, sudo, server, UNIT.format(name=server.name), key)
+    odd = copy.refusal(with_split(server_api.local_argv(argv, 1, copy.key_path,
+                                                        drop=frozenset()), [1]))
+    if odd is not None:
+        raise server_api.BenchError(f"servers.{server.name}: {odd}",
+                                    hint="the sweep starts copies of the running server as "
+                                         "transient units; remove the character")
+    deployed = server_api.Api(conn, local_address(server.bind), server.port, key)
+    progress(f"stopping {server.unit_name} on {server.host} for the sweep")
+    server_api.run_remote(conn, shell.command("systemctl", "stop", server.unit_name), sudo)
+    measured = []
+    try:
+        for i, (ts, _) in enumerate(splits, 1):
+            progress(f"split {i}/{len(splits)}: -ts {','.join(map(str, ts))}")
+            measured.append(_measure_split(conn, copy, argv, ts, key, server, runs, progress))
+    finally:
+        progress(f"starting {server.unit_name} on {server.host} again")
+        server_api.run_remote(conn, shell.command("systemctl", "start", server.unit_name), sudo)
+        deployed.wait_healthy(server.health.retries * server.health.interval + 30)
+    return measured
+
+
+def _fit(labels, build: dict, tensors, shape: dict, splits, measured) -> tuple[dict, list, list]:
+    """(kept entry or {"error": why not}, the rows of every split, the loaded points)."""
+    from meshdeploy.roles.rpc_cache import speed
+
+    rows, points = [], []
+    for (ts, placement), result in zip(splits, measured):
+        row = {"ts": ts, "layers": [len(placement.layers_of(i)) for i in range(len(labels))],
+               "placement": placement.describe(), "held_bytes": list(speed.held_bytes(
+                   placement, shape))}
+        if "error" in result:
+            rows.append({**row, "loaded": False, "error": result["error"]})
+            continue
+        gen, prompt = (result["overall"][m]["median"] for m in ("tg", "pp"))
+        rows.append({**row, "loaded": True, "measured": {"gen": gen, "prompt": prompt}})
+        points.append(speed.Point(tuple(row["held_bytes"]), 1.0 / gen,
+                                  1.0 / prompt if prompt > 0 else None))
+    loaded = [r for r in rows if r["loaded"]]
+    for row, predicted in zip(loaded, held_out(labels, points)):
+        row["predicted"] = predicted
+    if not points:
+        return {"error": "no split loaded"}, rows, points
+    try:
+        # rtt=(): the workers' round trips are not measured yet. Every candidate keeps some
+        # of the model on every device, so their cost is in every point and is carried by the
+        # per-byte times.
+        cal = speed.calibrate(labels, build.get("commit") or "", speed.model_key(tensors),
+                              points, rtt=())
+    except ValueError as exc:
+        return {"error": str(exc)}, rows, points
+    kept = [{k: r[k] for k in ("ts", "layers", "measured", "predicted")} for r in loaded]
+    return {**cal.to_json(), "splits": kept}, rows, points
+
+
+def sweep_server(cluster, server, settings, runs: int, count: int, progress) -> dict:
+    from meshdeploy.engine import speeds
+
+    conn = server_api.connect(settings)
+    try:
+        # The key file, the process's argv and systemd need root.
+        sudo = settings.sudo if settings.local else settings.user != "root"
+        key = server_api.read_key(conn, server, sudo)
+        deployed = server_api.Api(conn, local_address(server.bind), server.port, key)
+        deployed.wait_healthy(0)
+        build = server_api.build_of(conn, deployed, cluster.llama_cpp.prefix)
+        argv = server_api.running_argv(conn, sudo, server)
+        files = server_api.model_files(argv)
+        labels = [label for label, *_ in cluster.server_devices(server)]
+        params = {"runs": runs, "points": count, "n_predict": server_api.N_PREDICT}
+        result = {"server": server.name, "host": server.host, "model": server.model,
+                  "build": build, "devices": labels, "params": params}
+        if len(files) > 1:
+            return {**result, "skipped": f"{files[0]} is a split GGUF; the sweep reads the "
+                                         "layers from a one-file model's header only"}
+        shape, tensors = read_model(conn, files[0])
+        splits = candidates(shape["n_layers"], labels, count, gpu_layers(argv))
+        if len(splits) < len(labels) + 1:
+            return {**result, "skipped": f"{shape['n_layers']} layers give only {len(splits)} "
+                                         f"distinct splits over {len(labels)} devices; "
+                                         f"{len(labels) + 1} are needed"}
+        measured = _sweep(conn, sudo, server, key, argv, splits, runs, progress)
+        entry, rows, _ = _fit(labels, build, tensors, shape, splits, measured)
+        result.update(time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      splits=rows)
+        if "error" in entry:
+            return {**result, "fit_error": entry["error"]}
+        entry["measured_at"] = result["time"]
+        result["calibration"] = {k: v for k, v in entry.items() if k != "splits"}
+        result["kept"] = str(speeds.write(cluster.path, server.name, entry))
+        return result
+    finally:
+        conn.close()
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def run(args, cluster, servers, progress) -> int:
+    """bench --sweep of `servers`; bench.run checked the file, --server and --runs."""
+    from meshdeploy.engine import speeds
+
+    points = POINTS if args.points is None else args.points
+    if points < 2:
+        raise PlanError("--points must be at least 2")
+    if args.json and not args.auto_approve:
+        raise PlanError("bench --sweep --json cannot ask for confirmation",
+                        hint="add --auto-approve")
+    skipped = {s.name: why for s in servers if (why := skip(cluster, s)) is not None}
+    swept = [s for s in servers if s.name not in skipped]
+    for server in swept:
+        n = len(cluster.server_devices(server))
+        if points < n + 1:
+            raise PlanError(f"--points {points} is too few for server {server.name}'s {n} "
+                            f"devices", hint=f"give at least {n + 1}: {n} to fit the devices' "
+                            "speeds, and one more so each split is predicted from the others")
+    results = [{"server": s.name, "host": s.host, "skipped": skipped[s.name]}
+               for s in servers if s.name in skipped]
+    print(view.render_notice(swept, results), file=sys.stderr)
+    if swept and not args.auto_approve and not common.confirm("bench --sweep"):
+        raise AbortedError("bench --sweep cancelled: nothing was stopped")
+    with common.Locked(cluster, "bench --sweep"):
+        for server in swept:
+            settings = ssh_settings.resolve(cluster.host(server.host),
+                                            accept_new=args.accept_new_host_keys)
+            results.append(sweep_server(cluster, server, settings, args.runs, points,
+                                        progress))
+    order = [s.name for s in servers]
+    results.sort(key=lambda r: order.index(r["server"]))
+    kept = str(speeds.path(cluster.path))
+    print(view.render_json(cluster.name, results, kept) if args.json
+          else view.render_text(results))
+    # A server that could not be swept said why; one whose splits could not be fitted failed.
+    return errors.ERROR if any("fit_error" in r for r in results) else errors.OK
+
+
+def skip(cluster, server) -> str | None:
+    """Why `server` cannot be swept without connecting, or None."""
+    host = cluster.host(server.host)
+    if host.rootless:
+        return (f"{host.name} is rootless: the sweep runs its splits as transient system units, "
+                "which need root")
+    n = len(cluster.server_devices(server))
+    if n < 2:
+        return f"it has {n} device{'s' if n != 1 else ''}: there is no split to measure"
+    return None
