@@ -317,6 +317,17 @@ def check_servers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
             used_by.setdefault(ref, name)
         issues += _allow_issues(doc, server)
         split = server.tensor_split
+        if server.placement == "auto" and split != "auto":
+            issues.append(doc.issue(
+                spath + ("placement",), "is auto, which chooses the split itself, but "
+                "tensor_split is set too", "remove tensor_split, or set placement: memory to "
+                "keep the split written", at_key=True))
+        elif server.placement == "auto" and not bad_ref and \
+                count_devices(hosts, refs, hosts[server.host]) == 0:
+            issues.append(doc.issue(
+                spath + ("placement",), "is auto, but the server has no devices to split across",
+                "remove placement, or give the server rpc-servers or a host with accelerators",
+                at_key=True))
         if split != "auto" and not bad_ref:
             tpath = spath + ("tensor_split",)
             wanted = count_devices(hosts, refs, hosts[server.host])

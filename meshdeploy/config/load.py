@@ -176,7 +176,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                ctx_size=s["ctx_size"], n_gpu_layers=s["n_gpu_layers"],
                tensor_split=s["tensor_split"] if s["tensor_split"] == "auto"
                else tuple(float(v) for v in s["tensor_split"]),
-               rpc=rpc_refs(data, s), load_mode=unset(s["load_mode"]),
+               placement=s["placement"], rpc=rpc_refs(data, s), load_mode=unset(s["load_mode"]),
                api_key_file=unset(s["api_key_file"]), allow=tuple(s["allow"]),
                extra_args=tuple(s["extra_args"]),
                health=Health(s["health"]["retries"], float(s["health"]["interval"])),

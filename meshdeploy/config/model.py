@@ -387,6 +387,9 @@ class Server:
     ctx_size: int  # 0 = the model's training context
     n_gpu_layers: int
     tensor_split: Literal["auto"] | tuple[float, ...]
+    # With tensor_split auto: "memory" (llama.cpp's own split) or "auto" (the split predicted
+    # fastest from measured device speeds: roles.rpc_cache.speed).
+    placement: Literal["memory", "auto"]
     # Resolved "host:port" names in --rpc order; () when the cluster has no rpc-server to use,
     # None when the file says `rpc: none`. The file's `[]` (every rpc-server) is expanded.
     rpc: tuple[str, ...] | None

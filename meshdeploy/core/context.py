@@ -32,6 +32,10 @@ class Resolved:
     # roles.rpc_cache: model name -> the (offset, size) of every hashed tensor of a model that
     # workers fetch from another host's copy (what that host's digest list covers).
     shared: dict = field(default_factory=dict)
+    # roles.rpc_cache: server name -> the -ts values placement: auto chose (the services role
+    # writes them into llama-server's argv); absent where the split stays llama.cpp's or the
+    # file's.
+    splits: dict = field(default_factory=dict)
     # Resource addresses the run must replace (`-replace=ADDRESS`: "node2/network.wireguard",
     # or "network.wireguard" for every host), checked against the registry by the engine.
     replace: tuple[str, ...] = ()

@@ -92,6 +92,19 @@ class PlacementRow:
 
 
 @dataclass
+class Speed:
+    """Tokens per second predicted for a placement (roles.rpc_cache.speed), from device speeds
+    `meshdeploy bench --sweep` measured at `measured_at`."""
+
+    gen_tps: float  # generation, the split this plan applies
+    prompt_tps: float | None  # prompt processing; None: not measured
+    memory_gen_tps: float | None  # generation with llama.cpp's split by free memory (None:
+    memory_prompt_tps: float | None  # the free memory of a device is not known)
+    measured_at: str
+    gen_ms_per_gb: list[float] = field(default_factory=list)  # per device, in row order
+
+
+@dataclass
 class Placement:
     """Where one llama-server's layers land, as llama.cpp splits them."""
 
@@ -103,6 +116,10 @@ class Placement:
     cache_type_k: str
     cache_type_v: str
     rows: list[PlacementRow] = field(default_factory=list)
+    # What chose the split: "memory" (llama.cpp, by free memory), "tensor_split" (the file's),
+    # "speed" (placement: auto, from measured device speeds).
+    split_by: str = "memory"
+    speed: Speed | None = None  # None: no current measurement of these devices, build and model
 
 
 @dataclass

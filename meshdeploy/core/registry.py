@@ -50,6 +50,8 @@ class Prepare:
     resolved: Resolved  # what earlier roles resolved
     header_cache: Any = None  # a control-machine folder for GGUF headers (pathlib.Path)
     read_remote: Callable | None = None  # (host, path, reader) -> bytes over the plan's SSH
+    # Measured device speeds kept on the control machine (engine.speeds): server name -> entry.
+    speeds: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from meshdeploy.core import probe as probes
 from meshdeploy.core import registry
 from meshdeploy.core.context import HostContext, Resolved, Steps
 from meshdeploy.core.plan import HostAccess, Plan, TransferRow, hash_files, utc_now
+from meshdeploy.engine import speeds as speed_store
 from meshdeploy.errors import ConnectError, PlanError
 from meshdeploy.remote.session import Session, SudoPasswordRequired
 
@@ -123,14 +124,17 @@ class Prepared:
 
 
 def prepare(cluster: Cluster, hosts, facts: dict, header_cache=None, read_remote=None,
-            roles=None) -> Prepared:
-    """Each role's prepare hook in registry order; later roles see what earlier ones fixed."""
+            roles=None, speeds=None) -> Prepared:
+    """Each role's prepare hook in registry order; later roles see what earlier ones fixed.
+    + speeds: measured device speeds (engine.speeds.read); None reads the cluster file's own"""
+    if speeds is None:
+        speeds = speed_store.read(cluster.path)
     resolved, warnings, placement, network, access = Resolved(), [], [], [], []
     for role in roles if roles is not None else registry.roles():
         if role.prepare is None:
             continue
         out = role.prepare(registry.Prepare(cluster, hosts, facts, resolved, header_cache,
-                                            read_remote))
+                                            read_remote, speeds))
         resolved = replace(resolved, **out.values)
         warnings += out.warnings
         placement += out.placement

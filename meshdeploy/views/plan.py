@@ -184,15 +184,37 @@ def render_placement(placements: list[Placement]) -> str:
                  f"{r.wire_bytes / 1e6:.1f}",
                  ("~" if r.free_estimated else "") + _gb(r.free_bytes), _gb(r.headroom_bytes)]
                 for r in p.rows]
-        body = tabulate(rows, headers=_PLACEMENT_HEADERS, tablefmt="simple",
-                        disable_numparse=True)
+        headers = list(_PLACEMENT_HEADERS)
+        if p.speed is not None and len(p.speed.gen_ms_per_gb) == len(rows):
+            headers.append("gen ms/GB")
+            for row, ms in zip(rows, p.speed.gen_ms_per_gb):
+                row.append(f"{ms:.1f}")
+        body = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
         text = "\n".join(line.rstrip() for line in body.splitlines())
         tokens = f"{p.ctx_tokens} tokens" if p.ctx_fitted_from is None else \
             f"~{p.ctx_tokens} tokens as llama.cpp fits ctx_size 0"
-        blocks.append(f"Placement of {p.model} for llama-server {p.server} (as llama.cpp "
-                      f"splits it; KV at {tokens}, {p.slots} slots, "
-                      f"{p.cache_type_k}/{p.cache_type_v}):\n{text}")
+        how = _SPLIT_BY.get(p.split_by, "as llama.cpp splits it")
+        blocks.append(f"Placement of {p.model} for llama-server {p.server} ({how}; KV at "
+                      f"{tokens}, {p.slots} slots, {p.cache_type_k}/{p.cache_type_v}):\n{text}"
+                      + _speed_line(p))
     return "\n\n".join(blocks)
+
+
+_SPLIT_BY = {"memory": "as llama.cpp splits it", "tensor_split": "as tensor_split sets it",
+             "speed": "split for speed by placement: auto"}
+
+
+def _speed_line(p: Placement) -> str:
+    """The predicted tokens/s under the table, when device speeds are measured."""
+    s = p.speed
+    if s is None:
+        return ""
+    line = f"\nPredicted: ~{s.gen_tps:.2f} tok/s generation"
+    if s.prompt_tps is not None:
+        line += f", ~{s.prompt_tps:.2f} tok/s prompt"
+    if p.split_by != "memory" and s.memory_gen_tps is not None:
+        line += f" (split by memory: ~{s.memory_gen_tps:.2f} tok/s generation)"
+    return line + f"; device speeds measured {s.measured_at or '(unknown time)'} by bench --sweep"
 
 
 def render_network(network: list[Network]) -> list[str]:

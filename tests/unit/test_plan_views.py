@@ -88,7 +88,8 @@ def built_plan(scenario: str) -> Plan:
 # --- reading the text back ------------------------------------------------------------------
 
 _PLACEMENT_HEAD = re.compile(
-    r"Placement of (\S+) for llama-server (\S+) \(as llama\.cpp splits it; KV at (~?)(\d+) "
+    r"Placement of (\S+) for llama-server (\S+) \((?:as llama\.cpp splits it|as tensor_split "
+    r"sets it|split for speed by placement: auto); KV at (~?)(\d+) "
     r"tokens( as llama\.cpp fits ctx_size 0)?, (\d+) slots, ([^/]+)/(\S+)\):")
 _NETWORK = re.compile(r"Network \((\S+) on (\S+)\): RTT (.*); expected per-token cost = "
                       r"compute \+ (\d+) x RTT \(~([\d.]+) ms\)")

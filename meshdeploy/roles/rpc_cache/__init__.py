@@ -15,9 +15,10 @@ def _prepare(p: Prepare) -> Prepared:
             raise GgufHeaderError(str(exc)) from None
 
     planned = seeding.prepare(p.cluster, p.hosts, p.facts, p.resolved, header_cache=p.header_cache,
-                              read_remote=read if p.read_remote is not None else None)
+                              read_remote=read if p.read_remote is not None else None,
+                              speeds=p.speeds)
     return Prepared(values={"seeds": planned.seeds, "layouts": planned.layouts,
-                            "shared": planned.shared},
+                            "shared": planned.shared, "splits": planned.splits},
                     warnings=planned.notes, placement=layout.sections(planned.layouts))
 
 

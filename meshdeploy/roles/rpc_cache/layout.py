@@ -10,12 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from meshdeploy.core.plan import Placement, PlacementRow
+from meshdeploy.core.plan import Placement, PlacementRow, Speed
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache import kvcache
+from meshdeploy.roles.rpc_cache import kvcache, speed
 from meshdeploy.roles.rpc_cache.memory import device_free
 from meshdeploy.roles.rpc_cache.placement import device_tensors, fits, place, wire_bytes
+
+
+# How much faster another split must be predicted before the plan suggests it, and before
+# placement: auto leaves llama.cpp's split by memory (the fit's own error is a few percent).
+BETTER = 1.10
+WORTH = 1.05
 
 
 @dataclass
@@ -27,6 +33,10 @@ class Layout:
     rows: list = field(default_factory=list)  # one dict per device (see build())
     unknown: list = field(default_factory=list)  # devices whose free memory is not known
     fitted_from: int | None = None  # ctx_size 0 that llama.cpp shrinks: the context it wanted
+    split_by: str = "memory"  # "memory", "tensor_split" or "speed" (core.plan.Placement)
+    split: tuple[int, ...] | None = None  # placement: auto's -ts values (split_by "speed")
+    speed: object = None  # core.plan.Speed: the predicted tokens/s; None without a measurement
+    notes: list = field(default_factory=list)  # what placement: auto says in the plan
 
 
 def _memory(facts: dict, host, device: str):
@@ -50,11 +60,14 @@ def _shares_ram(device: str) -> bool:
     return device == "CPU" or device.startswith(("CPU", "MTL"))
 
 
-def build(cluster, server, tensors, shape, facts: dict) -> Layout:
+def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = None,
+          commit: str | None = None) -> Layout:
     """The layout of `server`; PlanError for a split llama.cpp would refuse or one that cannot fit.
 
     + tensors: tensors.weight_tensors(header); shape: tensors.model_shape(header)
     + facts: host name -> decoded facts (rpc_cache.DeviceMemory is read)
+    + measured: the server's kept device speeds (engine.speeds), used while they match its
+      devices, the build's `commit` and the model: for placement: auto, and for predictions
     Example: build(...).rows[0] == {"device": "box11:50052/CUDA0", "layers": "0-25", ...}
     """
     devs = cluster.server_devices(server)
@@ -95,8 +108,40 @@ def build(cluster, server, tensors, shape, facts: dict) -> Layout:
         fitted_from, kv = (kv.n_ctx, replace(kv, n_ctx=n_ctx)) if n_ctx < kv.n_ctx else (None, kv)
         kv_layer = kvcache.layer_bytes(shape, kv)
         fit = fits(placement, shape, kv_layer, usable)
+    memory_placement = placement if server.tensor_split == "auto" else None
+    cal, why = current_calibration(measured, labels, commit, tensors)
+    split, notes = None, []
+    split_by = "memory" if server.tensor_split == "auto" else "tensor_split"
+    if server.placement == "auto":
+        split, notes = _speed_split(server, cal, why, shape, kv_layer, memory)
+        if split is not None:
+            chosen = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
+            gain = cal.gen_rate(speed.held_bytes(chosen, shape)) / \
+                cal.gen_rate(speed.held_bytes(memory_placement, shape))
+            if gain < WORTH:
+                split = None
+                notes.append(f"servers.{server.name}: placement auto keeps the split by memory: "
+                             f"no other split is predicted {WORTH - 1:.0%} faster "
+                             f"(the best: {gain:.2f}x)")
+        if split is not None:
+            placement = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
+            fit = fits(placement, shape, kv_layer, usable)
+            split_by = "speed"
+    elif cal is not None and None not in memory:
+        faster, _ = _speed_split(server, cal, why, shape, kv_layer, memory)
+        if faster is not None:
+            now = cal.gen_rate(speed.held_bytes(placement, shape))
+            then = cal.gen_rate(speed.held_bytes(
+                place(shape["n_layers"], labels, list(faster), None, server.n_gpu_layers), shape))
+            if then >= BETTER * now:
+                which = "split by memory" if split_by == "memory" else "the file's tensor_split"
+                notes.append(f"servers.{server.name}: placement: auto would split "
+                             f"{','.join(map(str, faster))} and generate ~{then:.2f} tok/s "
+                             f"({which}: ~{now:.2f}), from the device speeds measured "
+                             f"{cal.measured_at or '(unknown time)'}")
     out = Layout(server.name, server.model, placement, kv, unknown=unknown,
-                 fitted_from=fitted_from)
+                 fitted_from=fitted_from, split_by=split_by, split=split, notes=notes,
+                 speed=_predict(cal, placement, memory_placement, shape))
     for i, (label, host, dev, endpoint) in enumerate(devs):
         mine = device_tensors(placement, tensors, i)
         cached, small = wire_bytes(mine)
@@ -123,6 +168,60 @@ def build(cluster, server, tensors, shape, facts: dict) -> Layout:
         })
     _refuse_if_short(out, where, facts, cluster)
     return out
+
+
+def current_calibration(measured: dict | None, labels, commit: str | None, tensors):
+    """(the kept speed.Calibration if it still holds for these devices, build and model, why
+    not otherwise)."""
+    if not measured:
+        return None, "no device speeds are measured for it yet"
+    try:
+        cal = speed.Calibration.from_json(measured)
+    except (KeyError, TypeError, ValueError):
+        return None, "its kept device speeds cannot be read"
+    if tuple(labels) != cal.devices:
+        return None, "its devices changed since their speeds were measured"
+    if commit is not None and commit != cal.commit:
+        return None, "its build changed since the device speeds were measured"
+    if speed.model_key(tensors) != cal.model:
+        return None, "its model changed since the device speeds were measured"
+    return cal, ""
+
+
+def _speed_split(server, cal, why: str, shape: dict, kv_layer: list[int], memory):
+    """(-ts values placement: auto chooses, or None to keep the memory split; plan notes)."""
+    where = f"servers.{server.name}"
+    if cal is None:
+        return None, [f"{where}: placement auto splits by memory: {why} (run `meshdeploy bench "
+                      "FILE --sweep` on the running cluster to measure them)"]
+    if 0 <= server.n_gpu_layers <= shape["n_layers"]:
+        return None, [f"{where}: placement auto splits by memory: n_gpu_layers "
+                      f"{server.n_gpu_layers} keeps layers on the orchestrator's CPU, which "
+                      "the speed model does not place"]
+    capacity = [max(m.usable - d.rpc_cache_compute_headroom_bytes, 0) for m in memory]
+    counts = speed.fastest_counts(cal, shape, kv_layer, capacity)
+    if counts is None:
+        return None, [f"{where}: placement auto splits by memory: no split fits the devices' "
+                      "free memory by the speed model's count"]
+    return tuple(counts), []
+
+
+def _predict(cal, placement, memory_placement, shape):
+    """core.plan.Speed of `placement` (and of the memory split) under `cal`; None without one."""
+    if cal is None:
+        return None
+    held = speed.held_bytes(placement, shape)
+    base = speed.held_bytes(memory_placement, shape) if memory_placement else None
+    return Speed(gen_tps=round(cal.gen_rate(held), 2),
+                 prompt_tps=_round(cal.prompt_rate(held)),
+                 memory_gen_tps=_round(cal.gen_rate(base)) if base else None,
+                 memory_prompt_tps=_round(cal.prompt_rate(base)) if base else None,
+                 measured_at=cal.measured_at,
+                 gen_ms_per_gb=[round(s * 1e12, 3) for s in cal.gen.per_byte])
+
+
+def _round(v):
+    return None if v is None else round(v, 2)
 
 
 def _refuse_if_short(lay: Layout, where: str, facts: dict, cluster) -> None:
@@ -167,7 +266,7 @@ def warnings(lay: Layout) -> list[str]:
     if lay.unknown:
         out.append(f"{where}: free memory of {', '.join(lay.unknown)} is unknown: the placement "
                    "is not checked against it")
-    return out
+    return out + list(lay.notes)
 
 
 def _gb(n) -> str:
@@ -180,6 +279,7 @@ def sections(layouts: list[Layout]) -> list[Placement]:
         server=lay.server, model=lay.model, ctx_tokens=lay.kv.n_ctx,
         ctx_fitted_from=lay.fitted_from, slots=lay.kv.n_seq,
         cache_type_k=lay.kv.type_k, cache_type_v=lay.kv.type_v,
+        split_by=lay.split_by, speed=lay.speed,
         rows=[PlacementRow(
             device=r["device"], host=r["host"], port=r["port"], first_layer=r["first"],
             last_layer=r["last"], output=r["output"], weights_bytes=r["weights"],

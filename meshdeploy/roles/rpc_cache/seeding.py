@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshdeploy.config.model import HfSource, OllamaSource, rpc_ref
@@ -178,10 +178,11 @@ class SeedPlan:
     layouts: tuple
     notes: tuple[str, ...]
     shared: dict  # model name -> ((offset, size), ...) of its hashed tensors, for digest lists
+    splits: dict = field(default_factory=dict)  # server name -> placement: auto's -ts values
 
 
 def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
-            header_cache: Path | None = None, read_remote=None) -> SeedPlan:
+            header_cache: Path | None = None, read_remote=None, speeds=None) -> SeedPlan:
     """The layouts, seeds and placement notes of the cluster (SeedPlan), from the probe's facts.
 
     Raises PlanError when a placement llama.cpp would refuse, or one that cannot fit, is asked for.
@@ -190,7 +191,9 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
       changes), so a no-op plan reads no header again; None: no cache
     + read_remote(host, path) -> header bytes: reads the header of a model that is only on a
       host (Ollama store, path) over the plan's SSH connection; None: such models get no layout
+    + speeds: server name -> its kept device speeds (engine.speeds), for placement: auto
     """
+    speeds = speeds or {}
     names = {h.name for h in hosts}
     seeds: dict[str, list] = {}
     notes: list[str] = []
@@ -224,7 +227,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         if header is None:
             continue
         tensors = weight_tensors(header)
-        lay = layout.build(cluster, server, tensors, model_shape(header), facts)
+        lay = layout.build(cluster, server, tensors, model_shape(header), facts,
+                           speeds.get(server.name), resolved.commit)
         layouts.append(lay)
         notes += layout.warnings(lay)
         if any(m == model.name for m, _ in fetches):
@@ -248,7 +252,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
             else:
                 merged.append(seed)
     return SeedPlan({k: tuple(v) for k, v in seeds.items()}, tuple(layouts), tuple(notes),
-                    shared)
+                    shared, {lay.server: lay.split for lay in layouts if lay.split})
 
 
 def seed(ctx: HostContext, port: int) -> Step:

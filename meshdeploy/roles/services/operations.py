@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+from dataclasses import replace as _replace
 from pathlib import Path
 
 from meshdeploy.config.checks import exposed_rpc_servers
@@ -265,9 +266,7 @@ def launchd_plist(label: str, argv: list[str], env: dict, log_dir: str) -> str:
 
 
 def _with_key_path(server, path):
-    from dataclasses import replace
-
-    return replace(server, api_key_file=path)
+    return _replace(server, api_key_file=path)
 
 
 def manager(ctx) -> Systemd:
@@ -437,6 +436,9 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     server = next((s for s in ctx.servers() if s.name == name), None)
     if server is None:
         return Step(ctx.change(ROLE, resource, "no-op", "not served from this host"))
+    split = ctx.resolved.splits.get(name)
+    if split is not None:  # placement: auto's split (roles.rpc_cache), written as -ts
+        server = _replace(server, tensor_split=tuple(float(v) for v in split))
     endpoints = ctx.cluster.rpc_endpoints(server)
     moved = [e.target for e in endpoints if e.ref in ctx.steps.restarted()]
     reason = f"workers restart ({', '.join(moved)})" if moved else None

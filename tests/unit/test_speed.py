@@ -1,0 +1,190 @@
+"""The speed model (roles.rpc_cache.speed): fitting measured splits, the fastest split within
+memory, and placement: auto in the plan (layout, -ts in llama-server's unit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.device_facts import cpu
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.core.context import Resolved
+from meshdeploy.roles.rpc_cache import layout, seeding, speed
+from meshdeploy.roles.rpc_cache.placement import place
+from meshdeploy.views.plan import render_placement
+
+ROOT = Path(__file__).resolve().parents[2]
+MB = 1_000_000
+SHAPE = {"n_layers": 24, "layer_bytes": [80 * MB] * 24, "output_device_bytes": 200 * MB}
+KV = [MB] * 24
+ROOM = 10**12  # memory that holds anything
+
+
+def measured(per_byte, splits, rtt=(), noise=()):
+    """Points a device of `per_byte` seconds per byte would give at `splits` (-ts values)."""
+    truth = speed.Fit(tuple(per_byte))
+    out = []
+    for i, ts in enumerate(splits):
+        held = speed.held_bytes(place(24, ["a", "b"][:len(ts)], ts), SHAPE)
+        t = truth.seconds(held, rtt) * (1 + (noise[i] if noise else 0))
+        out.append(speed.Point(held, t, truth.seconds(held) / 8))
+    return out
+
+
+SPLITS = ([12, 13], [6, 19], [18, 7], [3, 22], [22, 3])
+
+
+def test_the_fit_gives_back_the_speeds_that_made_the_points():
+    points = measured((2e-11, 6e-11), SPLITS, rtt=(0.0005, 0.0005))
+    fit = speed.fit(points, (0.0005, 0.0005))
+    assert fit.per_byte == pytest.approx((2e-11, 6e-11), rel=1e-6)
+    assert speed.fit(points, (0.0005, 0.0005), "prompt").per_byte == \
+        pytest.approx((2e-11 / 8, 6e-11 / 8), rel=1e-6)
+    # With 3% noise the fit still orders the devices and lands near.
+    noisy = speed.fit(measured((2e-11, 6e-11), SPLITS, noise=(0.03, -0.03, 0.02, -0.01, 0.0)))
+    assert noisy.per_byte[0] == pytest.approx(2e-11, rel=0.15)
+    assert noisy.per_byte[1] == pytest.approx(6e-11, rel=0.15)
+
+
+def test_a_device_is_never_fitted_faster_than_free():
+    # The second device's time shrinks as it holds more: least squares would call it negative.
+    points = [speed.Point((1000 * MB, 100 * MB), 0.05), speed.Point((600 * MB, 500 * MB), 0.028),
+              speed.Point((200 * MB, 900 * MB), 0.004)]
+    unconstrained = speed.np.linalg.lstsq(
+        speed.np.array([[b / 1e9 for b in p.bytes] for p in points]),
+        speed.np.array([p.gen for p in points]), rcond=None)[0]
+    assert unconstrained[1] < 0  # what the constraint is there for
+    fit = speed.fit(points)
+    assert fit.per_byte[1] == 0 and fit.per_byte[0] > 0
+
+
+@pytest.mark.parametrize("points, message", [
+    ([speed.Point((1, 2), 0.1)], "1 splits measured for 2 devices"),
+    ([speed.Point((1, 2), 0.1), speed.Point((2, 4), 0.2)], "do not tell the devices apart"),
+    ([speed.Point((1, 2), 0.1), speed.Point((2, 1), 0)], "positive gen time"),
+])
+def test_too_little_to_fit_is_refused(points, message):
+    with pytest.raises(ValueError, match=message):
+        speed.fit(points)
+
+
+def cal(per_byte, rtt=(), devices=("a", "b")):
+    return speed.Calibration(tuple(devices), "c" * 40, "m", speed.Fit(tuple(per_byte)), None,
+                             5, tuple(rtt), "2026-11-26T23:00:00+00:00")
+
+
+def test_the_faster_device_gets_the_layers_its_memory_holds():
+    fast_a = cal((2e-11, 6e-11))
+    assert speed.fastest_counts(fast_a, SHAPE, KV, [ROOM, ROOM]) == [25, 0]
+    # a holds 12 layers of 81 MB; b takes the rest and the output's slot.
+    counts = speed.fastest_counts(fast_a, SHAPE, KV, [1000 * MB, ROOM])
+    assert counts == [12, 13]
+    p = place(24, ["a", "b"], counts)
+    assert (len(p.layers_of(0)), len(p.layers_of(1)), p.output_device) == (12, 12, 1)
+    # The other way round the output goes with the layers to b.
+    assert speed.fastest_counts(cal((6e-11, 2e-11)), SHAPE, KV, [ROOM, ROOM]) == [0, 25]
+    # Nothing fits in 1 GB each: 24 x 81 MB + 200 MB of output is 2.14 GB.
+    assert speed.fastest_counts(fast_a, SHAPE, KV, [1000 * MB, 1000 * MB]) is None
+
+
+def test_a_far_device_is_left_out_when_its_round_trips_cost_more_than_its_speed_saves():
+    # b is a bit faster per byte but 20 ms away; a is local (rtt 0).
+    near = cal((2.0e-11, 1.9e-11), rtt=(0.0, 0.020))
+    assert speed.fastest_counts(near, SHAPE, KV, [ROOM, ROOM]) == [25, 0]
+    close = cal((2.0e-11, 1.0e-11), rtt=(0.0, 0.0001))
+    assert speed.fastest_counts(close, SHAPE, KV, [ROOM, ROOM]) == [0, 25]
+
+
+def test_a_calibration_survives_json_and_knows_what_it_holds_for():
+    c = speed.calibrate(["a", "b"], "c" * 40, "m", measured((2e-11, 6e-11), SPLITS),
+                        measured_at="2026-11-26T23:00:00+00:00")
+    back = speed.Calibration.from_json(c.to_json())
+    assert back == c
+    assert back.matches(["a", "b"], "c" * 40, "m")
+    assert not back.matches(["a", "b"], "d" * 40, "m")
+
+
+# --- in the plan --------------------------------------------------------------------------------
+
+LAB = {"node1": cpu(25_183_293_440, 22_800_000_000), "node2": cpu(25_183_293_440, 22_800_000_000),
+       "node3": cpu(25_183_293_440, 22_800_000_000)}
+COMMIT = "c" * 40
+
+
+def lab_plan(tmp_path, placement: str, speeds: dict, commit=COMMIT):
+    text = (ROOT / "inventories" / "lab.yaml").read_text()
+    text = text.replace("    model: gemma\n", f"    model: gemma\n    placement: {placement}\n", 1)
+    assert f"placement: {placement}" in text
+    path = tmp_path / "lab.yaml"
+    path.write_text(text)
+    cluster = load_cluster(path)
+    resolved = Resolved(commit=commit, models={
+        name: HfResolved(m.source.repo, "c" * 40, (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),))
+        for i, (name, m) in enumerate(cluster.models.items())})
+    return cluster, seeding.prepare(cluster, cluster.hosts, LAB, resolved, speeds=speeds)
+
+
+def lab_speeds(tmp_path, per_byte, commit=COMMIT) -> dict:
+    """A kept calibration for the lab's gemma server, as bench --sweep keeps it."""
+    cluster, planned = lab_plan(tmp_path, "memory", {})
+    (lay,) = planned.layouts
+    devices = [label for label, *_ in cluster.server_devices(cluster.servers[0])]
+    tensors = [t for row in lay.rows for t in row["tensors"]]
+    key = speed.model_key(sorted(tensors, key=lambda t: t.offset))
+    return {"main": speed.Calibration(tuple(devices), commit, key, speed.Fit(tuple(per_byte)),
+                                      speed.Fit(tuple(v / 8 for v in per_byte)), 7, (),
+                                      "2026-11-26T23:00:00+00:00").to_json()}
+
+
+def test_placement_auto_without_a_measurement_splits_by_memory_and_says_so(tmp_path, headers):
+    _, planned = lab_plan(tmp_path, "auto", {})
+    (lay,) = planned.layouts
+    assert lay.split_by == "memory" and lay.split is None and planned.splits == {}
+    assert any("placement auto splits by memory: no device speeds are measured" in n
+               for n in planned.notes), planned.notes
+
+
+def test_placement_auto_gives_the_faster_worker_the_layers(tmp_path, headers):
+    speeds = lab_speeds(tmp_path, (9e-10, 3e-10))  # node3's rpc-server 3x node2's speed
+    _, memory = lab_plan(tmp_path, "memory", speeds)
+    _, auto = lab_plan(tmp_path, "auto", speeds)
+    (before,), (after,) = memory.layouts, auto.layouts
+    assert after.split_by == "speed" and auto.splits == {"main": after.split}
+    layers = [len(after.placement.layers_of(i)) for i in range(2)]
+    memory_layers = [len(before.placement.layers_of(i)) for i in range(2)]
+    assert layers[1] > memory_layers[1] and layers[0] < memory_layers[0]
+    assert after.speed.gen_tps > after.speed.memory_gen_tps
+    assert before.speed.gen_tps == after.speed.memory_gen_tps  # the same memory split
+    text = render_placement(layout.sections(auto.layouts))
+    assert "(split for speed by placement: auto;" in text
+    assert f"Predicted: ~{after.speed.gen_tps:.2f} tok/s generation" in text
+    assert f"(split by memory: ~{after.speed.memory_gen_tps:.2f} tok/s generation)" in text
+    # Left at memory, the plan says what auto would give.
+    assert any("placement: auto would split" in n for n in memory.notes), memory.notes
+
+
+def test_a_calibration_of_another_build_is_not_used(tmp_path, headers):
+    speeds = lab_speeds(tmp_path, (9e-10, 3e-10), commit="d" * 40)
+    _, planned = lab_plan(tmp_path, "auto", speeds)
+    (lay,) = planned.layouts
+    assert lay.split_by == "memory" and lay.speed is None
+    assert any("its build changed since the device speeds were measured" in n
+               for n in planned.notes), planned.notes
+
+
+def test_the_chosen_split_is_the_servers_ts(tmp_path, headers):
+    from meshdeploy.roles.services import argv as argvs
+    from dataclasses import replace
+
+    speeds = lab_speeds(tmp_path, (9e-10, 3e-10))
+    cluster, planned = lab_plan(tmp_path, "auto", speeds)
+    server = replace(cluster.servers[0],
+                     tensor_split=tuple(float(v) for v in planned.splits["main"]))
+    argv = argvs.llama_server_argv("/x/llama-server", cluster, server, "/m.gguf")
+    ts = argv[argv.index("-ts") + 1]
+    assert ts == ",".join(str(v) for v in planned.splits["main"])
+    counts = [int(v) for v in ts.split(",")]
+    p = place(18, ["a", "b"], counts)
+    assert [len(p.layers_of(i)) for i in range(2)] == [c - (i == 1) for i, c in enumerate(counts)]
