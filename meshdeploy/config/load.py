@@ -169,6 +169,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                           devices=host_devices(h), rpc_servers=rpcs,
                           connection=h["connection"], rootless=h["rootless"],
                           unprotected=h["unprotected"],
+                          keep_free=int(h["keep_free_gb"] * 1e9),
                           layout=None if h["rootless"] else system_layout(lc["prefix"])))
     models = {name: Model(name, model_source(m)) for name, m in data["models"].items()}
     servers = tuple(

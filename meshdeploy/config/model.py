@@ -230,6 +230,8 @@ class Host:
     # A rootless host under network.firewall whose rpc-servers are open to its network, by the
     # file's explicit acknowledgement (warned in every plan).
     unprotected: bool = False
+    # Bytes of each of its devices that placement: auto leaves free (hosts.NAME.keep_free_gb).
+    keep_free: int = 0
     # Where meshdeploy keeps its things on the host; a rootless host's is known once its
     # account is read (core.account.layout), until then None.
     layout: Layout | None = None

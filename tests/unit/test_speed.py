@@ -113,8 +113,12 @@ LAB = {"node1": cpu(25_183_293_440, 22_800_000_000), "node2": cpu(25_183_293_440
 COMMIT = "c" * 40
 
 
-def lab_plan(tmp_path, placement: str, speeds: dict, commit=COMMIT):
+def lab_plan(tmp_path, placement: str, speeds: dict, commit=COMMIT, keep_free_gb=None):
     text = (ROOT / "inventories" / "lab.yaml").read_text()
+    if keep_free_gb is not None:
+        node2 = "  node2:\n    address: 10.200.0.12\n"
+        assert node2 in text
+        text = text.replace(node2, f"{node2}    keep_free_gb: {keep_free_gb}\n")
     text = text.replace("    model: gemma\n", f"    model: gemma\n    placement: {placement}\n", 1)
     assert f"placement: {placement}" in text
     path = tmp_path / "lab.yaml"
@@ -188,3 +192,20 @@ def test_the_chosen_split_is_the_servers_ts(tmp_path, headers):
     counts = [int(v) for v in ts.split(",")]
     p = place(18, ["a", "b"], counts)
     assert [len(p.layers_of(i)) for i in range(2)] == [c - (i == 1) for i, c in enumerate(counts)]
+
+
+def test_keep_free_is_left_on_the_device_and_warned_when_a_split_takes_it(tmp_path, headers):
+    speeds = lab_speeds(tmp_path, (3e-10, 9e-10))  # node2 the faster: auto puts all there
+    _, alone = lab_plan(tmp_path, "auto", speeds)
+    assert [len(alone.layouts[0].placement.layers_of(i)) for i in range(2)] == [18, 0]
+    # node2 reports 22.8 GB free: keeping 22.25 GB (and 0.54 of compute) leaves room for a few
+    # 4 MB layers and their KV only.
+    _, kept = lab_plan(tmp_path, "auto", speeds, keep_free_gb=22.25)
+    (lay,) = kept.layouts
+    node2 = lay.rows[0]
+    assert lay.split_by == "speed" and 0 < len(lay.placement.layers_of(0)) < 18, kept.notes
+    assert node2["headroom"] >= 22.25e9 and not lay.placement.output_device == 0
+    # The split by memory ignores it: the plan says so.
+    _, memory = lab_plan(tmp_path, "memory", speeds, keep_free_gb=22.25)
+    assert any("node2:50052/CPU keeps 22.20 GB free, less than its host's keep_free_gb 22.25"
+               in n for n in memory.notes), memory.notes

@@ -110,15 +110,19 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
         fit = fits(placement, shape, kv_layer, usable)
     memory_placement = placement if server.tensor_split == "auto" else None
     cal, why = current_calibration(measured, labels, commit, tensors)
+    keep = [h.keep_free for _, h, _, _ in devs]
     split, notes = None, []
     split_by = "memory" if server.tensor_split == "auto" else "tensor_split"
     if server.placement == "auto":
-        split, notes = _speed_split(server, cal, why, shape, kv_layer, memory)
+        split, notes = _speed_split(server, cal, why, shape, kv_layer, memory, keep)
         if split is not None:
             chosen = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
             gain = cal.gen_rate(speed.held_bytes(chosen, shape)) / \
                 cal.gen_rate(speed.held_bytes(memory_placement, shape))
-            if gain < WORTH:
+            # The split by memory is kept only where it leaves each host's keep_free_gb.
+            admissible = all(f.needed == 0 or m.usable - f.needed >= k
+                             for f, m, k in zip(fit, memory, keep))
+            if gain < WORTH and admissible:
                 split = None
                 notes.append(f"servers.{server.name}: placement auto keeps the split by memory: "
                              f"no other split is predicted {WORTH - 1:.0%} faster "
@@ -128,7 +132,7 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
             fit = fits(placement, shape, kv_layer, usable)
             split_by = "speed"
     elif cal is not None and None not in memory:
-        faster, _ = _speed_split(server, cal, why, shape, kv_layer, memory)
+        faster, _ = _speed_split(server, cal, why, shape, kv_layer, memory, keep)
         if faster is not None:
             now = cal.gen_rate(speed.held_bytes(placement, shape))
             then = cal.gen_rate(speed.held_bytes(
@@ -164,6 +168,7 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
             "headroom": None if m is None else m.usable - fit[i].needed,
             "host": host.name, "port": endpoint.rpc.port if endpoint else None,
             "cached": seeded, "tensors": mine, "pool": _shares_ram(dev),
+            "keep_free": host.keep_free,
             "used": bool(layers) or placement.output_device == i,
         })
     _refuse_if_short(out, where, facts, cluster)
@@ -188,8 +193,9 @@ def current_calibration(measured: dict | None, labels, commit: str | None, tenso
     return cal, ""
 
 
-def _speed_split(server, cal, why: str, shape: dict, kv_layer: list[int], memory):
-    """(-ts values placement: auto chooses, or None to keep the memory split; plan notes)."""
+def _speed_split(server, cal, why: str, shape: dict, kv_layer: list[int], memory, keep):
+    """(-ts values placement: auto chooses, or None to keep the memory split; plan notes).
+    + keep: bytes of each device its host keeps free (hosts.NAME.keep_free_gb)"""
     where = f"servers.{server.name}"
     if cal is None:
         return None, [f"{where}: placement auto splits by memory: {why} (run `meshdeploy bench "
@@ -198,7 +204,8 @@ def _speed_split(server, cal, why: str, shape: dict, kv_layer: list[int], memory
         return None, [f"{where}: placement auto splits by memory: n_gpu_layers "
                       f"{server.n_gpu_layers} keeps layers on the orchestrator's CPU, which "
                       "the speed model does not place"]
-    capacity = [max(m.usable - d.rpc_cache_compute_headroom_bytes, 0) for m in memory]
+    capacity = [max(m.usable - d.rpc_cache_compute_headroom_bytes - k, 0)
+                for m, k in zip(memory, keep)]
     counts = speed.fastest_counts(cal, shape, kv_layer, capacity)
     if counts is None:
         return None, [f"{where}: placement auto splits by memory: no split fits the devices' "
@@ -266,6 +273,10 @@ def warnings(lay: Layout) -> list[str]:
     if lay.unknown:
         out.append(f"{where}: free memory of {', '.join(lay.unknown)} is unknown: the placement "
                    "is not checked against it")
+    for r in lay.rows:
+        if r["used"] and r["headroom"] is not None and r["headroom"] < r["keep_free"]:
+            out.append(f"{where}: {r['device']} keeps {_gb(r['headroom'])} GB free, less than "
+                       f"its host's keep_free_gb {_gb(r['keep_free'])}")
     return out + list(lay.notes)
 
 
