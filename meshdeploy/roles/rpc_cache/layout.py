@@ -110,39 +110,14 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
         fit = fits(placement, shape, kv_layer, usable)
     memory_placement = placement if server.tensor_split == "auto" else None
     cal, why = current_calibration(measured, labels, commit, tensors)
-    keep = [h.keep_free for _, h, _, _ in devs]
-    split, notes = None, []
     split_by = "memory" if server.tensor_split == "auto" else "tensor_split"
-    if server.placement == "auto":
-        split, notes = _speed_split(server, cal, why, shape, kv_layer, memory, keep)
-        if split is not None:
-            chosen = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
-            gain = cal.gen_rate(speed.held_bytes(chosen, shape)) / \
-                cal.gen_rate(speed.held_bytes(memory_placement, shape))
-            # The split by memory is kept only where it leaves each host's keep_free_gb.
-            admissible = all(f.needed == 0 or m.usable - f.needed >= k
-                             for f, m, k in zip(fit, memory, keep))
-            if gain < WORTH and admissible:
-                split = None
-                notes.append(f"servers.{server.name}: placement auto keeps the split by memory: "
-                             f"no other split is predicted {WORTH - 1:.0%} faster "
-                             f"(the best: {gain:.2f}x)")
-        if split is not None:
-            placement = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
-            fit = fits(placement, shape, kv_layer, usable)
-            split_by = "speed"
-    elif cal is not None and None not in memory:
-        faster, _ = _speed_split(server, cal, why, shape, kv_layer, memory, keep)
-        if faster is not None:
-            now = cal.gen_rate(speed.held_bytes(placement, shape))
-            then = cal.gen_rate(speed.held_bytes(
-                place(shape["n_layers"], labels, list(faster), None, server.n_gpu_layers), shape))
-            if then >= BETTER * now:
-                which = "split by memory" if split_by == "memory" else "the file's tensor_split"
-                notes.append(f"servers.{server.name}: placement: auto would split "
-                             f"{','.join(map(str, faster))} and generate ~{then:.2f} tok/s "
-                             f"({which}: ~{now:.2f}), from the device speeds measured "
-                             f"{cal.measured_at or '(unknown time)'}")
+    keep = [h.keep_free for _, h, _, _ in devs]
+    split, notes = _for_speed(server, cal, why, labels, shape, kv_layer, memory, keep, fit,
+                              memory_placement)
+    if split is not None:
+        placement = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
+        fit = fits(placement, shape, kv_layer, usable)
+        split_by = "speed"
     out = Layout(server.name, server.model, placement, kv, unknown=unknown,
                  fitted_from=fitted_from, split_by=split_by, split=split, notes=notes,
                  speed=_predict(cal, placement, memory_placement, shape))
@@ -173,6 +148,46 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
         })
     _refuse_if_short(out, where, facts, cluster)
     return out
+
+
+def _for_speed(server, cal, why: str, labels, shape: dict, kv_layer: list[int], memory, keep,
+               fit, memory_placement):
+    """(placement: auto's -ts values, or None to keep the split as it is; the plan's notes).
+    Without placement: auto, a note when auto would be BETTER faster than the split now.
+    + keep: bytes of each device its host keeps free; fit: the split now's DeviceFit rows"""
+    where = f"servers.{server.name}"
+    current = memory_placement
+    if server.placement == "auto":
+        split, notes = _speed_split(server, cal, why, shape, kv_layer, memory, keep)
+        if split is None:
+            return None, notes
+        chosen = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
+        gain = cal.gen_rate(speed.held_bytes(chosen, shape)) / \
+            cal.gen_rate(speed.held_bytes(current, shape))
+        # The split by memory is kept only where it leaves each host's keep_free_gb.
+        admissible = all(f.needed == 0 or m.usable - f.needed >= k
+                         for f, m, k in zip(fit, memory, keep))
+        if gain < WORTH and admissible:
+            return None, notes + [f"{where}: placement auto keeps the split by memory: no other "
+                                  f"split is predicted {WORTH - 1:.0%} faster (the best: "
+                                  f"{gain:.2f}x)"]
+        return split, notes
+    if cal is None or None in memory:
+        return None, []
+    faster, _ = _speed_split(server, cal, why, shape, kv_layer, memory, keep)
+    if faster is None:
+        return None, []
+    now_placement = current or place(shape["n_layers"], labels, list(server.tensor_split), None,
+                                     server.n_gpu_layers)
+    now = cal.gen_rate(speed.held_bytes(now_placement, shape))
+    then = cal.gen_rate(speed.held_bytes(
+        place(shape["n_layers"], labels, list(faster), None, server.n_gpu_layers), shape))
+    if then < BETTER * now:
+        return None, []
+    which = "split by memory" if current is not None else "the file's tensor_split"
+    return None, [f"{where}: placement: auto would split {','.join(map(str, faster))} and "
+                  f"generate ~{then:.2f} tok/s ({which}: ~{now:.2f}), from the device speeds "
+                  f"measured {cal.measured_at or '(unknown time)'}"]
 
 
 def current_calibration(measured: dict | None, labels, commit: str | None, tensors):
