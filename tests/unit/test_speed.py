@@ -61,6 +61,7 @@ def test_a_device_is_never_fitted_faster_than_free():
 
 
 @pytest.mark.parametrize("points, message", [
+    ([], "no measured splits"),
     ([speed.Point((1, 2), 0.1)], "1 splits measured for 2 devices"),
     ([speed.Point((1, 2), 0.1), speed.Point((2, 4), 0.2)], "do not tell the devices apart"),
     ([speed.Point((1, 2), 0.1), speed.Point((2, 1), 0)], "positive gen time"),
@@ -209,3 +210,29 @@ def test_keep_free_is_left_on_the_device_and_warned_when_a_split_takes_it(tmp_pa
     _, memory = lab_plan(tmp_path, "memory", speeds, keep_free_gb=22.25)
     assert any("node2:50052/CPU keeps 22.20 GB free, less than its host's keep_free_gb 22.25"
                in n for n in memory.notes), memory.notes
+
+
+def test_the_fits_own_error_is_what_leaving_each_split_out_misses():
+    exact = speed.calibrate(["a", "b"], "c", "m", measured((2e-11, 6e-11), SPLITS))
+    assert exact.error == pytest.approx(0, abs=1e-9)
+    noise = (0.10, -0.10, 0.10, -0.10, 0.10)
+    noisy = speed.calibrate(["a", "b"], "c", "m", measured((2e-11, 6e-11), SPLITS, noise=noise))
+    assert 0.05 < noisy.error < 0.4
+    assert speed.Calibration.from_json(noisy.to_json()).error == noisy.error
+    # Two splits for two devices: none can be left out.
+    assert speed.held_out_error(measured((2e-11, 6e-11), SPLITS[:2])) == 0.0
+
+
+def test_a_device_fitted_at_no_time_is_never_infinitely_fast():
+    c = cal((0.0, 6e-11))
+    assert c.gen_rate((1000 * MB, 0)) == 1 / speed.FLOOR
+
+
+def test_auto_keeps_the_memory_split_when_the_gain_is_within_the_fits_error(tmp_path, headers):
+    speeds = lab_speeds(tmp_path, (9e-10, 3e-10))
+    _, sure = lab_plan(tmp_path, "auto", speeds)
+    assert sure.layouts[0].split_by == "speed"
+    speeds["main"]["error"] = 5.0  # the measurements told nothing apart
+    _, unsure = lab_plan(tmp_path, "auto", speeds)
+    assert unsure.layouts[0].split_by == "memory"
+    assert any("the measured speeds' own error: 500%" in n for n in unsure.notes), unsure.notes

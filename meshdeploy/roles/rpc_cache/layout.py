@@ -19,7 +19,8 @@ from meshdeploy.roles.rpc_cache.placement import device_tensors, fits, place, wi
 
 
 # How much faster another split must be predicted before the plan suggests it, and before
-# placement: auto leaves llama.cpp's split by memory (the fit's own error is a few percent).
+# placement: auto leaves llama.cpp's split by memory; more where the measured speeds' own
+# error (Calibration.error) is larger.
 BETTER = 1.10
 WORTH = 1.05
 
@@ -167,10 +168,12 @@ def _for_speed(server, cal, why: str, labels, shape: dict, kv_layer: list[int], 
         # The split by memory is kept only where it leaves each host's keep_free_gb.
         admissible = all(f.needed == 0 or m.usable - f.needed >= k
                          for f, m, k in zip(fit, memory, keep))
-        if gain < WORTH and admissible:
+        worth = max(WORTH, 1 + cal.error)
+        if gain < worth and admissible:
             return None, notes + [f"{where}: placement auto keeps the split by memory: no other "
-                                  f"split is predicted {WORTH - 1:.0%} faster (the best: "
-                                  f"{gain:.2f}x)"]
+                                  f"split is predicted {worth - 1:.0%} faster (the best: "
+                                  f"{gain:.2f}x; the measured speeds' own error: "
+                                  f"{cal.error:.0%})"]
         return split, notes
     if cal is None or None in memory:
         return None, []
@@ -182,7 +185,7 @@ def _for_speed(server, cal, why: str, labels, shape: dict, kv_layer: list[int], 
     now = cal.gen_rate(speed.held_bytes(now_placement, shape))
     then = cal.gen_rate(speed.held_bytes(
         place(shape["n_layers"], labels, list(faster), None, server.n_gpu_layers), shape))
-    if then < BETTER * now:
+    if then < max(BETTER, 1 + cal.error) * now:
         return None, []
     which = "split by memory" if current is not None else "the file's tensor_split"
     return None, [f"{where}: placement: auto would split {','.join(map(str, faster))} and "

@@ -67,6 +67,9 @@ class Calibration:
     points: int
     rtt: tuple[float, ...] = ()
     measured_at: str = ""  # ISO 8601, UTC
+    # The fit's own error: the median of |predicted - measured| / measured over the points,
+    # each predicted from a fit of the others (0 with too few points to leave one out).
+    error: float = 0.0
 
     def matches(self, devices, commit: str, model: str) -> bool:
         return (tuple(devices), commit, model) == (self.devices, self.commit,
@@ -74,16 +77,16 @@ class Calibration:
 
     def gen_rate(self, held: tuple[int, ...]) -> float:
         """Predicted generation tokens per second of a split holding `held` bytes per device."""
-        return 1.0 / self.gen.seconds(held, self.rtt)
+        return rate(self.gen.seconds(held, self.rtt))
 
     def prompt_rate(self, held: tuple[int, ...]) -> float | None:
         """Predicted prompt tokens per second (round trips are paid per batch: left out)."""
-        return None if self.prompt is None else 1.0 / self.prompt.seconds(held)
+        return None if self.prompt is None else rate(self.prompt.seconds(held))
 
     def to_json(self) -> dict:
         return {"devices": list(self.devices), "commit": self.commit,
                 "model": self.model, "points": self.points, "rtt": list(self.rtt),
-                "measured_at": self.measured_at,
+                "measured_at": self.measured_at, "error": self.error,
                 "gen": list(self.gen.per_byte),
                 "prompt": None if self.prompt is None else list(self.prompt.per_byte)}
 
@@ -93,7 +96,8 @@ class Calibration:
             return None if d is None else Fit(tuple(float(v) for v in d))
         return cls(tuple(data["devices"]), str(data["commit"]), str(data["model"]),
                    fit(data["gen"]), fit(data.get("prompt")), int(data["points"]),
-                   tuple(float(v) for v in data.get("rtt", ())), str(data.get("measured_at", "")))
+                   tuple(float(v) for v in data.get("rtt", ())), str(data.get("measured_at", "")),
+                   float(data.get("error", 0.0)))
 
 
 def model_key(tensors) -> str:
@@ -103,6 +107,16 @@ def model_key(tensors) -> str:
     for t in tensors:
         h.update(f"{t.name}\0{t.offset}\0{t.size}\n".encode())
     return h.hexdigest()[:16]
+
+
+# A fit may give a device no time at all (a device the splits hardly moved): a split on such
+# devices alone is predicted at this many seconds per token at least, never infinitely fast.
+FLOOR = 1e-4
+
+
+def rate(seconds: float) -> float:
+    """Tokens per second of `seconds` per token (FLOOR at least)."""
+    return 1.0 / max(seconds, FLOOR)
 
 
 def hops(held: tuple[int, ...], rtt: tuple[float, ...]) -> float:
@@ -142,7 +156,9 @@ def fit(points: list[Point], rtt: tuple[float, ...] = (), which: str = "gen") ->
 
     Byte counts are scaled to GB inside, so the columns are of one size. Needs as many points
     as devices, at splits that differ; ValueError otherwise."""
-    n = len(points[0].bytes) if points else 0
+    if not points:
+        raise ValueError("no measured splits")
+    n = len(points[0].bytes)
     if any(len(p.bytes) != n for p in points):
         raise ValueError("every point needs one byte count per device")
     ys = [getattr(p, which) for p in points]
@@ -166,7 +182,20 @@ def calibrate(devices, commit: str, model: str, points: list[Point],
               rtt: tuple[float, ...] = (), measured_at: str = "") -> Calibration:
     prompt = fit(points, rtt, "prompt") if all(p.prompt for p in points) else None
     return Calibration(tuple(devices), commit, model, fit(points, rtt, "gen"), prompt,
-                       len(points), tuple(rtt), measured_at)
+                       len(points), tuple(rtt), measured_at, held_out_error(points, rtt))
+
+
+def held_out_error(points: list[Point], rtt: tuple[float, ...] = ()) -> float:
+    """The median relative error of each point's generation time predicted from a fit of the
+    others; 0.0 where leaving one out leaves too few points (or splits too alike) to fit."""
+    errors = []
+    for i, p in enumerate(points):
+        try:
+            other = fit(points[:i] + points[i + 1:], rtt)
+        except ValueError:
+            return 0.0
+        errors.append(abs(max(other.seconds(p.bytes, rtt), FLOOR) - p.gen) / p.gen)
+    return float(np.median(errors)) if errors else 0.0
 
 
 def held_bytes(placement, shape: dict) -> tuple[int, ...]:
