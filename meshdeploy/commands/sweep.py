@@ -170,7 +170,7 @@ def read_model(conn, path: str) -> tuple[dict, list]:
 
 def _measure_split(conn, copy: server_api.Copy, argv: list[str], ts: list[int], key, server,
                    runs: int, progress) -> dict:
-    """One candidate on a free port: its bench summary, or {"error": why it did not load}."""
+    """One candidate on a free port: its bench summary, or {"error": why it was not measured}."""
     port = server_api.free_port(conn)
     split_argv = with_split(server_api.local_argv(argv, port, copy.key_path, drop=frozenset()),
                             ts)

@@ -50,7 +50,7 @@ def _table(splits: list[dict]) -> str:
     for s in splits:
         head = [",".join(str(v) for v in s["ts"]), " / ".join(str(n) for n in s["layers"])]
         if not s["loaded"]:
-            rows.append(head + ["did not load"] + [""] * 5)
+            rows.append(head + ["not measured"] + [""] * 5)
             continue
         m, p = s["measured"], s.get("predicted") or {}
         rows.append(head + [_rate(m["gen"]), _rate(p.get("gen")), error(m["gen"], p.get("gen")),
@@ -84,7 +84,7 @@ def _server(r: dict) -> list[str]:
            f"devices: {', '.join(r['devices'])}; predicted = fitted on the other splits only\n",
            _table(r["splits"])]
     failed = [s for s in r["splits"] if not s["loaded"]]
-    out += [f"-ts {','.join(str(v) for v in s['ts'])} did not load: {s['error']}" for s in failed]
+    out += [f"-ts {','.join(str(v) for v in s['ts'])} not measured: {s['error']}" for s in failed]
     top = best(r["splits"])
     if top is not None:
         out.append(f"\nBest measured split: -ts {','.join(str(v) for v in top['ts'])} "

@@ -257,8 +257,8 @@ def test_text_view_shows_measured_against_held_out_predictions():
     assert row.split()[:5] == ["10,9", "10", "/", "8", "50.0"]
     assert row.split()[5] == f"{first['predicted']['gen']:.1f}"
     assert row.split()[6] == view.error(50.0, first["predicted"]["gen"])
-    assert "7,12           7 / 11    did not load" in text
-    assert "-ts 7,12 did not load: exited before healthy" in text
+    assert "7,12           7 / 11    not measured" in text
+    assert "-ts 7,12 not measured: exited before healthy" in text
     assert "Best measured split: -ts 4,15 (node2:50052/CPU: layers 0-3; node3:50052/CPU: " \
            "layers 4-17 + output), tg 55.0 t/s" in text
     gen = r["calibration"]["gen"]
