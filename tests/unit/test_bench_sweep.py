@@ -155,6 +155,8 @@ def test_the_kept_entry_holds_the_fit_and_every_loaded_split():
     assert all(s["predicted"]["gen"] > 0 for s in entry["splits"])
     assert rows[2] == {**rows[2], "loaded": False, "error": "exited before healthy"}
     assert speed.Calibration.from_json(entry).points == 4
+    # "error" marks a fit that failed (sweep_server): a kept entry never has that key.
+    assert "error" not in entry and entry["held_out_error"] >= 0
 
 
 def test_too_few_loaded_splits_keep_nothing_and_say_why():

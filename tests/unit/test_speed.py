@@ -232,7 +232,7 @@ def test_auto_keeps_the_memory_split_when_the_gain_is_within_the_fits_error(tmp_
     speeds = lab_speeds(tmp_path, (9e-10, 3e-10))
     _, sure = lab_plan(tmp_path, "auto", speeds)
     assert sure.layouts[0].split_by == "speed"
-    speeds["main"]["error"] = 5.0  # the measurements told nothing apart
+    speeds["main"]["held_out_error"] = 5.0  # the measurements told nothing apart
     _, unsure = lab_plan(tmp_path, "auto", speeds)
     assert unsure.layouts[0].split_by == "memory"
     assert any("the measured speeds' own error: 500%" in n for n in unsure.notes), unsure.notes

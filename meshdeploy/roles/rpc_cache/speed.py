@@ -86,7 +86,7 @@ class Calibration:
     def to_json(self) -> dict:
         return {"devices": list(self.devices), "commit": self.commit,
                 "model": self.model, "points": self.points, "rtt": list(self.rtt),
-                "measured_at": self.measured_at, "error": self.error,
+                "measured_at": self.measured_at, "held_out_error": self.error,
                 "gen": list(self.gen.per_byte),
                 "prompt": None if self.prompt is None else list(self.prompt.per_byte)}
 
@@ -97,7 +97,7 @@ class Calibration:
         return cls(tuple(data["devices"]), str(data["commit"]), str(data["model"]),
                    fit(data["gen"]), fit(data.get("prompt")), int(data["points"]),
                    tuple(float(v) for v in data.get("rtt", ())), str(data.get("measured_at", "")),
-                   float(data.get("error", 0.0)))
+                   float(data.get("held_out_error", 0.0)))
 
 
 def model_key(tensors) -> str:
