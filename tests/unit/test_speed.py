@@ -236,3 +236,17 @@ def test_auto_keeps_the_memory_split_when_the_gain_is_within_the_fits_error(tmp_
     _, unsure = lab_plan(tmp_path, "auto", speeds)
     assert unsure.layouts[0].split_by == "memory"
     assert any("the measured speeds' own error: 500%" in n for n in unsure.notes), unsure.notes
+
+
+def test_the_nonnegative_fit_meets_its_optimality_conditions():
+    # Karush-Kuhn-Tucker for min |a x - y|, x >= 0: the gradient a'(y - a x) is 0 where x > 0
+    # and never positive where x = 0; checked on random problems of the fit's sizes.
+    rng = speed.np.random.default_rng(1)
+    for _ in range(300):
+        n = int(rng.integers(1, 6))
+        a, y = rng.random((int(rng.integers(n, 10)), n)), rng.normal(size=10)
+        y = y[:a.shape[0]]
+        x = speed.nonneg_lstsq(a, y)
+        gradient = a.T @ (y - a @ x)
+        assert (x >= 0).all()
+        assert all(abs(g) < 1e-8 if v > 0 else g < 1e-8 for g, v in zip(gradient, x))

@@ -141,11 +141,14 @@ def nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
             if all(z[j] > 0 for j in free):
                 x = z
                 break
-            # Step toward z until a variable reaches zero, and drop it.
-            steps = [x[j] / (x[j] - z[j]) for j in free if z[j] <= 0 and x[j] != z[j]]
-            alpha = min(steps) if steps else 0.0
-            x = x + alpha * (z - x)
-            free = [j for j in free if x[j] > 1e-15]
+            # Step toward z until a variable reaches zero, and drop it (and any other that
+            # the step brought to zero): every pass of this loop frees one variable at least.
+            steps = {j: x[j] / (x[j] - z[j]) for j in free if z[j] <= 0 and x[j] != z[j]}
+            first = min(steps, key=steps.get) if steps else \
+                next(j for j in free if z[j] <= 0)
+            x = x + (steps[first] if steps else 0.0) * (z - x)
+            x[first] = 0.0
+            free = [j for j in free if j != first and x[j] > 1e-15]
             if not free:
                 break
     return x
