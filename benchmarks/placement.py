@@ -98,7 +98,7 @@ def report(r: dict) -> None:
     for s in r["sweep"]["splits"]:
         if not s["loaded"]:
             rows.append([",".join(map(str, s["ts"])), " / ".join(map(str, s["layers"])),
-                         "did not load", "", ""])
+                         "not measured", "", ""])
             continue
         measured, predicted = s["measured"]["gen"], (s.get("predicted") or {}).get("gen")
         err = None if predicted is None else (predicted - measured) / measured
