@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -131,6 +132,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--keep-lab", action="store_true")
     args = parser.parse_args()
+    # SIGTERM (a timeout, `kill`) still takes the lab down in the `finally` below.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     handle = Lab(name=args.lab, hosts=3, toolchain=True)
     info = handle.up()
     try:
