@@ -114,7 +114,7 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
     split_by = "memory" if server.tensor_split == "auto" else "tensor_split"
     keep = [h.keep_free for _, h, _, _ in devs]
     split, notes = _for_speed(server, cal, why, labels, shape, kv_layer, memory, keep, fit,
-                              memory_placement)
+                              placement)
     if split is not None:
         placement = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
         fit = fits(placement, shape, kv_layer, usable)
@@ -152,12 +152,12 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
 
 
 def _for_speed(server, cal, why: str, labels, shape: dict, kv_layer: list[int], memory, keep,
-               fit, memory_placement):
+               fit, current):
     """(placement: auto's -ts values, or None to keep the split as it is; the plan's notes).
     Without placement: auto, a note when auto would be BETTER faster than the split now.
-    + keep: bytes of each device its host keeps free; fit: the split now's DeviceFit rows"""
+    + keep: bytes of each device its host keeps free; fit, current: the split now (llama.cpp's
+      by memory, or the file's tensor_split) and its DeviceFit rows"""
     where = f"servers.{server.name}"
-    current = memory_placement
     if server.placement == "auto":
         split, notes = _speed_split(server, cal, why, shape, kv_layer, memory, keep)
         if split is None:
@@ -180,14 +180,12 @@ def _for_speed(server, cal, why: str, labels, shape: dict, kv_layer: list[int], 
     faster, _ = _speed_split(server, cal, why, shape, kv_layer, memory, keep)
     if faster is None:
         return None, []
-    now_placement = current or place(shape["n_layers"], labels, list(server.tensor_split), None,
-                                     server.n_gpu_layers)
-    now = cal.gen_rate(speed.held_bytes(now_placement, shape))
+    now = cal.gen_rate(speed.held_bytes(current, shape))
     then = cal.gen_rate(speed.held_bytes(
         place(shape["n_layers"], labels, list(faster), None, server.n_gpu_layers), shape))
     if then < max(BETTER, 1 + cal.error) * now:
         return None, []
-    which = "split by memory" if current is not None else "the file's tensor_split"
+    which = "split by memory" if server.tensor_split == "auto" else "the file's tensor_split"
     return None, [f"{where}: placement: auto would split {','.join(map(str, faster))} and "
                   f"generate ~{then:.2f} tok/s ({which}: ~{now:.2f}), from the device speeds "
                   f"measured {cal.measured_at or '(unknown time)'}"]
