@@ -2,7 +2,7 @@
 a lab whose workers are equal, then on one whose workers differ in speed.
 
     sudo .venv/bin/python benchmarks/placement.py [--lab mdpl] [--points 7] [--runs 3]
-            [--keep-lab]
+            [--keep-lab] [--only homogeneous|heterogeneous]
 
 Brings up a lab of its own (node1 orchestrates a synthetic llama of 24 layers of 23 MB over
 node2 and node3, GGML_NATIVE=OFF as the converged test lab builds; both rpc-servers on one
@@ -131,6 +131,8 @@ def main() -> int:
     parser.add_argument("--points", type=int, default=7)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--keep-lab", action="store_true")
+    parser.add_argument("--only", choices=("homogeneous", "heterogeneous"),
+                        help="run one of the two clusters")
     args = parser.parse_args()
     # SIGTERM (a timeout, `kill`) still takes the lab down in the `finally` below.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -145,14 +147,16 @@ def main() -> int:
                                  tensor_split="auto", ctx=4096)
         text = text.replace("  build:\n", "  build:\n    cmake_flags: [-DGGML_NATIVE=OFF]\n", 1)
         text = with_threads(text, 1, 1)
-        results = [one_cluster(info, folder, "homogeneous", text, args.points, args.runs, False)]
-        try:
-            results.append(one_cluster(info, folder, "heterogeneous", text, args.points,
-                                       args.runs, True))
-        finally:
-            contention.release(info, "node3")
-        for r in results:
-            report(r)
+        # Each cluster is reported as soon as it is measured: a run cut short keeps the first.
+        if args.only != "heterogeneous":
+            report(one_cluster(info, folder, "homogeneous", text, args.points, args.runs, False))
+            sys.stdout.flush()
+        if args.only != "homogeneous":
+            try:
+                report(one_cluster(info, folder, "heterogeneous", text, args.points, args.runs,
+                                   True))
+            finally:
+                contention.release(info, "node3")
     finally:
         if not args.keep_lab:
             handle.down()

@@ -8,7 +8,7 @@ import secrets
 from dataclasses import asdict, dataclass
 
 from meshdeploy import errors
-from meshdeploy.commands import common, options
+from meshdeploy.commands import common, options, rpc_hello
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import registry, shell
@@ -46,24 +46,13 @@ def run(args: Args) -> int:
 
 # rpc-server serves one client at a time: while llama-server holds the connection, a HELLO
 # waits in the backlog. A short timeout turns that into "busy" instead of a hang.
-HELLO = r"""
-import socket, struct, sys
-def recv(s, n):
-    b = b""
-    while len(b) < n:
-        c = s.recv(n - len(b))
-        if not c:
-            raise EOFError
-        b += c
-    return b
+HELLO = rpc_hello.FUNCTIONS + r"""
 try:
     s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2)
 except OSError:
     print("down"); sys.exit()
 try:
-    s.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
-    n = struct.unpack("<Q", recv(s, 8))[0]
-    d = recv(s, n)
+    d = hello(s)
     print("%d.%d.%d" % (d[0], d[1], d[2]))
 except socket.timeout:
     print("busy")

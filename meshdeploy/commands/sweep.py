@@ -18,7 +18,7 @@ import sys
 from datetime import datetime, timezone
 
 from meshdeploy import errors
-from meshdeploy.commands import common, server_api
+from meshdeploy.commands import common, rpc_hello, server_api
 from meshdeploy.config.model import local_address
 from meshdeploy.core import shell
 from meshdeploy.errors import AbortedError, PlanError
@@ -117,12 +117,12 @@ def gpu_layers(argv: list[str]) -> int | None:
 
 # -- the fit ------------------------------------------------------------------------------------
 
-def _rate(fit, held) -> float | None:
-    seconds = fit.seconds(held) if fit is not None else 0.0
+def _rate(fit, held, rtt: tuple[float, ...] = ()) -> float | None:
+    seconds = fit.seconds(held, rtt) if fit is not None else 0.0
     return 1.0 / seconds if seconds > 0 else None
 
 
-def held_out(devices, points: list) -> list[dict]:
+def held_out(devices, points: list, rtt: tuple[float, ...] = ()) -> list[dict]:
     """Each point's tokens/s predicted by a fit of the other points only ({"gen", "prompt"};
     None where the others cannot be fitted), so no prediction has seen what it predicts."""
     from meshdeploy.roles.rpc_cache import speed
@@ -133,11 +133,13 @@ def held_out(devices, points: list) -> list[dict]:
             others = points[:i] + points[i + 1:]
             if len(others) < len(devices):
                 raise ValueError("fewer points than devices")
-            cal = speed.calibrate(devices, "", "", others)
+            cal = speed.calibrate(devices, "", "", others, rtt)
         except ValueError:
             out.append({"gen": None, "prompt": None})
             continue
-        out.append({"gen": _rate(cal.gen, point.bytes), "prompt": _rate(cal.prompt, point.bytes)})
+        # A prompt's round trips are paid per batch, not per token: the prompt fit has none.
+        out.append({"gen": _rate(cal.gen, point.bytes, rtt),
+                    "prompt": _rate(cal.prompt, point.bytes)})
     return out
 
 
@@ -185,9 +187,54 @@ def _measure_split(conn, copy: server_api.Copy, argv: list[str], ts: list[int], 
         copy.stop()
 
 
-def _sweep(conn, sudo: bool, server, key, argv: list[str], splits, runs: int, progress) -> list:
+# One RPC round trip, timed on the orchestrator: HELLO and its reply, on a fresh connection
+# each time, ROUNDS times per worker; the median in seconds, or "-" where none completed. Through the worker's --rpc address, so an SSH forward's
+# own hops are in it. Arguments: ROUNDS, then one address:port per worker.
+_RTT = rpc_hello.FUNCTIONS + r"""
+rounds = int(sys.argv[1])
+for target in sys.argv[2:]:
+    host, port = target.rsplit(":", 1)
+    times = []
+    for _ in range(rounds):
+        try:
+            with socket.create_connection((host, int(port)), timeout=2) as s:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                t = time.perf_counter()
+                hello(s)
+                times.append(time.perf_counter() - t)
+        except (OSError, EOFError):
+            pass
+    times.sort()
+    print(times[len(times) // 2] if times else "-")
+"""
+RTT_ROUNDS = 15
+
+
+def round_trips(conn, cluster, server) -> tuple[float, ...]:
+    """Seconds of one RPC round trip from the orchestrator to each of `server`'s devices (in
+    server_devices order; 0.0 for a local device, and for a worker none was measured to).
+    Run while the deployed server is stopped: an rpc-server answers one client at a time."""
+    devs = cluster.server_devices(server)
+    targets = list(dict.fromkeys(e.target for *_, e in devs if e is not None))
+    if not targets:
+        return tuple(0.0 for _ in devs)
+    out = server_api.run_remote(conn, shell.command("python3", "-c", _RTT, RTT_ROUNDS,
+                                                    *targets))
+    lines = out.split()
+    measured = {}
+    for target, line in zip(targets, lines):
+        try:
+            measured[target] = max(float(line), 0.0)
+        except ValueError:
+            measured[target] = 0.0
+    return tuple(0.0 if e is None else measured.get(e.target, 0.0) for *_, e in devs)
+
+
+def _sweep(conn, sudo: bool, server, key, argv: list[str], splits, runs: int, progress,
+           measure_rtt=None) -> list:
     """Every split measured with the deployed server stopped; that server started again and
-    healthy afterwards, also when a split or the sweep itself fails."""
+    healthy afterwards, also when a split or the sweep itself fails.
+    + measure_rtt: called once the server is stopped (round_trips), before the splits"""
     copy = server_api.Copy(conn, sudo, server, UNIT.format(name=server.name), key)
     odd = copy.refusal(with_split(server_api.local_argv(argv, 1, copy.key_path,
                                                         drop=frozenset()), [1]))
@@ -200,6 +247,9 @@ def _sweep(conn, sudo: bool, server, key, argv: list[str], splits, runs: int, pr
     server_api.run_remote(conn, shell.command("systemctl", "stop", server.unit_name), sudo)
     measured = []
     try:
+        if measure_rtt is not None:
+            progress("timing an RPC round trip to each worker")
+            measure_rtt()
         for i, (ts, _) in enumerate(splits, 1):
             progress(f"split {i}/{len(splits)}: -ts {','.join(map(str, ts))}")
             measured.append(_measure_split(conn, copy, argv, ts, key, server, runs, progress))
@@ -210,8 +260,10 @@ def _sweep(conn, sudo: bool, server, key, argv: list[str], splits, runs: int, pr
     return measured
 
 
-def _fit(labels, build: dict, tensors, shape: dict, splits, measured) -> tuple[dict, list, list]:
-    """(kept entry or {"error": why not}, the rows of every split, the loaded points)."""
+def _fit(labels, build: dict, tensors, shape: dict, splits, measured,
+         rtt: tuple[float, ...] = ()) -> tuple[dict, list, list]:
+    """(kept entry or {"error": why not}, the rows of every split, the loaded points).
+    + rtt: seconds of one RPC round trip to each device (0 for a local one), or () unmeasured"""
     from meshdeploy.roles.rpc_cache import speed
 
     rows, points = [], []
@@ -227,16 +279,15 @@ def _fit(labels, build: dict, tensors, shape: dict, splits, measured) -> tuple[d
         points.append(speed.Point(tuple(row["held_bytes"]), 1.0 / gen,
                                   1.0 / prompt if prompt > 0 else None))
     loaded = [r for r in rows if r["loaded"]]
-    for row, predicted in zip(loaded, held_out(labels, points)):
+    for row, predicted in zip(loaded, held_out(labels, points, rtt)):
         row["predicted"] = predicted
     if not points:
         return {"error": "no split loaded"}, rows, points
     try:
-        # rtt=(): the workers' round trips are not measured yet. Every candidate keeps some
-        # of the model on every device, so their cost is in every point and is carried by the
-        # per-byte times.
+        # Every candidate keeps some of the model on every device, so an unmeasured round
+        # trip's cost is in every point and is carried by the per-byte times.
         cal = speed.calibrate(labels, build.get("commit") or "", speed.model_key(tensors),
-                              points, rtt=())
+                              points, rtt=rtt)
     except ValueError as exc:
         return {"error": str(exc)}, rows, points
     kept = [{k: r[k] for k in ("ts", "layers", "measured", "predicted")} for r in loaded]
@@ -269,8 +320,10 @@ def sweep_server(cluster, server, settings, runs: int, count: int, progress) -> 
             return {**result, "skipped": f"{shape['n_layers']} layers give only {len(splits)} "
                                          f"distinct splits over {len(labels)} devices; "
                                          f"{len(labels) + 1} are needed"}
-        measured = _sweep(conn, sudo, server, key, argv, splits, runs, progress)
-        entry, rows, _ = _fit(labels, build, tensors, shape, splits, measured)
+        rtt: list = []
+        measured = _sweep(conn, sudo, server, key, argv, splits, runs, progress,
+                          lambda: rtt.extend(round_trips(conn, cluster, server)))
+        entry, rows, _ = _fit(labels, build, tensors, shape, splits, measured, tuple(rtt))
         result.update(time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       splits=rows)
         if "error" in entry:

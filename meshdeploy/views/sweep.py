@@ -62,10 +62,12 @@ def _table(splits: list[dict]) -> str:
 
 def _per_gb(devices: list[str], calibration: dict) -> str:
     prompt = calibration.get("prompt") or [None] * len(devices)
-    rows = [[d, f"{g * 1e9:.4g}", "n/a" if q is None else f"{q * 1e9:.4g}"]
-            for d, g, q in zip(devices, calibration["gen"], prompt)]
-    return tabulate(rows, headers=["device", "generation s/GB", "prompt s/GB per token"],
-                    disable_numparse=True)
+    rtt = calibration.get("rtt") or [None] * len(devices)
+    rows = [[d, f"{g * 1e9:.4g}", "n/a" if q is None else f"{q * 1e9:.4g}",
+             "n/a" if r is None else ("local" if r == 0 else f"{r * 1e3:.3f}")]
+            for d, g, q, r in zip(devices, calibration["gen"], prompt, rtt)]
+    return tabulate(rows, headers=["device", "generation s/GB", "prompt s/GB per token",
+                                   "round trip ms"], disable_numparse=True)
 
 
 def best(splits: list[dict]) -> dict | None:

@@ -347,3 +347,64 @@ def test_servers_that_cannot_be_swept_are_skipped_with_the_reason():
     assert notice.splitlines() == [
         "bench --sweep stops llama-server m on node1 for the sweep; starts it again afterwards",
         "llama-server side on mac: skipped, it has 0 devices: there is no split to measure"]
+
+
+class _Conn:
+    """Runs the command run_remote gets here, as the orchestrator's shell would."""
+
+    def run(self, command, **_):
+        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+        return type("R", (), {"exited": done.returncode, "stdout": done.stdout,
+                              "stderr": done.stderr})()
+
+
+def test_round_trips_time_a_hello_to_each_worker_on_the_orchestrator(monkeypatch):
+    """The round-trip script runs for real against a loopback listener that answers HELLO as
+    rpc-server does after `delay` seconds; a worker that does not listen gets 0.0 (not
+    measured), a local device 0.0."""
+    import socket
+    import struct
+    import threading
+    import time
+
+    from types import SimpleNamespace
+
+    delay = 0.02
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                got = b""
+                while len(got) < 33:
+                    chunk = conn.recv(64)
+                    if not chunk:
+                        break
+                    got += chunk
+                assert got[0] == 14
+                time.sleep(delay)
+                conn.sendall(struct.pack("<Q", 3) + bytes([3, 6, 0]))
+
+    threading.Thread(target=serve, daemon=True).start()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]
+    # server_devices' rows: (label, host, device, endpoint); endpoint None: a local device.
+    devices = [("node2:a/CPU", None, "CPU", SimpleNamespace(target=f"127.0.0.1:{port}")),
+               ("node3:b/CPU", None, "CPU", SimpleNamespace(target=f"127.0.0.1:{dead}")),
+               ("node1/CPU", None, "CPU", None)]
+    cluster = SimpleNamespace(server_devices=lambda server: devices)
+    monkeypatch.setattr(sweep, "RTT_ROUNDS", 3)
+    try:
+        rtt = sweep.round_trips(_Conn(), cluster, None)
+    finally:
+        listener.close()
+    assert delay <= rtt[0] < delay + 0.5
+    assert rtt[1:] == (0.0, 0.0)

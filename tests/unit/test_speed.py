@@ -131,7 +131,7 @@ def lab_plan(tmp_path, placement: str, speeds: dict, commit=COMMIT, keep_free_gb
     return cluster, seeding.prepare(cluster, cluster.hosts, LAB, resolved, speeds=speeds)
 
 
-def lab_speeds(tmp_path, per_byte, commit=COMMIT) -> dict:
+def lab_speeds(tmp_path, per_byte, commit=COMMIT, rtt=()) -> dict:
     """A kept calibration for the lab's gemma server, as bench --sweep keeps it."""
     cluster, planned = lab_plan(tmp_path, "memory", {})
     (lay,) = planned.layouts
@@ -139,7 +139,7 @@ def lab_speeds(tmp_path, per_byte, commit=COMMIT) -> dict:
     tensors = [t for row in lay.rows for t in row["tensors"]]
     key = speed.model_key(sorted(tensors, key=lambda t: t.offset))
     return {"main": speed.Calibration(tuple(devices), commit, key, speed.Fit(tuple(per_byte)),
-                                      speed.Fit(tuple(v / 8 for v in per_byte)), 7, (),
+                                      speed.Fit(tuple(v / 8 for v in per_byte)), 7, tuple(rtt),
                                       "2026-11-26T23:00:00+00:00").to_json()}
 
 
@@ -250,3 +250,34 @@ def test_the_nonnegative_fit_meets_its_optimality_conditions():
         gradient = a.T @ (y - a @ x)
         assert (x >= 0).all()
         assert all(abs(g) < 1e-8 if v > 0 else g < 1e-8 for g, v in zip(gradient, x))
+
+
+def test_a_much_slower_device_is_named_while_the_split_ignores_it(tmp_path, headers):
+    speeds = lab_speeds(tmp_path, (9e-10, 3e-10))
+    _, memory = lab_plan(tmp_path, "memory", speeds)
+    assert "servers.main: node2:50052/CPU generates 3.0x slower per GB of weights than " \
+           "node3:50052/CPU, and the split by memory does not know it (placement: auto does)" \
+        in memory.notes, memory.notes
+    _, auto = lab_plan(tmp_path, "auto", speeds)
+    assert not any("slower per GB" in n for n in auto.notes), auto.notes
+    _, alike = lab_plan(tmp_path, "memory", lab_speeds(tmp_path, (4e-10, 3e-10)))
+    assert not any("slower per GB" in n for n in alike.notes), alike.notes
+
+
+def test_the_plan_says_when_another_orchestrator_would_be_faster(tmp_path, headers):
+    """node2 is fast but 30 ms away, node3 slow and near: from node1 the best split pays
+    node2's round trips every token; served from node2 they go."""
+    far = lab_speeds(tmp_path, (3e-10, 9e-10), rtt=(0.03, 0.0005))
+    _, planned = lab_plan(tmp_path, "auto", far)
+    (note,) = [n for n in planned.notes if "serving it from" in n]
+    (lay,) = planned.layouts
+    assert note.startswith("servers.main: serving it from node2 would give ~")
+    assert f"(from node1: ~{lay.speed.gen_tps:.2f} at best): node2's round trips of 30.0 ms go" \
+        in note
+    there = float(note.split("~")[1].split()[0])
+    assert there > 1.5 * lay.speed.gen_tps
+    # Near, the same speeds move nothing.
+    _, near = lab_plan(tmp_path, "auto", lab_speeds(tmp_path, (3e-10, 9e-10),
+                                                    rtt=(0.0005, 0.0005)))
+    assert not any("serving it from" in n for n in near.notes), near.notes
+

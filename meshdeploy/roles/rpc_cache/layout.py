@@ -115,6 +115,9 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
     keep = [h.keep_free for _, h, _, _ in devs]
     split, notes = _for_speed(server, cal, why, labels, shape, kv_layer, memory, keep, fit,
                               placement)
+    if cal is not None and None not in memory:
+        notes += _advice(server, cal, devs, shape, kv_layer, memory, keep,
+                         placement if split is None else None)
     if split is not None:
         placement = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
         fit = fits(placement, shape, kv_layer, usable)
@@ -191,6 +194,71 @@ def _for_speed(server, cal, why: str, labels, shape: dict, kv_layer: list[int], 
                   f"measured {cal.measured_at or '(unknown time)'}"]
 
 
+def _capacity(memory, keep) -> list[int]:
+    """Bytes each device may give a server's layers, KV and output."""
+    return [max(m.usable - d.rpc_cache_compute_headroom_bytes - k, 0)
+            for m, k in zip(memory, keep)]
+
+
+def _best_rate(cal, shape: dict, kv_layer: list[int], capacity: list[int]):
+    """(the generation tok/s of the fastest split that fits `capacity`, its -ts counts), or
+    None when none fits."""
+    counts = speed.fastest_counts(cal, shape, kv_layer, capacity)
+    if counts is None:
+        return None
+    return cal.gen_rate(speed.held_bytes(
+        place(shape["n_layers"], list(cal.devices), list(counts), None), shape)), counts
+
+
+SLOWER = 2.0  # a device this many times slower per GB than another is named in the plan
+
+
+def _advice(server, cal, devs, shape: dict, kv_layer: list[int], memory, keep,
+            current) -> list[str]:
+    """What no split can change, said with the measured speeds: another host would serve the
+    model faster (its devices' round trips go, the orchestrator's come), the orchestrator
+    alone would, or one device is much slower per GB than another.
+    + current: the split the plan keeps (memory or the file's tensor_split), or None when
+      placement: auto chose it by speed (the two notes about the split itself are then moot)"""
+    where = f"servers.{server.name}"
+    need = max(BETTER, 1 + cal.error)
+    capacity = _capacity(memory, keep)
+    here = _best_rate(cal, shape, kv_layer, capacity)
+    out = []
+    if here is None:
+        return []
+    now = here[0] if current is None else cal.gen_rate(speed.held_bytes(current, shape))
+    if current is not None:
+        local = [c if endpoint is None else 0 for c, (*_, endpoint) in zip(capacity, devs)]
+        alone = _best_rate(cal, shape, kv_layer, local) if any(local) else None
+        if alone is not None and alone[0] >= need * now:
+            out.append(f"{where}: {server.model} fits on {server.host} alone: ~{alone[0]:.2f} "
+                       f"tok/s without workers (as planned: ~{now:.2f}), from the device speeds "
+                       f"measured {cal.measured_at or '(unknown time)'}")
+    rtt = list(cal.rtt) or [0.0] * len(devs)
+    if any(rtt):
+        for name in dict.fromkeys(h.name for _, h, _, e in devs if e is not None):
+            link = max(r for r, (_, h, _, e) in zip(rtt, devs) if e is not None and h.name == name)
+            moved = [0.0 if h.name == name else (link if e is None else r)
+                     for r, (_, h, _, e) in zip(rtt, devs)]
+            there = _best_rate(replace(cal, rtt=tuple(moved)), shape, kv_layer, capacity)
+            if there is not None and there[0] >= need * here[0]:
+                out.append(f"{where}: serving it from {name} would give ~{there[0]:.2f} tok/s "
+                           f"(from {server.host}: ~{here[0]:.2f} at best): {name}'s round trips "
+                           f"of {link * 1e3:.1f} ms go, from the device speeds and round trips "
+                           f"measured {cal.measured_at or '(unknown time)'}")
+    per_gb = [(p, label) for p, (label, *_) in zip(cal.gen.per_byte, devs) if p > 0]
+    if current is not None and len(per_gb) > 1:
+        slow, fast = max(per_gb), min(per_gb)
+        if slow[0] >= SLOWER * fast[0]:
+            out.append(f"{where}: {slow[1]} generates {slow[0] / fast[0]:.1f}x slower per GB "
+                       f"of weights than {fast[1]}, and the split by memory does not know it "
+                       "(placement: auto does)" if server.tensor_split == "auto" else
+                       f"{where}: {slow[1]} generates {slow[0] / fast[0]:.1f}x slower per GB "
+                       f"of weights than {fast[1]}")
+    return out
+
+
 def current_calibration(measured: dict | None, labels, commit: str | None, tensors):
     """(the kept speed.Calibration if it still holds for these devices, build and model, why
     not otherwise)."""
@@ -220,9 +288,7 @@ def _speed_split(server, cal, why: str, shape: dict, kv_layer: list[int], memory
         return None, [f"{where}: placement auto splits by memory: n_gpu_layers "
                       f"{server.n_gpu_layers} keeps layers on the orchestrator's CPU, which "
                       "the speed model does not place"]
-    capacity = [max(m.usable - d.rpc_cache_compute_headroom_bytes - k, 0)
-                for m, k in zip(memory, keep)]
-    counts = speed.fastest_counts(cal, shape, kv_layer, capacity)
+    counts = speed.fastest_counts(cal, shape, kv_layer, _capacity(memory, keep))
     if counts is None:
         return None, [f"{where}: placement auto splits by memory: no split fits the devices' "
                       "free memory by the speed model's count"]
