@@ -67,7 +67,14 @@ _RPC = ('printf \'rpc %s %s %s\\n\' "$2" "$(systemctl is-active "$3" 2>/dev/null
 _SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/dev/null)" '
            '"$(curl -s -o /dev/null -w \'%{http_code}\' --max-time 5 "$3/health")"; '
            'printf \'models %s %s\\n\' "$1" '
-           '"$(curl -s --max-time 5 "$3/v1/models" | tr -d \'\\n\')"')
+           '"$(curl -s --max-time 5 "$3/v1/models" | tr -d \'\\n\')"; '
+           # /metrics takes the API key where there is one, if the login user may read its
+           # file: on curl's standard input (-H @-), never on a command line `ps` shows.
+           'printf \'metrics %s %s\\n\' "$1" "$({ [ -n "$4" ] && [ -r "$4" ] && '
+           'printf \'Authorization: Bearer %s\\n\' "$(cat "$4")"; } | '
+           'curl -s --max-time 5 -H @- "$3/metrics" | '
+           'sed -n \'s/^llamacpp:\\(tokens_predicted_total\\|tokens_predicted_seconds_total\\) '
+           '\\([0-9.e+-]*\\)$/\\1=\\2/p\' | tr \'\\n\' \' \')"')
 
 
 # A rootless host's manager answers "is it running" in its own words: md_active UNIT prints
@@ -101,7 +108,8 @@ def host_script(cluster, host, nonce: str = "") -> str:
     for server in (s for s in cluster.servers if s.host == host.name):
         lines.append(shell.subshell(shell.script(server_body,
                                                  args=[server.name, server.unit_name,
-                                                       server.local_url])))
+                                                       server.local_url,
+                                                       server.api_key_file or ""])))
     for name, probe in registry.status_probes(cluster, host):
         lines += [shell.command("printf", f"\\n{ROLE_MARK}%s %s\\n", nonce, name),
                   shell.subshell(probe.script)]
@@ -130,6 +138,25 @@ def role_rows(cluster, host, lines: list[str],
             for name, probe in registry.status_probes(cluster, host)
             for row in probe.parse(parts.get(name, []))]
     return own, rows
+
+
+def generation(body: str) -> dict:
+    """A server row's generation figures from its /metrics counters (`name=value` words):
+    tokens generated since it started and their mean rate; None where /metrics gave none
+    (no --metrics, an API key the login user cannot read, or nothing generated yet)."""
+    values = {}
+    for word in body.split():
+        key, _, value = word.partition("=")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            continue
+    tokens, seconds = (values.get(k) for k in ("tokens_predicted_total",
+                                              "tokens_predicted_seconds_total"))
+    if tokens is None or seconds is None:
+        return {"gen_tps": None, "generated": None}
+    return {"gen_tps": round(tokens / seconds, 2) if tokens and seconds > 0 else None,
+            "generated": int(tokens)}
 
 
 def collect(session) -> list[dict]:
@@ -171,7 +198,13 @@ def collect(session) -> list[dict]:
                              "answer": {"200": "healthy", "503": "loading"}.get(
                                  code, f"HTTP {code or '-'}"),
                              "protocol": proto or None, "model": None,
+                             "gen_tps": None, "generated": None,
                              "healthy": state == "active" and code == "200"})
+            elif kind == "metrics":
+                name, _, body = rest.partition(" ")
+                for row in rows:
+                    if row["host"] == host.name and row["service"] == f"llama-server {name}":
+                        row.update(generation(body))
             elif kind == "models":
                 name, _, body = rest.partition(" ")
                 try:

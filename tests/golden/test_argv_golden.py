@@ -94,7 +94,7 @@ def test_load_mode_falls_back_to_no_mmap_on_older_binaries(lab):
     old = frozenset({"-m", "--host", "--port", "--rpc", "-ngl", "-c", "--no-mmap", "--mmap"})
     argv = llama_server_argv("llama-server", cluster, server, "/m.gguf", flags=old)
     assert argv[-1] == "--no-mmap" and "-lm" not in argv
-    assert llama_server_argv("llama-server", cluster, server, "/m.gguf")[-2:] == ["-lm", "none"]
+    assert llama_server_argv("llama-server", cluster, server, "/m.gguf")[-3:-1] == ["-lm", "none"]
 
 
 def test_load_mode_unknown_to_binary_is_an_error(lab):

@@ -106,7 +106,11 @@ def test_plan_json_counts_remote_commands(converged, cluster_file):
     assert {e["host"] for n in data["network"] for e in n["endpoints"]} == {"node2", "node3"}
 
 
-def test_status_all_healthy(converged, cluster_file):
+def test_status_all_healthy(converged, cluster_file, lab):
+    body = json.dumps({"prompt": "One, two,", "n_predict": 8, "temperature": 0})
+    done = lab.run("node1", "curl -sf http://127.0.0.1:8080/completion "
+                            f"-H 'Content-Type: application/json' -d '{body}'")
+    assert done.returncode == 0, done.stderr
     proc = meshdeploy("status", cluster_file, "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(proc.stdout)
@@ -116,6 +120,8 @@ def test_status_all_healthy(converged, cluster_file):
     assert all(r["healthy"] for r in rows)
     server = next(r for r in rows if r["service"] == "llama-server main")
     assert server["model"] and "gemma" in server["model"]
+    # From llama-server's own /metrics: the tokens generated since it started, at a rate.
+    assert server["generated"] >= 8 and server["gen_tps"] > 0, server
 
 
 def test_a_pyinfra_deploy_reuses_two_roles(converged, cluster_file, lab, tmp_path):

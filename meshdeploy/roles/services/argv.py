@@ -14,6 +14,7 @@ from meshdeploy.errors import PlanError
 UPSTREAM_FLAGS = frozenset({
     "-m", "--model", "--host", "--port", "--rpc", "-ngl", "--gpu-layers", "--n-gpu-layers",
     "-ts", "--tensor-split", "-c", "--ctx-size", "--api-key-file", "-lm", "--load-mode",
+    "--metrics",
 })
 
 # For binaries without -lm: the older flags that give the same loading behaviour.
@@ -81,6 +82,10 @@ def llama_server_argv(binary: str, cluster: Cluster, server: Server, model_path:
         argv += [opt("--api-key-file"), server.api_key_file]
     if server.load_mode is not None:
         argv += load_mode_args(server, known, binary)
+    # /metrics (Prometheus text; behind the API key when there is one): `status` reads each
+    # server's tokens/s from it. A binary without the flag still serves, without the figure.
+    if "--metrics" in known and "--metrics" not in server.extra_args:
+        argv.append("--metrics")
     argv += list(server.extra_args)
     return argv
 

@@ -1,0 +1,131 @@
+"""`status` reads each llama-server's generation rate from its /metrics: the host script runs
+for real (sh, curl, sed) against a loopback HTTP server that answers as llama-server does,
+refusing /metrics without the API key when one is set; the key travels on curl's standard
+input, never in an argument."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from meshdeploy.commands import status
+from meshdeploy.config.load import load_cluster
+from meshdeploy.roles.services.argv import llama_server_argv
+from meshdeploy.views import status as view
+
+ROOT = Path(__file__).resolve().parents[2]
+METRICS = """# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 512
+# HELP llamacpp:tokens_predicted_seconds_total Total time spent generating tokens
+# TYPE llamacpp:tokens_predicted_seconds_total counter
+llamacpp:tokens_predicted_seconds_total 16
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 0
+"""
+KEY = "s3cret-key"
+
+
+@pytest.fixture
+def server():
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            if self.path == "/health":
+                body, code = b'{"status":"ok"}', 200
+            elif self.headers.get("Authorization") != f"Bearer {KEY}":
+                body, code = b'{"error":"Invalid API Key"}', 401
+            elif self.path == "/metrics":
+                body, code = METRICS.encode(), 200
+            else:
+                body, code = b'{"data":[{"id":"gemma"}]}', 200
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd.server_address[1], seen
+    httpd.shutdown()
+
+
+def probe(tmp_path, port: int, key_file: Path | None) -> list[str]:
+    text = (ROOT / "inventories" / "lab.yaml").read_text().replace("    port: 8080\n",
+                                                                  f"    port: {port}\n")
+    if key_file is not None:
+        text = text.replace("    ctx_size: 2048\n",
+                            f"    ctx_size: 2048\n    api_key_file: {key_file}\n")
+    path = tmp_path / "lab.yaml"
+    path.write_text(text)
+    cluster = load_cluster(path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "systemctl").write_text("#!/bin/sh\necho active\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    done = subprocess.run(["sh", "-c", status.host_script(cluster, cluster.host("node1"))],
+                          capture_output=True, text=True, env=env, timeout=60)
+    return done.stdout.splitlines()
+
+
+def test_the_rate_comes_from_metrics_with_the_key_on_stdin(server, tmp_path):
+    port, seen = server
+    key_file = tmp_path / "api-key"
+    key_file.write_text(KEY + "\n")
+    lines = probe(tmp_path, port, key_file)
+    (line,) = [line for line in lines if line.startswith("metrics ")]
+    assert status.generation(line.split(" ", 2)[2]) == {"gen_tps": 32.0, "generated": 512}
+    assert ("/metrics", f"Bearer {KEY}") in seen
+
+
+def test_without_the_key_there_is_no_rate_and_no_error(server, tmp_path):
+    port, seen = server
+    unreadable = tmp_path / "nowhere" / "api-key"
+    lines = probe(tmp_path, port, unreadable)
+    (line,) = [line for line in lines if line.startswith("metrics ")]
+    assert status.generation(line.split(" ", 2)[2]) == {"gen_tps": None, "generated": None}
+    assert ("/metrics", None) in seen  # asked, refused: 401
+
+
+def test_the_key_is_never_an_argument(tmp_path):
+    """What `ps` could show: the script's text passes the key file's path only."""
+    text = (ROOT / "inventories" / "lab.yaml").read_text().replace(
+        "    ctx_size: 2048\n", "    ctx_size: 2048\n    api_key_file: /etc/key\n")
+    (tmp_path / "lab.yaml").write_text(text)
+    cluster = load_cluster(tmp_path / "lab.yaml")
+    script = status.host_script(cluster, cluster.host("node1"))
+    assert "-H @-" in script and "Bearer" in script and "/etc/key" in script
+
+
+def test_nothing_generated_yet_is_no_rate():
+    assert status.generation("tokens_predicted_total=0 tokens_predicted_seconds_total=0") == \
+        {"gen_tps": None, "generated": 0}
+
+
+def test_the_text_view_shows_the_rate_and_its_tokens():
+    rows = [{"host": "node1", "service": "llama-server main", "unit": "active",
+             "answer": "healthy", "protocol": "3.0.0", "model": "gemma", "gen_tps": 32.0,
+             "generated": 512, "healthy": True}]
+    text = view.render_text(rows)
+    assert text.splitlines()[0].split() == ["host", "service", "unit", "answer", "protocol",
+                                            "model", "gen", "t/s", "healthy"]
+    assert "32.00 (512 tokens)" in text
+
+
+def test_llama_server_serves_metrics_once():
+    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    argv = llama_server_argv("/opt/llama-server", cluster, cluster.servers[0], "/m.gguf")
+    assert argv.count("--metrics") == 1
+    older = llama_server_argv("/opt/llama-server", cluster, cluster.servers[0], "/m.gguf",
+                              flags=frozenset({"-m", "--host", "--port", "--rpc", "-ngl", "-c"}))
+    assert "--metrics" not in older
