@@ -21,21 +21,15 @@ from meshdeploy.commands.server_api import (
     SEED,
     WARMUP,
     Api,
-    Copy,
     build_of,
+    compare_local,
     connect,
-    free_port,
-    local_argv,
     measure,
-    model_files,
     read_key,
     rootless_prefix,
-    run_remote,
-    running_argv,
 )
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import local_address
-from meshdeploy.core import shell
 from meshdeploy.errors import PlanError
 from meshdeploy.remote import ssh_settings
 from meshdeploy.remote.ssh_settings import SshSettings
@@ -74,54 +68,6 @@ class Args(options.Arguments):
     auto_approve: bool
     json: bool
     accept_new_host_keys: bool
-
-
-LOCAL_UNIT = "meshdeploy-bench-{name}"
-# Memory a llama-server needs besides the model's bytes (context, compute buffers): a rough,
-# documented margin for the "does it fit" check.
-LOCAL_MARGIN = 512 << 20
-
-
-def fits(model_bytes: int, available_bytes: int) -> tuple[bool, str]:
-    """Whether a second copy of the model fits beside what runs: the model's bytes plus
-    LOCAL_MARGIN against MemAvailable (system memory only: GPU memory is not checked)."""
-    gib = 1 << 30
-    need = model_bytes + LOCAL_MARGIN
-    text = (f"model {model_bytes / gib:.2f} GiB + {LOCAL_MARGIN >> 20} MiB margin, "
-            f"{available_bytes / gib:.2f} GiB available")
-    return need <= available_bytes, text
-
-
-_MEMINFO = "sed -n 's/^MemAvailable: *\\([0-9]*\\) kB$/\\1/p' /proc/meminfo"
-
-
-def compare_local(conn, sudo: bool, server, key: str | None, runs: int, n_predict: int,
-                  progress) -> dict:
-    """The same binary and model, without the workers, on a free loopback port of the
-    orchestrator, as a transient systemd unit (server_api.Copy: stopped afterwards in every
-    case)."""
-    unit = Copy(conn, sudo, server, LOCAL_UNIT.format(name=server.name), key)
-    argv = running_argv(conn, sudo, server)
-    files = model_files(argv)
-    sizes = run_remote(conn, shell.command("stat", "-L", "-c", "%s", "--", *files), sudo)
-    available = int(run_remote(conn, shell.command(shell.Raw(_MEMINFO))).strip() or 0) * 1024
-    ok, why = fits(sum(int(s) for s in sizes.split()), available)
-    if not ok:
-        return {"skipped": f"the model does not fit beside what runs on the host ({why})"}
-    port = free_port(conn)
-    argv = local_argv(argv, port, unit.key_path)
-    odd = unit.refusal(argv)
-    if odd is not None:
-        return {"skipped": odd}
-    try:
-        progress(f"starting {unit.unit} on port {port} (no workers)")
-        unit.start(argv)
-        api = Api(conn, "127.0.0.1", port, key)
-        api.wait_healthy(server.health.retries * server.health.interval + 30)
-        result = measure(api, runs, n_predict, progress)
-    finally:
-        unit.stop()
-    return {**result, "port": port, "fits": why, "argv": argv}
 
 
 # -- the server and its build ------------------------------------------------------------------

@@ -273,3 +273,55 @@ def build_of(conn, api: Api, prefix: str) -> dict:
     except Exception:  # older servers without /props: the manifest says enough
         props = {}
     return {"commit": manifest or None, "info": props.get("build_info")}
+
+
+# -- the orchestrator alone ----------------------------------------------------------------------
+
+# Memory a llama-server needs besides the model's bytes (context, compute buffers): a rough,
+# documented margin for the "does it fit" check.
+LOCAL_MARGIN = 512 << 20
+
+
+def fits(model_bytes: int, available_bytes: int) -> tuple[bool, str]:
+    """Whether a second copy of the model fits beside what runs: the model's bytes plus
+    LOCAL_MARGIN against MemAvailable (system memory only: GPU memory is not checked)."""
+    gib = 1 << 30
+    need = model_bytes + LOCAL_MARGIN
+    text = (f"model {model_bytes / gib:.2f} GiB + {LOCAL_MARGIN >> 20} MiB margin, "
+            f"{available_bytes / gib:.2f} GiB available")
+    return need <= available_bytes, text
+
+
+_MEMINFO = "sed -n 's/^MemAvailable: *\\([0-9]*\\) kB$/\\1/p' /proc/meminfo"
+
+
+LOCAL_UNIT = "meshdeploy-bench-{name}"
+
+
+def compare_local(conn, sudo: bool, server, key: str | None, runs: int, n_predict: int,
+                  progress, argv: list[str] | None = None) -> dict:
+    """The same binary and model, without the workers, on a free loopback port of the
+    orchestrator, as a transient systemd unit (Copy: stopped afterwards in every case).
+    + argv: the deployed server's, when it is stopped (bench --sweep); else read from it"""
+    unit = Copy(conn, sudo, server, LOCAL_UNIT.format(name=server.name), key)
+    argv = running_argv(conn, sudo, server) if argv is None else argv
+    files = model_files(argv)
+    sizes = run_remote(conn, shell.command("stat", "-L", "-c", "%s", "--", *files), sudo)
+    available = int(run_remote(conn, shell.command(shell.Raw(_MEMINFO))).strip() or 0) * 1024
+    ok, why = fits(sum(int(s) for s in sizes.split()), available)
+    if not ok:
+        return {"skipped": f"the model does not fit beside what runs on the host ({why})"}
+    port = free_port(conn)
+    argv = local_argv(argv, port, unit.key_path)
+    odd = unit.refusal(argv)
+    if odd is not None:
+        return {"skipped": odd}
+    try:
+        progress(f"starting {unit.unit} on port {port} (no workers)")
+        unit.start(argv)
+        api = Api(conn, "127.0.0.1", port, key)
+        api.wait_healthy(server.health.retries * server.health.interval + 30)
+        result = measure(api, runs, n_predict, progress)
+    finally:
+        unit.stop()
+    return {**result, "port": port, "fits": why, "argv": argv}

@@ -231,10 +231,11 @@ def round_trips(conn, cluster, server) -> tuple[float, ...]:
 
 
 def _sweep(conn, sudo: bool, server, key, argv: list[str], splits, runs: int, progress,
-           measure_rtt=None) -> list:
+           first=None, last=None) -> list:
     """Every split measured with the deployed server stopped; that server started again and
     healthy afterwards, also when a split or the sweep itself fails.
-    + measure_rtt: called once the server is stopped (round_trips), before the splits"""
+    + first, last: called while the server is stopped, before the splits (round_trips) and
+      after them (the model on the orchestrator alone)"""
     copy = server_api.Copy(conn, sudo, server, UNIT.format(name=server.name), key)
     odd = copy.refusal(with_split(server_api.local_argv(argv, 1, copy.key_path,
                                                         drop=frozenset()), [1]))
@@ -247,12 +248,13 @@ def _sweep(conn, sudo: bool, server, key, argv: list[str], splits, runs: int, pr
     server_api.run_remote(conn, shell.command("systemctl", "stop", server.unit_name), sudo)
     measured = []
     try:
-        if measure_rtt is not None:
-            progress("timing an RPC round trip to each worker")
-            measure_rtt()
+        if first is not None:
+            first()
         for i, (ts, _) in enumerate(splits, 1):
             progress(f"split {i}/{len(splits)}: -ts {','.join(map(str, ts))}")
             measured.append(_measure_split(conn, copy, argv, ts, key, server, runs, progress))
+        if last is not None:
+            last()
     finally:
         progress(f"starting {server.unit_name} on {server.host} again")
         server_api.run_remote(conn, shell.command("systemctl", "start", server.unit_name), sudo)
@@ -294,6 +296,20 @@ def _fit(labels, build: dict, tensors, shape: dict, splits, measured,
     return {**cal.to_json(), "splits": kept}, rows, points
 
 
+def _alone(conn, sudo: bool, server, key, argv: list[str], runs: int, progress) -> dict:
+    """The model on the orchestrator alone, as bench --compare-local runs it, while the
+    deployed server is stopped: {"gen", "prompt"} tokens/s, or {"skipped": why}."""
+    try:
+        result = server_api.compare_local(conn, sudo, server, key, runs, server_api.N_PREDICT,
+                                          progress, argv=argv)
+    except Exception as exc:  # HTTP, SSH channel and socket failures come in many classes
+        return {"skipped": f"{exc} (see `journalctl -u "
+                           f"{server_api.LOCAL_UNIT.format(name=server.name)}`)"}
+    if "skipped" in result:
+        return {"skipped": result["skipped"]}
+    return {m: result["overall"][k]["median"] for m, k in (("gen", "tg"), ("prompt", "pp"))}
+
+
 def sweep_server(cluster, server, settings, runs: int, count: int, progress) -> dict:
     from meshdeploy.engine import speeds
 
@@ -321,14 +337,24 @@ def sweep_server(cluster, server, settings, runs: int, count: int, progress) -> 
                                          f"distinct splits over {len(labels)} devices; "
                                          f"{len(labels) + 1} are needed"}
         rtt: list = []
-        measured = _sweep(conn, sudo, server, key, argv, splits, runs, progress,
-                          lambda: rtt.extend(round_trips(conn, cluster, server)))
+        alone: dict = {}
+
+        def first():
+            progress("timing an RPC round trip to each worker")
+            rtt.extend(round_trips(conn, cluster, server))
+
+        def last():
+            alone.update(_alone(conn, sudo, server, key, argv, runs, progress))
+
+        measured = _sweep(conn, sudo, server, key, argv, splits, runs, progress, first, last)
         entry, rows, _ = _fit(labels, build, tensors, shape, splits, measured, tuple(rtt))
         result.update(time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      splits=rows)
+                      splits=rows, alone=alone)
         if "error" in entry:
             return {**result, "fit_error": entry["error"]}
         entry["measured_at"] = result["time"]
+        if "gen" in alone:
+            entry["alone"] = {k: alone[k] for k in ("gen", "prompt")}
         result["calibration"] = {k: v for k, v in entry.items() if k != "splits"}
         result["kept"] = str(speeds.write(cluster.path, server.name, entry))
         return result

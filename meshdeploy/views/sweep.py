@@ -91,6 +91,12 @@ def _server(r: dict) -> list[str]:
     if top is not None:
         out.append(f"\nBest measured split: -ts {','.join(str(v) for v in top['ts'])} "
                    f"({top['placement']}), tg {top['measured']['gen']:.1f} t/s")
+    alone = r.get("alone") or {}
+    if "gen" in alone:
+        out.append(f"On {r['host']} alone, without workers: tg {alone['gen']:.1f} t/s, "
+                   f"pp {alone['prompt']:.1f} t/s")
+    elif "skipped" in alone:
+        out.append(f"On {r['host']} alone: not measured ({alone['skipped']})")
     if "fit_error" in r:
         out.append(f"No speeds kept: {r['fit_error']}")
         return out

@@ -203,6 +203,13 @@ def test_sweep_fits_each_devices_speed_and_brings_the_server_back(bn_lab, cluste
             predicted = split["predicted"][metric]
             assert isinstance(predicted, float) and predicted > 0, split
     assert len(entry["gen"]) == 2 and all(v >= 0 for v in entry["gen"])
+    # One HELLO round trip to each worker, timed on node1 through the real rpc-servers (a
+    # veth hop in the lab: well under 50 ms), and the model on node1 alone, as
+    # --compare-local runs it.
+    assert len(entry["rtt"]) == 2 and all(0 < r < 0.05 for r in entry["rtt"]), entry["rtt"]
+    assert entry["alone"]["gen"] > 0 and entry["alone"]["prompt"] > 0, server["alone"]
+    assert info.run("node1", "systemctl is-active meshdeploy-bench-main").stdout.strip() \
+        != "active"
     # The copies are gone, and the deployed server answers again, as it was deployed.
     assert info.run("node1", "systemctl is-active meshdeploy-sweep-main").stdout.strip() \
         != "active"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.commands import bench, server_api
+from meshdeploy.commands import server_api
 from meshdeploy.views import bench as report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -166,10 +166,10 @@ def test_model_files_lists_every_part_of_a_split_gguf():
 
 def test_fits_compares_model_and_margin_with_available_memory():
     gib = 1 << 30
-    ok, why = bench.fits(4 * gib, 8 * gib)
+    ok, why = server_api.fits(4 * gib, 8 * gib)
     assert ok and why == "model 4.00 GiB + 512 MiB margin, 8.00 GiB available"
-    assert not bench.fits(4 * gib, 4 * gib + (256 << 20))[0]
-    assert bench.fits(4 * gib, 4 * gib + bench.LOCAL_MARGIN)[0]
+    assert not server_api.fits(4 * gib, 4 * gib + (256 << 20))[0]
+    assert server_api.fits(4 * gib, 4 * gib + server_api.LOCAL_MARGIN)[0]
 
 
 def test_requests_are_deterministic_and_skip_the_prompt_cache():

@@ -408,3 +408,25 @@ def test_round_trips_time_a_hello_to_each_worker_on_the_orchestrator(monkeypatch
         listener.close()
     assert delay <= rtt[0] < delay + 0.5
     assert rtt[1:] == (0.0, 0.0)
+
+
+def test_round_trips_and_the_orchestrator_alone_are_measured_while_the_server_is_stopped(
+        fakes, monkeypatch):
+    monkeypatch.setattr(server_api, "measure", lambda api, runs, n, progress: summary(50.0, 900.0))
+    monkeypatch.setattr(server_api, "Copy", lambda *a: FakeCopy(fakes))
+    sweep._sweep(None, True, Server(), None, RUNNING, sweep.candidates(18, ["a", "b"], 3), 1,
+                 lambda line: None, lambda: fakes.append(("first",)),
+                 lambda: fakes.append(("last",)))
+    order = [e[0] if e[0] != "run" else e[1] for e in fakes]
+    stop, start = order.index("systemctl stop meshdeploy-server-m"), \
+        order.index("systemctl start meshdeploy-server-m")
+    assert stop < order.index("first") < order.index("start copy")
+    assert max(i for i, e in enumerate(order) if e == "stop copy") < order.index("last") < start
+
+
+def test_the_sweep_view_says_what_the_orchestrator_alone_gave():
+    r = result()
+    r["alone"] = {"gen": 61.0, "prompt": 950.0}
+    assert "On node1 alone, without workers: tg 61.0 t/s, pp 950.0 t/s" in view.render_text([r])
+    r["alone"] = {"skipped": "the model does not fit beside what runs on the host"}
+    assert "On node1 alone: not measured (the model does not fit" in view.render_text([r])

@@ -281,3 +281,22 @@ def test_the_plan_says_when_another_orchestrator_would_be_faster(tmp_path, heade
                                                     rtt=(0.0005, 0.0005)))
     assert not any("serving it from" in n for n in near.notes), near.notes
 
+
+
+def test_the_orchestrator_measured_alone_is_weighed_against_the_split(tmp_path, headers):
+    """bench --sweep also runs the model on node1 alone (as --compare-local does): where that
+    was faster than the split the plan keeps, the plan says so with both figures."""
+    speeds = lab_speeds(tmp_path, (9e-10, 3e-10))
+    speeds["main"]["alone"] = {"gen": 60.0, "prompt": 500.0}
+    cal = speed.Calibration.from_json(speeds["main"])
+    assert cal.alone_gen == 60.0 and cal.to_json()["alone"] == {"gen": 60.0}
+    for placement in ("memory", "auto"):
+        _, planned = lab_plan(tmp_path, placement, speeds)
+        (lay,) = planned.layouts
+        (note,) = [n for n in planned.notes if "alone" in n]
+        assert note == ("servers.main: gemma on node1 alone, without workers, generated ~60.00 "
+                        "tok/s in bench --sweep (measured 2026-11-26T23:00:00+00:00); this split "
+                        f"is predicted at ~{lay.speed.gen_tps:.2f}")
+    speeds["main"]["alone"] = {"gen": 1.0}  # slower alone: nothing to say
+    _, planned = lab_plan(tmp_path, "memory", speeds)
+    assert not any("alone" in n for n in planned.notes), planned.notes

@@ -228,7 +228,13 @@ def _advice(server, cal, devs, shape: dict, kv_layer: list[int], memory, keep,
     if here is None:
         return []
     now = here[0] if current is None else cal.gen_rate(speed.held_bytes(current, shape))
-    if current is not None:
+    if cal.alone_gen is not None:
+        if cal.alone_gen >= need * now:
+            out.append(f"{where}: {server.model} on {server.host} alone, without workers, "
+                       f"generated ~{cal.alone_gen:.2f} tok/s in bench --sweep (measured "
+                       f"{cal.measured_at or '(unknown time)'}); this split is predicted at "
+                       f"~{now:.2f}")
+    elif current is not None:
         local = [c if endpoint is None else 0 for c, (*_, endpoint) in zip(capacity, devs)]
         alone = _best_rate(cal, shape, kv_layer, local) if any(local) else None
         if alone is not None and alone[0] >= need * now:

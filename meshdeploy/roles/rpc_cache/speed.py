@@ -70,6 +70,9 @@ class Calibration:
     # The fit's own error: the median of |predicted - measured| / measured over the points,
     # each predicted from a fit of the others (0 with too few points to leave one out).
     error: float = 0.0
+    # The model measured on the orchestrator alone, without workers, by the same sweep:
+    # generation tokens/s (None where it was not: it did not fit, or failed).
+    alone_gen: float | None = None
 
     def matches(self, devices, commit: str, model: str) -> bool:
         return (tuple(devices), commit, model) == (self.devices, self.commit,
@@ -88,7 +91,8 @@ class Calibration:
                 "model": self.model, "points": self.points, "rtt": list(self.rtt),
                 "measured_at": self.measured_at, "held_out_error": self.error,
                 "gen": list(self.gen.per_byte),
-                "prompt": None if self.prompt is None else list(self.prompt.per_byte)}
+                "prompt": None if self.prompt is None else list(self.prompt.per_byte),
+                "alone": None if self.alone_gen is None else {"gen": self.alone_gen}}
 
     @classmethod
     def from_json(cls, data: dict) -> Calibration:
@@ -97,7 +101,16 @@ class Calibration:
         return cls(tuple(data["devices"]), str(data["commit"]), str(data["model"]),
                    fit(data["gen"]), fit(data.get("prompt")), int(data["points"]),
                    tuple(float(v) for v in data.get("rtt", ())), str(data.get("measured_at", "")),
-                   float(data.get("held_out_error", 0.0)))
+                   float(data.get("held_out_error", 0.0)),
+                   _alone(data.get("alone")))
+
+
+def _alone(data) -> float | None:
+    try:
+        gen = float(data["gen"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return gen if gen > 0 else None
 
 
 def model_key(tensors) -> str:
