@@ -102,6 +102,9 @@ class Speed:
     memory_prompt_tps: float | None  # the free memory of a device is not known)
     measured_at: str
     gen_ms_per_gb: list[float] = field(default_factory=list)  # per device, in row order
+    rtt_ms: list[float] = field(default_factory=list)  # per device: a measured round trip (0:
+    # local, or not measured); empty where the sweep timed none
+    alone_gen_tps: float | None = None  # the model measured on the orchestrator alone
 
 
 @dataclass

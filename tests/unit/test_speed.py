@@ -274,6 +274,7 @@ def test_the_plan_says_when_another_orchestrator_would_be_faster(tmp_path, heade
     assert note.startswith("servers.main: serving it from node2 would give ~")
     assert f"(from node1: ~{lay.speed.gen_tps:.2f} at best): node2's round trips of 30.0 ms go" \
         in note
+    assert lay.speed.rtt_ms == [30.0, 0.5]  # plan --json carries the round trips
     there = float(note.split("~")[1].split()[0])
     assert there > 1.5 * lay.speed.gen_tps
     # Near, the same speeds move nothing.
@@ -294,6 +295,7 @@ def test_the_orchestrator_measured_alone_is_weighed_against_the_split(tmp_path, 
         _, planned = lab_plan(tmp_path, placement, speeds)
         (lay,) = planned.layouts
         (note,) = [n for n in planned.notes if "alone" in n]
+        assert lay.speed.alone_gen_tps == 60.0
         assert note == ("servers.main: gemma on node1 alone, without workers, generated ~60.00 "
                         "tok/s in bench --sweep (measured 2026-11-26T23:00:00+00:00); this split "
                         f"is predicted at ~{lay.speed.gen_tps:.2f}")

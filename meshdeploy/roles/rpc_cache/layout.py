@@ -312,7 +312,8 @@ def _predict(cal, placement, memory_placement, shape):
                  memory_gen_tps=_round(cal.gen_rate(base)) if base else None,
                  memory_prompt_tps=_round(cal.prompt_rate(base)) if base else None,
                  measured_at=cal.measured_at,
-                 gen_ms_per_gb=[round(s * 1e12, 3) for s in cal.gen.per_byte])
+                 gen_ms_per_gb=[round(s * 1e12, 3) for s in cal.gen.per_byte],
+                 rtt_ms=[round(r * 1e3, 3) for r in cal.rtt], alone_gen_tps=cal.alone_gen)
 
 
 def _round(v):
