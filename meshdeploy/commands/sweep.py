@@ -218,8 +218,11 @@ def round_trips(conn, cluster, server) -> tuple[float, ...]:
     targets = list(dict.fromkeys(e.target for *_, e in devs if e is not None))
     if not targets:
         return tuple(0.0 for _ in devs)
-    out = server_api.run_remote(conn, shell.command("python3", "-c", _RTT, RTT_ROUNDS,
-                                                    *targets))
+    try:
+        out = server_api.run_remote(conn, shell.command("python3", "-c", _RTT, RTT_ROUNDS,
+                                                        *targets))
+    except server_api.BenchError:  # no python3 there: the fit carries the round trips
+        out = ""
     lines = out.split()
     measured = {}
     for target, line in zip(targets, lines):
