@@ -85,8 +85,7 @@ def one_cluster(info, folder: Path, name: str, text: str, points: int, runs: int
                                   "--auto-approve", "--json"))
     (server,) = swept["servers"]
     _, memory_layers, memory_predicted = layers(path)
-    path.write_text(text.replace("    model: synthetic\n",
-                                 "    model: synthetic\n    placement: auto\n", 1))
+    path.write_text(text.replace("    placement: memory\n", "    placement: auto\n", 1))
     split_by, auto_layers, auto_predicted = layers(path)
     meshdeploy("apply", path, "--auto-approve")
     auto_tps = tg(path, runs)
@@ -146,7 +145,8 @@ def main() -> int:
         text = wire.cluster_yaml(info, served["repo"], served["file"], served["sha256"], False,
                                  tensor_split="auto", ctx=4096)
         text = text.replace("  build:\n", "  build:\n    cmake_flags: [-DGGML_NATIVE=OFF]\n", 1)
-        text = with_threads(text, 1, 1)
+        text = with_threads(text, 1, 1).replace(
+            "    model: synthetic\n", "    model: synthetic\n    placement: memory\n", 1)
         # Each cluster is reported as soon as it is measured: a run cut short keeps the first.
         if args.only != "heterogeneous":
             report(one_cluster(info, folder, "homogeneous", text, args.points, args.runs, False))

@@ -322,7 +322,7 @@ def check_servers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                 spath + ("placement",), "is auto, which chooses the split itself, but "
                 "tensor_split is set too", "remove tensor_split, or set placement: memory to "
                 "keep the split written", at_key=True))
-        elif server.placement == "auto" and not bad_ref and \
+        elif server.placement == "auto" and server.placement_set and not bad_ref and \
                 count_devices(hosts, refs, hosts[server.host]) == 0:
             issues.append(doc.issue(
                 spath + ("placement",), "is auto, but the server has no devices to split across",

@@ -146,6 +146,11 @@ def rpc_refs(data: dict, server: dict) -> tuple[str, ...] | None:
                  for rpc in host["rpc_servers"])
 
 
+def _written(doc: Document, server: str, key: str) -> bool:
+    """Whether the file itself sets servers.SERVER.KEY (not the schema's default)."""
+    return key in ((doc.root.get("servers") or {}).get(server) or {})
+
+
 def build_cluster(doc: Document, data: dict) -> Cluster:
     """The typed model of schema-valid `data`; config_checks.check decides whether it is usable
     (until then an rpc-server on a DNS-named host without a bind has bind None)."""
@@ -177,7 +182,10 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                ctx_size=s["ctx_size"], n_gpu_layers=s["n_gpu_layers"],
                tensor_split=s["tensor_split"] if s["tensor_split"] == "auto"
                else tuple(float(v) for v in s["tensor_split"]),
-               placement=s["placement"], rpc=rpc_refs(data, s), load_mode=unset(s["load_mode"]),
+               placement=s["placement"] if _written(doc, name, "placement") else
+               "auto" if s["tensor_split"] == "auto" else "memory",
+               placement_set=_written(doc, name, "placement"), rpc=rpc_refs(data, s),
+               load_mode=unset(s["load_mode"]),
                api_key_file=unset(s["api_key_file"]), allow=tuple(s["allow"]),
                extra_args=tuple(s["extra_args"]),
                health=Health(s["health"]["retries"], float(s["health"]["interval"])),

@@ -55,7 +55,9 @@ def test_auto_gives_the_faster_worker_more_layers(converged_lab, tmp_path):
                                "layers.gguf", model)
     text = wire.cluster_yaml(info, served["repo"], served["file"], served["sha256"], False,
                              tensor_split="auto", ctx=4096)
-    memory_text = threads(text, 1, 1)
+    default_text = threads(text, 1, 1)
+    memory_text = default_text.replace("    model: synthetic\n",
+                                       "    model: synthetic\n    placement: memory\n", 1)
     hetero = variant(cluster_file, "hetero.yaml", cluster_file.read_text(), memory_text)
     try:
         applied = meshdeploy("apply", hetero, "--auto-approve")
@@ -75,9 +77,10 @@ def test_auto_gives_the_faster_worker_more_layers(converged_lab, tmp_path):
         even = memory["layers"]
         assert abs(even[RPC[0]] - even[RPC[1]]) <= 2, even  # 13 slots: the output takes one
 
-        hetero.write_text(memory_text.replace("    model: synthetic\n",
-                                              "    model: synthetic\n    placement: auto\n", 1))
+        hetero.write_text(memory_text.replace("placement: memory", "placement: auto", 1))
         auto = placed(hetero)
+        hetero.write_text(default_text)  # placement unset: auto is the default
+        assert placed(hetero) == auto
         print(f"split by memory {even}: predicted {memory['speed']['gen_tps']} tok/s; "
               f"placement auto {auto['layers']}: predicted {auto['speed']['gen_tps']} tok/s")
         assert auto["split_by"] == "speed", auto

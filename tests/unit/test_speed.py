@@ -302,3 +302,36 @@ def test_the_orchestrator_measured_alone_is_weighed_against_the_split(tmp_path, 
     speeds["main"]["alone"] = {"gen": 1.0}  # slower alone: nothing to say
     _, planned = lab_plan(tmp_path, "memory", speeds)
     assert not any("alone" in n for n in planned.notes), planned.notes
+
+
+def test_placement_defaults_to_auto_and_is_quiet_until_speeds_are_measured(tmp_path, headers):
+    text = (ROOT / "inventories" / "lab.yaml").read_text()
+    assert "placement" not in text
+    (tmp_path / "lab.yaml").write_text(text)
+    cluster = load_cluster(tmp_path / "lab.yaml")
+    assert cluster.servers[0].placement == "auto" and not cluster.servers[0].placement_set
+    resolved = Resolved(commit=COMMIT, models={
+        name: HfResolved(m.source.repo, "c" * 40, (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),))
+        for i, (name, m) in enumerate(cluster.models.items())})
+    quiet = seeding.prepare(cluster, cluster.hosts, LAB, resolved, speeds={})
+    assert quiet.layouts[0].split_by == "memory"
+    assert not any("placement" in n for n in quiet.notes), quiet.notes
+    measured = seeding.prepare(cluster, cluster.hosts, LAB, resolved,
+                               speeds=lab_speeds(tmp_path, (9e-10, 3e-10)))
+    assert measured.layouts[0].split_by == "speed"
+
+
+def test_an_explicit_tensor_split_wins_over_the_default_and_refuses_an_explicit_auto(tmp_path):
+    from meshdeploy.errors import ConfigError
+
+    text = (ROOT / "inventories" / "lab.yaml").read_text().replace(
+        "    model: gemma\n", "    model: gemma\n    tensor_split: [1, 3]\n", 1)
+    (tmp_path / "lab.yaml").write_text(text)
+    server = load_cluster(tmp_path / "lab.yaml").servers[0]
+    assert server.placement == "memory" and server.tensor_split == (1.0, 3.0)
+    (tmp_path / "lab.yaml").write_text(text.replace(
+        "    model: gemma\n", "    model: gemma\n    placement: auto\n", 1))
+    with pytest.raises(ConfigError) as refused:
+        load_cluster(tmp_path / "lab.yaml")
+    assert "placement: is auto, which chooses the split itself, but tensor_split is set too" \
+        in str(refused.value)

@@ -163,6 +163,8 @@ def _for_speed(server, cal, why: str, labels, shape: dict, kv_layer: list[int], 
     where = f"servers.{server.name}"
     if server.placement == "auto":
         split, notes = _speed_split(server, cal, why, shape, kv_layer, memory, keep)
+        # Why auto split by memory is said where the file asked for auto; the default is quiet.
+        notes = notes if server.placement_set else []
         if split is None:
             return None, notes
         chosen = place(shape["n_layers"], labels, list(split), None, server.n_gpu_layers)
@@ -173,10 +175,10 @@ def _for_speed(server, cal, why: str, labels, shape: dict, kv_layer: list[int], 
                          for f, m, k in zip(fit, memory, keep))
         worth = max(WORTH, 1 + cal.error)
         if gain < worth and admissible:
-            return None, notes + [f"{where}: placement auto keeps the split by memory: no other "
-                                  f"split is predicted {worth - 1:.0%} faster (the best: "
-                                  f"{gain:.2f}x; the measured speeds' own error: "
-                                  f"{cal.error:.0%})"]
+            kept = (f"{where}: placement auto keeps the split by memory: no other split is "
+                    f"predicted {worth - 1:.0%} faster (the best: {gain:.2f}x; the measured "
+                    f"speeds' own error: {cal.error:.0%})")
+            return None, notes + ([kept] if server.placement_set else [])
         return split, notes
     if cal is None or None in memory:
         return None, []
