@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "meanwhile) and keep each device's fitted speed for placement: auto")
     p.add_argument("--points", type=int, metavar="N",
                    help=f"with --sweep: how many splits to measure (default {sweep.POINTS})")
+    p.add_argument("--no-local", action="store_true",
+                   help="with --sweep: do not also run the model on the orchestrator alone")
     options.auto_approve(p)
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     options.host_keys(p)
@@ -65,6 +67,7 @@ class Args(options.Arguments):
     compare_local: bool
     sweep: bool
     points: int | None
+    no_local: bool
     auto_approve: bool
     json: bool
     accept_new_host_keys: bool
@@ -125,6 +128,9 @@ def run(args: Args) -> int:
                         hint="run bench --compare-local and bench --sweep one after the other")
     if args.points is not None and not args.sweep:
         raise PlanError("--points is an option of --sweep", hint="add --sweep, or drop --points")
+    if args.no_local and not args.sweep:
+        raise PlanError("--no-local is an option of --sweep",
+                        hint="add --sweep, or drop --no-local")
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -313,7 +313,8 @@ def _alone(conn, sudo: bool, server, key, argv: list[str], runs: int, progress) 
     return {m: result["overall"][k]["median"] for m, k in (("gen", "tg"), ("prompt", "pp"))}
 
 
-def sweep_server(cluster, server, settings, runs: int, count: int, progress) -> dict:
+def sweep_server(cluster, server, settings, runs: int, count: int, local: bool,
+                 progress) -> dict:
     from meshdeploy.engine import speeds
 
     conn = server_api.connect(settings)
@@ -349,7 +350,8 @@ def sweep_server(cluster, server, settings, runs: int, count: int, progress) -> 
         def last():
             alone.update(_alone(conn, sudo, server, key, argv, runs, progress))
 
-        measured = _sweep(conn, sudo, server, key, argv, splits, runs, progress, first, last)
+        measured = _sweep(conn, sudo, server, key, argv, splits, runs, progress, first,
+                          last if local else None)
         entry, rows, _ = _fit(labels, build, tensors, shape, splits, measured, tuple(rtt))
         result.update(time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       splits=rows, alone=alone)
@@ -395,7 +397,7 @@ def run(args, cluster, servers, progress) -> int:
             settings = ssh_settings.resolve(cluster.host(server.host),
                                             accept_new=args.accept_new_host_keys)
             results.append(sweep_server(cluster, server, settings, args.runs, points,
-                                        progress))
+                                        not args.no_local, progress))
     order = [s.name for s in servers]
     results.sort(key=lambda r: order.index(r["server"]))
     kept = str(speeds.path(cluster.path))

@@ -311,6 +311,7 @@ def test_without_a_terminal_and_auto_approve_the_sweep_is_refused_before_anythin
 @pytest.mark.parametrize("args,message", [
     (["--sweep", "--compare-local"], "--sweep and --compare-local cannot be used together"),
     (["--points", "4"], "--points is an option of --sweep"),
+    (["--no-local"], "--no-local is an option of --sweep"),
     (["--sweep", "--points", "2", "--auto-approve"],
      "--points 2 is too few for server main's 2 devices"),
     (["--sweep", "--json"], "bench --sweep --json cannot ask for confirmation"),
