@@ -115,7 +115,9 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
     keep = [h.keep_free for _, h, _, _ in devs]
     split, notes = _for_speed(server, cal, why, labels, shape, kv_layer, memory, keep, fit,
                               placement)
-    if cal is not None and None not in memory:
+    # The advice needs every device's memory, and every layer on a device the model places.
+    if cal is not None and None not in memory and \
+            not 0 <= server.n_gpu_layers <= shape["n_layers"]:
         notes += _advice(server, cal, devs, shape, kv_layer, memory, keep,
                          placement if split is None else None)
     if split is not None:
@@ -246,7 +248,8 @@ def _advice(server, cal, devs, shape: dict, kv_layer: list[int], memory, keep,
     rtt = list(cal.rtt) or [0.0] * len(devs)
     if any(rtt):
         for name in dict.fromkeys(h.name for _, h, _, e in devs if e is not None):
-            link = max(r for r, (_, h, _, e) in zip(rtt, devs) if e is not None and h.name == name)
+            link = max(r for r, (_, h, _, e) in zip(rtt, devs)
+                       if e is not None and h.name == name)
             moved = [0.0 if h.name == name else (link if e is None else r)
                      for r, (_, h, _, e) in zip(rtt, devs)]
             there = _best_rate(replace(cal, rtt=tuple(moved)), shape, kv_layer, capacity)
