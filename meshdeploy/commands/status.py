@@ -73,8 +73,10 @@ _SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/de
            'printf \'metrics %s %s\\n\' "$1" "$({ [ -n "$4" ] && [ -r "$4" ] && '
            'printf \'Authorization: Bearer %s\\n\' "$(cat "$4")"; } | '
            'curl -s --max-time 5 -H @- "$3/metrics" | '
-           'sed -n \'s/^llamacpp:\\(tokens_predicted_total\\|tokens_predicted_seconds_total\\) '
-           '\\([0-9.e+-]*\\)$/\\1=\\2/p\' | tr \'\\n\' \' \')"')
+           # Two POSIX expressions, not GNU's \| alternation: any host's sed reads them.
+           'sed -n -e \'s/^llamacpp:tokens_predicted_total \\([0-9.e+-]*\\)$/'
+           'tokens_predicted_total=\\1/p\' -e \'s/^llamacpp:tokens_predicted_seconds_total '
+           '\\([0-9.e+-]*\\)$/tokens_predicted_seconds_total=\\1/p\' | tr \'\\n\' \' \')"')
 
 
 # A rootless host's manager answers "is it running" in its own words: md_active UNIT prints
