@@ -1,7 +1,8 @@
 """placement: auto on real hosts whose workers differ in speed: the shared converged lab
 (node1 orchestrates over node2 and node3), both rpc-servers on one thread, node3's sharing its
-core with a busy loop (support.contention: two threads on node2 only crowded the machine's two
-cores and made node2 the slower one), serving a synthetic llama (12 layers of 23 MB, a small
+core with three busy loops (support.contention: two threads on node2 only crowded the machine's
+two cores and made node2 the slower one; with one loop, other work on the machine made the two
+look alike), serving a synthetic llama (12 layers of 23 MB, a small
 output: the layers are what the devices read; gemma's 178 MB output matrix would stay on one
 device in every split).
 
@@ -65,7 +66,7 @@ def test_auto_gives_the_faster_worker_more_layers(converged_lab, tmp_path):
         for host in ("node2", "node3"):
             unit = info.run(host, "systemctl show -p ExecStart --value meshdeploy-rpc-50052")
             assert " -t 1 " in unit.stdout, unit.stdout
-        contention.slow_down(info, "node2", "node3")
+        contention.slow_down(info, "node2", "node3", loops=3)
         # --no-local: the orchestrator alone is test_bench_lab's (here node1's two threads
         # would share a core with the busy loop, at a few tokens/s).
         swept = meshdeploy("bench", hetero, "--sweep", "--points", "4", "--runs", "1",

@@ -16,16 +16,27 @@ def _pid(info, host: str) -> str:
     return pid
 
 
-def slow_down(info, fast: str, slow: str) -> None:
-    """`slow`'s rpc-server shares CPU 1 with a busy loop; `fast`'s has CPU 0 to itself (its
-    threads moved with `taskset -a`; a restart of the unit undoes it)."""
+def slow_down(info, fast: str, slow: str, loops: int = 1) -> None:
+    """`slow`'s rpc-server shares CPU 1 with `loops` busy loops; `fast`'s has CPU 0 to itself
+    (its threads moved with `taskset -a`; a restart of the unit undoes it). More loops leave the
+    slow worker a smaller share of its core, so that other work on the machine, which the
+    scheduler puts on either core, cannot make the two workers look alike."""
     for host, cpu in ((fast, 0), (slow, 1)):
         done = info.run(host, f"taskset -apc {cpu} {_pid(info, host)}", root=True)
         assert done.returncode == 0, done.stderr
-    loop = info.run(slow, f"systemd-run --unit {LOOP} -p CPUAffinity=1 "
-                          "sh -c 'while :; do :; done'", root=True)
-    assert loop.returncode == 0, loop.stderr
+    for unit in _loops(loops):
+        loop = info.run(slow, f"systemd-run --unit {unit} -p CPUAffinity=1 "
+                              "sh -c 'while :; do :; done'", root=True)
+        assert loop.returncode == 0, loop.stderr
+
+
+def _loops(n: int) -> list[str]:
+    return [LOOP] + [f"{LOOP}-{i}" for i in range(2, n + 1)]
 
 
 def release(info, slow: str) -> None:
-    info.run(slow, f"systemctl stop {LOOP}", root=True)
+    """Every loop slow_down may have started (stopping one that is not there is harmless)."""
+    info.run(slow, f"systemctl stop {' '.join(_loops(MAX_LOOPS))}", root=True)
+
+
+MAX_LOOPS = 4
