@@ -1,0 +1,271 @@
+"""One compile per build key (roles/llama_cpp/keys.py): the key, the builder, and the copy.
+
+The copy's scripts run for real here: pack.sh packs a fake build, a local HTTP server stands in
+for the builder's md-share, copy.sh fetches, verifies and unpacks it, and a corrupted tarball is
+refused with one message while nothing is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.server
+import os
+import subprocess
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.errors import ApplyError
+from meshdeploy.roles.llama_cpp import keys
+from meshdeploy.roles.llama_cpp import operations as ops
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+DEBIAN = {"kernel": "Linux", "machine": "x86_64", "distro": "debian", "version": "12",
+          "tools": [], "termux": False}
+
+
+def lab():
+    return load_cluster(ROOT / "inventories" / "lab.yaml")
+
+
+def host_facts(machine="x86_64", libc="glibc 2.36", builds=None, current=None):
+    return {"toolchain.Platform": {**DEBIAN, "machine": machine}, "llama_cpp.Libc": libc,
+            "llama_cpp.Builds": {"current": current, "builds": builds or {}}}
+
+
+def contexts(cluster, facts, replace_=(), failed=()):
+    resolved = Resolved(commit=COMMIT, build_number=11312, replace=tuple(replace_))
+    return {h.name: HostContext(cluster, h, facts[h.name], resolved, cluster_facts=facts,
+                                failed_hosts=frozenset(failed))
+            for h in cluster.hosts}
+
+
+def decisions(cluster, facts, **kw):
+    return {name: keys.decide(ctx) for name, ctx in contexts(cluster, facts, **kw).items()}
+
+
+def same_platform(cluster, **overrides):
+    return {h.name: overrides.get(h.name, host_facts()) for h in cluster.hosts}
+
+
+# -- the key ---------------------------------------------------------------------------------------
+
+def test_hosts_of_one_platform_share_one_portable_key_whatever_their_targets():
+    cluster = lab()
+    got = decisions(cluster, same_platform(cluster))
+    assert len({d.key for d in got.values()}) == 1  # node1 runs llama-server, node2/3 rpc
+    assert all(d.builder == "node1" for d in got.values())
+    assert got["node1"].targets == ("llama-server", "rpc")  # the union, built once
+    assert got["node2"].targets == ("rpc",)
+    assert got["node1"].portable
+    assert "-DGGML_NATIVE=OFF" in ops.build_script(contexts(cluster, same_platform(cluster))[
+        "node1"], got["node1"].key)
+
+
+def test_another_cpu_architecture_or_c_library_makes_another_key_and_keeps_native_flags():
+    cluster = lab()
+    facts = same_platform(cluster, node2=host_facts(machine="aarch64"),
+                          node3=host_facts(libc="glibc 2.31"))
+    got = decisions(cluster, facts)
+    assert len({d.key for d in got.values()}) == 3
+    assert all(d.builder == name and not d.portable for name, d in got.items())
+    # A host alone with its key keeps the flags and key it had before keys were shared.
+    alone = contexts(cluster, facts)["node2"]
+    assert "GGML_NATIVE" not in ops.build_script(alone, got["node2"].key)
+    assert keys.cmake_flags(cluster, cluster.host("node2")) == keys.cmake_flags(
+        cluster, cluster.host("node2"), portable=False)
+
+
+def test_an_unknown_platform_shares_nothing():
+    cluster = lab()
+    facts = same_platform(cluster, node3=host_facts(libc=None))
+    got = decisions(cluster, facts)
+    assert got["node3"].builder == "node3" and got["node3"].members == ("node3",)
+    assert got["node2"].members == ("node1", "node2")
+
+
+def test_the_files_ggml_native_wins_over_the_portable_default():
+    cluster = lab()
+    b = replace(cluster.llama_cpp.build, cmake_flags=("-DGGML_NATIVE=ON",))
+    cluster = replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=b))
+    flags = keys.cmake_flags(cluster, cluster.host("node1"), portable=True)
+    assert "-DGGML_NATIVE=OFF" not in flags and flags[-1] == "-DGGML_NATIVE=ON"
+
+
+def test_without_the_other_hosts_facts_a_host_keeps_the_key_it_runs():
+    cluster = lab()
+    host = cluster.host("node2")
+    portable = keys.build_key(cluster, host, COMMIT, False, keys.platform(host_facts()), True)
+    facts = host_facts(current=portable)
+    ctx = HostContext(cluster, host, facts, Resolved(commit=COMMIT))  # no cluster_facts
+    assert keys.decide(ctx).key == portable
+    ctx.facts["llama_cpp.Builds"]["current"] = None
+    assert keys.decide(ctx).key != portable
+
+
+# -- the builder -----------------------------------------------------------------------------------
+
+def manifest(targets="llama-server ggml-rpc-server"):
+    return {"commit": COMMIT, "rpc_binary": "ggml-rpc-server", "targets": targets}
+
+
+def parallel(cluster):
+    """The lab builds one host at a time (build.serial); most clusters do not."""
+    b = replace(cluster.llama_cpp.build, serial=False)
+    return replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=b))
+
+
+def test_a_host_that_has_the_build_installed_serves_it_instead_of_a_compile():
+    cluster = parallel(lab())
+    key = decisions(cluster, same_platform(cluster))["node1"].key
+    facts = same_platform(cluster, node3=host_facts(builds={key: manifest()}, current=key))
+    got = decisions(cluster, facts)
+    assert got["node1"].builder == "node3" and "installed" in got["node1"].why
+    # One that lacks a binary the key's hosts need (node1's llama-server) is no builder.
+    facts["node3"]["llama_cpp.Builds"]["builds"][key] = manifest(" ggml-rpc-server")
+    assert decisions(cluster, facts)["node1"].builder == "node1"
+
+
+def test_serial_builds_keep_the_first_host_as_builder():
+    cluster = lab()
+    assert cluster.llama_cpp.build.serial
+    key = decisions(cluster, same_platform(cluster))["node1"].key
+    facts = same_platform(cluster, node3=host_facts(builds={key: manifest()}, current=key))
+    assert decisions(cluster, facts)["node2"].builder == "node1"
+
+
+def test_replace_compiles_on_the_named_host():
+    cluster = lab()
+    got = decisions(cluster, same_platform(cluster), replace_=("node2/llama_cpp.build",))
+    assert got["node1"].builder == "node2" and got["node3"].builder == "node2"
+    got = decisions(cluster, same_platform(cluster),
+                    replace_=("node2/llama_cpp.build", "node3/llama_cpp.build"))
+    assert got["node3"].builder == "node3" and got["node3"].members == ("node3",)
+    assert got["node1"].builder == "node2"
+    ctx = contexts(cluster, same_platform(cluster), replace_=("node3/llama_cpp.build",))["node3"]
+    step = ops.build(ctx)
+    assert step.change.action == "replace" and "FORCE=1" in step.commands[0]
+
+
+def test_tunnels_and_forwards_keep_every_host_compiling():
+    cluster = lab()
+    for transport in ("wireguard", "ssh"):
+        other = replace(cluster, network=replace(cluster.network, transport=transport))
+        got = decisions(other, same_platform(other))
+        assert all(d.builder == name and not d.portable for name, d in got.items()), transport
+
+
+def test_a_copy_from_a_builder_whose_build_failed_stops_with_one_message():
+    cluster = lab()
+    ctx = contexts(cluster, same_platform(cluster), failed=("node1",))["node2"]
+    with pytest.raises(ApplyError, match="nothing to copy: the build of .* on node1 failed"):
+        ops.copy(ctx)
+
+
+# -- pack.sh and copy.sh, run for real -------------------------------------------------------------
+
+def fake_build(folder: Path, key: str) -> None:
+    (folder / "bin").mkdir(parents=True)
+    server = folder / "bin" / "llama-server"
+    server.write_text("#!/bin/sh\necho 'version: 1 (0c1e570)'\n")
+    rpc = folder / "bin" / "ggml-rpc-server"
+    rpc.write_text("#!/bin/sh\necho usage\n")
+    for f in (server, rpc):
+        f.chmod(0o755)
+    (folder / "manifest").write_text(
+        f"commit={COMMIT}\nbackend=cpu\nkey={key}\nrpc_binary=ggml-rpc-server\n"
+        "targets=llama-server ggml-rpc-server\nproto=7.0.0\n")
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A folder served over HTTP as md-share serves files: GET /models/NAME."""
+    root = tmp_path / "srv"
+    (root / "models").mkdir(parents=True)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield root / "models", f"http://127.0.0.1:{server.server_address[1]}/models"
+    server.shutdown()
+
+
+def run(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def copy_script(url: str, out: Path, key: str, expect: str = "") -> str:
+    from meshdeploy.core import progress, shell
+    return shell.template(ops.TEMPLATES / "copy.sh", prelude=progress.SHELL,
+                          URL=f"{url}/{key}.tar.gz", SUMURL=f"{url}/{key}.tar.gz.sha256",
+                          EXPECT=expect, OUT=str(out), KEY=key, COMMIT=COMMIT, BUILDER="node1",
+                          HOST="node2", WAIT=4)
+
+
+def pack(build: Path, archive: Path) -> subprocess.CompletedProcess:
+    from meshdeploy.core import shell
+    return run(shell.template(ops.TEMPLATES / "pack.sh", BUILD=str(build), ARCHIVE=str(archive)))
+
+
+def test_a_packed_build_is_copied_verified_and_its_binaries_run(tmp_path, served):
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    fake_build(tmp_path / "b1" / key, key)
+    done = pack(tmp_path / "b1" / key, folder / f"{key}.tar.gz")
+    assert done.returncode == 0, done.stderr
+    digest = hashlib.sha256((folder / f"{key}.tar.gz").read_bytes()).hexdigest()
+    assert (folder / f"{key}.tar.gz.sha256").read_text().strip() == digest
+    out = tmp_path / "b2" / "builds" / key
+    done = run(copy_script(url, out, key, expect=digest))
+    assert done.returncode == 0, done.stderr
+    assert (out / "manifest").read_text().startswith(f"commit={COMMIT}")
+    assert os.access(out / "bin" / "llama-server", os.X_OK)
+    assert not list(out.parent.glob("*.tmp"))
+    # Packing again keeps the archive (and its sha256) the copies are checked against.
+    before = (folder / f"{key}.tar.gz").stat().st_mtime_ns
+    assert pack(tmp_path / "b1" / key, folder / f"{key}.tar.gz").returncode == 0
+    assert (folder / f"{key}.tar.gz").stat().st_mtime_ns == before
+
+
+def test_a_corrupted_archive_is_refused_and_nothing_is_installed(tmp_path, served):
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    fake_build(tmp_path / "b1" / key, key)
+    assert pack(tmp_path / "b1" / key, folder / f"{key}.tar.gz").returncode == 0
+    tarball = folder / f"{key}.tar.gz"
+    data = bytearray(tarball.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tarball.write_bytes(bytes(data))
+    out = tmp_path / "b2" / "builds" / key
+    done = run(copy_script(url, out, key))
+    assert done.returncode == 1
+    assert f"node2: refused the copy of build {key} from node1: its sha256 is" in done.stderr
+    assert "current is unchanged" in done.stderr
+    assert not out.exists() and not list(out.parent.iterdir())
+
+
+def test_a_builder_that_never_serves_ends_the_wait_with_one_message(tmp_path, served):
+    _, url = served
+    out = tmp_path / "builds" / "k"
+    done = run(copy_script(url, out, "k"))
+    assert done.returncode == 1
+    assert "node1 did not serve build k within 4 s" in done.stderr
+
+
+def test_md_shares_port_opens_on_the_builder_to_its_copiers_alone():
+    from meshdeploy.roles.network import rules
+
+    cluster = lab()
+    facts = same_platform(cluster)
+    copiers = keys.copiers(cluster, cluster.hosts, facts, COMMIT)
+    assert copiers == {"node1": ("node2", "node3")}
+    assert rules.allowlist(cluster, cluster.host("node1"), copiers["node1"])["29180"] == [
+        "lo", "10.200.0.12/31"]  # node2 and node3, merged
+    assert "29180" not in rules.allowlist(cluster, cluster.host("node2"))
+    assert keys.copiers(cluster, cluster.hosts, facts, None) == {}
