@@ -239,11 +239,12 @@ def test_a_corrupted_archive_is_refused_and_nothing_is_installed(tmp_path, serve
     fake_build(tmp_path / "b1" / key, key)
     assert pack(tmp_path / "b1" / key, folder / f"{key}.tar.gz").returncode == 0
     tarball = folder / f"{key}.tar.gz"
+    computed = (folder / f"{key}.tar.gz.sha256").read_text().strip()
     data = bytearray(tarball.read_bytes())
     data[len(data) // 2] ^= 0xFF
     tarball.write_bytes(bytes(data))
     out = tmp_path / "b2" / "builds" / key
-    done = run(copy_script(url, out, key))
+    done = run(copy_script(url, out, key, expect=computed))
     assert done.returncode == 1
     assert f"node2: refused the copy of build {key} from node1: its sha256 is" in done.stderr
     assert "current is unchanged" in done.stderr
@@ -269,3 +270,91 @@ def test_md_shares_port_opens_on_the_builder_to_its_copiers_alone():
         "lo", "10.200.0.12/31"]  # node2 and node3, merged
     assert "29180" not in rules.allowlist(cluster, cluster.host("node2"))
     assert keys.copiers(cluster, cluster.hosts, facts, None) == {}
+
+
+def test_a_builder_without_python3_gets_it_for_md_share():
+    from meshdeploy.roles.toolchain import operations as toolchain
+
+    cluster = lab()
+    facts = same_platform(cluster)
+    copiers = keys.copiers(cluster, cluster.hosts, facts, COMMIT)
+    installed = {p: True for p in toolchain.wanted_packages(cluster, "apt", cluster.host("node1"))}
+    for tools, wanted in ((["apt-get", "python3"], False), (["apt-get"], True)):
+        node1 = {**facts["node1"], "toolchain.DebPackages": installed,
+                 "toolchain.Platform": {**DEBIAN, "tools": tools}}
+        ctx = HostContext(cluster, cluster.host("node1"), node1,
+                          Resolved(commit=COMMIT, build_copiers=copiers))
+        step = toolchain.packages(ctx)
+        assert ("python3" in "\n".join(step.commands)) is wanted, step.commands
+
+
+def test_apply_never_copies_without_the_sha256_the_builder_computed():
+    cluster = lab()
+    ctx = contexts(cluster, same_platform(cluster))["node2"]
+    assert ops.copy(ctx).commands == []  # a plan: known after apply
+    ctx.run_command = lambda command: (True, [])  # apply: node1's tarball must be known now
+    with pytest.raises(ApplyError, match="node2: node1 has no tarball of build"):
+        ops.copy(ctx)
+
+
+def test_a_builder_packs_an_installed_build_once_copiers_appear():
+    cluster = lab()
+    key = decisions(cluster, same_platform(cluster))["node1"].key
+    facts = same_platform(cluster, node1=host_facts(builds={key: manifest()}, current=key))
+    step = ops.build(contexts(cluster, facts)["node1"])
+    assert step.change.action == "update" and "pack" in step.change.reason
+    assert len(step.commands) == 1 and "cmake" not in step.commands[0]
+    facts["node1"]["llama_cpp.Builds"]["builds"][key]["archive"] = f"{'a' * 64} 10"
+    assert ops.build(contexts(cluster, facts)["node1"]).noop
+
+
+def test_a_tarball_served_with_another_sha256_than_computed_is_not_fetched(tmp_path, served):
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    fake_build(tmp_path / "b1" / key, key)
+    assert pack(tmp_path / "b1" / key, folder / f"{key}.tar.gz").returncode == 0
+    out = tmp_path / "b2" / "builds" / key
+    done = run(copy_script(url, out, key, expect="b" * 64))
+    assert done.returncode == 1
+    assert f"node2: node1 serves build {key} with sha256" in done.stderr
+    assert not out.exists()
+
+
+def test_apply_reads_the_builders_new_sha256_back_before_a_copy():
+    """execute.apply.Run: once node1's llama_cpp.build ran, node2's llama_cpp.copy re-reads
+    node1's Builds fact (rereads_peers) and checks its copy against the sha256 found there."""
+    from types import SimpleNamespace
+
+    from meshdeploy.core import registry
+    from meshdeploy.core.plan import Plan
+    from meshdeploy.engine.planner import Planned
+    from meshdeploy.execute.apply import Run
+
+    cluster = lab()
+    facts = same_platform(cluster)
+    key = decisions(cluster, facts)["node1"].key
+    packed = {"current": key, "builds": {key: {**manifest(), "key": key,
+                                               "archive": f"{'c' * 64} 4096"}}}
+    asked = []
+
+    class Pyhost:
+        def __init__(self, name):
+            self.name = name
+
+        def get_fact(self, fact, **kwargs):
+            asked.append((self.name, fact.__name__))
+            return packed
+
+    session = SimpleNamespace(cluster=cluster, hosts=lambda: list(cluster.hosts), departed=(),
+                              pyhosts={h.name: Pyhost(h.name) for h in cluster.hosts},
+                              state=SimpleNamespace(failed_hosts=()))
+    planned = Planned(Plan("lab", "lab.yaml", "c" * 64, {}, [], []),
+                      Resolved(commit=COMMIT, build_number=11312), facts, None)
+    run = Run(session, planned, progress=None)
+    build, copy = registry.resource("llama_cpp.build"), registry.resource("llama_cpp.copy")
+    for h in ("node1", "node2", "node3"):
+        run.step(h, build, None)
+    step = run.step("node2", copy, None)
+    assert asked == [("node1", "Builds")]  # node1 alone ran its build step
+    assert f"EXPECT={'c' * 64}\n" in step.commands[0]
+    assert run.step("node3", copy, None).commands and asked == [("node1", "Builds")]

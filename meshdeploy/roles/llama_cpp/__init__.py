@@ -45,6 +45,8 @@ ROLE = Role(
                  serial=lambda cluster: cluster.llama_cpp.build.serial, replaceable=True),
         # After every host's build: the build it copies is finished (keys.py says who copies).
         Resource("copy", lambda ctx, key: ops.copy(ctx),
-                 "a build another host of its build key compiled, copied and verified"),
+                 "a build another host of its build key compiled, copied and verified",
+                 # The builder's new tarball and its sha256, which the copy is checked against.
+                 rereads=(("llama_cpp.build", "llama_cpp.Builds"),), rereads_peers=True),
     ),
 )

@@ -25,7 +25,9 @@ only its own); a plan without the other hosts' facts (a pyinfra deploy calling o
 keeps whichever of the two keys its host runs now.
 
 Who compiles. Per key one builder; the others copy its installed build (llama_cpp.copy), so a
-key costs one compile. The builder is, in this order: a host that `-replace=HOST/llama_cpp.build`
+key costs one compile. The builder packs it (a tarball and its sha256); apply reads that sha256
+back from the builder over SSH and each copy is checked against it, so a copy never trusts what
+the LAN alone says. The builder is, in this order: a host that `-replace=HOST/llama_cpp.build`
 names (it compiles anyway); a host that already has the build installed with every binary the
 key's hosts need (no compile at all), unless llama_cpp.build.serial (one host at a time in file
 order: the build that the others copy must come first); else the first host of the key in file

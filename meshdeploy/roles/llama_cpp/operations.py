@@ -199,13 +199,21 @@ def build(ctx: HostContext) -> Step:
         return Step(ctx.change(ROLE, "build", "no-op",
                                f"{decision.builder} compiles {key} ({decision.why}); "
                                "llama_cpp.copy copies it here"))
+    lacking = _lacking(ctx, decision)
+    pack = [pack_script(ctx, key)] if lacking else []
     if not forced and keys.covers(installed, decision.targets):
-        if current == key:
+        unpacked = pack and _archive_of(ctx, host.name, key) is None
+        if current == key and not unpacked:
             return Step(ctx.change(ROLE, "build", "no-op", f"{key} built and current"),
                         build=BuildOutcome(key, changed=False))
+        if current == key:
+            return Step(ctx.change(ROLE, "build", "update",
+                                   f"pack {key} for {', '.join(lacking)} to copy (no compile)",
+                                   [AttrDiff("tarball", None, key, known_after_apply=True)]),
+                        pack, sudo=root, build=BuildOutcome(key, changed=False))
         return Step(ctx.change(ROLE, "build", "update", "switch to an existing build (no compile)",
                                [AttrDiff("current", current, key)]),
-                    [activate_script(ctx, key)], sudo=root,
+                    [activate_script(ctx, key), *(pack if unpacked else [])], sudo=root,
                     build=BuildOutcome(key, changed=True))
     diffs = [AttrDiff("commit", current_commit and current_commit[:12], commit[:12],
                       forces_replacement=bool(current)),
@@ -224,8 +232,26 @@ def build(ctx: HostContext) -> Step:
                            diffs),
                 [inflight.guarded("llama_cpp.build", build_script(ctx, key, decision, forced),
                                   host.layout),
-                 activate_script(ctx, key)],
+                 activate_script(ctx, key), *pack],
                 sudo=root, build=BuildOutcome(key, changed=True))
+
+
+def pack_script(ctx: HostContext, key: str) -> str:
+    """pack.sh: the tarball of installed build `key` and its sha256, for the hosts that copy it
+    (their copies are checked against that sha256, which apply reads back from this host)."""
+    return shell.template(TEMPLATES / "pack.sh", BUILD=installed_build(ctx.prefix, key),
+                          ARCHIVE=archive(ctx.prefix, key))
+
+
+def _lacking(ctx: HostContext, decision: keys.Decision) -> list[str]:
+    """The hosts that copy this builder's build and lack it (none where this host copies)."""
+    if decision.builder != ctx.host.name:
+        return []
+    cluster = ctx.cluster
+    return [m for m in decision.copiers()
+            if not keys.covers(((ctx.fact_of(m, "llama_cpp.Builds") or {}).get("builds")
+                                or {}).get(decision.key),
+                               keys.targets(cluster, cluster.host(m)))]
 
 
 def _archive_of(ctx: HostContext, builder: str, key: str) -> tuple[str, int] | None:
@@ -262,6 +288,11 @@ def copy(ctx: HostContext) -> Step:
                          hint=f"fix {builder}'s llama_cpp.build, or compile here with "
                               f"-replace={host.name}/llama_cpp.build")
     seen = _archive_of(ctx, builder, decision.key)
+    if seen is None and ctx.run_command is not None:  # apply: the builder packed it by now
+        raise ApplyError(f"{host.name}: {builder} has no tarball of build {decision.key} to "
+                         "copy; current is unchanged",
+                         hint=f"apply again (its llama_cpp.build packs it), or compile here with "
+                              f"-replace={host.name}/llama_cpp.build")
     name = f"{decision.key}.tar.gz"
     current = have.get("current")
     diffs = [AttrDiff("from", None, builder),
@@ -277,34 +308,33 @@ def copy(ctx: HostContext) -> Step:
         KEY=decision.key, COMMIT=checked_commit(commit), BUILDER=builder, HOST=host.name,
         WAIT=int(d.llama_cpp_copy_wait))
     size = f"{seen[1] / 2**20:.1f} MiB" if seen else "its build"
+    # Without the builder's sha256 (a plan before its tarball exists) the commands are known
+    # after apply: a copy is never checked against what the LAN alone says.
     return Step(ctx.change(ROLE, "copy", "replace" if current else "create",
                            f"copy {size} from {builder} {share.way(cluster)} "
                            f"(compiled there once for {', '.join(decision.members)})", diffs),
-                [script, activate_script(ctx, decision.key)], sudo=not host.rootless,
-                build=BuildOutcome(decision.key, changed=True))
+                [script, activate_script(ctx, decision.key)] if seen else [],
+                sudo=not host.rootless, build=BuildOutcome(decision.key, changed=True))
 
 
 def _serve(ctx: HostContext, decision: keys.Decision) -> Step:
-    """The builder's part of llama_cpp.copy: pack its build and serve it to the hosts of the key
-    that lack it, through md-share (its port open to them alone: network.allowlist)."""
+    """The builder's part of llama_cpp.copy: serve its tarball (packed by its llama_cpp.build;
+    pack.sh keeps it) to the hosts of the key that lack the build, through md-share (its port
+    open to them alone: network.allowlist)."""
     cluster = ctx.cluster
-    lacking = [m for m in decision.copiers()
-               if not keys.covers(((ctx.fact_of(m, "llama_cpp.Builds") or {}).get("builds")
-                                   or {}).get(decision.key),
-                                  keys.targets(cluster, cluster.host(m)))]
+    lacking = _lacking(ctx, decision)
     if not lacking:
         return Step(ctx.change(ROLE, "copy", "no-op", "no host copies a build from here"))
     path = archive(ctx.prefix, decision.key)
     name = f"{decision.key}.tar.gz"
-    pack = shell.template(TEMPLATES / "pack.sh",
-                          BUILD=installed_build(ctx.prefix, decision.key), ARCHIVE=path)
     clients = [cluster.host(m) for m in lacking]
     return Step(ctx.change(ROLE, "copy", "update",
                            f"serve {decision.key} to {', '.join(lacking)} "
                            f"{share.way(cluster)} while they copy it (md-share)",
                            [AttrDiff("md-share", None, ", ".join(lacking))]),
-                [pack, *share.start(cluster, ctx.host, {name: path, f"{name}.sha256":
-                                                        f"{path}.sha256"}, clients)],
+                [pack_script(ctx, decision.key),
+                 *share.start(cluster, ctx.host, {name: path, f"{name}.sha256":
+                                                  f"{path}.sha256"}, clients)],
                 sudo=not ctx.host.rootless)
 
 

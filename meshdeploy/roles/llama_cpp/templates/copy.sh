@@ -1,7 +1,8 @@
-# Install the build KEY copied from BUILDER's md-share: wait until BUILDER serves it (it packs
-# and starts md-share in this same step slot), fetch the tarball, check its sha256 against the
-# one BUILDER computed (and EXPECT, the one the plan saw, when set), unpack it beside the other
-# builds and run its binaries on this host; `current` is left alone (activate.sh flips it).
+# Install the build KEY copied from BUILDER's md-share: wait until BUILDER serves it (it starts
+# md-share in this same step slot), fetch the tarball, check its sha256 against EXPECT, the one
+# BUILDER computed (read from BUILDER by meshdeploy over SSH, never taken from the LAN), unpack
+# it beside the other builds and run its binaries on this host; `current` is left alone
+# (activate.sh flips it).
 # Inputs (assigned above by core.shell.template): URL (the tarball), SUMURL (its sha256), EXPECT,
 # OUT (builds/KEY), KEY, COMMIT, BUILDER, HOST, WAIT (seconds to wait for md-share).
 set -e
@@ -18,17 +19,17 @@ until SUM=$(curl -fsS --max-time 10 "$SUMURL" 2>/dev/null); do
   sleep 2
 done
 SUM=$(printf '%s' "$SUM" | cut -c1-64)
-if [ -n "$EXPECT" ] && [ "$SUM" != "$EXPECT" ]; then
-  echo "$HOST: $BUILDER now serves build $KEY with sha256 $SUM, not $EXPECT as planned; current is unchanged (plan again)" >&2; exit 1
+if [ "$SUM" != "$EXPECT" ]; then
+  echo "$HOST: $BUILDER serves build $KEY with sha256 $SUM, not $EXPECT as it computed; current is unchanged (apply again)" >&2; exit 1
 fi
 md_progress phase "copy from $BUILDER"
 curl -fsS --retry 3 --retry-delay 2 -o "$TAR" "$URL" ||
   { rm -f "$TAR"; echo "$HOST: could not fetch build $KEY from $BUILDER; current is unchanged" >&2; exit 1; }
 md_progress phase "verify sha256"
 GOT=$(sum256 "$TAR")
-if [ "$GOT" != "$SUM" ]; then
+if [ "$GOT" != "$EXPECT" ]; then
   rm -f "$TAR"
-  echo "$HOST: refused the copy of build $KEY from $BUILDER: its sha256 is $GOT, $BUILDER computed $SUM; current is unchanged" >&2
+  echo "$HOST: refused the copy of build $KEY from $BUILDER: its sha256 is $GOT, $BUILDER computed $EXPECT; current is unchanged" >&2
   exit 1
 fi
 # Only plain files and folders below the build: no links, devices, absolute or .. names.
@@ -52,4 +53,4 @@ if [ -n "$RPC" ] && [ -x "$OUT.tmp/bin/$RPC" ]; then
   [ "$C" -lt 128 ] || { rm -rf "$OUT.tmp"; printf '%s: the copied %s does not run here (exit %s):\n%s\n' "$HOST" "$RPC" "$C" "$V" >&2; exit 1; }
 fi
 rm -rf "$OUT" && mv "$OUT.tmp" "$OUT"
-echo "$KEY: copied from $BUILDER, sha256 $SUM"
+echo "$KEY: copied from $BUILDER, sha256 $GOT"
