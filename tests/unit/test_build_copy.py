@@ -269,7 +269,47 @@ def test_md_shares_port_opens_on_the_builder_to_its_copiers_alone():
     assert rules.allowlist(cluster, cluster.host("node1"), copiers["node1"])["29180"] == [
         "lo", "10.200.0.12/31"]  # node2 and node3, merged
     assert "29180" not in rules.allowlist(cluster, cluster.host("node2"))
-    assert keys.copiers(cluster, cluster.hosts, facts, None) == {}
+    # -replace makes another host the builder: its port opens, to the others.
+    assert keys.copiers(cluster, cluster.hosts, facts, COMMIT, ("node2/llama_cpp.build",)) == {
+        "node2": ("node1", "node3")}
+
+
+def test_fresh_hosts_plan_the_allow_list_that_apply_converges_to(tmp_path):
+    """Hosts with nothing installed: no git, so the plan cannot resolve the ref (no lock file
+    either) and the commit is unknown. Who copies from whom is the same as once the hosts are
+    converged (builds installed, the ref locked): the plan after apply opens nothing new."""
+    from meshdeploy.core import registry
+    from meshdeploy.roles.llama_cpp import ROLE, lock
+
+    path = tmp_path / "lab.yaml"
+    path.write_text((ROOT / "inventories" / "lab.yaml").read_text())
+    cluster = load_cluster(path)
+
+    def copiers(facts):
+        prepared = ROLE.prepare(registry.Prepare(cluster, cluster.hosts, facts, Resolved()))
+        return prepared.values["commit"], prepared.values["build_copiers"]
+
+    fresh = same_platform(cluster)
+    fresh["node1"]["llama_cpp.RemoteRef"] = None  # `nogit`
+    assert copiers(fresh) == (None, {"node1": ("node2", "node3")})
+    key = decisions(cluster, fresh)["node1"].key
+    lock.write_lock(path, cluster.llama_cpp.repo, cluster.llama_cpp.ref, COMMIT)
+    converged = same_platform(cluster, **{h: host_facts(builds={key: manifest()}, current=key)
+                                          for h in ("node1", "node2", "node3")})
+    converged["node1"]["llama_cpp.RemoteRef"] = COMMIT
+    assert copiers(converged) == (COMMIT, {"node1": ("node2", "node3")})
+
+
+def test_apply_decides_the_copiers_again_once_it_resolves_the_ref(tmp_path):
+    path = tmp_path / "lab.yaml"
+    path.write_text((ROOT / "inventories" / "lab.yaml").read_text())
+    cluster = load_cluster(path)
+    facts = same_platform(cluster)
+    ctx = HostContext(cluster, cluster.host("node1"), facts["node1"], Resolved(), first=True,
+                      run_command=lambda command: (True, [f"{COMMIT}\trefs/tags/b11312"]),
+                      cluster_facts=facts)
+    step = ops.resolve(ctx)
+    assert step.resolves == {"commit": COMMIT, "build_copiers": {"node1": ("node2", "node3")}}
 
 
 def test_a_builder_without_python3_gets_it_for_md_share():

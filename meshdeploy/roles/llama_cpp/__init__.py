@@ -19,7 +19,8 @@ def _prepare(p: Prepare) -> Prepared:
         upstream = None
     return Prepared(values={"commit": commit, "commit_source": how, "upstream_commit": upstream,
                             "build_number": lock.build_number(p.cluster.llama_cpp.ref),
-                            "build_copiers": keys.copiers(p.cluster, p.hosts, p.facts, commit)},
+                            "build_copiers": keys.copiers(p.cluster, p.hosts, p.facts, commit,
+                                                          p.resolved.replace)},
                     warnings=tuple(lock.moved_warning(p.cluster, upstream)))
 
 

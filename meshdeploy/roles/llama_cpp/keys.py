@@ -164,16 +164,30 @@ def group(ctx) -> list[str] | None:
             and on_termux(_facts_of(ctx, h.name)) == termux]
 
 
-def copiers(cluster, hosts, facts: dict, commit: str | None) -> dict[str, tuple[str, ...]]:
-    """builder -> the hosts that copy its build (decide(), before -replace is known), for every
-    planned builder that has some: network opens md-share's port on it to them alone."""
+# Stands for the commit while the ref is not resolved yet (RemoteRef on a first host without
+# git): no installed build has its key, so decide() picks what it picks for a fresh key.
+UNRESOLVED = "0" * 40
+
+
+def copiers(cluster, hosts, facts: dict, commit: str | None,
+            replacing=()) -> dict[str, tuple[str, ...]]:
+    """builder -> the hosts that copy its build (decide(), `replacing`: the run's -replace
+    addresses), for every planned builder that has some: network opens md-share's port on it
+    to them alone.
+
+    Also while the commit is unknown (None: no host had git when the plan probed, as on hosts
+    with nothing installed): which hosts share a build depends on their platform, backend and
+    flags, all probed before anything is installed, never on the commit, and the builder is
+    the first of them in file order unless a host holds the key's build, which the plan takes
+    none to do. So the first plan on fresh hosts shows the allow-list that apply converges to,
+    and the plan after it has nothing to open. Apply decides again once it resolves the ref
+    (llama_cpp.resolve)."""
     out = {}
-    if commit is None:
-        return out
+    resolved = Resolved(commit=commit or UNRESOLVED, replace=tuple(replacing))
     for h in hosts:
         if not targets(cluster, h) or h.name not in facts:
             continue
-        ctx = HostContext(cluster, h, facts[h.name], Resolved(commit=commit), cluster_facts=facts)
+        ctx = HostContext(cluster, h, facts[h.name], resolved, cluster_facts=facts)
         decision = decide(ctx)
         if decision.builder == h.name and decision.copiers():
             out[h.name] = tuple(decision.copiers())

@@ -344,6 +344,11 @@ def resolve(ctx: HostContext) -> Step:
     if ctx.resolved.commit is not None or not ctx.first:
         return Step(ctx.change(ROLE, "resolve", "no-op", "ref already resolved"))
     fixed = lock.resolve_on_host(ctx)
+    # Who copies from whom, decided again with the commit (keys.copiers): the same as the
+    # plan's unless a host already holds the build of that commit.
+    run = [h for h in ctx.cluster.hosts if h.name in (ctx.cluster_facts or {})]
+    fixed["build_copiers"] = keys.copiers(ctx.cluster, run, ctx.cluster_facts or {},
+                                          fixed["commit"], ctx.resolved.replace)
     return Step(ctx.change(ROLE, "resolve", "no-op",
                            f"{ctx.cluster.llama_cpp.ref} -> {fixed['commit'][:12]}"),
                 resolves=fixed)
