@@ -2,7 +2,8 @@
 
 Planned from nothing on the lab's three hosts: with their platforms unknown every host clones
 and compiles (as before build keys were shared); on one platform node1 compiles once, portable,
-for all three and serves it, node2 and node3 copy it instead of cloning and compiling; with
+for all three and serves it, node2 and node3 copy it instead of cloning and compiling, also
+while the ref is not resolved yet (no git on the hosts: the build is known after apply); with
 node3 on another CPU architecture node3 compiles its own. A golden change means hosts would
 compile or copy differently: update with MESHDEPLOY_UPDATE_GOLDEN=1 and review.
 """
@@ -35,6 +36,8 @@ SCENARIOS = {
     "unknown-platforms": {h: platform(libc=None) for h in ("node1", "node2", "node3")},
     "one-platform": {h: platform() for h in ("node1", "node2", "node3")},
     "node3-aarch64": {"node1": platform(), "node2": platform(), "node3": platform("aarch64")},
+    # Hosts with nothing installed: no git to resolve the ref at plan time.
+    "one-platform-unresolved-ref": {h: platform() for h in ("node1", "node2", "node3")},
 }
 
 
@@ -43,7 +46,8 @@ def plan_text(name: str) -> str:
     facts = {h.name: {**SCENARIOS[name][h.name],
                       "llama_cpp.Builds": {"current": None, "builds": {}}}
              for h in cluster.hosts}
-    resolved = Resolved(commit=COMMIT, build_number=11312)
+    resolved = Resolved(commit=None if name.endswith("-unresolved-ref") else COMMIT,
+                        build_number=11312)
     steps, changes = Steps(), []
     for slot in registry.slots(cluster):
         if slot.resource.role != "llama_cpp":
@@ -70,6 +74,13 @@ def test_build_copy_plan_golden(name):
         golden.write_text(text)
     assert golden.exists(), f"missing {golden}; run with MESHDEPLOY_UPDATE_GOLDEN=1"
     assert text == golden.read_text()
+
+
+def test_an_unresolved_ref_plans_the_same_hosts_copying():
+    def steps(text):
+        return [line for line in text.splitlines() if line.startswith("  # node")]
+
+    assert steps(plan_text("one-platform-unresolved-ref")) == steps(plan_text("one-platform"))
 
 
 def test_only_the_hosts_that_copy_plan_differently():

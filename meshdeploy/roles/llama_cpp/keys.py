@@ -164,8 +164,9 @@ def group(ctx) -> list[str] | None:
             and on_termux(_facts_of(ctx, h.name)) == termux]
 
 
-# Stands for the commit while the ref is not resolved yet (RemoteRef on a first host without
-# git): no installed build has its key, so decide() picks what it picks for a fresh key.
+# Stands for the commit in decide() while the ref is not resolved yet (RemoteRef on a first host
+# without git): no installed build has its key, so the builder is the one a fresh key gets. The
+# steps never show that key: theirs is known after apply.
 UNRESOLVED = "0" * 40
 
 
@@ -183,7 +184,7 @@ def copiers(cluster, hosts, facts: dict, commit: str | None,
     and the plan after it has nothing to open. Apply decides again once it resolves the ref
     (llama_cpp.resolve)."""
     out = {}
-    resolved = Resolved(commit=commit or UNRESOLVED, replace=tuple(replacing))
+    resolved = Resolved(commit=commit, replace=tuple(replacing))
     for h in hosts:
         if not targets(cluster, h) or h.name not in facts:
             continue
@@ -199,8 +200,10 @@ def _installed(ctx, name: str, key: str) -> dict | None:
 
 
 def decide(ctx) -> Decision:
-    """This host's build key, who compiles it, and what that compile builds (module docstring)."""
-    cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit
+    """This host's build key, who compiles it, and what that compile builds (module docstring);
+    while the ref is not resolved the key stands for a build of an unknown commit (UNRESOLVED)
+    and the builder is the one such a build gets."""
+    cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit or UNRESOLVED
     termux = on_termux(ctx.facts)
     where = platform(ctx.facts)
     own = targets(cluster, host)

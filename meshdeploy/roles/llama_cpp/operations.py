@@ -94,11 +94,10 @@ def source(ctx: HostContext) -> Step:
     repo = cluster.llama_cpp.repo
     if not targets(cluster, ctx.host):
         return Step(ctx.change(ROLE, "source", "no-op", "host runs no llama.cpp binary"))
-    if commit is not None:
-        decision = keys.decide(ctx)
-        if decision.copies(ctx.host.name):
-            return Step(ctx.change(ROLE, "source", "no-op",
-                                   f"copies its build from {decision.builder}: no clone needed"))
+    decision = keys.decide(ctx)
+    if decision.copies(ctx.host.name):
+        return Step(ctx.change(ROLE, "source", "no-op",
+                               f"copies its build from {decision.builder}: no clone needed"))
     src = paths(ctx.prefix)["src"]
     have = ctx.fact("llama_cpp.Source")
     short = commit[:12] if commit else None
@@ -184,21 +183,26 @@ def build(ctx: HostContext) -> Step:
     have = ctx.fact("llama_cpp.Builds") or {"current": None, "builds": {}}
     current = have.get("current")
     current_commit = (have["builds"].get(current) or {}).get("commit") if current else None
-    if commit is None:
-        return Step(ctx.change(ROLE, "build", "replace" if current else "create",
-                               "ref not resolved yet",
-                               [AttrDiff("commit", current_commit and current_commit[:12], None,
-                                         forces_replacement=bool(current), known_after_apply=True)]),
-                    build=BuildOutcome(None, changed=True))
     decision = keys.decide(ctx)
     key = decision.key
-    root = not host.rootless  # a rootless host: nothing through sudo
-    forced = ctx.replacing(keys.RESOURCE)
-    installed = have["builds"].get(key)
+    installed = have["builds"].get(key) if commit else None
     if decision.copies(host.name) and not keys.covers(installed, decision.targets):
         return Step(ctx.change(ROLE, "build", "no-op",
-                               f"{decision.builder} compiles {key} ({decision.why}); "
-                               "llama_cpp.copy copies it here"))
+                               f"{decision.builder} compiles {key if commit else 'its build'} "
+                               f"({decision.why}); llama_cpp.copy copies it here"))
+    copiers = decision.copiers() if decision.builder == host.name else []
+    once = (f"; compiled once for {', '.join([host.name, *copiers])} ({decision.why})"
+            if copiers else "")
+    if commit is None:
+        return Step(ctx.change(ROLE, "build", "replace" if current else "create",
+                               f"ref not resolved yet{once}",
+                               [AttrDiff("commit", current_commit and current_commit[:12], None,
+                                         forces_replacement=bool(current), known_after_apply=True),
+                                *([AttrDiff("copied by", None, ", ".join(copiers))]
+                                  if copiers else [])]),
+                    build=BuildOutcome(None, changed=True))
+    root = not host.rootless  # a rootless host: nothing through sudo
+    forced = ctx.replacing(keys.RESOURCE)
     lacking = _lacking(ctx, decision)
     pack = [pack_script(ctx, key)] if lacking else []
     if not forced and keys.covers(installed, decision.targets):
@@ -224,9 +228,8 @@ def build(ctx: HostContext) -> Step:
         reason = f"-replace: compile {key} here"
     elif installed:
         reason = f"{key} lacks binaries its hosts need"
-    copiers = decision.copiers() if decision.builder == host.name else []
     if copiers:
-        reason += f"; compiled once for {', '.join([host.name, *copiers])} ({decision.why})"
+        reason += once
         diffs.append(AttrDiff("copied by", None, ", ".join(copiers)))
     return Step(ctx.change(ROLE, "build", "replace" if current or forced else "create", reason,
                            diffs),
@@ -273,12 +276,15 @@ def copy(ctx: HostContext) -> Step:
     llama_cpp.build, so the build it copies is finished.
     """
     cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit
-    if commit is None or not targets(cluster, host):
+    if not targets(cluster, host):
         return Step(ctx.change(ROLE, "copy", "no-op", "nothing to copy"))
     decision = keys.decide(ctx)
     if decision.builder == host.name:
         return _serve(ctx, decision)
     have = ctx.fact("llama_cpp.Builds") or {"current": None, "builds": {}}
+    if commit is None:  # the ref is resolved at apply: what is copied is known then
+        return Step(_copy_change(ctx, decision, have.get("current"), None),
+                    build=BuildOutcome(None, changed=True))
     if keys.covers(have["builds"].get(decision.key), decision.targets):
         return Step(ctx.change(ROLE, "copy", "no-op", f"{decision.key} installed"))
     builder = decision.builder
@@ -294,12 +300,6 @@ def copy(ctx: HostContext) -> Step:
                          hint=f"apply again (its llama_cpp.build packs it), or compile here with "
                               f"-replace={host.name}/llama_cpp.build")
     name = f"{decision.key}.tar.gz"
-    current = have.get("current")
-    diffs = [AttrDiff("from", None, builder),
-             AttrDiff("bytes", None, str(seen[1]) if seen else None,
-                      known_after_apply=seen is None)]
-    if current:
-        diffs.insert(0, AttrDiff("current", current, decision.key))
     script = shell.template(
         TEMPLATES / "copy.sh", prelude=progress.SHELL,
         URL=share.lan_url(cluster, builder, name), SUMURL=share.lan_url(cluster, builder,
@@ -307,14 +307,29 @@ def copy(ctx: HostContext) -> Step:
         EXPECT=seen[0] if seen else "", OUT=installed_build(ctx.prefix, decision.key),
         KEY=decision.key, COMMIT=checked_commit(commit), BUILDER=builder, HOST=host.name,
         WAIT=int(d.llama_cpp_copy_wait))
-    size = f"{seen[1] / 2**20:.1f} MiB" if seen else "its build"
     # Without the builder's sha256 (a plan before its tarball exists) the commands are known
     # after apply: a copy is never checked against what the LAN alone says.
-    return Step(ctx.change(ROLE, "copy", "replace" if current else "create",
-                           f"copy {size} from {builder} {share.way(cluster)} "
-                           f"(compiled there once for {', '.join(decision.members)})", diffs),
+    return Step(_copy_change(ctx, decision, have.get("current"), seen),
                 [script, activate_script(ctx, decision.key)] if seen else [],
                 sudo=not host.rootless, build=BuildOutcome(decision.key, changed=True))
+
+
+def _copy_change(ctx: HostContext, decision: keys.Decision, current: str | None,
+                 seen: tuple[str, int] | None):
+    """What the plan says of a copy: from where, how many bytes (`seen`: the builder's tarball,
+    when the plan saw it), the build it makes current (known after apply while the ref is
+    not resolved)."""
+    resolved = ctx.resolved.commit is not None
+    diffs = [AttrDiff("from", None, decision.builder),
+             AttrDiff("bytes", None, str(seen[1]) if seen else None,
+                      known_after_apply=seen is None)]
+    if current:
+        diffs.insert(0, AttrDiff("current", current, decision.key if resolved else None,
+                                 known_after_apply=not resolved))
+    size = f"{seen[1] / 2**20:.1f} MiB" if seen else "its build"
+    return ctx.change(ROLE, "copy", "replace" if current else "create",
+                      f"copy {size} from {decision.builder} {share.way(ctx.cluster)} "
+                      f"(compiled there once for {', '.join(decision.members)})", diffs)
 
 
 def _serve(ctx: HostContext, decision: keys.Decision) -> Step:
@@ -328,10 +343,13 @@ def _serve(ctx: HostContext, decision: keys.Decision) -> Step:
     path = archive(ctx.prefix, decision.key)
     name = f"{decision.key}.tar.gz"
     clients = [cluster.host(m) for m in lacking]
-    return Step(ctx.change(ROLE, "copy", "update",
-                           f"serve {decision.key} to {', '.join(lacking)} "
-                           f"{share.way(cluster)} while they copy it (md-share)",
-                           [AttrDiff("md-share", None, ", ".join(lacking))]),
+    change = ctx.change(ROLE, "copy", "update",
+                        f"serve {decision.key if ctx.resolved.commit else 'its build'} to "
+                        f"{', '.join(lacking)} {share.way(cluster)} while they copy it (md-share)",
+                        [AttrDiff("md-share", None, ", ".join(lacking))])
+    if ctx.resolved.commit is None:  # the build is known after apply, and so are the commands
+        return Step(change)
+    return Step(change,
                 [pack_script(ctx, decision.key),
                  *share.start(cluster, ctx.host, {name: path, f"{name}.sha256":
                                                   f"{path}.sha256"}, clients)],
