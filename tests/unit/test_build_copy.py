@@ -13,6 +13,7 @@ import http.server
 import os
 import subprocess
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -205,7 +206,7 @@ def copy_script(url: str, out: Path, key: str, expect: str = "") -> str:
     return shell.template(ops.TEMPLATES / "copy.sh", prelude=progress.SHELL,
                           URL=f"{url}/{key}.tar.gz", SUMURL=f"{url}/{key}.tar.gz.sha256",
                           EXPECT=expect, OUT=str(out), KEY=key, COMMIT=COMMIT, BUILDER="node1",
-                          HOST="node2", WAIT=4)
+                          HOST="node2", WAIT=4, ARCHIVE=f"/opt/meshdeploy/build/share/{key}.tar.gz")
 
 
 def pack(build: Path, archive: Path) -> subprocess.CompletedProcess:
@@ -233,6 +234,38 @@ def test_a_packed_build_is_copied_verified_and_its_binaries_run(tmp_path, served
     assert (folder / f"{key}.tar.gz").stat().st_mtime_ns == before
 
 
+def builds_fact(tmp_path: Path, archives: Path) -> dict:
+    from meshdeploy.roles.llama_cpp.facts import Builds
+
+    fact = Builds()
+    done = run(fact.command(str(tmp_path / "b1"), str(tmp_path / "current"), str(archives)))
+    return fact.process(done.stdout.splitlines())["builds"]
+
+
+def test_a_tarball_changed_after_its_sha256_is_packed_again(tmp_path, served):
+    """The Builds fact reports no tarball where it is newer than its sha256 (so the builder's
+    llama_cpp.build packs it again, before anything is copied), and pack.sh packs it again."""
+    folder, _ = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    fake_build(tmp_path / "b1" / key, key)
+    tarball = folder / f"{key}.tar.gz"
+    assert pack(tmp_path / "b1" / key, tarball).returncode == 0
+    computed = (folder / f"{key}.tar.gz.sha256").read_text().strip()
+    assert builds_fact(tmp_path, folder)[key]["archive"] == f"{computed} {tarball.stat().st_size}"
+    good = tarball.read_bytes()
+    tarball.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    stamp = (folder / f"{key}.tar.gz.sha256").stat().st_mtime_ns + 1_000_000
+    os.utime(tarball, ns=(stamp, stamp))  # written after its sha256
+    assert "archive" not in builds_fact(tmp_path, folder)[key]
+    assert pack(tmp_path / "b1" / key, tarball).returncode == 0
+    again = (folder / f"{key}.tar.gz.sha256").read_text().strip()
+    assert hashlib.sha256(tarball.read_bytes()).hexdigest() == again
+    assert builds_fact(tmp_path, folder)[key]["archive"].split()[0] == again
+    tarball.unlink()  # removed by hand: none, and packed again
+    assert "archive" not in builds_fact(tmp_path, folder)[key]
+    assert pack(tmp_path / "b1" / key, tarball).returncode == 0 and tarball.exists()
+
+
 def test_a_corrupted_archive_is_refused_and_nothing_is_installed(tmp_path, served):
     folder, url = served
     key = "0c1e57098bba-cpu-1aca21d4"
@@ -248,6 +281,8 @@ def test_a_corrupted_archive_is_refused_and_nothing_is_installed(tmp_path, serve
     assert done.returncode == 1
     assert f"node2: refused the copy of build {key} from node1: its sha256 is" in done.stderr
     assert "current is unchanged" in done.stderr
+    assert (f"hint: if node1's tarball is damaged, remove /opt/meshdeploy/build/share/{key}"
+            ".tar.gz there: the next apply packs it again") in done.stderr
     assert not out.exists() and not list(out.parent.iterdir())
 
 
@@ -257,6 +292,19 @@ def test_a_builder_that_never_serves_ends_the_wait_with_one_message(tmp_path, se
     done = run(copy_script(url, out, "k"))
     assert done.returncode == 1
     assert "node1 did not serve build k within 4 s" in done.stderr
+
+
+def test_a_fetch_that_keeps_failing_is_tried_four_times_then_named(tmp_path, served):
+    folder, url = served
+    key = "k"
+    (folder / f"{key}.tar.gz.sha256").write_text("a" * 64 + "\n")  # and no tarball: 404
+    started = time.monotonic()
+    done = run(copy_script(url, tmp_path / "builds" / key, key, expect="a" * 64))
+    assert done.returncode == 1
+    assert done.stderr.count("404") == 4, done.stderr
+    assert done.stderr.endswith(f"node2: could not fetch build {key} from node1; current is "
+                                "unchanged\n")
+    assert time.monotonic() - started >= 6  # 2 s between tries
 
 
 def test_md_shares_port_opens_on_the_builder_to_its_copiers_alone():

@@ -68,12 +68,15 @@ class Builds(FactBase):
     """
 
     # archive: the sha256 and size of the build's tarball under ARCHIVES, where this host keeps
-    # the builds other hosts copy (llama_cpp.copy).
+    # the builds other hosts copy (llama_cpp.copy). A tarball changed after its sha256 was
+    # written (newer than it) is none: its builder packs it again (pack.sh).
     _BODY = ('for m in "$BUILDS"/*/manifest; do [ -f "$m" ] || continue; '
              'd=${m%/manifest}; echo "== ${d##*/}"; cat "$m"; '
              "printf 'flags='; grep -oE -- '(^|[ ,])--?[a-zA-Z][a-zA-Z0-9-]*' \"$d/llama-server.help\" "
              "2>/dev/null | tr -d ' ,' | sort -u | tr '\\n' ' '; echo; "
              'a="$ARCHIVES/${d##*/}.tar.gz"; [ -z "$ARCHIVES" ] || [ ! -f "$a.sha256" ] || '
+             '[ ! -f "$a" ] || '
+             '[ -n "$(find "$a" -newer "$a.sha256" 2>/dev/null)" ] || '
              'echo "archive=$(cut -c1-64 "$a.sha256") $(wc -c < "$a" | tr -d \' \')"; done\n'
              'echo "current=$(readlink "$CURRENT")"')
 

@@ -306,7 +306,8 @@ def copy(ctx: HostContext) -> Step:
                                                                          f"{name}.sha256"),
         EXPECT=seen[0] if seen else "", OUT=installed_build(ctx.prefix, decision.key),
         KEY=decision.key, COMMIT=checked_commit(commit), BUILDER=builder, HOST=host.name,
-        WAIT=int(d.llama_cpp_copy_wait))
+        WAIT=int(d.llama_cpp_copy_wait),
+        ARCHIVE=archive(cluster.host(builder).layout.prefix, decision.key))
     # Without the builder's sha256 (a plan before its tarball exists) the commands are known
     # after apply: a copy is never checked against what the LAN alone says.
     return Step(_copy_change(ctx, decision, have.get("current"), seen),

@@ -4,7 +4,8 @@
 # it beside the other builds and run its binaries on this host; `current` is left alone
 # (activate.sh flips it).
 # Inputs (assigned above by core.shell.template): URL (the tarball), SUMURL (its sha256), EXPECT,
-# OUT (builds/KEY), KEY, COMMIT, BUILDER, HOST, WAIT (seconds to wait for md-share).
+# OUT (builds/KEY), KEY, COMMIT, BUILDER, HOST, WAIT (seconds to wait for md-share), ARCHIVE
+# (the tarball's path on BUILDER, for the message when it is damaged).
 set -e
 sum256() { if command -v sha256sum >/dev/null 2>&1; then sha256sum "$1"; else shasum -a 256 "$1"; fi | cut -c1-64; }
 # An earlier run's copy of this key may have finished while this run was planning.
@@ -23,13 +24,21 @@ if [ "$SUM" != "$EXPECT" ]; then
   echo "$HOST: $BUILDER serves build $KEY with sha256 $SUM, not $EXPECT as it computed; current is unchanged (apply again)" >&2; exit 1
 fi
 md_progress phase "copy from $BUILDER"
-curl -fsS --retry 3 --retry-delay 2 -o "$TAR" "$URL" ||
-  { rm -f "$TAR"; echo "$HOST: could not fetch build $KEY from $BUILDER; current is unchanged" >&2; exit 1; }
+# Fetched again, up to three more times, when a transfer fails: BUILDER's llama_cpp.copy replaces
+# an md-share left running by an earlier step or run with its own while this one may be
+# fetching from the earlier one (curl's --retry leaves a connection cut midway alone).
+n=0
+until curl -fsS -o "$TAR" "$URL"; do
+  n=$((n + 1))
+  [ "$n" -lt 4 ] || { rm -f "$TAR"; echo "$HOST: could not fetch build $KEY from $BUILDER; current is unchanged" >&2; exit 1; }
+  sleep 2
+done
 md_progress phase "verify sha256"
 GOT=$(sum256 "$TAR")
 if [ "$GOT" != "$EXPECT" ]; then
   rm -f "$TAR"
   echo "$HOST: refused the copy of build $KEY from $BUILDER: its sha256 is $GOT, $BUILDER computed $EXPECT; current is unchanged" >&2
+  echo "hint: if $BUILDER's tarball is damaged, remove $ARCHIVE there: the next apply packs it again" >&2
   exit 1
 fi
 # Only plain files and folders below the build: no links, devices, absolute or .. names.
