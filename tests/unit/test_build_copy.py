@@ -376,6 +376,17 @@ def test_a_builder_without_python3_gets_it_for_md_share():
         assert ("python3" in "\n".join(step.commands)) is wanted, step.commands
 
 
+def test_the_builder_serves_a_new_build_as_created_and_an_installed_one_as_updated():
+    cluster = lab()
+    fresh = same_platform(cluster)
+    assert ops.copy(contexts(cluster, fresh)["node1"]).change.action == "create"
+    key = decisions(cluster, fresh)["node1"].key
+    built = same_platform(cluster, **{h: host_facts(builds={key: manifest()}, current=key)
+                                      for h in ("node1", "node2")})
+    step = ops.copy(contexts(cluster, built)["node1"])
+    assert step.change.action == "update" and "to node3 " in step.change.reason
+
+
 def test_apply_never_copies_without_the_sha256_the_builder_computed():
     cluster = lab()
     ctx = contexts(cluster, same_platform(cluster))["node2"]

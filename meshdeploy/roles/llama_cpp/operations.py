@@ -344,7 +344,11 @@ def _serve(ctx: HostContext, decision: keys.Decision) -> Step:
     path = archive(ctx.prefix, decision.key)
     name = f"{decision.key}.tar.gz"
     clients = [cluster.host(m) for m in lacking]
-    change = ctx.change(ROLE, "copy", "update",
+    # A build compiled in this run is served for the first time (created with it, so a first
+    # plan only adds); an installed one is served again to a host that lacks it.
+    have = ((ctx.fact("llama_cpp.Builds") or {}).get("builds") or {})
+    served = ctx.resolved.commit is not None and decision.key in have
+    change = ctx.change(ROLE, "copy", "update" if served else "create",
                         f"serve {decision.key if ctx.resolved.commit else 'its build'} to "
                         f"{', '.join(lacking)} {share.way(cluster)} while they copy it (md-share)",
                         [AttrDiff("md-share", None, ", ".join(lacking))])
