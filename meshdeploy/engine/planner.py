@@ -124,14 +124,12 @@ class Prepared:
 
 
 def prepare(cluster: Cluster, hosts, facts: dict, header_cache=None, read_remote=None,
-            roles=None, speeds=None, replacing=()) -> Prepared:
+            roles=None, speeds=None) -> Prepared:
     """Each role's prepare hook in registry order; later roles see what earlier ones fixed.
-    + speeds: measured device speeds (engine.speeds.read); None reads the cluster file's own
-    + replacing: the run's -replace addresses (Resolved.replace), which the hooks see too"""
+    + speeds: measured device speeds (engine.speeds.read); None reads the cluster file's own"""
     if speeds is None:
         speeds = speed_store.read(cluster.path)
-    resolved, warnings, placement, network, access = (Resolved(replace=tuple(replacing)), [],
-                                                      [], [], [])
+    resolved, warnings, placement, network, access = Resolved(), [], [], [], []
     for role in roles if roles is not None else registry.roles():
         if role.prepare is None:
             continue
@@ -191,8 +189,8 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
     departed = list(session.departed)
     facts = gather(session, hosts + departed, {h.name for h in departed})
     prepared = prepare(cluster, hosts, facts, header_cache=control_cache("gguf-headers"),
-                       read_remote=session.read_remote, replacing=replacing)
-    resolved = prepared.resolved
+                       read_remote=session.read_remote)
+    resolved = replace(prepared.resolved, replace=replacing)
     for role in registry.roles():
         if role.preflight is not None:
             for h in hosts:
