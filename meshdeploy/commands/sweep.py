@@ -188,8 +188,9 @@ def _measure_split(conn, copy: server_api.Copy, argv: list[str], ts: list[int], 
 
 
 # One RPC round trip, timed on the orchestrator: HELLO and its reply, on a fresh connection
-# each time, ROUNDS times per worker; the median in seconds, or "-" where none completed. Through the worker's --rpc address, so an SSH forward's
-# own hops are in it. Arguments: ROUNDS, then one address:port per worker.
+# each time, ROUNDS times per worker; the median in seconds, or "-" where none completed.
+# Through the worker's --rpc address, so an SSH forward's own hops are in it. Arguments:
+# ROUNDS, then one address:port per worker.
 _RTT = rpc_hello.FUNCTIONS + r"""
 rounds = int(sys.argv[1])
 for target in sys.argv[2:]:
