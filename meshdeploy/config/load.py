@@ -151,6 +151,14 @@ def _written(doc: Document, server: str, key: str) -> bool:
     return key in ((doc.root.get("servers") or {}).get(server) or {})
 
 
+def placement(doc: Document, name: str, s: dict) -> str:
+    """servers.NAME.placement as written; unset: auto beside tensor_split auto, else memory
+    (the file's split is kept)."""
+    if _written(doc, name, "placement"):
+        return s["placement"]
+    return "auto" if s["tensor_split"] == "auto" else "memory"
+
+
 def build_cluster(doc: Document, data: dict) -> Cluster:
     """The typed model of schema-valid `data`; config_checks.check decides whether it is usable
     (until then an rpc-server on a DNS-named host without a bind has bind None)."""
@@ -182,8 +190,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                ctx_size=s["ctx_size"], n_gpu_layers=s["n_gpu_layers"],
                tensor_split=s["tensor_split"] if s["tensor_split"] == "auto"
                else tuple(float(v) for v in s["tensor_split"]),
-               placement=s["placement"] if _written(doc, name, "placement") else
-               "auto" if s["tensor_split"] == "auto" else "memory",
+               placement=placement(doc, name, s),
                placement_set=_written(doc, name, "placement"), rpc=rpc_refs(data, s),
                load_mode=unset(s["load_mode"]),
                api_key_file=unset(s["api_key_file"]), allow=tuple(s["allow"]),

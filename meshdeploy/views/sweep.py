@@ -64,7 +64,8 @@ def _per_gb(devices: list[str], calibration: dict) -> str:
     prompt = calibration.get("prompt") or [None] * len(devices)
     rtt = calibration.get("rtt") or [None] * len(devices)
     rows = [[d, f"{g * 1e9:.4g}", "n/a" if q is None else f"{q * 1e9:.4g}",
-             "n/a" if r is None else ("local" if r == 0 else f"{r * 1e3:.3f}")]
+             # 0: a local device, or a worker whose round trip was not timed
+             "n/a" if r is None else ("-" if r == 0 else f"{r * 1e3:.3f}")]
             for d, g, q, r in zip(devices, calibration["gen"], prompt, rtt)]
     return tabulate(rows, headers=["device", "generation s/GB", "prompt s/GB per token",
                                    "round trip ms"], disable_numparse=True)

@@ -245,19 +245,7 @@ def _advice(server, cal, devs, shape: dict, kv_layer: list[int], memory, keep,
             out.append(f"{where}: {server.model} fits on {server.host} alone: ~{alone[0]:.2f} "
                        f"tok/s without workers (as planned: ~{now:.2f}), from the device speeds "
                        f"measured {cal.measured_at or '(unknown time)'}")
-    rtt = list(cal.rtt) or [0.0] * len(devs)
-    if any(rtt):
-        for name in dict.fromkeys(h.name for _, h, _, e in devs if e is not None):
-            link = max(r for r, (_, h, _, e) in zip(rtt, devs)
-                       if e is not None and h.name == name)
-            moved = [0.0 if h.name == name else (link if e is None else r)
-                     for r, (_, h, _, e) in zip(rtt, devs)]
-            there = _best_rate(replace(cal, rtt=tuple(moved)), shape, kv_layer, capacity)
-            if there is not None and there[0] >= need * here[0]:
-                out.append(f"{where}: serving it from {name} would give ~{there[0]:.2f} tok/s "
-                           f"(from {server.host}: ~{here[0]:.2f} at best): {name}'s round trips "
-                           f"of {link * 1e3:.1f} ms go, from the device speeds and round trips "
-                           f"measured {cal.measured_at or '(unknown time)'}")
+    out += _move_note(server, cal, devs, shape, kv_layer, capacity, here, need)
     per_gb = [(p, label) for p, (label, *_) in zip(cal.gen.per_byte, devs) if p > 0]
     if current is not None and len(per_gb) > 1:
         slow, fast = max(per_gb), min(per_gb)
@@ -268,6 +256,31 @@ def _advice(server, cal, devs, shape: dict, kv_layer: list[int], memory, keep,
                        f"{where}: {slow[1]} generates {slow[0] / fast[0]:.1f}x slower per GB "
                        f"of weights than {fast[1]}")
     return out
+
+
+def _move_note(server, cal, devs, shape: dict, kv_layer: list[int], capacity: list[int], here,
+               need: float) -> list[str]:
+    """The note "serving it from HOST would give ...", for one candidate, not every host (each
+    try is a search over device subsets): the remote host that holds the most layers in the
+    fastest split `here` (rate, counts), whose round trips that split pays most."""
+    rtt = list(cal.rtt) or [0.0] * len(devs)
+    held: dict[str, int] = {}
+    for count, (_, h, _, e) in zip(here[1], devs):
+        if e is not None and count:
+            held[h.name] = held.get(h.name, 0) + count
+    if not any(rtt) or not held:
+        return []
+    name = max(held, key=held.get)
+    link = max(r for r, (_, h, _, e) in zip(rtt, devs) if e is not None and h.name == name)
+    moved = [0.0 if h.name == name else (link if e is None else r)
+             for r, (_, h, _, e) in zip(rtt, devs)]
+    there = _best_rate(replace(cal, rtt=tuple(moved)), shape, kv_layer, capacity)
+    if there is None or there[0] < need * here[0]:
+        return []
+    return [f"servers.{server.name}: serving it from {name} would give ~{there[0]:.2f} tok/s "
+            f"(from {server.host}: ~{here[0]:.2f} at best): {name}'s round trips of "
+            f"{link * 1e3:.1f} ms go, from the device speeds and round trips measured "
+            f"{cal.measured_at or '(unknown time)'}"]
 
 
 def current_calibration(measured: dict | None, labels, commit: str | None, tensors):
