@@ -36,6 +36,9 @@ class Resolved:
     # writes them into llama-server's argv); absent where the split stays llama.cpp's or the
     # file's.
     splits: dict = field(default_factory=dict)
+    # roles.llama_cpp: host name -> the hosts that copy the llama.cpp build it compiles (file
+    # order); network opens md-share's port on it to them.
+    build_copiers: dict = field(default_factory=dict)
     # Resource addresses the run must replace (`-replace=ADDRESS`: "node2/network.wireguard",
     # or "network.wireguard" for every host), checked against the registry by the engine.
     replace: tuple[str, ...] = ()

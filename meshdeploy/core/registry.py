@@ -95,6 +95,10 @@ class Resource:
     # Facts re-read on a host, once, before this resource when an earlier resource ran there:
     # ((earlier resource, section key), ...), e.g. a new build's manifest.
     rereads: tuple[tuple[str, str], ...] = ()
+    # Re-read `rereads` on every host where the earlier resource ran, as a cluster-wide
+    # resource does, for a plan that reads other hosts' facts when it has them (llama_cpp.copy:
+    # the builder's tarball sha256) and plans alone without them.
+    rereads_peers: bool = False
     # True when the plan of one host needs every host's facts (placement, seeds): a pyinfra
     # deploy that calls the operation on its own is refused.
     cluster_wide: bool = False

@@ -7,7 +7,9 @@ that host, each with what its step needs:
 
 - models.gguf, while a host that keeps a whole GGUF copies it: the file, served from its
   partial as it arrives (`--growing`), so the copy trails the download;
-- rpc_cache.share, while a worker misses tensors: the verified file, for ranged GETs.
+- rpc_cache.share, while a worker misses tensors: the verified file, for ranged GETs;
+- llama_cpp.copy, on the host that compiled a build other hosts of its build key copy: the
+  build's tarball and its sha256 (lan_url; roles/llama_cpp/keys.py).
 
 A later start replaces an earlier one; md-share answers loopback and the hosts named, on the
 host's cluster address (its tunnel address under WireGuard), and exits by itself once idle.
@@ -144,9 +146,17 @@ def url(cluster, source: str, sha256: str, client: str) -> str:
                             hint="every host that gets a model's bytes is a worker of its one "
                                  "llama-server, whose host is the source: report this")
         return f"http://{LOOPBACK}:{port}/models/{sha256}"
+    return lan_url(cluster, source, sha256)
+
+
+def lan_url(cluster, source: str, name: str) -> str:
+    """Where another host fetches the file md-share on host `source` serves as `name`, over the
+    hosts' network (the source's cluster address): a model by its sha256 (url()), a llama.cpp
+    build's tarball by its build key (llama_cpp.copy, which runs only where no tunnel or forward
+    must carry it)."""
     address = cluster.source_address(cluster.host(source))
     host = f"[{address}]" if ":" in address else address
-    return f"http://{host}:{model_share_port}/models/{sha256}"
+    return f"http://{host}:{model_share_port}/models/{name}"
 
 
 def start(cluster, host, files: dict[str, str], clients, growing: dict | None = None) -> list[str]:

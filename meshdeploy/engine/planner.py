@@ -124,12 +124,14 @@ class Prepared:
 
 
 def prepare(cluster: Cluster, hosts, facts: dict, header_cache=None, read_remote=None,
-            roles=None, speeds=None) -> Prepared:
+            roles=None, speeds=None, replacing=()) -> Prepared:
     """Each role's prepare hook in registry order; later roles see what earlier ones fixed.
-    + speeds: measured device speeds (engine.speeds.read); None reads the cluster file's own"""
+    + speeds: measured device speeds (engine.speeds.read); None reads the cluster file's own
+    + replacing: the run's -replace addresses (Resolved.replace), which the hooks see too"""
     if speeds is None:
         speeds = speed_store.read(cluster.path)
-    resolved, warnings, placement, network, access = Resolved(), [], [], [], []
+    resolved, warnings, placement, network, access = (Resolved(replace=tuple(replacing)), [],
+                                                      [], [], [])
     for role in roles if roles is not None else registry.roles():
         if role.prepare is None:
             continue
@@ -189,8 +191,8 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
     departed = list(session.departed)
     facts = gather(session, hosts + departed, {h.name for h in departed})
     prepared = prepare(cluster, hosts, facts, header_cache=control_cache("gguf-headers"),
-                       read_remote=session.read_remote)
-    resolved = replace(prepared.resolved, replace=replacing)
+                       read_remote=session.read_remote, replacing=replacing)
+    resolved = prepared.resolved
     for role in registry.roles():
         if role.preflight is not None:
             for h in hosts:

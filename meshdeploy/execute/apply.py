@@ -84,8 +84,9 @@ class Run:
     def _reread(self, host_name: str, resource: registry.Resource) -> None:
         """Facts the resource declares it re-reads once an earlier resource ran on the host; a
         cluster-wide resource re-reads them on every host where that resource ran (its plan
-        reads them all, e.g. the peers' public keys)."""
-        hosts = [h.name for h in self.session.hosts()] if resource.cluster_wide else [host_name]
+        reads them all, e.g. the peers' public keys), and so does one with rereads_peers."""
+        everywhere = resource.cluster_wide or resource.rereads_peers
+        hosts = [h.name for h in self.session.hosts()] if everywhere else [host_name]
         with self.reread_lock:  # the hosts' greenlets run one operation at once
             for name in hosts:
                 for earlier, key in resource.rereads:

@@ -111,7 +111,9 @@ def test_switching_to_an_installed_build_needs_no_sudo(tmp_path):
     layout = read_layout(DEBIAN_USER)
     cluster = cluster_with(tmp_path, layout)
     key = llama_cpp.build_key(cluster, cluster.host("phone"), COMMIT)
-    builds = {"current": "old", "builds": {key: {"commit": COMMIT}, "old": {"commit": "2" * 40}}}
+    builds = {"current": "old", "builds": {key: {"commit": COMMIT, "rpc_binary": "ggml-rpc-server",
+                                                 "targets": "llama-server ggml-rpc-server"},
+                                           "old": {"commit": "2" * 40}}}
     step = llama_cpp.build(context(cluster, termux=False, facts={"llama_cpp.Builds": builds}))
     assert step.change.action == "update" and step.sudo is False
     assert outside(step.commands, layout) == []

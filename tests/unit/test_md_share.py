@@ -289,7 +289,7 @@ def test_a_range_with_thousands_of_digits_is_refused(share, blob):
     assert "Traceback" not in share.proc.stderr.read()
 
 
-def test_served_files_are_opened_once_and_never_through_a_symlink(tmp_path, blob):
+def test_served_files_are_never_read_through_a_symlink(tmp_path, blob):
     secret = tmp_path / "secret"
     secret.write_bytes(b"not a model " * 100)
     link = tmp_path / "link"
@@ -305,7 +305,27 @@ def test_served_files_are_opened_once_and_never_through_a_symlink(tmp_path, blob
         (tmp_path / "blob").rename(tmp_path / "blob.old")  # the path now names the secret
         (tmp_path / "blob").symlink_to(secret)
         r, body = s.request(Range="bytes=0-99")
-        assert r.status == 206 and body == blob[:100]  # the file opened at start
+        assert r.status == 500 and body == b""  # neither the secret nor the file it replaced
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_file_replaced_at_its_path_is_served_as_it_is_now(tmp_path, blob):
+    """A build's tarball packed again is renamed over the old one: an md-share started before
+    serves the new file, as it serves a file changed in place, and nothing while none is there."""
+    s = Share(tmp_path, "--allow", "127.0.0.1").wait_listening()
+    try:
+        assert s.request(Range="bytes=0-9")[1] == blob[:10]
+        packed = tmp_path / "blob.tmp"
+        packed.write_bytes(b"packed again" * 100)
+        packed.rename(tmp_path / "blob")
+        r, body = s.request()
+        assert r.status == 200 and body == b"packed again" * 100
+        with open(tmp_path / "blob", "r+b") as f:  # changed in place: the same file
+            f.write(b"P")
+        assert s.request(Range="bytes=0-5")[1] == b"Packed"
+        (tmp_path / "blob").unlink()
+        assert s.request()[0].status == 503
     finally:
         assert s.stop() == 0
 

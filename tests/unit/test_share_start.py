@@ -147,8 +147,20 @@ def test_without_systemd_a_failed_start_says_why(place):
 
 
 # Stand-ins: systemd-run records its arguments and starts the command it was given (as the
-# unit would), systemctl stops/tells about it, journalctl says one line.
+# unit would), systemctl stops/tells about it, journalctl says one line. $FAKE/loaded: how many
+# more times `systemctl show` finds the stopped unit still loaded; $FAKE/taken: how many more
+# times systemd-run finds its name taken.
+COUNTDOWN = r"""countdown() {
+  n=$(cat "$FAKE/$1" 2>/dev/null) || return 1
+  [ "${n:-0}" -gt 0 ] || return 1
+  echo $((n - 1)) > "$FAKE/$1"
+}
+"""
 FAKE_RUN = r"""#!/bin/sh
+""" + COUNTDOWN + r"""if countdown taken; then
+  echo "Failed to start transient service unit: Unit meshdeploy-share.service was already loaded or has a fragment file." >&2
+  exit 1
+fi
 printf '%s\n' "$@" > "$FAKE/run.args"
 while [ $# -gt 0 ]; do case "$1" in -p) shift 2 ;; -*) shift ;; *) break ;; esac; done
 [ -n "$FAKE_FAIL" ] && set -- "$@" --no-such-option
@@ -156,13 +168,13 @@ while [ $# -gt 0 ]; do case "$1" in -p) shift 2 ;; -*) shift ;; *) break ;; esac
 echo $! > "$FAKE/unit.pid"
 """
 FAKE_CTL = r"""#!/bin/sh
-echo "$*" >> "$FAKE/systemctl.calls"
+""" + COUNTDOWN + r"""echo "$*" >> "$FAKE/systemctl.calls"
 case "$1" in
   stop) [ -f "$FAKE/unit.pid" ] && kill "$(cat "$FAKE/unit.pid")" 2>/dev/null
     rm -f "$FAKE/unit.pid" ;;
   is-active) case "$(cat "/proc/$(cat "$FAKE/unit.pid")/stat" 2>/dev/null)" in
     ''|*") Z "*) exit 3 ;; esac ;;
-  show) echo not-found ;;
+  show) if countdown loaded; then echo loaded; else echo not-found; fi ;;
 esac
 exit 0
 """
@@ -207,6 +219,41 @@ def test_under_systemd_it_is_a_transient_unit_with_the_hardening(place):
         str(d / "tools" / "md-share.py"), "--pid-file", str(pid_file)]
     assert command[4:8] == ["--bind", "127.0.0.1", "--port", str(port)]
     assert not (d / "run").exists()  # nothing of the nobody route
+
+
+def test_under_systemd_it_waits_until_the_earlier_unit_is_unloaded(place):
+    """systemd-run refuses a name whose earlier unit systemd has not garbage-collected yet:
+    the start waits (past the 5 s a lab's busy host once needed), resets a failed state, and
+    takes the name again if systemd-run still finds it taken."""
+    d, _ = place
+    env = fake_systemd(d)
+    port = free_port()
+    pid_file = d / "run-unit" / "md-share.pid"
+    pid_file.parent.mkdir()
+    (d / "loaded").write_text("70\n")  # 7 s of polls
+    (d / "taken").write_text("1\n")
+    try:
+        done = run(script(d, port, BOOTED=str(d / "booted"), PID=str(pid_file)), **env)
+        assert done.returncode == 0, done.stderr
+        assert get(port) == (d / "blob").read_bytes()[:10]
+    finally:
+        run("systemctl stop meshdeploy-share.service", **env)
+    calls = (d / "systemctl.calls").read_text().splitlines()
+    assert calls.count("show -p LoadState --value meshdeploy-share.service") == 72
+    assert calls.count("reset-failed meshdeploy-share.service") >= 8
+    assert "kill --signal=SIGKILL meshdeploy-share.service" not in calls  # it stopped
+    assert (d / "taken").read_text() == "0\n"
+
+
+def test_under_systemd_a_name_that_stays_taken_fails_with_systemds_words(place):
+    d, _ = place
+    (d / "taken").write_text("5\n")
+    done = run(script(d, free_port(), BOOTED=str(d / "booted"), PID=str(d / "run-unit" / "p")),
+               **fake_systemd(d))
+    assert done.returncode == 1
+    assert done.stderr.count("was already loaded") == 1, done.stderr
+    assert done.stderr.endswith("node1: md-share did not start (systemd-run)\n")
+    assert (d / "taken").read_text() == "2\n"  # three tries
 
 
 def test_under_systemd_a_failed_start_shows_the_log_and_the_journal(place):

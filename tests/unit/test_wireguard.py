@@ -186,8 +186,8 @@ def test_replace_takes_resource_addresses_and_refuses_others(cluster):
         check_replace(cluster, ["node9/network.wireguard"])
     with pytest.raises(PlanError, match="network.wireguar: no such|no such resource"):
         check_replace(cluster, ["network.wireguar"])
-    with pytest.raises(PlanError, match="llama_cpp.build cannot be replaced") as info:
-        check_replace(cluster, ["llama_cpp.build"])
+    with pytest.raises(PlanError, match="llama_cpp.source cannot be replaced") as info:
+        check_replace(cluster, ["llama_cpp.source"])
     assert "network.wireguard" in info.value.hint
 
 

@@ -11,7 +11,11 @@ to be safe to leave running by mistake:
   tells the starter it is up, and is removed on exit;
 - unprivileged: the starter runs it as a DynamicUser systemd unit, or as nobody (core/share.py);
 - one purpose: GET/HEAD of /models/<NAME> for the files named on the command line, nothing else,
-  each opened once (a symlink there is refused) and read through that descriptor;
+  each read through a descriptor opened without following a symlink there (one is refused),
+  kept while the path names that file and opened again once another file took its place: what
+  it serves is the file on disk now, never one a later file replaced (a build's tarball packed
+  again is renamed over the old one, and an md-share started earlier would serve the old
+  bytes until it exits);
 - range-only semantics kept strict (one range per request) so a fetch can never be misread;
 - allow-list: the firewall restricts the port, and this is the second fence. A peer it refuses
   is closed as it is accepted, before a thread or a byte read; the others share
@@ -298,14 +302,24 @@ class Server(ThreadingHTTPServer):
             self.slots.release()
 
     def whole(self, name):
-        """The kept descriptor of `name`'s whole file: opened at start, or (--growing) once it
-        first appears; None while it is absent."""
+        """A descriptor of the file at `name`'s path now: the one kept since start (or since it
+        first appeared, --growing) while the path still names that file, else the file there
+        now, opened and kept instead; None while the path is absent. A descriptor replaced is
+        never closed (a reply in flight may still read it): md-share lives for one apply."""
         with self.open_lock:
-            if name not in self.fds:
-                try:
-                    self.fds[name] = open_regular(self.files[name])
-                except FileNotFoundError:
-                    return None
+            path, kept = self.files[name], self.fds.get(name)
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+            if kept is not None:
+                was = os.fstat(kept)
+                if (was.st_dev, was.st_ino) == (now.st_dev, now.st_ino):
+                    return kept
+            try:
+                self.fds[name] = open_regular(path)  # OSError for a symlink there: a 500
+            except FileNotFoundError:  # removed since the look above
+                return None
             return self.fds[name]
 
     def track(self, delta):
@@ -375,7 +389,7 @@ def main():
         if name in files or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
             p.error(f"--file {spec!r}: want NAME=PATH, NAME plain and new")
         files[name] = path
-        try:  # opened once, here, and kept: a later swap of the path changes nothing served
+        try:  # opened here, and kept while the path names this file (Server.whole)
             fds[name] = open_regular(path)
         except FileNotFoundError:
             if name not in growing:

@@ -1,7 +1,8 @@
-"""llama_cpp: one commit everywhere (lock file), the clone, and per-backend builds."""
+"""llama_cpp: one commit everywhere (lock file), the clone, and builds compiled once per build
+key and copied to the key's other hosts (keys.py)."""
 
 from meshdeploy.core.registry import FactRequest, Prepare, Prepared, Resource, Role
-from meshdeploy.roles.llama_cpp import consistency, lock
+from meshdeploy.roles.llama_cpp import consistency, keys, lock
 from meshdeploy.roles.llama_cpp import operations as ops
 
 
@@ -17,7 +18,9 @@ def _prepare(p: Prepare) -> Prepared:
     if upstream == ops.RemoteRef.MISSING:
         upstream = None
     return Prepared(values={"commit": commit, "commit_source": how, "upstream_commit": upstream,
-                            "build_number": lock.build_number(p.cluster.llama_cpp.ref)},
+                            "build_number": lock.build_number(p.cluster.llama_cpp.ref),
+                            "build_copiers": keys.copiers(p.cluster, p.hosts, p.facts, commit,
+                                                          p.resolved.replace)},
                     warnings=tuple(lock.moved_warning(p.cluster, upstream)))
 
 
@@ -39,7 +42,12 @@ ROLE = Role(
         Resource("source", lambda ctx, key: ops.source(ctx),
                  "the clone at the pinned commit"),
         Resource("build", lambda ctx, key: ops.build(ctx),
-                 "llama-server and the RPC worker for the host's backend",
-                 serial=lambda cluster: cluster.llama_cpp.build.serial),
+                 "llama-server and the RPC worker, compiled once per build key",
+                 serial=lambda cluster: cluster.llama_cpp.build.serial, replaceable=True),
+        # After every host's build: the build it copies is finished (keys.py says who copies).
+        Resource("copy", lambda ctx, key: ops.copy(ctx),
+                 "a build another host of its build key compiled, copied and verified",
+                 # The builder's new tarball and its sha256, which the copy is checked against.
+                 rereads=(("llama_cpp.build", "llama_cpp.Builds"),), rereads_peers=True),
     ),
 )

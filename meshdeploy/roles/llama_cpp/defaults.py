@@ -33,6 +33,15 @@ llama_cpp_backend_cmake_flags = {
 # with "Illegal instruction" there (llama.cpp issues #402, #3622: big.LITTLE cores, clang's
 # detection); portable code runs on every core. The file's cmake_flags naming GGML_NATIVE win.
 llama_cpp_termux_cmake_flags = ("-DGGML_NATIVE=OFF",)
+# A build that other hosts copy (keys.py): portable code, never -march=native of the builder's CPU.
+# The file's cmake_flags naming GGML_NATIVE win here too.
+llama_cpp_portable_cmake_flags = ("-DGGML_NATIVE=OFF",)
+# Where a builder keeps the tarball of a build that other hosts copy, under the cmake trees'
+# folder (llama_cpp_build_dir): <key>.tar.gz and <key>.tar.gz.sha256.
+llama_cpp_share_dir = "share"
+# How long a copying host waits for its builder's md-share to serve the archive (the builder
+# packs it and starts md-share in the same llama_cpp.copy slot: seconds, normally).
+llama_cpp_copy_wait = 300
 # A rootless host's CCACHE_DIR, under its cache folder (layout.cache), unless the file sets one.
 llama_cpp_rootless_ccache_dir = "ccache"
 llama_cpp_server_target = "llama-server"

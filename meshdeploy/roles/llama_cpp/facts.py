@@ -62,18 +62,27 @@ class Builds(FactBase):
     {"current": "<key>" or None,
      "builds": {"<key>": {"commit": ..., "backend": ..., "rpc_binary": "ggml-rpc-server",
                           "targets": "llama-server ggml-rpc-server", "proto": "7.0.0",
-                          "flags": ["--rpc", "-lm", ...]}}}
+                          "flags": ["--rpc", "-lm", ...],
+                          "archive": "<sha256> <bytes>"}}}   # only where it shares the build
     ```
     """
 
+    # archive: the sha256 and size of the build's tarball under ARCHIVES, where this host keeps
+    # the builds other hosts copy (llama_cpp.copy). A tarball changed after its sha256 was
+    # written (newer than it) is none: its builder packs it again (pack.sh).
     _BODY = ('for m in "$BUILDS"/*/manifest; do [ -f "$m" ] || continue; '
              'd=${m%/manifest}; echo "== ${d##*/}"; cat "$m"; '
              "printf 'flags='; grep -oE -- '(^|[ ,])--?[a-zA-Z][a-zA-Z0-9-]*' \"$d/llama-server.help\" "
-             "2>/dev/null | tr -d ' ,' | sort -u | tr '\\n' ' '; echo; done\n"
+             "2>/dev/null | tr -d ' ,' | sort -u | tr '\\n' ' '; echo; "
+             'a="$ARCHIVES/${d##*/}.tar.gz"; [ -z "$ARCHIVES" ] || [ ! -f "$a.sha256" ] || '
+             '[ ! -f "$a" ] || '
+             '[ -n "$(find "$a" -newer "$a.sha256" 2>/dev/null)" ] || '
+             'echo "archive=$(cut -c1-64 "$a.sha256") $(wc -c < "$a" | tr -d \' \')"; done\n'
              'echo "current=$(readlink "$CURRENT")"')
 
-    def command(self, builds_dir, current_link):
-        return shell.script(self._BODY, BUILDS=builds_dir, CURRENT=current_link)
+    def command(self, builds_dir, current_link, archives_dir=""):
+        return shell.script(self._BODY, BUILDS=builds_dir, CURRENT=current_link,
+                            ARCHIVES=archives_dir)
 
     def process(self, output):
         builds: dict[str, dict] = {}
@@ -93,6 +102,31 @@ class Builds(FactBase):
     @staticmethod
     def default():
         return {"current": None, "builds": {}}
+
+
+class Libc(FactBase):
+    """The host's C library and its version, which its binaries link against (a build key says
+    it, llama_cpp/keys.py): "glibc 2.36", "musl 1.2.4"; None when the probe cannot tell
+    (macOS and Termux have neither getconf's GNU_LIBC_VERSION nor a musl ldd)."""
+
+    def command(self):
+        return "getconf GNU_LIBC_VERSION 2>/dev/null || ldd --version 2>&1 | head -n 2"
+
+    def process(self, output):
+        lines = [line.strip() for line in output if line.strip()]
+        if not lines:
+            return None
+        words = lines[0].split()
+        if len(words) == 2 and words[0] == "glibc" and _VERSION.fullmatch(words[1]):
+            return f"glibc {words[1]}"
+        if words[:1] == ["musl"] and len(lines) > 1:
+            version = lines[1].split()
+            if len(version) == 2 and version[0] == "Version" and _VERSION.fullmatch(version[1]):
+                return f"musl {version[1]}"
+        return None
+
+
+_VERSION = re.compile(r"[0-9]+(\.[0-9]+){1,3}")
 
 
 class RemoteRef(FactBase):

@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
-import hashlib
-import re
 from pathlib import Path
 
-from meshdeploy.core import inflight, progress, shell
+from meshdeploy.core import inflight, progress, share, shell
 from meshdeploy.core.context import BuildOutcome, HostContext, Step, stored_teardown
-from meshdeploy.errors import PlanError
+from meshdeploy.errors import ApplyError, PlanError
 from meshdeploy.core.paths import installed_build
 from meshdeploy.core.paths import llama_cpp_paths as paths
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d
-from meshdeploy.roles.llama_cpp import lock
+from meshdeploy.roles.llama_cpp import keys, lock
 from meshdeploy.roles.llama_cpp.facts import (
     GIT_SAFE,
     Builds,
     CcacheWritable,
+    Libc,
     RemoteRef,
     Source,
     Stored,
+)
+from meshdeploy.roles.llama_cpp.keys import (  # noqa: F401 (the role's API, used by tests)
+    build_key,
+    cmake_flags,
+    flavour,
+    targets,
 )
 from meshdeploy.roles.llama_cpp.lock import checked_commit
 
@@ -34,7 +39,9 @@ def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
     # Facts take raw values and quote them themselves (core.shell).
     out = [Section("llama_cpp.Source", Source, {"path": p["src"], "commit": commit}),
            Section("llama_cpp.Builds", Builds,
-                   {"builds_dir": p["builds"], "current_link": p["current"]})]
+                   {"builds_dir": p["builds"], "current_link": p["current"],
+                    "archives_dir": archives_dir(host.layout.prefix)}),
+           Section("llama_cpp.Libc", Libc)]
     if first:
         out.append(Section("llama_cpp.RemoteRef", RemoteRef,
                            {"repo": cluster.llama_cpp.repo, "ref": cluster.llama_cpp.ref}))
@@ -55,38 +62,13 @@ def preflight(ctx: HostContext) -> None:
                              "user's cache folder), or make the folder writable by that user")
 
 
-def targets(cluster, host) -> list[str]:
-    """What this host needs: llama-server where a server runs, the worker where RPC is served."""
-    wanted = []
-    if any(s.host == host.name for s in cluster.servers):
-        wanted.append(d.llama_cpp_server_target)
-    if host.rpc_servers:
-        wanted.append("rpc")
-    return wanted
+def archives_dir(prefix: str) -> str:
+    """Where a builder keeps the tarballs of builds that other hosts copy."""
+    return f"{paths(prefix)['build']}/{d.llama_cpp_share_dir}"
 
 
-_NATIVE = re.compile(r"(-D\s*)?GGML_NATIVE[:=]")
-
-
-def cmake_flags(cluster, host, termux: bool = False) -> list[str]:
-    """The build's cmake flags; `termux`: the host is Termux (toolchain.Platform), whose builds
-    get d.llama_cpp_termux_cmake_flags unless llama_cpp.build.cmake_flags set GGML_NATIVE."""
-    b = cluster.llama_cpp.build
-    host_flags = d.llama_cpp_termux_cmake_flags if termux and not any(
-        _NATIVE.match(f) for f in b.cmake_flags) else ()
-    return ([f"-DCMAKE_BUILD_TYPE={b.type}", *d.llama_cpp_common_cmake_flags,
-             *d.llama_cpp_backend_cmake_flags[host.backend], *host_flags,
-             f"-DGGML_CCACHE={'ON' if b.ccache else 'OFF'}", *b.cmake_flags])
-
-
-def flavour(cluster, host, termux: bool = False) -> str:
-    """Hash of everything but the commit that makes two builds differ."""
-    blob = "\n".join([host.backend, *cmake_flags(cluster, host, termux), *targets(cluster, host)])
-    return hashlib.sha256(blob.encode()).hexdigest()[:8]
-
-
-def build_key(cluster, host, commit: str, termux: bool = False) -> str:
-    return f"{commit[:12]}-{host.backend}-{flavour(cluster, host, termux)}"
+def archive(prefix: str, key: str) -> str:
+    return f"{archives_dir(prefix)}/{key}.tar.gz"
 
 
 def on_termux(ctx: HostContext) -> bool:
@@ -112,6 +94,10 @@ def source(ctx: HostContext) -> Step:
     repo = cluster.llama_cpp.repo
     if not targets(cluster, ctx.host):
         return Step(ctx.change(ROLE, "source", "no-op", "host runs no llama.cpp binary"))
+    decision = keys.decide(ctx)
+    if decision.copies(ctx.host.name):
+        return Step(ctx.change(ROLE, "source", "no-op",
+                               f"copies its build from {decision.builder}: no clone needed"))
     src = paths(ctx.prefix)["src"]
     have = ctx.fact("llama_cpp.Source")
     short = commit[:12] if commit else None
@@ -153,21 +139,28 @@ def clone_script(src: str, repo: str, commit: str) -> str:
     return shell.script(_CLONE, SRC=src, REPO=repo, COMMIT=commit)
 
 
-def build_script(ctx: HostContext, key: str) -> str:
+def build_script(ctx: HostContext, key: str, decision: keys.Decision | None = None,
+                 force: bool = False) -> str:
+    """build.sh for build `key`: the targets and flags `decision` says (keys.decide), `force`:
+    compile even when the build is installed (-replace)."""
     cluster, host = ctx.cluster, ctx.host
+    decision = decision or keys.decide(ctx)
     p = paths(ctx.prefix)
     b = cluster.llama_cpp.build
-    wanted = targets(cluster, host)
+    wanted = decision.targets
     number = ctx.resolved.build_number
     termux = on_termux(ctx)
+    portable = decision.portable
     return shell.template(
-        TEMPLATES / "build.sh", args=cmake_flags(cluster, host, termux), prelude=progress.SHELL,
-        SRC=p["src"], TREE=f"{p['build']}/{host.backend}-{flavour(cluster, host, termux)}",
+        TEMPLATES / "build.sh", args=cmake_flags(cluster, host, termux, portable),
+        prelude=progress.SHELL, SRC=p["src"],
+        TREE=f"{p['build']}/{host.backend}-{flavour(cluster, host, termux, None, portable)}",
         OUT=installed_build(ctx.prefix, key), COMMIT=checked_commit(ctx.resolved.commit),
         NUMBER="" if number is None else int(number), JOBS=int(b.jobs) if b.jobs else "",
         CCACHE=ccache_dir(cluster, host),
         WANT_SERVER=int(d.llama_cpp_server_target in wanted), WANT_RPC=int("rpc" in wanted),
-        RPC_TARGETS=" ".join(d.llama_cpp_rpc_targets), KEY=key, BACKEND=host.backend)
+        RPC_TARGETS=" ".join(d.llama_cpp_rpc_targets), KEY=key, BACKEND=host.backend,
+        FORCE=int(force))
 
 
 def activate_script(ctx: HostContext, key: str) -> str:
@@ -179,38 +172,193 @@ def activate_script(ctx: HostContext, key: str) -> str:
 
 
 def build(ctx: HostContext) -> Step:
-    """llama_cpp.build: compile llama-server and the RPC worker for this host's backend."""
+    """llama_cpp.build: compile llama-server and the RPC worker for this host's backend, once per
+    build key: a host whose key another host compiles copies that build (llama_cpp.copy).
+
+    + -replace=HOST/llama_cpp.build: compile on HOST, whatever is installed or shared
+    """
     cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit
     if not targets(cluster, host):
         return Step(ctx.change(ROLE, "build", "no-op", "host runs no llama.cpp binary"))
     have = ctx.fact("llama_cpp.Builds") or {"current": None, "builds": {}}
     current = have.get("current")
     current_commit = (have["builds"].get(current) or {}).get("commit") if current else None
+    decision = keys.decide(ctx)
+    key = decision.key
+    installed = have["builds"].get(key) if commit else None
+    if decision.copies(host.name) and not keys.covers(installed, decision.targets):
+        return Step(ctx.change(ROLE, "build", "no-op",
+                               f"{decision.builder} compiles {key if commit else 'its build'} "
+                               f"({decision.why}); llama_cpp.copy copies it here"))
+    copiers = decision.copiers() if decision.builder == host.name else []
+    once = (f"; compiled once for {', '.join([host.name, *copiers])} ({decision.why})"
+            if copiers else "")
     if commit is None:
         return Step(ctx.change(ROLE, "build", "replace" if current else "create",
-                               "ref not resolved yet",
+                               f"ref not resolved yet{once}",
                                [AttrDiff("commit", current_commit and current_commit[:12], None,
-                                         forces_replacement=bool(current), known_after_apply=True)]),
+                                         forces_replacement=bool(current), known_after_apply=True),
+                                *([AttrDiff("copied by", None, ", ".join(copiers))]
+                                  if copiers else [])]),
                     build=BuildOutcome(None, changed=True))
-    key = build_key(cluster, host, commit, on_termux(ctx))
     root = not host.rootless  # a rootless host: nothing through sudo
-    if key in have["builds"]:
-        if current == key:
+    forced = ctx.replacing(keys.RESOURCE)
+    lacking = _lacking(ctx, decision)
+    pack = [pack_script(ctx, key)] if lacking else []
+    if not forced and keys.covers(installed, decision.targets):
+        unpacked = pack and _archive_of(ctx, host.name, key) is None
+        if current == key and not unpacked:
             return Step(ctx.change(ROLE, "build", "no-op", f"{key} built and current"),
                         build=BuildOutcome(key, changed=False))
+        if current == key:
+            return Step(ctx.change(ROLE, "build", "update",
+                                   f"pack {key} for {', '.join(lacking)} to copy (no compile)",
+                                   [AttrDiff("tarball", None, key, known_after_apply=True)]),
+                        pack, sudo=root, build=BuildOutcome(key, changed=False))
         return Step(ctx.change(ROLE, "build", "update", "switch to an existing build (no compile)",
                                [AttrDiff("current", current, key)]),
-                    [activate_script(ctx, key)], sudo=root,
+                    [activate_script(ctx, key), *(pack if unpacked else [])], sudo=root,
                     build=BuildOutcome(key, changed=True))
     diffs = [AttrDiff("commit", current_commit and current_commit[:12], commit[:12],
                       forces_replacement=bool(current)),
-             AttrDiff("backend", None if current else None, host.backend),
-             AttrDiff("targets", None, " ".join(targets(cluster, host)))]
-    return Step(ctx.change(ROLE, "build", "replace" if current else "create",
-                           f"no build of {commit[:12]} for {host.backend} with these flags", diffs),
-                [inflight.guarded("llama_cpp.build", build_script(ctx, key), host.layout),
-                 activate_script(ctx, key)],
+             AttrDiff("backend", None, host.backend),
+             AttrDiff("targets", None, " ".join(decision.targets))]
+    reason = f"no build of {commit[:12]} for {host.backend} with these flags"
+    if forced:
+        reason = f"-replace: compile {key} here"
+    elif installed:
+        reason = f"{key} lacks binaries its hosts need"
+    if copiers:
+        reason += once
+        diffs.append(AttrDiff("copied by", None, ", ".join(copiers)))
+    return Step(ctx.change(ROLE, "build", "replace" if current or forced else "create", reason,
+                           diffs),
+                [inflight.guarded("llama_cpp.build", build_script(ctx, key, decision, forced),
+                                  host.layout),
+                 activate_script(ctx, key), *pack],
                 sudo=root, build=BuildOutcome(key, changed=True))
+
+
+def pack_script(ctx: HostContext, key: str) -> str:
+    """pack.sh: the tarball of installed build `key` and its sha256, for the hosts that copy it
+    (their copies are checked against that sha256, which apply reads back from this host)."""
+    return shell.template(TEMPLATES / "pack.sh", BUILD=installed_build(ctx.prefix, key),
+                          ARCHIVE=archive(ctx.prefix, key))
+
+
+def _lacking(ctx: HostContext, decision: keys.Decision) -> list[str]:
+    """The hosts that copy this builder's build and lack it (none where this host copies)."""
+    if decision.builder != ctx.host.name:
+        return []
+    cluster = ctx.cluster
+    return [m for m in decision.copiers()
+            if not keys.covers(((ctx.fact_of(m, "llama_cpp.Builds") or {}).get("builds")
+                                or {}).get(decision.key),
+                               keys.targets(cluster, cluster.host(m)))]
+
+
+def _archive_of(ctx: HostContext, builder: str, key: str) -> tuple[str, int] | None:
+    """(sha256, bytes) of the tarball of `key` the plan saw on `builder`, if any."""
+    builds = (ctx.fact_of(builder, "llama_cpp.Builds") or {}).get("builds") or {}
+    words = ((builds.get(key) or {}).get("archive") or "").split()
+    if len(words) == 2 and keys.SHA256.fullmatch(words[0]) and words[1].isdigit():
+        return words[0], int(words[1])
+    return None
+
+
+def copy(ctx: HostContext) -> Step:
+    """llama_cpp.copy: a build compiled on another host of the same build key, copied here.
+
+    On a copying host: the builder's tarball fetched from its md-share, its sha256 checked
+    against the one the builder computed, unpacked beside the other builds, its binaries run
+    here, then `current` flipped (activate.sh). On the builder: the tarball packed once and
+    md-share started for the hosts that still lack the build. Runs after every host's
+    llama_cpp.build, so the build it copies is finished.
+    """
+    cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit
+    if not targets(cluster, host):
+        return Step(ctx.change(ROLE, "copy", "no-op", "nothing to copy"))
+    decision = keys.decide(ctx)
+    if decision.builder == host.name:
+        return _serve(ctx, decision)
+    have = ctx.fact("llama_cpp.Builds") or {"current": None, "builds": {}}
+    if commit is None:  # the ref is resolved at apply: what is copied is known then
+        return Step(_copy_change(ctx, decision, have.get("current"), None),
+                    build=BuildOutcome(None, changed=True))
+    if keys.covers(have["builds"].get(decision.key), decision.targets):
+        return Step(ctx.change(ROLE, "copy", "no-op", f"{decision.key} installed"))
+    builder = decision.builder
+    if builder in ctx.failed_hosts:
+        raise ApplyError(f"{host.name}: nothing to copy: the build of {decision.key} on "
+                         f"{builder} failed in this run; current is unchanged",
+                         hint=f"fix {builder}'s llama_cpp.build, or compile here with "
+                              f"-replace={host.name}/llama_cpp.build")
+    seen = _archive_of(ctx, builder, decision.key)
+    if seen is None and ctx.run_command is not None:  # apply: the builder packed it by now
+        raise ApplyError(f"{host.name}: {builder} has no tarball of build {decision.key} to "
+                         "copy; current is unchanged",
+                         hint=f"apply again (its llama_cpp.build packs it), or compile here with "
+                              f"-replace={host.name}/llama_cpp.build")
+    name = f"{decision.key}.tar.gz"
+    script = shell.template(
+        TEMPLATES / "copy.sh", prelude=progress.SHELL,
+        URL=share.lan_url(cluster, builder, name), SUMURL=share.lan_url(cluster, builder,
+                                                                         f"{name}.sha256"),
+        EXPECT=seen[0] if seen else "", OUT=installed_build(ctx.prefix, decision.key),
+        KEY=decision.key, COMMIT=checked_commit(commit), BUILDER=builder, HOST=host.name,
+        WAIT=int(d.llama_cpp_copy_wait),
+        ARCHIVE=archive(cluster.host(builder).layout.prefix, decision.key))
+    # Without the builder's sha256 (a plan before its tarball exists) the commands are known
+    # after apply: a copy is never checked against what the LAN alone says.
+    return Step(_copy_change(ctx, decision, have.get("current"), seen),
+                [script, activate_script(ctx, decision.key)] if seen else [],
+                sudo=not host.rootless, build=BuildOutcome(decision.key, changed=True))
+
+
+def _copy_change(ctx: HostContext, decision: keys.Decision, current: str | None,
+                 seen: tuple[str, int] | None):
+    """What the plan says of a copy: from where, how many bytes (`seen`: the builder's tarball,
+    when the plan saw it), the build it makes current (known after apply while the ref is
+    not resolved)."""
+    resolved = ctx.resolved.commit is not None
+    diffs = [AttrDiff("from", None, decision.builder),
+             AttrDiff("bytes", None, str(seen[1]) if seen else None,
+                      known_after_apply=seen is None)]
+    if current:
+        diffs.insert(0, AttrDiff("current", current, decision.key if resolved else None,
+                                 known_after_apply=not resolved))
+    size = f"{seen[1] / 2**20:.1f} MiB" if seen else "its build"
+    return ctx.change(ROLE, "copy", "replace" if current else "create",
+                      f"copy {size} from {decision.builder} {share.way(ctx.cluster)} "
+                      f"(compiled there once for {', '.join(decision.members)})", diffs)
+
+
+def _serve(ctx: HostContext, decision: keys.Decision) -> Step:
+    """The builder's part of llama_cpp.copy: serve its tarball (packed by its llama_cpp.build;
+    pack.sh keeps it) to the hosts of the key that lack the build, through md-share (its port
+    open to them alone: network.allowlist)."""
+    cluster = ctx.cluster
+    lacking = _lacking(ctx, decision)
+    if not lacking:
+        return Step(ctx.change(ROLE, "copy", "no-op", "no host copies a build from here"))
+    path = archive(ctx.prefix, decision.key)
+    name = f"{decision.key}.tar.gz"
+    clients = [cluster.host(m) for m in lacking]
+    # A build compiled in this run is served for the first time (created with it, so a first
+    # plan only adds); an installed one is served again to a host that lacks it.
+    have = ((ctx.fact("llama_cpp.Builds") or {}).get("builds") or {})
+    served = ctx.resolved.commit is not None and decision.key in have
+    change = ctx.change(ROLE, "copy", "update" if served else "create",
+                        f"serve {decision.key if ctx.resolved.commit else 'its build'} to "
+                        f"{', '.join(lacking)} {share.way(cluster)} while they copy it (md-share)",
+                        [AttrDiff("md-share", None, ", ".join(lacking))])
+    if ctx.resolved.commit is None:  # the build is known after apply, and so are the commands
+        return Step(change)
+    return Step(change,
+                [pack_script(ctx, decision.key),
+                 *share.start(cluster, ctx.host, {name: path, f"{name}.sha256":
+                                                  f"{path}.sha256"}, clients)],
+                sudo=not ctx.host.rootless)
 
 
 def resolve(ctx: HostContext) -> Step:
@@ -219,6 +367,11 @@ def resolve(ctx: HostContext) -> Step:
     if ctx.resolved.commit is not None or not ctx.first:
         return Step(ctx.change(ROLE, "resolve", "no-op", "ref already resolved"))
     fixed = lock.resolve_on_host(ctx)
+    # Who copies from whom, decided again with the commit (keys.copiers): the same as the
+    # plan's unless a host already holds the build of that commit.
+    run = [h for h in ctx.cluster.hosts if h.name in (ctx.cluster_facts or {})]
+    fixed["build_copiers"] = keys.copiers(ctx.cluster, run, ctx.cluster_facts or {},
+                                          fixed["commit"], ctx.resolved.replace)
     return Step(ctx.change(ROLE, "resolve", "no-op",
                            f"{ctx.cluster.llama_cpp.ref} -> {fixed['commit'][:12]}"),
                 resolves=fixed)

@@ -128,7 +128,8 @@ def allowlist(ctx: HostContext) -> Step:
                                    else "macOS: not managed yet"))
         return Step(ctx.change(ROLE, "allowlist", "delete", f"{OPT_OUT}: remove the table",
                                rules.diffs({}, live)), rules.remove_commands())
-    wanted = rules.allowlist(ctx.cluster, ctx.host)
+    copiers = ctx.resolved.build_copiers.get(ctx.host.name, ())
+    wanted = rules.allowlist(ctx.cluster, ctx.host, copiers)
     if not wanted:
         if live is None:
             return Step(ctx.change(ROLE, "allowlist", "no-op", "no meshdeploy port on this host"))
@@ -142,7 +143,7 @@ def allowlist(ctx: HostContext) -> Step:
                            "not loaded" if live is None else "rules differ (drift or a new peer)",
                            rules.diffs(wanted, live)),
                 [c for c in install if c] + rules.apply_commands(rules.nft_file(ctx.cluster,
-                                                                                ctx.host)))
+                                                                                ctx.host, copiers)))
 
 
 # -- WireGuard (network.transport: wireguard) ----------------------------------------------------

@@ -61,8 +61,10 @@ def port_key(proto: str, port: int) -> str:
     return str(port) if proto == "tcp" else f"{proto}/{port}"
 
 
-def ports(cluster, host) -> list[Port]:
-    """The host's meshdeploy ports and their allowed sources, in port order."""
+def ports(cluster, host, build_copiers=()) -> list[Port]:
+    """The host's meshdeploy ports and their allowed sources, in port order. `build_copiers`: the
+    hosts that copy the llama.cpp build this host compiles (Resolved.build_copiers), which its
+    md-share serves them."""
     found: dict[tuple[str, int], tuple[list[str], list[str]]] = {}
     tunnel = cluster.network.wireguard if cluster.network.tunnel else None
     for rpc in host.rpc_servers:
@@ -82,6 +84,8 @@ def ports(cluster, host) -> list[Port]:
     # Under network.transport: ssh md-share listens on loopback, reached through the forwards'
     # reverse ends: no port to open.
     fetchers = [] if cluster.network.forwarded else distribution.share_clients(cluster, host)
+    fetchers += [cluster.host(n) for n in build_copiers
+                 if n not in {f.name for f in fetchers}]
     if fetchers:
         # md-share serves this host's model copy to the hosts that fetch tensors or copies of
         # it (models.gguf, rpc_cache.share), over the tunnel when there is one.
@@ -99,9 +103,9 @@ def ports(cluster, host) -> list[Port]:
                                                           key=lambda i: (i[0][1], i[0][0]))]
 
 
-def allowlist(cluster, host) -> dict[str, list[str]]:
+def allowlist(cluster, host, build_copiers=()) -> dict[str, list[str]]:
     """What facts.Allowlist reads back once the table is loaded: port -> sorted sources."""
-    return {p.key: list(p.sources) for p in ports(cluster, host)}
+    return {p.key: list(p.sources) for p in ports(cluster, host, build_copiers)}
 
 
 def _rpc_clients(cluster, host, rpc) -> list:
@@ -208,7 +212,7 @@ def nft_table(port_list: list[Port], cluster_name: str) -> str:
             f"{body}\t}}\n}}\n")
 
 
-def nft_file(cluster, host) -> str:
+def nft_file(cluster, host, build_copiers=()) -> str:
     """The file for `nft -f`: one transaction that replaces table inet meshdeploy, and only it.
 
     Creating the table first makes the delete succeed whether or not it existed (nft 1.0.6 has
@@ -217,7 +221,7 @@ def nft_file(cluster, host) -> str:
     return (f"# meshdeploy: allow-list of {comment_text(host.name)}'s meshdeploy ports. "
             "Generated; the next apply replaces it.\n"
             f"table {TABLE} {{}}\ndelete table {TABLE}\n"
-            + nft_table(ports(cluster, host), cluster.name))
+            + nft_table(ports(cluster, host, build_copiers), cluster.name))
 
 
 def _version(source: str) -> int | None:

@@ -31,8 +31,9 @@ def _prepare(p: Prepare) -> Prepared:
                                  for h in p.hosts))
 
 
-# A new build's manifest (binary names, flags) is read again before the units are written.
-_MANIFEST = (("llama_cpp.build", "llama_cpp.Builds"),)
+# A new build's manifest (binary names, flags) is read again before the units are written: one
+# compiled here, or copied from the host that compiled it.
+_MANIFEST = (("llama_cpp.build", "llama_cpp.Builds"), ("llama_cpp.copy", "llama_cpp.Builds"))
 
 ROLE = Role(
     name="services",

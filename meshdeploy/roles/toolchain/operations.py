@@ -137,6 +137,12 @@ def packages(ctx: HostContext) -> Step:
     if manager is None:
         preflight(ctx)  # raises the plain "no supported package manager" error
     wanted = wanted_packages(ctx.cluster, manager, ctx.host)
+    if (ctx.resolved.build_copiers.get(ctx.host.name) and manager != "brew"
+            and d.toolchain_python_package not in wanted
+            and "python3" not in platform.get("tools", [])):
+        # md-share serves the llama.cpp build this host compiles to the hosts that copy it
+        # (Resolved.build_copiers); where python3 is on PATH already, nothing to install.
+        wanted = wanted + (d.toolchain_python_package,)
     if manager == "apt":
         installed = ctx.fact("toolchain.DebPackages") or {}
         missing = [p for p in wanted if not installed.get(p)]

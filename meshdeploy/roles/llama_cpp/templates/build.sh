@@ -1,17 +1,12 @@
 # Build llama-server and/or the RPC worker of one (commit, backend, flags) and install it under
 # $OUT. Inputs (assigned above by core.shell.template): SRC TREE OUT COMMIT NUMBER JOBS CCACHE
-# WANT_SERVER WANT_RPC RPC_TARGETS KEY BACKEND; "$@" = the cmake flags.
+# WANT_SERVER WANT_RPC RPC_TARGETS KEY BACKEND FORCE (1: compile even when installed);
+# "$@" = the cmake flags.
 set -e
-# An earlier run's build of this key may have finished while this run was planning.
-if [ -f "$OUT/manifest" ] && grep -qx "commit=$COMMIT" "$OUT/manifest"; then echo "$KEY: already built"; exit 0; fi
 if [ -n "$CCACHE" ]; then export CCACHE_DIR="$CCACHE"; fi
 # Paths under the prefix (the folder two above $SRC) are hashed relative to it, so hosts
 # with other prefixes (a rootless host's is its user's) reuse each other's entries in a shared cache.
 export CCACHE_BASEDIR="${SRC%/*/*}"
-[ -n "$JOBS" ] || JOBS=$(getconf _NPROCESSORS_ONLN 2>/dev/null || sysctl -n hw.ncpu)
-[ -n "$NUMBER" ] || NUMBER=$(git -C "$SRC" rev-list --count HEAD)
-mkdir -p "$TREE" "${OUT%/*}"
-[ "$(git -C "$SRC" rev-parse HEAD)" = "$COMMIT" ] || { echo "source is not at $COMMIT" >&2; exit 1; }
 # The worker's target name changed upstream; ask the tree which one it has.
 RPC=''; for t in $RPC_TARGETS; do grep -rqs --include=CMakeLists.txt "set(TARGET $t)" "$SRC/tools/rpc" "$SRC/examples/rpc" && { RPC=$t; break; }; done
 TARGETS=''
@@ -20,6 +15,13 @@ if [ "$WANT_RPC" = 1 ]; then
   [ -n "$RPC" ] || { echo "no RPC worker target in this llama.cpp tree" >&2; exit 1; }
   TARGETS="$TARGETS $RPC"
 fi
+# An earlier run's build of this key, with these targets, may have finished while this run was
+# planning.
+if [ "$FORCE" != 1 ] && [ -f "$OUT/manifest" ] && grep -qx "commit=$COMMIT" "$OUT/manifest" && grep -qx "targets=$TARGETS" "$OUT/manifest"; then echo "$KEY: already built"; exit 0; fi
+[ -n "$JOBS" ] || JOBS=$(getconf _NPROCESSORS_ONLN 2>/dev/null || sysctl -n hw.ncpu)
+[ -n "$NUMBER" ] || NUMBER=$(git -C "$SRC" rev-list --count HEAD)
+mkdir -p "$TREE" "${OUT%/*}"
+[ "$(git -C "$SRC" rev-parse HEAD)" = "$COMMIT" ] || { echo "source is not at $COMMIT" >&2; exit 1; }
 SHORT=$(printf '%.7s' "$COMMIT")
 md_progress phase configure
 cmake -S "$SRC" -B "$TREE" -G Ninja "$@" "-DLLAMA_BUILD_NUMBER=$NUMBER" "-DLLAMA_BUILD_COMMIT=$SHORT" > "$TREE.configure.log" 2>&1 || { tail -n 30 "$TREE.configure.log" >&2; exit 1; }

@@ -1,0 +1,235 @@
+"""Build keys: which hosts can run the same llama.cpp binaries, and which one compiles them.
+
+A build key names one installed build (`builds/<key>/`): `<commit12>-<backend>-<hash>`, the hash
+over what decides whether a binary built on one host runs on another:
+
+- the backend and every cmake flag the build gets (the common ones, the backend's, Termux's
+  GGML_NATIVE=OFF, the portable flag below, ccache, the file's cmake_flags): what is compiled;
+- the platform: the kernel, the CPU architecture (`uname -m`), the distribution and its release
+  (toolchain.Platform) and the C library and its version (facts.Libc). The binaries are static
+  only in llama.cpp's own libraries; they still link the system's C library, libstdc++ and
+  OpenMP, so they run where those are the ones they were linked against, on the same
+  instruction set.
+
+Not the targets: hosts of one key share one build, and the host that compiles it builds the
+union of what they need (llama-server where a server runs, the RPC worker where rpc-servers
+run). An installed build is used only where it holds the binaries its host needs (`covers`).
+
+Portable builds. Upstream's GGML_NATIVE (on by default) compiles for the CPU that builds
+(-march=native): such binaries can die with "Illegal instruction" on another CPU of the same
+architecture. So when two or more hosts share a key their build gets -DGGML_NATIVE=OFF, unless
+llama_cpp.build.cmake_flags names GGML_NATIVE (the file wins, as on Termux). A host alone with
+its key keeps the default flags: its build, its cmake invocation and its ccache entries stay
+what they were. Whether hosts share is decided on the hosts the run probes (a `--limit` run sees
+only its own); a plan without the other hosts' facts (a pyinfra deploy calling one operation)
+keeps whichever of the two keys its host runs now.
+
+Who compiles. Per key one builder; the others copy its installed build (llama_cpp.copy), so a
+key costs one compile. The builder packs it (a tarball and its sha256); apply reads that sha256
+back from the builder over SSH and each copy is checked against it, so a copy never trusts what
+the LAN alone says. The builder is, in this order: a host that `-replace=HOST/llama_cpp.build`
+names (it compiles anyway); a host that already has the build installed with every binary the
+key's hosts need (no compile at all), unless llama_cpp.build.serial (one host at a time in file
+order: the build that the others copy must come first); else the first host of the key in file
+order. Other hosts that -replace names compile too, for themselves.
+
+The builders and their copiers go to the other roles as Resolved.build_copiers (copiers()):
+network.allowlist opens md-share's port on a builder to its copiers alone, as for models.
+
+Nobody shares where the copy could not travel when it runs: a host whose platform the probe
+could not tell (no C library version: macOS, Termux), and every host under network.wireguard or
+network.transport: ssh (llama_cpp runs before the tunnel and the forwards exist).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.roles.llama_cpp import defaults as d
+
+RESOURCE = "llama_cpp.build"
+SHA256 = re.compile(r"[0-9a-f]{64}")
+_NATIVE = re.compile(r"(-D\s*)?GGML_NATIVE[:=]")
+
+
+def targets(cluster, host) -> list[str]:
+    """What this host needs: llama-server where a server runs, the worker where RPC is served."""
+    wanted = []
+    if any(s.host == host.name for s in cluster.servers):
+        wanted.append(d.llama_cpp_server_target)
+    if host.rpc_servers:
+        wanted.append("rpc")
+    return wanted
+
+
+def _names_native(cluster) -> bool:
+    return any(_NATIVE.match(f) for f in cluster.llama_cpp.build.cmake_flags)
+
+
+def cmake_flags(cluster, host, termux: bool = False, portable: bool = False) -> list[str]:
+    """The build's cmake flags; `termux`: the host is Termux (toolchain.Platform), `portable`: its
+    build is copied to other hosts; either gets -DGGML_NATIVE=OFF unless
+    llama_cpp.build.cmake_flags set GGML_NATIVE."""
+    b = cluster.llama_cpp.build
+    host_flags = d.llama_cpp_termux_cmake_flags if termux and not _names_native(cluster) else ()
+    if portable and not host_flags and not _names_native(cluster):
+        host_flags = d.llama_cpp_portable_cmake_flags
+    return ([f"-DCMAKE_BUILD_TYPE={b.type}", *d.llama_cpp_common_cmake_flags,
+             *d.llama_cpp_backend_cmake_flags[host.backend], *host_flags,
+             f"-DGGML_CCACHE={'ON' if b.ccache else 'OFF'}", *b.cmake_flags])
+
+
+def platform(facts: dict) -> str | None:
+    """What of a host's platform its binaries depend on, from its facts: "Linux x86_64 debian 12
+    glibc 2.36"; None when the probe could not tell (no machine or C library: macOS, Termux)."""
+    p = facts.get("toolchain.Platform") or {}
+    libc = facts.get("llama_cpp.Libc")
+    if not p.get("machine") or not libc or p.get("termux"):
+        return None
+    return " ".join([p.get("kernel") or "?", p["machine"], p.get("distro") or "?",
+                     p.get("version") or "?", libc])
+
+
+def flavour(cluster, host, termux: bool = False, where: str | None = None,
+            portable: bool = False) -> str:
+    """Hash of everything but the commit that decides whether two hosts can run one build."""
+    blob = "\n".join([host.backend, *cmake_flags(cluster, host, termux, portable),
+                      f"platform={where or 'unknown'}"])
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+
+
+def build_key(cluster, host, commit: str, termux: bool = False, where: str | None = None,
+              portable: bool = False) -> str:
+    return f"{commit[:12]}-{host.backend}-{flavour(cluster, host, termux, where, portable)}"
+
+
+def on_termux(facts: dict) -> bool:
+    return bool((facts.get("toolchain.Platform") or {}).get("termux"))
+
+
+def covers(manifest: dict | None, wanted) -> bool:
+    """Whether an installed build (its manifest) holds every binary of `wanted` (targets())."""
+    if not manifest:
+        return False
+    have = set((manifest.get("targets") or "").split())
+    rpc = manifest.get("rpc_binary") or ""
+    return all((rpc in have and bool(rpc)) if t == "rpc" else t in have for t in wanted)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What llama_cpp decides for one host's build."""
+
+    key: str
+    builder: str  # the host that compiles the key's build; this host's own name when it does
+    members: tuple[str, ...]  # the hosts of the key that share the build (file order)
+    targets: tuple[str, ...]  # what this host compiles (builders), or needs (copiers)
+    why: str  # why that host compiles, as the plan says it
+    portable: bool = False  # built with llama_cpp_portable_cmake_flags
+
+    def copies(self, host_name: str) -> bool:
+        return self.builder != host_name
+
+    def copiers(self) -> list[str]:
+        return [m for m in self.members if m != self.builder]
+
+
+def _facts_of(ctx, name: str) -> dict:
+    if name == ctx.host.name:
+        return ctx.facts
+    return (ctx.cluster_facts or {}).get(name) or {}
+
+
+def _shares(cluster) -> bool:
+    return not (cluster.network.tunnel or cluster.network.forwarded)
+
+
+def group(ctx) -> list[str] | None:
+    """The hosts (file order) whose builds could be this host's: same backend, flags and
+    platform, each probed in this run; None when the other hosts' facts are not known."""
+    if ctx.cluster_facts is None:
+        return None
+    cluster, host = ctx.cluster, ctx.host
+    mine = platform(ctx.facts)
+    if mine is None or not _shares(cluster):
+        return [host.name]
+    termux = on_termux(ctx.facts)
+    return [h.name for h in cluster.hosts
+            if (h.name == host.name or h.name in ctx.cluster_facts)
+            and h.backend == host.backend and targets(cluster, h)
+            and platform(_facts_of(ctx, h.name)) == mine
+            and on_termux(_facts_of(ctx, h.name)) == termux]
+
+
+# Stands for the commit in decide() while the ref is not resolved yet (RemoteRef on a first host
+# without git): no installed build has its key, so the builder is the one a fresh key gets. The
+# steps never show that key: theirs is known after apply.
+UNRESOLVED = "0" * 40
+
+
+def copiers(cluster, hosts, facts: dict, commit: str | None,
+            replacing=()) -> dict[str, tuple[str, ...]]:
+    """builder -> the hosts that copy its build (decide(), `replacing`: the run's -replace
+    addresses), for every planned builder that has some: network opens md-share's port on it
+    to them alone.
+
+    Also while the commit is unknown (None: no host had git when the plan probed, as on hosts
+    with nothing installed): which hosts share a build depends on their platform, backend and
+    flags, all probed before anything is installed, never on the commit, and the builder is
+    the first of them in file order unless a host holds the key's build, which the plan takes
+    none to do. So the first plan on fresh hosts shows the allow-list that apply converges to,
+    and the plan after it has nothing to open. Apply decides again once it resolves the ref
+    (llama_cpp.resolve)."""
+    out = {}
+    resolved = Resolved(commit=commit, replace=tuple(replacing))
+    for h in hosts:
+        if not targets(cluster, h) or h.name not in facts:
+            continue
+        ctx = HostContext(cluster, h, facts[h.name], resolved, cluster_facts=facts)
+        decision = decide(ctx)
+        if decision.builder == h.name and decision.copiers():
+            out[h.name] = tuple(decision.copiers())
+    return out
+
+
+def _installed(ctx, name: str, key: str) -> dict | None:
+    return ((_facts_of(ctx, name).get("llama_cpp.Builds") or {}).get("builds") or {}).get(key)
+
+
+def decide(ctx) -> Decision:
+    """This host's build key, who compiles it, and what that compile builds (module docstring);
+    while the ref is not resolved the key stands for a build of an unknown commit (UNRESOLVED)
+    and the builder is the one such a build gets."""
+    cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit or UNRESOLVED
+    termux = on_termux(ctx.facts)
+    where = platform(ctx.facts)
+    own = targets(cluster, host)
+    members = group(ctx)
+    if members is None:  # alone here: keep the key of the build it runs now, portable or not
+        current = (ctx.fact("llama_cpp.Builds") or {}).get("current")
+        portable = current == build_key(cluster, host, commit, termux, where, True)
+        key = build_key(cluster, host, commit, termux, where, portable)
+        return Decision(key, host.name, (host.name,), tuple(own), "", portable)
+    portable = len(members) > 1
+    key = build_key(cluster, host, commit, termux, where, portable)
+    if len(members) == 1:
+        return Decision(key, host.name, (host.name,), tuple(own), "")
+    replaced = [m for m in members if ctx.replacing(RESOURCE, m)]
+    sharing = [m for m in members if m not in replaced[1:]]  # other -replace'd hosts: alone
+    if host.name in replaced[1:]:
+        return Decision(key, host.name, (host.name,), tuple(own), "-replace builds it here",
+                        portable)
+    need = [t for t in ("llama-server", "rpc")
+            if any(t in targets(cluster, cluster.host(m)) for m in sharing)]
+    installed = [m for m in sharing if covers(_installed(ctx, m, key), need)]
+    if replaced:
+        builder, why = replaced[0], "-replace builds it there"
+    elif installed and not cluster.llama_cpp.build.serial:
+        builder, why = installed[0], "it has that build installed"
+    else:
+        builder, why = sharing[0], "the first host of the key in file order"
+    wanted = need if builder == host.name else own
+    return Decision(key, builder, tuple(sharing), tuple(wanted), why, portable)

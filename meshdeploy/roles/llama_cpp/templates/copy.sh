@@ -1,0 +1,65 @@
+# Install the build KEY copied from BUILDER's md-share: wait until BUILDER serves it (it starts
+# md-share in this same step slot), fetch the tarball, check its sha256 against EXPECT, the one
+# BUILDER computed (read from BUILDER by meshdeploy over SSH, never taken from the LAN), unpack
+# it beside the other builds and run its binaries on this host; `current` is left alone
+# (activate.sh flips it).
+# Inputs (assigned above by core.shell.template): URL (the tarball), SUMURL (its sha256), EXPECT,
+# OUT (builds/KEY), KEY, COMMIT, BUILDER, HOST, WAIT (seconds to wait for md-share), ARCHIVE
+# (the tarball's path on BUILDER, for the message when it is damaged).
+set -e
+sum256() { if command -v sha256sum >/dev/null 2>&1; then sha256sum "$1"; else shasum -a 256 "$1"; fi | cut -c1-64; }
+# An earlier run's copy of this key may have finished while this run was planning.
+if [ -f "$OUT/manifest" ] && grep -qx "key=$KEY" "$OUT/manifest"; then echo "$KEY: already installed"; exit 0; fi
+TAR="$OUT.tar.tmp"
+rm -rf "$OUT.tmp" "$TAR"; mkdir -p "${OUT%/*}"
+md_progress phase "wait for $BUILDER"
+i=0
+until SUM=$(curl -fsS --max-time 10 "$SUMURL" 2>/dev/null); do
+  i=$((i + 2))
+  [ "$i" -lt "$WAIT" ] || { echo "$HOST: $BUILDER did not serve build $KEY within $WAIT s (see its llama_cpp.copy step); current is unchanged" >&2; exit 1; }
+  sleep 2
+done
+SUM=$(printf '%s' "$SUM" | cut -c1-64)
+if [ "$SUM" != "$EXPECT" ]; then
+  echo "$HOST: $BUILDER serves build $KEY with sha256 $SUM, not $EXPECT as it computed; current is unchanged (apply again)" >&2; exit 1
+fi
+md_progress phase "copy from $BUILDER"
+# Fetched again, up to three more times, when a transfer fails: BUILDER's llama_cpp.copy replaces
+# an md-share left running by an earlier step or run with its own while this one may be
+# fetching from the earlier one (curl's --retry leaves a connection cut midway alone).
+n=0
+until curl -fsS -o "$TAR" "$URL"; do
+  n=$((n + 1))
+  [ "$n" -lt 4 ] || { rm -f "$TAR"; echo "$HOST: could not fetch build $KEY from $BUILDER; current is unchanged" >&2; exit 1; }
+  sleep 2
+done
+md_progress phase "verify sha256"
+GOT=$(sum256 "$TAR")
+if [ "$GOT" != "$EXPECT" ]; then
+  rm -f "$TAR"
+  echo "$HOST: refused the copy of build $KEY from $BUILDER: its sha256 is $GOT, $BUILDER computed $EXPECT; current is unchanged" >&2
+  echo "hint: if $BUILDER's tarball is damaged, remove $ARCHIVE there: the next apply packs it again" >&2
+  exit 1
+fi
+# Only plain files and folders below the build: no links, devices, absolute or .. names.
+if tar -tvzf "$TAR" | grep -qv '^[-d]' || tar -tzf "$TAR" | grep -qE '^/|(^|/)\.\.(/|$)'; then
+  rm -f "$TAR"; echo "$HOST: refused the copy of build $KEY from $BUILDER: the archive holds more than files and folders" >&2; exit 1
+fi
+mkdir -p "$OUT.tmp"
+tar -xzf "$TAR" -C "$OUT.tmp" --no-same-owner; rm -f "$TAR"
+grep -qx "key=$KEY" "$OUT.tmp/manifest" ||
+  { rm -rf "$OUT.tmp"; echo "$HOST: the archive from $BUILDER is not build $KEY" >&2; exit 1; }
+# The binaries must run here before they can become current: llama-server tells its commit, the
+# RPC worker (no --version) answers --help; "Illegal instruction" or a missing library ends here.
+SHORT=$(printf '%.7s' "$COMMIT")
+RPC=$(sed -n 's/^rpc_binary=//p' "$OUT.tmp/manifest")
+if [ -x "$OUT.tmp/bin/llama-server" ]; then
+  V=$("$OUT.tmp/bin/llama-server" --version 2>&1) || { rm -rf "$OUT.tmp"; printf '%s: the copied llama-server does not run here:\n%s\n' "$HOST" "$V" >&2; exit 1; }
+  case "$V" in *"$SHORT"*) ;; *) rm -rf "$OUT.tmp"; printf '%s: the copied llama-server reports\n%s\nnot commit %s\n' "$HOST" "$V" "$SHORT" >&2; exit 1 ;; esac
+fi
+if [ -n "$RPC" ] && [ -x "$OUT.tmp/bin/$RPC" ]; then
+  C=0; V=$("$OUT.tmp/bin/$RPC" --help 2>&1) || C=$?
+  [ "$C" -lt 128 ] || { rm -rf "$OUT.tmp"; printf '%s: the copied %s does not run here (exit %s):\n%s\n' "$HOST" "$RPC" "$C" "$V" >&2; exit 1; }
+fi
+rm -rf "$OUT" && mv "$OUT.tmp" "$OUT"
+echo "$KEY: copied from $BUILDER, sha256 $GOT"

@@ -1,0 +1,17 @@
+# Pack an installed build into the tarball that the hosts copying it fetch from md-share, with
+# its sha256 beside it. Inputs (assigned above by core.shell.template): BUILD (the installed
+# build), ARCHIVE (the tarball's path). An archive newer than the build's manifest and not
+# newer than its sha256 is kept: that sha256 is the one the copies are checked against. One
+# changed after its sha256 was written (the Builds fact reports none then) is packed again.
+set -e
+sum256() { if command -v sha256sum >/dev/null 2>&1; then sha256sum "$1"; else shasum -a 256 "$1"; fi | cut -c1-64; }
+[ -f "$BUILD/manifest" ] || { echo "no installed build at $BUILD to share" >&2; exit 1; }
+if [ -f "$ARCHIVE.sha256" ] && [ -n "$(find "$ARCHIVE" -newer "$BUILD/manifest" 2>/dev/null)" ] &&
+  [ -z "$(find "$ARCHIVE" -newer "$ARCHIVE.sha256" 2>/dev/null)" ]; then exit 0; fi
+mkdir -p "${ARCHIVE%/*}"
+rm -f "$ARCHIVE.tmp"
+tar -C "$BUILD" -czf "$ARCHIVE.tmp" .
+sum256 "$ARCHIVE.tmp" > "$ARCHIVE.sha256.tmp"
+chmod 0644 "$ARCHIVE.tmp" "$ARCHIVE.sha256.tmp"
+mv -f "$ARCHIVE.tmp" "$ARCHIVE" && mv -f "$ARCHIVE.sha256.tmp" "$ARCHIVE.sha256"
+echo "packed $(wc -c < "$ARCHIVE" | tr -d ' ') bytes, sha256 $(cat "$ARCHIVE.sha256")"

@@ -1,0 +1,459 @@
+"""One compile per build key (roles/llama_cpp/keys.py): the key, the builder, and the copy.
+
+The copy's scripts run for real here: pack.sh packs a fake build, a local HTTP server stands in
+for the builder's md-share, copy.sh fetches, verifies and unpacks it, and a corrupted tarball is
+refused with one message while nothing is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.server
+import os
+import subprocess
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.errors import ApplyError
+from meshdeploy.roles.llama_cpp import keys
+from meshdeploy.roles.llama_cpp import operations as ops
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+DEBIAN = {"kernel": "Linux", "machine": "x86_64", "distro": "debian", "version": "12",
+          "tools": [], "termux": False}
+
+
+def lab():
+    return load_cluster(ROOT / "inventories" / "lab.yaml")
+
+
+def host_facts(machine="x86_64", libc="glibc 2.36", builds=None, current=None):
+    return {"toolchain.Platform": {**DEBIAN, "machine": machine}, "llama_cpp.Libc": libc,
+            "llama_cpp.Builds": {"current": current, "builds": builds or {}}}
+
+
+def contexts(cluster, facts, replace_=(), failed=()):
+    resolved = Resolved(commit=COMMIT, build_number=11312, replace=tuple(replace_))
+    return {h.name: HostContext(cluster, h, facts[h.name], resolved, cluster_facts=facts,
+                                failed_hosts=frozenset(failed))
+            for h in cluster.hosts}
+
+
+def decisions(cluster, facts, **kw):
+    return {name: keys.decide(ctx) for name, ctx in contexts(cluster, facts, **kw).items()}
+
+
+def same_platform(cluster, **overrides):
+    return {h.name: overrides.get(h.name, host_facts()) for h in cluster.hosts}
+
+
+# -- the key ---------------------------------------------------------------------------------------
+
+def test_hosts_of_one_platform_share_one_portable_key_whatever_their_targets():
+    cluster = lab()
+    got = decisions(cluster, same_platform(cluster))
+    assert len({d.key for d in got.values()}) == 1  # node1 runs llama-server, node2/3 rpc
+    assert all(d.builder == "node1" for d in got.values())
+    assert got["node1"].targets == ("llama-server", "rpc")  # the union, built once
+    assert got["node2"].targets == ("rpc",)
+    assert got["node1"].portable
+    assert "-DGGML_NATIVE=OFF" in ops.build_script(contexts(cluster, same_platform(cluster))[
+        "node1"], got["node1"].key)
+
+
+def test_another_cpu_architecture_or_c_library_makes_another_key_and_keeps_native_flags():
+    cluster = lab()
+    facts = same_platform(cluster, node2=host_facts(machine="aarch64"),
+                          node3=host_facts(libc="glibc 2.31"))
+    got = decisions(cluster, facts)
+    assert len({d.key for d in got.values()}) == 3
+    assert all(d.builder == name and not d.portable for name, d in got.items())
+    # A host alone with its key keeps the flags and key it had before keys were shared.
+    alone = contexts(cluster, facts)["node2"]
+    assert "GGML_NATIVE" not in ops.build_script(alone, got["node2"].key)
+    assert keys.cmake_flags(cluster, cluster.host("node2")) == keys.cmake_flags(
+        cluster, cluster.host("node2"), portable=False)
+
+
+def test_an_unknown_platform_shares_nothing():
+    cluster = lab()
+    facts = same_platform(cluster, node3=host_facts(libc=None))
+    got = decisions(cluster, facts)
+    assert got["node3"].builder == "node3" and got["node3"].members == ("node3",)
+    assert got["node2"].members == ("node1", "node2")
+
+
+def test_the_files_ggml_native_wins_over_the_portable_default():
+    cluster = lab()
+    b = replace(cluster.llama_cpp.build, cmake_flags=("-DGGML_NATIVE=ON",))
+    cluster = replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=b))
+    flags = keys.cmake_flags(cluster, cluster.host("node1"), portable=True)
+    assert "-DGGML_NATIVE=OFF" not in flags and flags[-1] == "-DGGML_NATIVE=ON"
+
+
+def test_without_the_other_hosts_facts_a_host_keeps_the_key_it_runs():
+    cluster = lab()
+    host = cluster.host("node2")
+    portable = keys.build_key(cluster, host, COMMIT, False, keys.platform(host_facts()), True)
+    facts = host_facts(current=portable)
+    ctx = HostContext(cluster, host, facts, Resolved(commit=COMMIT))  # no cluster_facts
+    assert keys.decide(ctx).key == portable
+    ctx.facts["llama_cpp.Builds"]["current"] = None
+    assert keys.decide(ctx).key != portable
+
+
+# -- the builder -----------------------------------------------------------------------------------
+
+def manifest(targets="llama-server ggml-rpc-server"):
+    return {"commit": COMMIT, "rpc_binary": "ggml-rpc-server", "targets": targets}
+
+
+def parallel(cluster):
+    """The lab builds one host at a time (build.serial); most clusters do not."""
+    b = replace(cluster.llama_cpp.build, serial=False)
+    return replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=b))
+
+
+def test_a_host_that_has_the_build_installed_serves_it_instead_of_a_compile():
+    cluster = parallel(lab())
+    key = decisions(cluster, same_platform(cluster))["node1"].key
+    facts = same_platform(cluster, node3=host_facts(builds={key: manifest()}, current=key))
+    got = decisions(cluster, facts)
+    assert got["node1"].builder == "node3" and "installed" in got["node1"].why
+    # One that lacks a binary the key's hosts need (node1's llama-server) is no builder.
+    facts["node3"]["llama_cpp.Builds"]["builds"][key] = manifest(" ggml-rpc-server")
+    assert decisions(cluster, facts)["node1"].builder == "node1"
+
+
+def test_serial_builds_keep_the_first_host_as_builder():
+    cluster = lab()
+    assert cluster.llama_cpp.build.serial
+    key = decisions(cluster, same_platform(cluster))["node1"].key
+    facts = same_platform(cluster, node3=host_facts(builds={key: manifest()}, current=key))
+    assert decisions(cluster, facts)["node2"].builder == "node1"
+
+
+def test_replace_compiles_on_the_named_host():
+    cluster = lab()
+    got = decisions(cluster, same_platform(cluster), replace_=("node2/llama_cpp.build",))
+    assert got["node1"].builder == "node2" and got["node3"].builder == "node2"
+    got = decisions(cluster, same_platform(cluster),
+                    replace_=("node2/llama_cpp.build", "node3/llama_cpp.build"))
+    assert got["node3"].builder == "node3" and got["node3"].members == ("node3",)
+    assert got["node1"].builder == "node2"
+    ctx = contexts(cluster, same_platform(cluster), replace_=("node3/llama_cpp.build",))["node3"]
+    step = ops.build(ctx)
+    assert step.change.action == "replace" and "FORCE=1" in step.commands[0]
+
+
+def test_tunnels_and_forwards_keep_every_host_compiling():
+    cluster = lab()
+    for transport in ("wireguard", "ssh"):
+        other = replace(cluster, network=replace(cluster.network, transport=transport))
+        got = decisions(other, same_platform(other))
+        assert all(d.builder == name and not d.portable for name, d in got.items()), transport
+
+
+def test_a_copy_from_a_builder_whose_build_failed_stops_with_one_message():
+    cluster = lab()
+    ctx = contexts(cluster, same_platform(cluster), failed=("node1",))["node2"]
+    with pytest.raises(ApplyError, match="nothing to copy: the build of .* on node1 failed"):
+        ops.copy(ctx)
+
+
+# -- pack.sh and copy.sh, run for real -------------------------------------------------------------
+
+def fake_build(folder: Path, key: str) -> None:
+    (folder / "bin").mkdir(parents=True)
+    server = folder / "bin" / "llama-server"
+    server.write_text("#!/bin/sh\necho 'version: 1 (0c1e570)'\n")
+    rpc = folder / "bin" / "ggml-rpc-server"
+    rpc.write_text("#!/bin/sh\necho usage\n")
+    for f in (server, rpc):
+        f.chmod(0o755)
+    (folder / "manifest").write_text(
+        f"commit={COMMIT}\nbackend=cpu\nkey={key}\nrpc_binary=ggml-rpc-server\n"
+        "targets=llama-server ggml-rpc-server\nproto=7.0.0\n")
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A folder served over HTTP as md-share serves files: GET /models/NAME."""
+    root = tmp_path / "srv"
+    (root / "models").mkdir(parents=True)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield root / "models", f"http://127.0.0.1:{server.server_address[1]}/models"
+    server.shutdown()
+
+
+def run(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def copy_script(url: str, out: Path, key: str, expect: str = "") -> str:
+    from meshdeploy.core import progress, shell
+    return shell.template(ops.TEMPLATES / "copy.sh", prelude=progress.SHELL,
+                          URL=f"{url}/{key}.tar.gz", SUMURL=f"{url}/{key}.tar.gz.sha256",
+                          EXPECT=expect, OUT=str(out), KEY=key, COMMIT=COMMIT, BUILDER="node1",
+                          HOST="node2", WAIT=4, ARCHIVE=f"/opt/meshdeploy/build/share/{key}.tar.gz")
+
+
+def pack(build: Path, archive: Path) -> subprocess.CompletedProcess:
+    from meshdeploy.core import shell
+    return run(shell.template(ops.TEMPLATES / "pack.sh", BUILD=str(build), ARCHIVE=str(archive)))
+
+
+def test_a_packed_build_is_copied_verified_and_its_binaries_run(tmp_path, served):
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    fake_build(tmp_path / "b1" / key, key)
+    done = pack(tmp_path / "b1" / key, folder / f"{key}.tar.gz")
+    assert done.returncode == 0, done.stderr
+    digest = hashlib.sha256((folder / f"{key}.tar.gz").read_bytes()).hexdigest()
+    assert (folder / f"{key}.tar.gz.sha256").read_text().strip() == digest
+    out = tmp_path / "b2" / "builds" / key
+    done = run(copy_script(url, out, key, expect=digest))
+    assert done.returncode == 0, done.stderr
+    assert (out / "manifest").read_text().startswith(f"commit={COMMIT}")
+    assert os.access(out / "bin" / "llama-server", os.X_OK)
+    assert not list(out.parent.glob("*.tmp"))
+    # Packing again keeps the archive (and its sha256) the copies are checked against.
+    before = (folder / f"{key}.tar.gz").stat().st_mtime_ns
+    assert pack(tmp_path / "b1" / key, folder / f"{key}.tar.gz").returncode == 0
+    assert (folder / f"{key}.tar.gz").stat().st_mtime_ns == before
+
+
+def builds_fact(tmp_path: Path, archives: Path) -> dict:
+    from meshdeploy.roles.llama_cpp.facts import Builds
+
+    fact = Builds()
+    done = run(fact.command(str(tmp_path / "b1"), str(tmp_path / "current"), str(archives)))
+    return fact.process(done.stdout.splitlines())["builds"]
+
+
+def test_a_tarball_changed_after_its_sha256_is_packed_again(tmp_path, served):
+    """The Builds fact reports no tarball where it is newer than its sha256 (so the builder's
+    llama_cpp.build packs it again, before anything is copied), and pack.sh packs it again."""
+    folder, _ = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    fake_build(tmp_path / "b1" / key, key)
+    tarball = folder / f"{key}.tar.gz"
+    assert pack(tmp_path / "b1" / key, tarball).returncode == 0
+    computed = (folder / f"{key}.tar.gz.sha256").read_text().strip()
+    assert builds_fact(tmp_path, folder)[key]["archive"] == f"{computed} {tarball.stat().st_size}"
+    good = tarball.read_bytes()
+    tarball.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    stamp = (folder / f"{key}.tar.gz.sha256").stat().st_mtime_ns + 1_000_000
+    os.utime(tarball, ns=(stamp, stamp))  # written after its sha256
+    assert "archive" not in builds_fact(tmp_path, folder)[key]
+    assert pack(tmp_path / "b1" / key, tarball).returncode == 0
+    again = (folder / f"{key}.tar.gz.sha256").read_text().strip()
+    assert hashlib.sha256(tarball.read_bytes()).hexdigest() == again
+    assert builds_fact(tmp_path, folder)[key]["archive"].split()[0] == again
+    tarball.unlink()  # removed by hand: none, and packed again
+    assert "archive" not in builds_fact(tmp_path, folder)[key]
+    assert pack(tmp_path / "b1" / key, tarball).returncode == 0 and tarball.exists()
+
+
+def test_a_corrupted_archive_is_refused_and_nothing_is_installed(tmp_path, served):
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    fake_build(tmp_path / "b1" / key, key)
+    assert pack(tmp_path / "b1" / key, folder / f"{key}.tar.gz").returncode == 0
+    tarball = folder / f"{key}.tar.gz"
+    computed = (folder / f"{key}.tar.gz.sha256").read_text().strip()
+    data = bytearray(tarball.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tarball.write_bytes(bytes(data))
+    out = tmp_path / "b2" / "builds" / key
+    done = run(copy_script(url, out, key, expect=computed))
+    assert done.returncode == 1
+    assert f"node2: refused the copy of build {key} from node1: its sha256 is" in done.stderr
+    assert "current is unchanged" in done.stderr
+    assert (f"hint: if node1's tarball is damaged, remove /opt/meshdeploy/build/share/{key}"
+            ".tar.gz there: the next apply packs it again") in done.stderr
+    assert not out.exists() and not list(out.parent.iterdir())
+
+
+def test_a_builder_that_never_serves_ends_the_wait_with_one_message(tmp_path, served):
+    _, url = served
+    out = tmp_path / "builds" / "k"
+    done = run(copy_script(url, out, "k"))
+    assert done.returncode == 1
+    assert "node1 did not serve build k within 4 s" in done.stderr
+
+
+def test_a_fetch_that_keeps_failing_is_tried_four_times_then_named(tmp_path, served):
+    folder, url = served
+    key = "k"
+    (folder / f"{key}.tar.gz.sha256").write_text("a" * 64 + "\n")  # and no tarball: 404
+    started = time.monotonic()
+    done = run(copy_script(url, tmp_path / "builds" / key, key, expect="a" * 64))
+    assert done.returncode == 1
+    assert done.stderr.count("404") == 4, done.stderr
+    assert done.stderr.endswith(f"node2: could not fetch build {key} from node1; current is "
+                                "unchanged\n")
+    assert time.monotonic() - started >= 6  # 2 s between tries
+
+
+def test_md_shares_port_opens_on_the_builder_to_its_copiers_alone():
+    from meshdeploy.roles.network import rules
+
+    cluster = lab()
+    facts = same_platform(cluster)
+    copiers = keys.copiers(cluster, cluster.hosts, facts, COMMIT)
+    assert copiers == {"node1": ("node2", "node3")}
+    assert rules.allowlist(cluster, cluster.host("node1"), copiers["node1"])["29180"] == [
+        "lo", "10.200.0.12/31"]  # node2 and node3, merged
+    assert "29180" not in rules.allowlist(cluster, cluster.host("node2"))
+    # -replace makes another host the builder: its port opens, to the others.
+    assert keys.copiers(cluster, cluster.hosts, facts, COMMIT, ("node2/llama_cpp.build",)) == {
+        "node2": ("node1", "node3")}
+
+
+def test_fresh_hosts_plan_the_allow_list_that_apply_converges_to(tmp_path):
+    """Hosts with nothing installed: no git, so the plan cannot resolve the ref (no lock file
+    either) and the commit is unknown. Who copies from whom is the same as once the hosts are
+    converged (builds installed, the ref locked): the plan after apply opens nothing new."""
+    from meshdeploy.core import registry
+    from meshdeploy.roles.llama_cpp import ROLE, lock
+
+    path = tmp_path / "lab.yaml"
+    path.write_text((ROOT / "inventories" / "lab.yaml").read_text())
+    cluster = load_cluster(path)
+
+    def copiers(facts):
+        prepared = ROLE.prepare(registry.Prepare(cluster, cluster.hosts, facts, Resolved()))
+        return prepared.values["commit"], prepared.values["build_copiers"]
+
+    fresh = same_platform(cluster)
+    fresh["node1"]["llama_cpp.RemoteRef"] = None  # `nogit`
+    assert copiers(fresh) == (None, {"node1": ("node2", "node3")})
+    key = decisions(cluster, fresh)["node1"].key
+    lock.write_lock(path, cluster.llama_cpp.repo, cluster.llama_cpp.ref, COMMIT)
+    converged = same_platform(cluster, **{h: host_facts(builds={key: manifest()}, current=key)
+                                          for h in ("node1", "node2", "node3")})
+    converged["node1"]["llama_cpp.RemoteRef"] = COMMIT
+    assert copiers(converged) == (COMMIT, {"node1": ("node2", "node3")})
+
+
+def test_apply_decides_the_copiers_again_once_it_resolves_the_ref(tmp_path):
+    path = tmp_path / "lab.yaml"
+    path.write_text((ROOT / "inventories" / "lab.yaml").read_text())
+    cluster = load_cluster(path)
+    facts = same_platform(cluster)
+    ctx = HostContext(cluster, cluster.host("node1"), facts["node1"], Resolved(), first=True,
+                      run_command=lambda command: (True, [f"{COMMIT}\trefs/tags/b11312"]),
+                      cluster_facts=facts)
+    step = ops.resolve(ctx)
+    assert step.resolves == {"commit": COMMIT, "build_copiers": {"node1": ("node2", "node3")}}
+
+
+def test_a_builder_without_python3_gets_it_for_md_share():
+    from meshdeploy.roles.toolchain import operations as toolchain
+
+    cluster = lab()
+    facts = same_platform(cluster)
+    copiers = keys.copiers(cluster, cluster.hosts, facts, COMMIT)
+    installed = {p: True for p in toolchain.wanted_packages(cluster, "apt", cluster.host("node1"))}
+    for tools, wanted in ((["apt-get", "python3"], False), (["apt-get"], True)):
+        node1 = {**facts["node1"], "toolchain.DebPackages": installed,
+                 "toolchain.Platform": {**DEBIAN, "tools": tools}}
+        ctx = HostContext(cluster, cluster.host("node1"), node1,
+                          Resolved(commit=COMMIT, build_copiers=copiers))
+        step = toolchain.packages(ctx)
+        assert ("python3" in "\n".join(step.commands)) is wanted, step.commands
+
+
+def test_the_builder_serves_a_new_build_as_created_and_an_installed_one_as_updated():
+    cluster = lab()
+    fresh = same_platform(cluster)
+    assert ops.copy(contexts(cluster, fresh)["node1"]).change.action == "create"
+    key = decisions(cluster, fresh)["node1"].key
+    built = same_platform(cluster, **{h: host_facts(builds={key: manifest()}, current=key)
+                                      for h in ("node1", "node2")})
+    step = ops.copy(contexts(cluster, built)["node1"])
+    assert step.change.action == "update" and "to node3 " in step.change.reason
+
+
+def test_apply_never_copies_without_the_sha256_the_builder_computed():
+    cluster = lab()
+    ctx = contexts(cluster, same_platform(cluster))["node2"]
+    assert ops.copy(ctx).commands == []  # a plan: known after apply
+    ctx.run_command = lambda command: (True, [])  # apply: node1's tarball must be known now
+    with pytest.raises(ApplyError, match="node2: node1 has no tarball of build"):
+        ops.copy(ctx)
+
+
+def test_a_builder_packs_an_installed_build_once_copiers_appear():
+    cluster = lab()
+    key = decisions(cluster, same_platform(cluster))["node1"].key
+    facts = same_platform(cluster, node1=host_facts(builds={key: manifest()}, current=key))
+    step = ops.build(contexts(cluster, facts)["node1"])
+    assert step.change.action == "update" and "pack" in step.change.reason
+    assert len(step.commands) == 1 and "cmake" not in step.commands[0]
+    facts["node1"]["llama_cpp.Builds"]["builds"][key]["archive"] = f"{'a' * 64} 10"
+    assert ops.build(contexts(cluster, facts)["node1"]).noop
+
+
+def test_a_tarball_served_with_another_sha256_than_computed_is_not_fetched(tmp_path, served):
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    fake_build(tmp_path / "b1" / key, key)
+    assert pack(tmp_path / "b1" / key, folder / f"{key}.tar.gz").returncode == 0
+    out = tmp_path / "b2" / "builds" / key
+    done = run(copy_script(url, out, key, expect="b" * 64))
+    assert done.returncode == 1
+    assert f"node2: node1 serves build {key} with sha256" in done.stderr
+    assert not out.exists()
+
+
+def test_apply_reads_the_builders_new_sha256_back_before_a_copy():
+    """execute.apply.Run: once node1's llama_cpp.build ran, node2's llama_cpp.copy re-reads
+    node1's Builds fact (rereads_peers) and checks its copy against the sha256 found there."""
+    from types import SimpleNamespace
+
+    from meshdeploy.core import registry
+    from meshdeploy.core.plan import Plan
+    from meshdeploy.engine.planner import Planned
+    from meshdeploy.execute.apply import Run
+
+    cluster = lab()
+    facts = same_platform(cluster)
+    key = decisions(cluster, facts)["node1"].key
+    packed = {"current": key, "builds": {key: {**manifest(), "key": key,
+                                               "archive": f"{'c' * 64} 4096"}}}
+    asked = []
+
+    class Pyhost:
+        def __init__(self, name):
+            self.name = name
+
+        def get_fact(self, fact, **kwargs):
+            asked.append((self.name, fact.__name__))
+            return packed
+
+    session = SimpleNamespace(cluster=cluster, hosts=lambda: list(cluster.hosts), departed=(),
+                              pyhosts={h.name: Pyhost(h.name) for h in cluster.hosts},
+                              state=SimpleNamespace(failed_hosts=()))
+    planned = Planned(Plan("lab", "lab.yaml", "c" * 64, {}, [], []),
+                      Resolved(commit=COMMIT, build_number=11312), facts, None)
+    run = Run(session, planned, progress=None)
+    build, copy = registry.resource("llama_cpp.build"), registry.resource("llama_cpp.copy")
+    for h in ("node1", "node2", "node3"):
+        run.step(h, build, None)
+    step = run.step("node2", copy, None)
+    assert asked == [("node1", "Builds")]  # node1 alone ran its build step
+    assert f"EXPECT={'c' * 64}\n" in step.commands[0]
+    assert run.step("node3", copy, None).commands and asked == [("node1", "Builds")]
