@@ -206,7 +206,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
             repo=lc["repo"], ref=lc["ref"], prefix=lc["prefix"], keep_builds=lc["keep_builds"],
             build=Build(type=b["type"], jobs=b["jobs"], ccache=b["ccache"],
                         ccache_dir=unset(b["ccache_dir"]), cmake_flags=tuple(b["cmake_flags"]),
-                        serial=b["serial"])),
+                        serial=b["serial"], copy=b["copy"])),
         toolchain=Toolchain(apt_proxy=unset(data["toolchain"]["apt_proxy"])),
         huggingface=HuggingFace(endpoint=hf["endpoint"],
                                 api_endpoint=hf["api_endpoint"] or hf["endpoint"],

@@ -46,6 +46,7 @@ class Build:
     ccache_dir: str | None
     cmake_flags: tuple[str, ...]
     serial: bool
+    copy: bool  # hosts of one build key copy one compile (roles/llama_cpp/keys.py)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ that host, each with what its step needs:
   build's tarball and its sha256 (lan_url; roles/llama_cpp/keys.py).
 
 A later start replaces an earlier one; md-share answers loopback and the hosts named, on the
-host's cluster address (its tunnel address under WireGuard), and exits by itself once idle.
+host's cluster address (its tunnel address under WireGuard). It lives for one run: the run
+stops it as it releases the host's lock (stop_script), and were that release lost (the control
+machine died), it exits by itself once idle.
 network.allowlist opens its port to the same hosts alone. Under network.transport: ssh it binds
 loopback only: each receiving host is a worker of the source, and the source's forward to it
 carries a reverse end (`-R`, reverse_port) from the worker's loopback back to md-share, so no
@@ -76,6 +78,8 @@ START = shell.TEMPLATES / "md-share-start.sh"
 _LAUNCH = shell.TEMPLATES / "md-share-launch.sh"  # a host with root: a unit, or nobody's process
 _UNIT = shell.TEMPLATES / "md-share-unit.sh"  # md_share_as_unit
 _DETACH = shell.TEMPLATES / "md-share-detach.sh"  # md_share_detach
+_PID = shell.TEMPLATES / "md-share-pid.sh"  # stop_pid
+STOP = shell.TEMPLATES / "md-share-stop.sh"  # at the end of a run (stop_script)
 # A rootless host: md-share as the login user, its pid file and log in the user's folders made
 # the user's alone, then started as a unit of the user's manager or (runit) a process of its own.
 _USER_LAUNCH = ('md_share_launch() {{\n'
@@ -197,8 +201,18 @@ def start_script(server: str, args: list, host_name: str, allow, manager: str = 
     else:
         prelude = [shell.SYSTEMD_RUN, _unit_function([], properties(allow)), shell.body(_UNIT),
                    shell.body(_DETACH), shell.body(_LAUNCH)]
+    prelude.insert(0, shell.body(_PID))
     return shell.template(START, args=args, prelude="\n".join(prelude), PY=PYTHON, SERVER=server,
                           UNIT=UNIT, HOST=host_name, PORT=model_share_port, **where)
+
+
+def stop_script(layout, lock: str, token: str) -> str:
+    """md-share stopped on a host of `layout` while this run (`token`) holds host lock `lock`:
+    the host lock's release runs it first (engine/locks.py), so md-share lives for one run."""
+    where = paths(layout)
+    return shell.template(STOP, prelude=shell.body(_PID), UNIT=UNIT, MANAGER=layout.manager,
+                          BOOTED=transient.BOOTED, PID=where["PID"],
+                          SERVER=server_path(layout.prefix), LOCK=lock, TOKEN=token)
 
 
 def _unit_function(scope: list[str], props: list[str]) -> str:

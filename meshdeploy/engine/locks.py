@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from meshdeploy.config.model import Layout
-from meshdeploy.core import inflight, shell
+from meshdeploy.core import inflight, share, shell
 from meshdeploy.core.plan import utc_now
 from meshdeploy.errors import LOCKED, MeshdeployError, PlanError
 
@@ -168,17 +168,20 @@ def refresh_script(holder: Holder, lock: str = HOST_LOCK) -> str:
 
 
 def release_script(holder: Holder, lock: str = HOST_LOCK, layout: Layout | None = None) -> str:
-    """The lock removed when this run holds it; on a rootless host also the files finished
-    steps leave in the run folder, and meshdeploy's own folders of the layout that are left
-    empty (after destroy --purge: nothing of meshdeploy's stays in the user's folders). rmdir
-    removes only empty folders, so after an apply the folders that hold something stay."""
+    """The lock removed when this run holds it, md-share stopped first (it serves during a run
+    only); on a rootless host also the files finished steps leave in the run folder, and
+    meshdeploy's own folders of the layout that are left empty (after destroy --purge: nothing
+    of meshdeploy's stays in the user's folders). rmdir removes only empty folders, so after an
+    apply the folders that hold something stay."""
+    # md-share first, while the lock is still this run's (core.share.stop_script).
+    stop = share.stop_script(layout, lock, holder.token) + "\n" if layout is not None else ""
     if layout is None or not layout.rootless:
-        return shell.script(_RELEASE, LOCK=lock, TOKEN=holder.token)
+        return stop + shell.script(_RELEASE, LOCK=lock, TOKEN=holder.token)
     # Step files and md-share's pid file in the run folder first (see the template), then the
     # lock, then the folders left empty.
-    return shell.template(shell.TEMPLATES / "rootless-tidy.sh", args=tidy_folders(layout),
-                          STEPS=inflight.steps_dir(layout), PID=f"{layout.run}/md-share.pid",
-                          LOCK=lock, TOKEN=holder.token)
+    return stop + shell.template(shell.TEMPLATES / "rootless-tidy.sh", args=tidy_folders(layout),
+                                 STEPS=inflight.steps_dir(layout),
+                                 PID=f"{layout.run}/md-share.pid", LOCK=lock, TOKEN=holder.token)
 
 
 def tidy_folders(layout: Layout) -> list[str]:

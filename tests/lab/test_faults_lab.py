@@ -54,13 +54,17 @@ def ft_lab(lab_available, request):
 
 @pytest.fixture(scope="module")
 def cluster_file(ft_lab, tmp_path_factory):
-    """The lab inventory without node3; node2's rpc-server keeps a seeded cache."""
+    """The lab inventory without node3, every host compiling its own build; node2's
+    rpc-server keeps a seeded cache."""
     info, _ = ft_lab
     text = without_host(lab_text(info), "node3")
     # fetch: false keeps a whole GGUF on node2 (downloaded and seeded from), so its download
     # and disk faults are tried on a worker too.
     text = text.replace("      - port: 50052\n",
                         "      - port: 50052\n        cache: true\n        fetch: false\n")
+    # Each host compiles (no copy of node1's build), so a build's faults are tried on each.
+    assert "    serial: true\n" in text
+    text = text.replace("    serial: true\n", "    serial: true\n    copy: false\n", 1)
     path = tmp_path_factory.mktemp("faults") / "lab.yaml"
     path.write_text(text)
     return path

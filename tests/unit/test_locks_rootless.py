@@ -18,7 +18,7 @@ import pytest
 from support.nonroot import as_user, owned_folder
 
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, Layout, system_layout
-from meshdeploy.core import inflight
+from meshdeploy.core import inflight, share
 from meshdeploy.engine import locks
 from meshdeploy.errors import PlanError
 from meshdeploy.execute.interrupt import Interrupts
@@ -223,5 +223,7 @@ def test_release_leaves_no_empty_folder_of_meshdeploy_in_the_users_home(home):
     subprocess.run(as_user(["sh", "-c", release]), check=True)
     assert Path(f"{layout.cache}/log/meshdeploy-rpc-50052").is_dir()
     assert not Path(locks.host_lock(layout)).exists()
-    # A host with root keeps the release it always had: nothing else is removed there.
-    assert locks.release_script(holder) == locks.release_script(holder, layout=system_layout("/o"))
+    # A host with root: md-share stopped, then the lock: nothing else is removed there.
+    root = locks.release_script(holder, layout=system_layout("/o"))
+    assert root.startswith(share.stop_script(system_layout("/o"), locks.HOST_LOCK, holder.token))
+    assert root.endswith(locks.release_script(holder))

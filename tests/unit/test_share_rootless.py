@@ -234,3 +234,33 @@ def test_the_user_units_settings_are_valid_for_a_user_manager(home):
     assert not [p for p in share.user_properties("/l") if p.split("=")[0] in
                 ("DynamicUser", "RuntimeDirectory", "IPAddressAllow", "ProtectSystem",
                  "PrivateTmp", "CapabilityBoundingSet")]
+
+
+@needs_user
+def test_the_runs_lock_release_stops_md_share_and_a_taken_over_lock_leaves_it(home):
+    """md-share lives for one run: the release of the host lock stops it, and only while that
+    lock is still the run's (a run that took a stale lock over keeps its own md-share)."""
+    from meshdeploy.engine import locks
+
+    layout = layout_in(home, RUNIT)
+    pid_file = Path(layout.run) / "md-share.pid"
+    lock = locks.host_lock(layout)
+    mine, theirs = locks.me("apply"), locks.me("apply")
+    for holder, stays in ((theirs, True), (mine, False)):
+        port = free_port()
+        done = as_user(script(home, port, RUNIT))
+        assert done.returncode == 0, done.stderr
+        pid = int(pid_file.read_text())
+        taken = as_user(locks.acquire_script(holder, lock=lock))
+        assert taken.stdout.strip() == "acquired", taken.stderr
+        released = as_user(locks.release_script(mine, lock, layout))
+        assert released.returncode == 0, released.stderr
+        if stays:  # their lock: md-share serves on, and the lock is still theirs
+            assert running(pid) and get(port) == (home / "blob").read_bytes()[:10]
+            assert holder.token in Path(lock, "owner").read_text()
+            assert as_user(locks.release_script(theirs, lock, layout)).returncode == 0
+        deadline = time.monotonic() + 5  # the release that holds the lock stops it
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(pid) and not pid_file.exists()
+        assert not Path(lock).exists()

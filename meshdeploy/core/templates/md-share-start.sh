@@ -1,26 +1,14 @@
 # (Re)start md-share, never as root. Inputs (assigned above by core.share.start_script): PY,
 # SERVER (md-share.py), PID, OLD_PID, LOG, HOST, PORT, and what the prelude's functions read;
 # md-share's arguments in "$@". md_share_launch (the prelude: md-share-launch.sh on a host with
-# root, core.share's own lines on a rootless host) starts it and defines alive and why. An
-# md-share left by an earlier step or run is stopped first (it may serve other files).
+# root, core.share's own lines on a rootless host) starts it and defines alive and why; stop_pid
+# is md-share-pid.sh's. An md-share left by an earlier step or run is stopped first (it may
+# serve other files).
 # md-share writes PID once it listens; its output goes to LOG, so the SSH channel closes when
 # this ends.
 command -v "$PY" >/dev/null 2>&1 ||
   { echo "$HOST: no $PY to run md-share; the toolchain role installs it" >&2; exit 1; }
 PY=$(command -v "$PY")
-# stop_pid FILE: a stale FILE may name any process by now: signal it only while it runs this
-# md-share with that very pid file.
-stop_pid() {
-  [ -f "$1" ] || return 0
-  p=; read -r p <"$1" || true
-  case "$p" in ''|*[!0-9]*) ;; *)
-    case "$(ps -ww -o args= -p "$p" 2>/dev/null) " in *" $SERVER --pid-file $1 "*)
-      kill "$p" 2>/dev/null; i=0
-      while [ -f "$1" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done ;;
-    esac ;;
-  esac
-  rm -f "$1"
-}
 # held: the sockets on PORT that kept md-share from listening, if any (ss from iproute2).
 held() {
   command -v ss >/dev/null 2>&1 || return 0

@@ -36,7 +36,8 @@ order. Other hosts that -replace names compile too, for themselves.
 The builders and their copiers go to the other roles as Resolved.build_copiers (copiers()):
 network.allowlist opens md-share's port on a builder to its copiers alone, as for models.
 
-Nobody shares where the copy could not travel when it runs: a host whose platform the probe
+Nobody shares where the file says so (llama_cpp.build.copy: false: every host compiles), nor
+where the copy could not travel when it runs: a host whose platform the probe
 could not tell (no C library version: macOS, Termux), and every host under network.wireguard or
 network.transport: ssh (llama_cpp runs before the tunnel and the forwards exist).
 """
@@ -144,7 +145,8 @@ def _facts_of(ctx, name: str) -> dict:
 
 
 def _shares(cluster) -> bool:
-    return not (cluster.network.tunnel or cluster.network.forwarded)
+    return cluster.llama_cpp.build.copy and not (cluster.network.tunnel
+                                                 or cluster.network.forwarded)
 
 
 def group(ctx) -> list[str] | None:
