@@ -162,6 +162,18 @@ def test_tunnels_and_forwards_keep_every_host_compiling():
         assert all(d.builder == name and not d.portable for name, d in got.items()), transport
 
 
+
+def test_copy_false_in_the_file_keeps_every_host_compiling(tmp_path):
+    text = (ROOT / "inventories" / "lab.yaml").read_text()
+    assert "    serial: true" in text
+    path = tmp_path / "lab.yaml"
+    path.write_text(text.replace("    serial: true", "    serial: true\n    copy: false", 1))
+    cluster = load_cluster(path)
+    assert cluster.llama_cpp.build.copy is False and lab().llama_cpp.build.copy is True
+    got = decisions(cluster, same_platform(cluster))
+    assert all(d.builder == name and not d.portable for name, d in got.items())
+    assert keys.copiers(cluster, cluster.hosts, same_platform(cluster), COMMIT) == {}
+
 def test_a_copy_from_a_builder_whose_build_failed_stops_with_one_message():
     cluster = lab()
     ctx = contexts(cluster, same_platform(cluster), failed=("node1",))["node2"]
