@@ -22,7 +22,7 @@ import time
 import pytest
 from conftest import own_lab
 from support.cli import meshdeploy
-from support.labfile import write_lab_file
+from support.labfile import without_host, write_lab_file
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
@@ -177,5 +177,31 @@ def test_a_rollback_switches_back_without_compile_or_copy(applied):
     assert sh(info, "node3", f"readlink {PREFIX}/current") == f"builds/{key}"
     assert "llama_cpp.copy" not in host_lines(done.stdout, "node3")
     assert sh(info, "node3", f"ls {PREFIX}/builds").split() == sorted([key, older])
+    again = meshdeploy("plan", path, "--detailed-exitcode")
+    assert again.returncode == 0 and again.stdout.strip().endswith(NO_CHANGES), again.stdout
+
+
+def test_a_host_that_joins_copies_through_the_allow_list_opened_before_the_copy(applied):
+    """node3 leaves the cluster file, and node1's allow-list then opens md-share's port to node2
+    alone; node3 comes back without a build, as a new host would. network.allowlist runs before
+    llama_cpp.copy, so node1's table lets node3 in before node3 fetches (the other way round,
+    node1's firewall dropped the fetch and the apply stopped there every time)."""
+    info, path, _, _, _ = applied
+    whole = path.read_text()
+    path.write_text(without_host(whole, "node3"))
+    try:
+        shrunk = meshdeploy("apply", path, "--auto-approve")
+        assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
+        table = sh(info, "node1", "nft list table inet meshdeploy")
+        assert "10.200.0.12/31" not in table and "10.200.0.13" not in table, table
+        sh(info, "node3", f"rm -rf {PREFIX}/builds {PREFIX}/current")
+    finally:
+        path.write_text(whole)
+    joined = meshdeploy("apply", path, "--auto-approve")
+    assert joined.returncode == 0, joined.stdout + joined.stderr
+    key, _ = tarball_of(info)
+    assert sh(info, "node3", f"readlink {PREFIX}/current") == f"builds/{key}"
+    assert "llama_cpp.copy" in host_lines(joined.stdout, "node3")
+    assert "10.200.0.12/31" in sh(info, "node1", "nft list table inet meshdeploy")
     again = meshdeploy("plan", path, "--detailed-exitcode")
     assert again.returncode == 0 and again.stdout.strip().endswith(NO_CHANGES), again.stdout

@@ -17,8 +17,11 @@ ROLE = Role(
     after=("toolchain",),
     before=("services",),
     resources=(
+        # Before llama_cpp.copy: a copier fetches from its builder's md-share through the
+        # builder's allow-list, also a copier that joins an existing cluster.
         Resource("allowlist", lambda ctx, key: ops.allowlist(ctx),
-                 "rpc-server ports open only to their orchestrators (nftables table)"),
+                 "rpc-server ports open only to their orchestrators (nftables table)",
+                 runs_before=("llama_cpp.copy",)),
         Resource("wireguard_key", lambda ctx, key: ops.wireguard_key(ctx),
                  "the host's WireGuard key pair, made on the host (network.transport)"),
         Resource("wireguard", lambda ctx, key: ops.wireguard(ctx),
