@@ -64,15 +64,17 @@ except (OSError, EOFError):
 # One line per service; every value arrives as a positional parameter, never as shell text.
 _RPC = ('printf \'rpc %s %s %s\\n\' "$2" "$(systemctl is-active "$3" 2>/dev/null)" '
         '"$(python3 -c "$HELLO" "$1" "$2" 2>/dev/null || echo n/a)"')
-_SERVER = ('printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/dev/null)" '
+# md_get PATH: the server's PATH with its API key where there is one and the login user may
+# read its file: on curl's standard input (-H @-), never on a command line `ps` shows.
+# /v1/models and /metrics need the key when one is set (only /health does not).
+# (md_get's own $1 is PATH; the server's arguments follow it: name, unit, URL, key file.)
+_SERVER = ('md_get() { { [ -n "$5" ] && [ -r "$5" ] && '
+           'printf \'Authorization: Bearer %s\\n\' "$(cat "$5")"; } | '
+           'curl -s --max-time 5 -H @- "$4$1"; }; '
+           'printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/dev/null)" '
            '"$(curl -s -o /dev/null -w \'%{http_code}\' --max-time 5 "$3/health")"; '
-           'printf \'models %s %s\\n\' "$1" '
-           '"$(curl -s --max-time 5 "$3/v1/models" | tr -d \'\\n\')"; '
-           # /metrics takes the API key where there is one, if the login user may read its
-           # file: on curl's standard input (-H @-), never on a command line `ps` shows.
-           'printf \'metrics %s %s\\n\' "$1" "$({ [ -n "$4" ] && [ -r "$4" ] && '
-           'printf \'Authorization: Bearer %s\\n\' "$(cat "$4")"; } | '
-           'curl -s --max-time 5 -H @- "$3/metrics" | '
+           'printf \'models %s %s\\n\' "$1" "$(md_get /v1/models "$@" | tr -d \'\\n\')"; '
+           'printf \'metrics %s %s\\n\' "$1" "$(md_get /metrics "$@" | '
            # Two POSIX expressions, not GNU's \| alternation: any host's sed reads them.
            'sed -n -e \'s/^llamacpp:tokens_predicted_total \\([0-9.e+-]*\\)$/'
            'tokens_predicted_total=\\1/p\' -e \'s/^llamacpp:tokens_predicted_seconds_total '

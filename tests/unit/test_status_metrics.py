@@ -86,6 +86,10 @@ def test_the_rate_comes_from_metrics_with_the_key_on_stdin(server, tmp_path):
     (line,) = [line for line in lines if line.startswith("metrics ")]
     assert status.generation(line.split(" ", 2)[2]) == {"gen_tps": 32.0, "generated": 512}
     assert ("/metrics", f"Bearer {KEY}") in seen
+    # /v1/models needs the key as much: the model's name comes with it.
+    (models,) = [line for line in lines if line.startswith("models ")]
+    assert models == 'models main {"data":[{"id":"gemma"}]}', lines
+    assert ("/health", None) in seen  # /health never needs it
 
 
 def test_without_the_key_there_is_no_rate_and_no_error(server, tmp_path):
