@@ -139,9 +139,9 @@ def url(cluster, source: str, sha256: str, client: str) -> str:
     source's cluster address, or under network.transport: ssh the client's own loopback port
     that the source's forward carries back to it.
 
-    md-share names files by their sha256, never by model: an md-share an earlier step or run
-    left running (it stays until idle) may serve other bytes under a model's name, and a
-    client that read those would only find out at its final sha256 check. By content, such a
+    md-share names files by their sha256, never by model: an md-share an earlier step (or a
+    run that never released its lock) left running may serve other bytes under a model's name,
+    and a client that read those would only find out at its final sha256 check. By content, such a
     server answers 404 until the new one replaces it, and the client tries again."""
     if cluster.network.forwarded:
         port = reverse_port(cluster, source, client)

@@ -95,7 +95,7 @@ def share(ctx: HostContext) -> Step:
         total = sum(serve.values())
         reason.append(f"serve {total / 1e9:.2f} GB to {', '.join(sorted(serve))} "
                       f"{md_share.way(cluster)} "
-                      f"(md-share, port {model_share_port}, until idle {md_share.IDLE} s)")
+                      f"(md-share, port {model_share_port}, while this run lasts)")
         diffs.append(AttrDiff("md-share", None, f"{md_share.address(cluster, ctx.host.name)}:"
                                                 f"{model_share_port}"))
         clients = [w for workers in shares.values() for w in workers]
