@@ -63,8 +63,8 @@ def cluster_file(ft_lab, tmp_path_factory):
     text = text.replace("      - port: 50052\n",
                         "      - port: 50052\n        cache: true\n        fetch: false\n")
     # Each host compiles (no copy of node1's build), so a build's faults are tried on each.
-    assert "    serial: true\n" in text
-    text = text.replace("    serial: true\n", "    serial: true\n    copy: false\n", 1)
+    assert "    serial: true" in text
+    text = text.replace("    serial: true", "    copy: false\n    serial: true", 1)
     path = tmp_path_factory.mktemp("faults") / "lab.yaml"
     path.write_text(text)
     return path

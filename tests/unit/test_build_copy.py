@@ -167,7 +167,7 @@ def test_copy_false_in_the_file_keeps_every_host_compiling(tmp_path):
     text = (ROOT / "inventories" / "lab.yaml").read_text()
     assert "    serial: true" in text
     path = tmp_path / "lab.yaml"
-    path.write_text(text.replace("    serial: true", "    serial: true\n    copy: false", 1))
+    path.write_text(text.replace("    serial: true", "    copy: false\n    serial: true", 1))
     cluster = load_cluster(path)
     assert cluster.llama_cpp.build.copy is False and lab().llama_cpp.build.copy is True
     got = decisions(cluster, same_platform(cluster))
