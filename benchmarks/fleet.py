@@ -1,0 +1,151 @@
+"""A fleet of 30 hosts: from hosts with nothing of meshdeploy's to every server healthy, against a
+3-host cluster in the same run; then the no-op plan of the fleet.
+
+    sudo .venv/bin/python benchmarks/fleet.py [--hosts 30] [--servers 3] [--runs 3] [--keep-lab]
+
+Brings up one lab (name `mdfleet`) of hosts + 3 hosts: node1..nodeN are the fleet, the last
+three a cluster of three (orchestrator and two workers, inventories/lab.yaml's shape). Both
+clusters' hosts start with the build tools installed (the lab's `toolchain`: its apt goes
+through a proxy that caches nothing, so 30 toolchain downloads would time the internet) and
+with nothing of meshdeploy's; both compile through the lab's shared ccache, in the same state
+for both (the 3-host cluster goes first and compiles the same portable build the fleet does).
+
+The fleet: `--servers` llama-servers of gemma, each on its own host with an even share of the
+other hosts as its rpc-servers. Every host runs Debian 12 on one CPU architecture: one build
+key, so one host compiles and every other one copies. Prints, for each cluster: the time from
+`apply` to every server healthy (apply ends there), the hosts that compiled (a ninja log under
+the build folder) and that copied (the apply's llama_cpp.copy lines), and the fleet's
+time over the 3-host cluster's; then the fleet's no-op plan: median seconds and remote commands
+per host (benchmarks/plan_once.py).
+"""
+
+from gevent import monkey
+
+monkey.patch_all()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tabulate import tabulate  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PREFIX = "/opt/meshdeploy"
+
+
+def cluster_yaml(info, hosts: list, servers: int, name: str) -> str:
+    """inventories/lab.yaml's settings and model for `hosts` (lab hosts), `servers` llama-servers
+    on the first hosts of `servers` even groups, the rest of each group its workers."""
+    base = (REPO / "inventories" / "lab.yaml").read_text()
+    head = base[:base.index("hosts:")].replace("http://127.0.0.1:18080",
+                                               info.mirrors["hf_api_endpoint"])
+    head = re.sub(r"(?m)^cluster: .*$", f"cluster: {name}", head)
+    models = base[base.index("models:"):base.index("servers:")]
+    groups = [hosts[i::servers] for i in range(servers)]
+    lines = ["hosts:"]
+    for group in groups:
+        for i, h in enumerate(group):
+            lines += [f"  {h.name}:", f"    address: {h.address}",
+                      f"    ssh: {{user: deploy, config: {info.ssh['config']}, sudo: true}}",
+                      "    backend: cpu"]
+            if i:
+                lines += ["    rpc_servers:", "      - port: 50052"]
+    lines.append(models.rstrip("\n"))
+    lines.append("servers:")
+    for n, group in enumerate(groups):
+        workers = ", ".join(f"{h.name}:50052" for h in group[1:])
+        lines += [f"  s{n + 1}:", f"    host: {group[0].name}", "    model: gemma",
+                  "    port: 8080", "    bind: 127.0.0.1", "    ctx_size: 2048",
+                  f"    rpc: [{workers}]", "    health: {retries: 90, interval: 2}"]
+    return head + "\n".join(lines) + "\n"
+
+
+def compiled(info, hosts: list) -> list[str]:
+    """The hosts whose build folder holds a ninja log with compile lines."""
+    found = []
+    for h in hosts:
+        proc = info.run(h.name, f"cat {PREFIX}/build/*.build.log 2>/dev/null | "
+                                "grep -c '^\\[[0-9]*/[0-9]*\\]' || true", root=True)
+        if int((proc.stdout.strip() or "0").splitlines()[-1]) > 0:
+            found.append(h.name)
+    return found
+
+
+def converge(path: Path) -> tuple[float, str]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "meshdeploy", "apply", str(path),
+                           "--auto-approve"], capture_output=True, text=True)
+    seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"apply {path.name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}")
+    return seconds, proc.stdout
+
+
+def copied(output: str) -> list[str]:
+    return sorted(set(re.findall(r"(?m)^\s+(\S+)\s+llama_cpp\.copy\s+ok", output)))
+
+
+def plan_once(path: Path) -> tuple[float, dict, bool]:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plan_once.py"), str(path)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode != 0:
+        raise SystemExit(f"plan failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["seconds"], out["commands"], out["changed"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hosts", type=int, default=30)
+    parser.add_argument("--servers", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--keep-lab", action="store_true")
+    args = parser.parse_args()
+
+    from meshdeploy.lab import Lab
+
+    t0 = time.monotonic()
+    info = Lab(name="mdfleet", hosts=args.hosts + 3, toolchain=True).up()
+    print(f"lab of {args.hosts + 3} hosts up in {time.monotonic() - t0:.0f} s", flush=True)
+    fleet, trio = info.hosts[:args.hosts], info.hosts[args.hosts:args.hosts + 3]
+    workdir = Path(tempfile.mkdtemp(prefix="md-fleet-"))
+    rows = []
+    try:
+        for label, hosts, servers in (("3 hosts", trio, 1),
+                                      (f"{args.hosts} hosts", fleet, args.servers)):
+            path = workdir / f"{label.split()[0]}.yaml"
+            path.write_text(cluster_yaml(info, hosts, servers, f"fleet{len(hosts)}"))
+            seconds, output = converge(path)
+            built, copies = compiled(info, hosts), copied(output)
+            rows.append([label, servers, f"{seconds:.0f}", len(built), len(copies),
+                         ", ".join(built)])
+            print(f"{label}: every server healthy after {seconds:.0f} s; compiled on "
+                  f"{', '.join(built) or 'none'}; {len(copies)} copies", flush=True)
+        print(tabulate(rows, headers=["cluster", "servers", "apply to healthy s", "compiles",
+                                      "copies", "compiled on"]))
+        print(f"ratio {rows[1][0]} vs {rows[0][0]}: {float(rows[1][2]) / float(rows[0][2]):.2f}x "
+              "(target: at most 2x)")
+        path = workdir / f"{args.hosts}.yaml"
+        times, commands, changed = [], {}, False
+        for _ in range(args.runs):
+            seconds, commands, changes = plan_once(path)
+            times.append(seconds)
+            changed |= changes
+        print(f"no-op plan of {args.hosts} hosts: median {statistics.median(times):.2f} s, "
+              f"min {min(times):.2f} s (target: at most 3 s); remote commands per host: "
+              f"{max(commands.values())}; changes: {'YES' if changed else 'none'}")
+    finally:
+        if not args.keep_lab:
+            Lab(name="mdfleet").down()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
