@@ -1,0 +1,109 @@
+"""One cluster over three Debian releases (lab mdds: node1 Debian 12 bookworm, node2 Debian 11
+bullseye, node3 Debian 13 trixie; the plain base, so meshdeploy installs each host's toolchain
+from its own release).
+
+inventories/lab.yaml as it is: node1 runs llama-server, node2 and node3 one rpc-server each.
+Hosts of different releases have different build keys, so each compiles its own build (the
+workers only ggml and the rpc-server target). In order: apply converges all three; a chat
+completion goes through the workers; the next plan says "No changes"; destroy leaves no unit
+or nft table of meshdeploy's on any host. The README's host support table cites this module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from conftest import own_lab
+from support.cli import meshdeploy
+from support.labfile import write_lab_file
+
+pytestmark = [pytest.mark.lab, pytest.mark.build]
+
+SUITES = {"node1": "bookworm", "node2": "bullseye", "node3": "trixie"}
+RELEASES = {"bookworm": "12", "bullseye": "11", "trixie": "13"}
+NO_CHANGES = "No changes. The cluster matches the configuration."
+
+
+@pytest.fixture(scope="module")
+def ds_lab(lab_available, request):
+    with own_lab(request, "mdds", hosts=3, suites=SUITES) as both:
+        yield both
+
+
+def sh(info, host: str, command: str) -> str:
+    done = info.run(host, command, root=True)
+    assert done.returncode == 0, f"{host}: {command}: {done.stderr}"
+    return done.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def applied(ds_lab, tmp_path_factory):
+    info, _ = ds_lab
+    path = write_lab_file(info, tmp_path_factory.mktemp("distros"))
+    started = time.monotonic()
+    done = meshdeploy("apply", path, "--auto-approve")
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = {h: re.findall(rf"{h}\s+(llama_cpp\.build|toolchain\.packages)\s+ok \(([0-9.]+) s\)",
+                           done.stdout) for h in SUITES}
+    print(f"\ndistros figures: apply (converge) {took:.0f} s; " + "; ".join(
+        f"{h} ({SUITES[h]}): " + ", ".join(f"{step} {secs} s" for step, secs in steps[h])
+        for h in SUITES))
+    return info, path, done.stdout
+
+
+def test_each_host_runs_the_release_it_was_given(ds_lab):
+    info, _ = ds_lab
+    for host, suite in SUITES.items():
+        assert info.host(host).suite == suite
+        release = sh(info, host, ". /etc/os-release && echo $VERSION_ID $VERSION_CODENAME")
+        assert release == f"{RELEASES[suite]} {suite}", (host, release)
+
+
+def test_apply_converges_and_each_release_compiles_its_own_build(applied):
+    info, _, _ = applied
+    keys = {h: sh(info, h, "readlink /opt/meshdeploy/current") for h in SUITES}
+    assert len(set(keys.values())) == 3, keys  # three releases, three build keys
+    for host in ("node2", "node3"):
+        assert sh(info, host, "systemctl is-active meshdeploy-rpc-50052") == "active"
+        built = sh(info, host, "ls /opt/meshdeploy/current/bin")
+        assert built.split() == ["ggml-rpc-server"], (host, built)  # no llama-server compiled
+    assert sh(info, "node1", "curl -sf http://127.0.0.1:8080/health") == '{"status":"ok"}'
+
+
+def test_a_chat_completion_goes_through_the_workers_of_the_other_releases(applied):
+    info, _, _ = applied
+    body = json.dumps({"messages": [{"role": "user", "content": "Say hello."}],
+                       "max_tokens": 16, "temperature": 0, "seed": 1})
+    answer = json.loads(sh(info, "node1", "curl -sf http://127.0.0.1:8080/v1/chat/completions "
+                                          f"-H 'Content-Type: application/json' -d '{body}'"))
+    assert answer["usage"]["completion_tokens"] > 0
+    # llama-server on node1 loaded its layers onto both workers: each one's rpc-server holds
+    # the weights it was sent (an idle rpc-server is a few MiB).
+    for host in ("node2", "node3"):
+        pid = sh(info, host, "systemctl show -p MainPID --value meshdeploy-rpc-50052")
+        rss = int(sh(info, host, f"awk '/^VmRSS/ {{print $2}}' /proc/{pid}/status"))
+        assert rss > 40 * 1024, (host, rss)
+
+
+def test_the_plan_after_apply_says_no_changes(applied):
+    _, path, _ = applied
+    again = meshdeploy("plan", path, "--detailed-exitcode")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.strip().endswith(NO_CHANGES), again.stdout
+
+
+def test_destroy_removes_every_unit_and_table_on_each_release(applied):
+    info, path, _ = applied
+    done = meshdeploy("destroy", path, "--auto-approve")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for host in SUITES:
+        left = sh(info, host, "ls /etc/systemd/system | grep -c '^meshdeploy-' ; "
+                              "systemctl list-units --all --no-legend --plain 'meshdeploy-*' "
+                              "| awk '$3 != \"inactive\"' | grep -c . ; "
+                              "nft list table inet meshdeploy >/dev/null 2>&1 && echo table "
+                              "|| echo none")
+        assert left.split() == ["0", "0", "none"], (host, left)
