@@ -5,8 +5,9 @@ from its own release).
 inventories/lab.yaml as it is: node1 runs llama-server, node2 and node3 one rpc-server each.
 Hosts of different releases have different build keys, so each compiles its own build (the
 workers only ggml and the rpc-server target). In order: apply converges all three; a chat
-completion goes through the workers; the next plan says "No changes"; destroy leaves no unit
-or nft table of meshdeploy's on any host. The README's host support table cites this module.
+completion goes through the workers; the next plan says "No changes"; the same hosts under
+network.transport: wireguard are refused by the plan (node2: no module, no wireguard-go in
+Debian 11); destroy leaves no unit or nft table of meshdeploy's on any host. The README's host support table cites this module.
 """
 
 from __future__ import annotations
@@ -94,6 +95,20 @@ def test_the_plan_after_apply_says_no_changes(applied):
     again = meshdeploy("plan", path, "--detailed-exitcode")
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.strip().endswith(NO_CHANGES), again.stdout
+
+
+def test_a_tunnel_debian_11_cannot_run_is_refused_by_the_plan_in_one_line(applied, tmp_path):
+    # The lab's kernel has no WireGuard module, and Debian 11 has no wireguard-go package:
+    # the plan refuses node2 before any change, instead of apt-get failing half way.
+    info, _, _ = applied
+    path = write_lab_file(info, tmp_path, "lab-wireguard.yaml")
+    plan = meshdeploy("plan", path)
+    assert plan.returncode != 0 and "Traceback" not in plan.stderr, plan.stdout + plan.stderr
+    first = plan.stderr.strip().splitlines()[0]
+    assert "node2: the kernel has no WireGuard module and debian 11 has no wireguard-go " \
+           "package" in first, plan.stderr
+    assert "network.transport: plain" in plan.stderr
+    assert "node3" not in plan.stderr  # trixie has wireguard-go: apt-get installs it there
 
 
 def test_destroy_removes_every_unit_and_table_on_each_release(applied):
