@@ -103,6 +103,13 @@ def test_apply_converges_and_each_release_compiles_its_own_build(applied):
         built = sh(info, host, "ls /opt/meshdeploy/current/bin")
         assert built.split() == ["ggml-rpc-server"], (host, built)  # no llama-server compiled
     assert sh(info, "node1", "curl -sf http://127.0.0.1:8080/health") == '{"status":"ok"}'
+    # Each worker's nft allow-list (nftables 0.9.8 on 11, 1.1.3 on 13) lets node1 in and
+    # drops the other worker.
+    reach = "timeout 3 bash -c '</dev/tcp/{}/50052' && echo open || echo closed"
+    for source, target in (("node1", "node2"), ("node1", "node3"),
+                           ("node3", "node2"), ("node2", "node3")):
+        said = sh(info, source, reach.format(info.host(target).address))
+        assert said == ("open" if source == "node1" else "closed"), (source, target, said)
 
 
 def test_a_chat_completion_goes_through_the_workers_of_the_other_releases(applied):
