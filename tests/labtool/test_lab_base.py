@@ -60,3 +60,12 @@ def test_unknown_releases_and_hosts_are_refused_naming_them():
         base.recipe(suite="sid")
     assert main(["up", "--name", "mdsx", "--suite", "node2"]) == 1
     assert main(["up", "--name", "mdsx", "--suite", "node1=sid"]) == 1
+
+
+def test_a_running_host_asked_for_another_release_is_named_with_both():
+    from meshdeploy.lab.core import _differs
+
+    assert _differs("node2", ("root", "bullseye"), ("root", "trixie")) == \
+        "node2 is bullseye, not trixie"
+    assert _differs("node2", ("termux", "bookworm"), ("root", "bookworm")) == \
+        "node2 is termux, not root"
