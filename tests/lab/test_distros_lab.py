@@ -46,13 +46,15 @@ def sh(info, host: str, command: str) -> str:
 
 
 # md-share as the product ships it, run by the host's own python3 (3.9 on Debian 11, 3.13 on
-# 13): one byte range of a random file, checked against the file.
+# 13): one byte range of a random file, checked against the file. Before apply the hosts have
+# no curl (the plain base): python3 fetches the range.
 SHARE_CHECK = r"""
 cat > /tmp/md-share.py && head -c 4096 /dev/urandom > /tmp/blob && rm -f /tmp/md-share.pid
 python3 /tmp/md-share.py --bind 127.0.0.1 --port 29990 --allow 127.0.0.1 --file blob=/tmp/blob \
     --idle 5 --max 30 --pid-file /tmp/md-share.pid --log /tmp/md-share.log &
 for _ in $(seq 100); do [ -s /tmp/md-share.pid ] && break; sleep 0.1; done
-curl -sf -r 100-1123 http://127.0.0.1:29990/models/blob > /tmp/got
+python3 -c 'import urllib.request as u, sys; r = u.Request(sys.argv[1], headers={"Range": "bytes=100-1123"})
+sys.stdout.buffer.write(u.urlopen(r, timeout=10).read())' http://127.0.0.1:29990/models/blob > /tmp/got
 tail -c +101 /tmp/blob | head -c 1024 | cmp - /tmp/got && echo same
 python3 --version
 """
