@@ -17,6 +17,7 @@ so it cleans up after a crashed or interrupted `up` just as well.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
@@ -174,10 +175,7 @@ class Lab:
         self.run_dir.mkdir(exist_ok=True)
         self._ensure_key(self.key)
         self._ensure_key(self.admin_key)
-        # One base per release the hosts run, each debootstrapped once and cached.
-        rootfs = {suite: base.ensure_base(log=self.log, toolchain=self.toolchain,
-                                          user_services=self.user_services, suite=suite)
-                  for suite in sorted(set(self.suites.values()))}
+        rootfs = self._bases()
         self._same_base(self._base_hash())
         self._same_kinds()
         cache = base.cache_root()
@@ -231,6 +229,18 @@ class Lab:
         tmp.write_text(json.dumps(info.to_dict(), indent=2, default=str) + "\n")
         tmp.replace(self.state_dir / "lab.json")
         return info
+
+    def _bases(self) -> dict[str, Path]:
+        """The root of each release the hosts run (suite -> rootfs), each debootstrapped once
+        and cached. New ones are built side by side: debootstrap mostly waits on the mirror
+        and dpkg (measured: bullseye and trixie 117 s together, against 96 + 117 s in turn)."""
+        suites = sorted(set(self.suites.values()))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(suites)) as pool:
+            built = {suite: pool.submit(base.ensure_base, log=self.log, suite=suite,
+                                        toolchain=self.toolchain,
+                                        user_services=self.user_services)
+                     for suite in suites}
+        return {suite: future.result() for suite, future in built.items()}
 
     def _base_hash(self) -> str:
         return base.recipe_hash(base.recipe(self.toolchain, self.user_services))
