@@ -257,7 +257,7 @@ class Lab:
                    if h in had and had[h] != (self.kinds[h], self.suites[h])
                    and hosts.is_booted(self.state_dir, h, self.marker)]
         if changed:
-            raise LabError(f"lab {self.name} runs hosts of other kinds ({'; '.join(changed)}): "
+            raise LabError(f"lab {self.name} runs hosts of other kinds or releases ({'; '.join(changed)}): "
                            f"`meshdeploy lab down --name {self.name}` first")
 
     def _same_base(self, wanted: str) -> None:
