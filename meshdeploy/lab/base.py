@@ -1,4 +1,7 @@
-"""The shared Debian 12 root every lab host overlays, built once per recipe and cached.
+"""The shared Debian root every lab host overlays, built once per recipe and cached.
+
+One recipe per Debian release too (SUITES: 11 bullseye, 12 bookworm, 13 trixie; bookworm when
+not named), so a lab can mix releases host by host (Lab(suites=...)).
 
 Three recipes: the plain one (what SSH and systemd need: meshdeploy installs the rest), the
 same with TOOLCHAIN added, a prepared build machine, for labs whose tests are not about
@@ -19,7 +22,12 @@ from pathlib import Path
 
 from meshdeploy.lab.errors import INSTALL_HINT, LabError
 
-SUITE = "bookworm"
+SUITE = "bookworm"  # the release of a host whose lab names none
+# The releases a lab host can run, all from the same mirror, and the packages a release does not
+# have: Debian 11 has no wireguard-go (it came with 12), so its hosts cannot run userspace
+# WireGuard (the lockdown work's tunnel is tried on bookworm hosts only).
+SUITES = {"bullseye": "11", "bookworm": "12", "trixie": "13"}
+MISSING = {"bullseye": ("wireguard-go",)}
 MIRROR = "http://deb.debian.org/debian"
 VARIANT = "minbase"
 # What SSH and systemd need, plus the firewall and tunnel tools a real host has or gets from
@@ -65,13 +73,17 @@ ln -sf /dev/null /etc/systemd/system/user@0.service
 
 # Runs inside the fresh root (chroot). Host identity (ssh host keys, machine-id) is removed so
 # every host generates its own on first boot; keys for users are added per host, not here.
-SETUP_SCRIPT = r"""
+# SOURCES comes first, filled in per suite (every release since 11 names its security suite
+# `<suite>-security` under debian-security).
+SOURCES = r"""
 set -eu
 cat > /etc/apt/sources.list <<'EOF'
-deb http://deb.debian.org/debian bookworm main
-deb http://deb.debian.org/debian bookworm-updates main
-deb http://deb.debian.org/debian-security bookworm-security main
+deb http://deb.debian.org/debian {suite} main
+deb http://deb.debian.org/debian {suite}-updates main
+deb http://deb.debian.org/debian-security {suite}-security main
 EOF
+"""
+SETUP_SCRIPT = r"""
 useradd --create-home --shell /bin/bash deploy
 install -d -m 0700 -o deploy -g deploy /home/deploy/.ssh
 install -d -m 0700 /root/.ssh
@@ -117,22 +129,53 @@ def cache_root() -> Path:
     return Path(os.environ.get("MESHDEPLOY_LAB_CACHE", "/var/cache/meshdeploy/lab"))
 
 
-def recipe(toolchain: bool = False, user_services: bool = False) -> dict:
+def check_suite(suite: str) -> str:
+    if suite not in SUITES:
+        raise LabError(f"unknown Debian release {suite!r} for a lab host; one of "
+                       + ", ".join(f"{name} ({number})" for name, number in SUITES.items()))
+    return suite
+
+
+def resolve_suites(chosen: dict[str, str] | None, host_names: list[str]) -> dict[str, str]:
+    """The Debian release of every host (SUITE unless `chosen` names it), checked: known
+    releases and hosts of the lab only."""
+    chosen = dict(chosen or {})
+    unknown = sorted(set(chosen) - set(host_names))
+    if unknown:
+        raise LabError(f"host releases name {', '.join(unknown)}, not a host of this lab "
+                       f"(hosts: {', '.join(host_names)})")
+    for host, suite in sorted(chosen.items()):
+        try:
+            check_suite(suite)
+        except LabError as exc:
+            raise LabError(f"{host}: {exc}") from None
+    return {h: chosen.get(h, SUITE) for h in host_names}
+
+
+def recipe(toolchain: bool = False, user_services: bool = False, suite: str = SUITE) -> dict:
     """+ toolchain: with TOOLCHAIN
     + user_services: with TOOLCHAIN and USER_SERVICES (the hosts of lab/kinds.py)
+    + suite: the Debian release (SUITES); bookworm's recipes are those from before suites
     """
-    packages = list(PACKAGES)
+    missing = MISSING.get(check_suite(suite), ())
+    packages = [p for p in PACKAGES if p not in missing]
     if toolchain or user_services:
         packages += TOOLCHAIN
     if user_services:
         packages += USER_SERVICES
     return {
-        "suite": SUITE,
+        "suite": suite,
         "mirror": MIRROR,
         "variant": VARIANT,
         "packages": packages,
-        "setup": SETUP_SCRIPT + (USER_SERVICES_SETUP if user_services else ""),
+        "setup": setup_script(suite) + (USER_SERVICES_SETUP if user_services else ""),
     }
+
+
+def setup_script(suite: str = SUITE) -> str:
+    """SETUP_SCRIPT for `suite`, its apt sources first (bookworm's is the script from before
+    suites, character for character: its cached bases stay valid)."""
+    return SOURCES.format(suite=suite) + SETUP_SCRIPT.lstrip("\n")
 
 
 def recipe_hash(spec: dict | None = None) -> str:
@@ -145,15 +188,15 @@ def base_dir(root: Path | None = None, spec: dict | None = None) -> Path:
 
 
 def ensure_base(root: Path | None = None, log=print, toolchain: bool = False,
-                user_services: bool = False) -> Path:
+                user_services: bool = False, suite: str = SUITE) -> Path:
     """Return the rootfs of the cached base, debootstrapping it first when the recipe is new
-    (`toolchain`, `user_services`: see recipe()).
+    (`toolchain`, `user_services`, `suite`: see recipe()).
 
     The build happens in a temporary directory renamed into place only when complete, so an
     interrupted build never leaves a base that looks usable.
     """
     root = root or cache_root()
-    spec = recipe(toolchain, user_services)
+    spec = recipe(toolchain, user_services, suite)
     final = base_dir(root, spec)
     rootfs = final / "rootfs"
     if (final / "complete").exists():
@@ -176,12 +219,12 @@ def _build(final: Path, spec: dict, log) -> None:
     tmp_rootfs = tmp / "rootfs"
     tmp_rootfs.mkdir(parents=True)
     started = time.monotonic()
-    log(f"building lab base {final.name} (debootstrap {SUITE}, once per recipe)")
+    log(f"building lab base {final.name} (debootstrap {spec['suite']}, once per recipe)")
     argv = [
         "debootstrap",
         f"--variant={VARIANT}",
         f"--include={','.join(spec['packages'])}",
-        SUITE,
+        spec["suite"],
         str(tmp_rootfs),
         MIRROR,
     ]

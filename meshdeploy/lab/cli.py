@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from meshdeploy.lab import kinds
+from meshdeploy.lab import base, kinds
 from meshdeploy.lab.core import DEFAULT_NAME, Lab
 from meshdeploy.lab.errors import LabError
 
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="make HOST a host of KIND, one of " + ", ".join(kinds.KINDS) +
                     f" (default: {kinds.ROOT}); repeatable; kinds other than {kinds.ROOT} "
                     "need --toolchain")
+    up.add_argument("--suite", action="append", default=[], metavar="HOST=RELEASE",
+                    help="boot HOST from Debian RELEASE, one of " + ", ".join(base.SUITES) +
+                    f" (default: {base.SUITE}); repeatable")
     sub.add_parser("down", parents=[common], help="stop the lab and remove every trace of it")
     st = sub.add_parser("status", parents=[common], help="show the lab's hosts")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             lab = Lab(args.name, hosts=args.hosts, state_dir=args.state_dir,
                       mirrors=not args.no_mirrors, log=_err, rogue=args.rogue,
-                      toolchain=args.toolchain, kinds=kinds.parse(args.kind))
+                      toolchain=args.toolchain, kinds=kinds.parse(args.kind),
+                      suites=kinds.parse(args.suite, "--suite", "bullseye"))
             started = time.monotonic()
             info = lab.up()
             print(f"lab {info.name}: {len(info.hosts)} hosts up in "
@@ -59,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             for h in info.hosts:
                 if h.kind != kinds.ROOT:
                     print(f"  {h.name}: {h.kind} (user {h.user}, port {h.port}, no sudo)")
+                if h.suite != base.SUITE:
+                    print(f"  {h.name}: Debian {base.SUITES[h.suite]} ({h.suite})")
             print(f"  ssh -F {info.ssh['config']} node1")
             print(f"  description: {info.state_dir}/lab.json")
             return 0

@@ -162,16 +162,17 @@ KINDS = {
 }
 
 
-def parse(values: list[str]) -> dict[str, str]:
-    """`--kind HOST=KIND` values as a dict; a repeated host or a malformed value is an error
-    (the kind names are checked by resolve)."""
+def parse(values: list[str], flag: str = "--kind", example: str = TERMUX) -> dict[str, str]:
+    """`--kind HOST=KIND` values (or another `flag`'s HOST=VALUE) as a dict; a repeated host or
+    a malformed value is an error (the values are checked by resolve, base.resolve_suites)."""
     chosen: dict[str, str] = {}
+    what = flag.removeprefix("--").upper()
     for value in values:
         host, sep, kind = value.partition("=")
         if not sep or not host or not kind:
-            raise LabError(f"--kind {value!r}: write HOST=KIND, e.g. --kind node2={TERMUX}")
+            raise LabError(f"{flag} {value!r}: write HOST={what}, e.g. {flag} node2={example}")
         if host in chosen:
-            raise LabError(f"--kind names {host} twice ({chosen[host]}, {kind})")
+            raise LabError(f"{flag} names {host} twice ({chosen[host]}, {kind})")
         chosen[host] = kind
     return chosen
 

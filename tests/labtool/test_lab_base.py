@@ -17,3 +17,55 @@ def test_the_toolchain_base_is_a_recipe_of_its_own():
 def test_the_toolchain_base_has_every_package_the_toolchain_role_installs_on_debian():
     wanted = set(defaults.toolchain_apt_packages) | {defaults.toolchain_ccache_package}
     assert wanted <= set(base.recipe(toolchain=True)["packages"])
+
+
+def test_bookworm_bases_keep_the_recipes_and_caches_they_had_before_suites():
+    # The hashes of the three bookworm recipes as they were before suites existed: a change
+    # here would debootstrap every lab's base again.
+    assert [base.recipe_hash(base.recipe(*flags)) for flags in
+            ((False, False), (True, False), (True, True))] == [
+        "f78d958b0eaef8ba", "1cc1ccccd5b4963a", "e0e48492f6be34dc"]
+    assert base.recipe(suite="bookworm") == base.recipe()
+
+
+def test_each_release_is_a_recipe_of_its_own_from_its_own_apt_sources():
+    recipes = {suite: base.recipe(toolchain=True, suite=suite) for suite in base.SUITES}
+    assert len({base.recipe_hash(r) for r in recipes.values()}) == 3
+    for suite, spec in recipes.items():
+        assert spec["suite"] == suite
+        sources = spec["setup"].split("EOF\n")[0].splitlines()[-3:]
+        assert sources == [f"deb http://deb.debian.org/debian {suite} main",
+                           f"deb http://deb.debian.org/debian {suite}-updates main",
+                           f"deb http://deb.debian.org/debian-security {suite}-security main"]
+    # Debian 11 has no wireguard-go; everything else is the same list.
+    assert "wireguard-go" not in recipes["bullseye"]["packages"]
+    assert recipes["bullseye"]["packages"] == [p for p in recipes["trixie"]["packages"]
+                                               if p != "wireguard-go"]
+
+
+def test_unknown_releases_and_hosts_are_refused_naming_them():
+    import pytest
+
+    from meshdeploy.lab import Lab
+    from meshdeploy.lab.cli import main
+    from meshdeploy.lab.errors import LabError
+
+    assert base.resolve_suites({"node2": "trixie"}, ["node1", "node2"]) == {
+        "node1": "bookworm", "node2": "trixie"}
+    with pytest.raises(LabError, match="node2: unknown Debian release 'buster'.*bullseye"):
+        Lab(name="mdsx", hosts=2, suites={"node2": "buster"})
+    with pytest.raises(LabError, match="node4, not a host of this lab"):
+        Lab(name="mdsx", hosts=2, suites={"node4": "trixie"})
+    with pytest.raises(LabError, match="unknown Debian release 'sid'"):
+        base.recipe(suite="sid")
+    assert main(["up", "--name", "mdsx", "--suite", "node2"]) == 1
+    assert main(["up", "--name", "mdsx", "--suite", "node1=sid"]) == 1
+
+
+def test_a_running_host_asked_for_another_release_is_named_with_both():
+    from meshdeploy.lab.core import _differs
+
+    assert _differs("node2", ("root", "bullseye"), ("root", "trixie")) == \
+        "node2 is bullseye, not trixie"
+    assert _differs("node2", ("termux", "bookworm"), ("root", "bookworm")) == \
+        "node2 is termux, not root"

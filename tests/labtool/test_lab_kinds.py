@@ -85,8 +85,8 @@ def test_kinds_get_a_base_of_their_own_and_leave_the_others_alone():
     assert {"runit", "libpam-systemd"} <= set(users["packages"])
     assert len({base.recipe_hash(r) for r in (plain, tools, users)}) == 3
     # The two older bases keep their recipe (and their caches): kinds change neither.
-    assert plain["setup"] == tools["setup"] == base.SETUP_SCRIPT
-    assert users["setup"] == base.SETUP_SCRIPT + base.USER_SERVICES_SETUP
+    assert plain["setup"] == tools["setup"] == base.setup_script()
+    assert users["setup"] == base.setup_script() + base.USER_SERVICES_SETUP
     assert "runit.service" in base.USER_SERVICES_SETUP
     assert not kinds.user_services({"node1": "root"})
     assert kinds.user_services({"node1": "root", "node2": "termux"})

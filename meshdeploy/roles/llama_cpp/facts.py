@@ -23,10 +23,14 @@ class Source(FactBase):
     None: no clone there.
     """
 
-    # safe.directory: the probe runs as the login user and the clone belongs to root; reading
-    # HEAD, the origin URL and an object runs nothing from the repository's config.
+    # The probe runs as the login user and the clone belongs to root: git refuses a repository
+    # it finds by searching from the working directory and another user owns ("dubious
+    # ownership"), but not one named by --git-dir. `-c safe.directory=` is not enough: Debian
+    # 11's git (2.30.2, the fix backported) honours safe.directory only from the global and
+    # system config (checked in a bullseye lab host). Reading HEAD, the origin URL and an
+    # object runs nothing from the repository's config.
     _BODY = ('[ -d "$SRC/.git" ] || exit 0\n'
-             'g() { git -c safe.directory="$SRC" -C "$SRC" "$@"; }\n'
+             'g() { git --git-dir="$SRC/.git" "$@"; }\n'
              'g rev-parse HEAD; g remote get-url origin\n')
     _HAS = 'g cat-file -e "$COMMIT^{commit}" 2>/dev/null && echo has || echo missing'
 

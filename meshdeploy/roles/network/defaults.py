@@ -31,6 +31,10 @@ network_wg_key_dir = "/etc/meshdeploy/wireguard"
 # module (wg-quick starts wireguard-go when `ip link add type wireguard` fails).
 network_wg_packages = ("wireguard-tools",)
 network_wg_userspace_packages = ("wireguard-go",)
+# The first release of a distribution (os-release ID: major VERSION_ID) whose packages have
+# wireguard-go: Debian 11 has none (checked on its mirror), so a bullseye host whose kernel lacks
+# the module cannot join the tunnel, and apt-get would fail half way through an apply.
+network_wg_userspace_since = {"debian": 12}
 # macOS (rendered and golden-tested only): Homebrew's wireguard-tools + wireguard-go, started at
 # boot by a LaunchDaemon.
 network_wg_brew_prefix = "/opt/homebrew"

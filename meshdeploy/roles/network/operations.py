@@ -169,11 +169,28 @@ def _wg_preflight(ctx: HostContext) -> None:
     if not _in_mesh(ctx) or _darwin(ctx):
         return
     missing = _wg_missing(ctx)
+    _wg_userspace_packaged(ctx, missing)
     if missing and _installer(ctx, missing) is None:
         raise PlanError(f"{ctx.host.name}: no {' or '.join(missing)} for the WireGuard tunnel, "
                         "and neither apt-get nor dnf to install it",
                         hint=f"install {' '.join(missing)} on the host, or set {WG_OPT_OUT} "
                              "(RPC then travels in clear on the hosts' network)")
+
+
+def _wg_userspace_packaged(ctx: HostContext, missing: list[str]) -> None:
+    """Refuse a host that needs wireguard-go from a release that has no such package."""
+    if not set(d.network_wg_userspace_packages) & set(missing):
+        return
+    platform = ctx.fact("toolchain.Platform") or {}
+    distro = platform.get("distro") or ""
+    first = d.network_wg_userspace_since.get(distro)
+    major = (platform.get("version") or "").split(".")[0]
+    if first is None or not major.isdigit() or int(major) >= first:
+        return
+    raise PlanError(f"{ctx.host.name}: the kernel has no WireGuard module and {distro} {major} "
+                    f"has no wireguard-go package (the first with one is {distro} {first})",
+                    hint="load the kernel's wireguard module (modprobe wireguard), install "
+                         f"wireguard-go on the host yourself, or set {WG_OPT_OUT}")
 
 
 def wireguard_key(ctx: HostContext) -> Step:
