@@ -10,7 +10,8 @@ through a proxy that caches nothing, so 30 toolchain downloads would time the in
 with nothing of meshdeploy's; both compile through the lab's shared ccache, in the same state
 for both (the 3-host cluster goes first and compiles the same portable build the fleet does).
 
-The fleet: `--servers` llama-servers of gemma, each on its own host with an even share of the
+The fleet: `--servers` llama-servers, each of its own model (the lab's gemma under another name:
+a model is served by one server), each on its own host with an even share of the
 other hosts as its rpc-servers. Every host runs Debian 12 on one CPU architecture: one build
 key, so one host compiles and every other one copies. Prints, for each cluster: the time from
 `apply` to every server healthy (apply ends there), the hosts that compiled (a ninja log under
@@ -19,9 +20,10 @@ time over the 3-host cluster's; then the fleet's no-op plan: median seconds and 
 per host (benchmarks/plan_once.py).
 """
 
-from gevent import monkey
+if __name__ == "__main__":  # before anything imports ssl; never in a test that imports this
+    from gevent import monkey
 
-monkey.patch_all()
+    monkey.patch_all()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -47,7 +49,7 @@ def cluster_yaml(info, hosts: list, servers: int, name: str) -> str:
     head = base[:base.index("hosts:")].replace("http://127.0.0.1:18080",
                                                info.mirrors["hf_api_endpoint"])
     head = re.sub(r"(?m)^cluster: .*$", f"cluster: {name}", head)
-    models = base[base.index("models:"):base.index("servers:")]
+    models = base[base.index("\nmodels:") + 1:base.index("\nservers:")]
     groups = [hosts[i::servers] for i in range(servers)]
     lines = ["hosts:"]
     for group in groups:
@@ -57,14 +59,22 @@ def cluster_yaml(info, hosts: list, servers: int, name: str) -> str:
                       "    backend: cpu"]
             if i:
                 lines += ["    rpc_servers:", "      - port: 50052"]
-    lines.append(models.rstrip("\n"))
+    # One model per server (a model is served once): the lab's gemma under another name each,
+    # each downloaded once from the mirror and copied over the LAN to its own hosts.
+    gemma = models[models.index("  gemma:"):].rstrip("\n")
+    lines.append("models:")
+    lines += [gemma.replace("  gemma:", f"  {model(n)}:", 1) for n in range(servers)]
     lines.append("servers:")
     for n, group in enumerate(groups):
         workers = ", ".join(f"{h.name}:50052" for h in group[1:])
-        lines += [f"  s{n + 1}:", f"    host: {group[0].name}", "    model: gemma",
+        lines += [f"  s{n + 1}:", f"    host: {group[0].name}", f"    model: {model(n)}",
                   "    port: 8080", "    bind: 127.0.0.1", "    ctx_size: 2048",
                   f"    rpc: [{workers}]", "    health: {retries: 90, interval: 2}"]
     return head + "\n".join(lines) + "\n"
+
+
+def model(n: int) -> str:
+    return "gemma" if n == 0 else f"gemma{n + 1}"
 
 
 def compiled(info, hosts: list) -> list[str]:
