@@ -61,7 +61,7 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
             if cache:
                 assert "Placement of synthetic for llama-server main" in applied.stdout
                 _check_distribution(lab, per_worker, received, model.stat().st_size,
-                                    share_mark)
+                                    share_mark, served["sha256"])
             before = {h: wire.tx_bytes(lab.name, h) for h in per_worker}
             seconds = wire.restart_server(lab)
             sent = {h: wire.tx_bytes(lab.name, h) - before[h] for h in per_worker}
@@ -139,13 +139,15 @@ def _share_log(lab) -> list[str]:
 
 
 def _check_distribution(lab, per_worker: dict, received: dict, model_size: int,
-                        mark: int) -> None:
+                        mark: int, sha256: str) -> None:
     """Cached workers keep no GGUF, only their cache entries, fetched from node1's copy by
     md-share: each received about its share of the weights, not the model."""
     served = {}  # this test's tensor fetches: ranged (206) GETs of /models/synthetic
     for line in _share_log(lab)[mark:]:
         words = line.split()
-        if len(words) == 7 and words[2] == "GET":
+        # A build's tarball (llama_cpp.copy: /models/<key>.tar.gz, on hosts that had none yet)
+        # is not a model's: only the model's file, by its sha256, counts here.
+        if len(words) == 7 and words[2] == "GET" and words[3] == f"/models/{sha256}":
             assert words[4] == "206", line  # ranged answers only, and never a refusal
             served[words[1]] = served.get(words[1], 0) + int(words[6])
     print(f"md-share served {served}; workers received {received} during the apply")
