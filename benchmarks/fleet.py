@@ -26,8 +26,6 @@ if __name__ == "__main__":  # before anything imports ssl; never in a test that 
     monkey.patch_all()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -102,15 +100,6 @@ def copied(output: str) -> list[str]:
     return sorted(set(re.findall(r"(?m)^\s+(\S+)\s+llama_cpp\.copy\s+ok", output)))
 
 
-def plan_once(path: Path) -> tuple[float, dict, bool]:
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plan_once.py"), str(path)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if proc.returncode != 0:
-        raise SystemExit(f"plan failed:\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out["seconds"], out["commands"], out["changed"]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hosts", type=int, default=30)
@@ -118,6 +107,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--keep-lab", action="store_true")
     args = parser.parse_args()
+
+    from plan_speed import plan_once  # benchmarks/, this script's folder
 
     from meshdeploy.lab import Lab
 
@@ -145,7 +136,7 @@ def main() -> int:
         path = workdir / f"{args.hosts}.yaml"
         times, commands, changed = [], {}, False
         for _ in range(args.runs):
-            seconds, commands, changes = plan_once(path)
+            seconds, commands, changes = plan_once(path, REPO)
             times.append(seconds)
             changed |= changes
         print(f"no-op plan of {args.hosts} hosts: median {statistics.median(times):.2f} s, "

@@ -20,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from meshdeploy.lab.errors import INSTALL_HINT, LabError
+from meshdeploy.lab.errors import INSTALL_HINT, LabError, check_hosts
 
 SUITE = "bookworm"  # the release of a host whose lab names none
 # The releases a lab host can run, all from the same mirror, and the packages a release does not
@@ -140,10 +140,7 @@ def resolve_suites(chosen: dict[str, str] | None, host_names: list[str]) -> dict
     """The Debian release of every host (SUITE unless `chosen` names it), checked: known
     releases and hosts of the lab only."""
     chosen = dict(chosen or {})
-    unknown = sorted(set(chosen) - set(host_names))
-    if unknown:
-        raise LabError(f"host releases name {', '.join(unknown)}, not a host of this lab "
-                       f"(hosts: {', '.join(host_names)})")
+    check_hosts(chosen, host_names, "host releases")
     for host, suite in sorted(chosen.items()):
         try:
             check_suite(suite)

@@ -12,3 +12,12 @@ class LabError(MeshdeployError):
     """Something the lab cannot do; the message says what to do next."""
 
     exit_code = 1
+
+
+def check_hosts(chosen, host_names, what: str) -> None:
+    """Refuse `chosen` (host -> value, from `--kind` or `--suite`) naming a host the lab lacks;
+    `what` says which setting ("host kinds", "host releases")."""
+    unknown = sorted(set(chosen) - set(host_names))
+    if unknown:
+        raise LabError(f"{what} name {', '.join(unknown)}, not a host of this lab "
+                       f"(hosts: {', '.join(host_names)})")

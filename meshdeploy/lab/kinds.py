@@ -22,7 +22,7 @@ import dataclasses
 import subprocess
 from pathlib import Path
 
-from meshdeploy.lab.errors import LabError
+from meshdeploy.lab.errors import LabError, check_hosts
 
 ROOT = "root"
 ROOTLESS_SYSTEMD = "rootless-systemd"
@@ -182,10 +182,7 @@ def resolve(chosen: dict[str, str] | None, host_names: list[str],
     """The kind of every host (ROOT unless `chosen` names it), checked: known kinds and hosts
     only, and kinds other than ROOT only on the toolchain base (their packages join it)."""
     chosen = dict(chosen or {})
-    unknown_hosts = sorted(set(chosen) - set(host_names))
-    if unknown_hosts:
-        raise LabError(f"host kinds name {', '.join(unknown_hosts)}, not a host of this lab "
-                       f"(hosts: {', '.join(host_names)})")
+    check_hosts(chosen, host_names, "host kinds")
     for host, kind in sorted(chosen.items()):
         if kind not in KINDS:
             raise LabError(f"{host}: unknown host kind {kind!r}; kinds: {', '.join(KINDS)}")
