@@ -15,7 +15,8 @@ a model is served by one server), each on its own host with an even share of the
 other hosts as its rpc-servers. Every host runs Debian 12 on one CPU architecture: one build
 key, so one host compiles and every other one copies. Prints, for each cluster: the time from
 `apply` to every server healthy (apply ends there), the hosts that compiled (a ninja log under
-the build folder) and that copied (the apply's llama_cpp.copy lines), and the fleet's
+the build folder) and that copied (the apply's llama_cpp.copy lines, less the compiling
+host's, whose copy step packs and serves the build), and the fleet's
 time over the 3-host cluster's; then the fleet's no-op plan: median seconds and remote commands
 per host (benchmarks/plan_once.py).
 """
@@ -96,8 +97,21 @@ def converge(path: Path) -> tuple[float, str]:
     return seconds, proc.stdout
 
 
-def copied(output: str) -> list[str]:
-    return sorted(set(re.findall(r"(?m)^\s+(\S+)\s+llama_cpp\.copy\s+ok", output)))
+def slowest(output: str, count: int = 6) -> str:
+    """The apply's steps (its closing table: host, step, ok, seconds) whose slowest host took
+    longest: where the time to healthy went."""
+    worst: dict[str, tuple[float, str]] = {}
+    for host, step, seconds in re.findall(r"(?m)^(\S+)\s+(\S+)\s+ok\s+([0-9.]+) s$", output):
+        if float(seconds) > worst.get(step, (-1.0, ""))[0]:
+            worst[step] = (float(seconds), host)
+    top = sorted(worst.items(), key=lambda kv: -kv[1][0])[:count]
+    return ", ".join(f"{step} {s:.1f} s ({host})" for step, (s, host) in top)
+
+
+def copied(output: str, built: list[str]) -> list[str]:
+    """The hosts whose llama_cpp.copy step ran, less the builders (theirs packs and serves)."""
+    ran = set(re.findall(r"(?m)^\s+(\S+)\s+llama_cpp\.copy\s+ok", output))
+    return sorted(ran - set(built))
 
 
 def main() -> int:
@@ -124,11 +138,15 @@ def main() -> int:
             path = workdir / f"{label.split()[0]}.yaml"
             path.write_text(cluster_yaml(info, hosts, servers, f"fleet{len(hosts)}"))
             seconds, output = converge(path)
-            built, copies = compiled(info, hosts), copied(output)
+            path.with_suffix(".apply.txt").write_text(output)
+            built = compiled(info, hosts)
+            copies = copied(output, built)
             rows.append([label, servers, f"{seconds:.0f}", len(built), len(copies),
                          ", ".join(built)])
             print(f"{label}: every server healthy after {seconds:.0f} s; compiled on "
-                  f"{', '.join(built) or 'none'}; {len(copies)} copies", flush=True)
+                  f"{', '.join(built) or 'none'}; {len(copies)} copies; slowest steps: "
+                  f"{slowest(output)}; apply output in {path.with_suffix('.apply.txt')}",
+                  flush=True)
         print(tabulate(rows, headers=["cluster", "servers", "apply to healthy s", "compiles",
                                       "copies", "compiled on"]))
         print(f"ratio {rows[1][0]} vs {rows[0][0]}: {float(rows[1][2]) / float(rows[0][2]):.2f}x "

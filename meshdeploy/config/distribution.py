@@ -54,6 +54,10 @@ def model_source(cluster: Cluster, name: str) -> str | None:
 
 def tensor_fetches(cluster: Cluster) -> list[Fetch]:
     """The workers that fetch only their tensors of a one-file Hub model, and from whom."""
+    return list(cluster.derived("tensor_fetches", lambda: _tensor_fetches(cluster)))
+
+
+def _tensor_fetches(cluster: Cluster) -> tuple[Fetch, ...]:
     out: dict[tuple[str, str], Fetch] = {}
     keep = set()  # (model, worker) where some cached rpc-server says fetch: false
     for server in cluster.servers:
@@ -67,7 +71,7 @@ def tensor_fetches(cluster: Cluster) -> list[Fetch]:
                 out.setdefault((server.model, e.host.name), Fetch(server.model, source, e.host.name))
                 if not e.rpc.fetch:
                     keep.add((server.model, e.host.name))
-    return [f for key, f in out.items() if key not in keep]
+    return tuple(f for key, f in out.items() if key not in keep)
 
 
 def fetched_models(cluster: Cluster, host: Host) -> list[str]:
@@ -98,13 +102,17 @@ def keeps(cluster: Cluster, host: Host) -> list[str]:
 def copies(cluster: Cluster) -> list[Fetch]:
     """Hosts keeping a whole GGUF of a Hub model that another host downloads: they copy it from
     that host over the LAN."""
+    return list(cluster.derived("copies", lambda: _copies(cluster)))
+
+
+def _copies(cluster: Cluster) -> tuple[Fetch, ...]:
     out = []
     for host in cluster.hosts:
         for name in keeps(cluster, host):
             source = model_source(cluster, name)
             if source is not None and source != host.name:
                 out.append(Fetch(name, source, host.name))
-    return out
+    return tuple(out)
 
 
 def share_clients(cluster: Cluster, host: Host) -> list[Host]:

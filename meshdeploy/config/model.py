@@ -432,12 +432,23 @@ class Cluster:
     # The roles' own sections (role -> plain data, defaults filled), each declared by a role's
     # schema.json; the role reads its part as its typed settings (HostContext.section).
     sections: dict[str, Any] = field(default_factory=dict, hash=False)
+    # What is derived from the file alone, computed once per Cluster (derived()): a plan asks
+    # who copies from whom for every host and slot, and a fleet of 30 hosts made that seconds.
+    # Not an argument: dataclasses.replace() gives the new Cluster an empty one.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False,
+                           hash=False)
+
+    def derived(self, key, compute):
+        """compute(), once per Cluster and key (the Cluster is frozen: so is what it derives)."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     def host(self, name: str) -> Host:
-        for host in self.hosts:
-            if host.name == name:
-                return host
-        raise KeyError(f"no host named {name!r} in cluster {self.name!r}")
+        host = self.derived("hosts by name", lambda: {h.name: h for h in self.hosts}).get(name)
+        if host is None:
+            raise KeyError(f"no host named {name!r} in cluster {self.name!r}")
+        return host
 
     def server(self, name: str) -> Server:
         for server in self.servers:
@@ -464,6 +475,15 @@ class Cluster:
         """The rpc-servers `server` uses, in --rpc order, with the address it dials."""
         if not server.rpc:
             return []
+        # Derived once per server object (a test may pass one the file does not hold).
+        seen = self._derived.get(("rpc_endpoints", server.name))
+        if seen is not None and seen[0] is server:
+            return list(seen[1])
+        endpoints = self._rpc_endpoints(server)
+        self._derived[("rpc_endpoints", server.name)] = (server, tuple(endpoints))
+        return endpoints
+
+    def _rpc_endpoints(self, server: Server) -> list[RpcEndpoint]:
         endpoints = []
         for ref in server.rpc:
             host_name, port = parse_rpc_ref(ref)

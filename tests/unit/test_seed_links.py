@@ -179,13 +179,33 @@ def _systemd_stubs(bin_dir: Path) -> None:
     its words, then runs the command after `--` as systemd would ("$$" read as "$"), here as the
     test's own user."""
     bin_dir.mkdir()
+    # Each call is counted; while a file `refuse` is there, the call removes it and fails as a
+    # start systemd gave up on does (exit 1, the command never run, no "Started" in its log).
     (bin_dir / "systemd-run").write_text(
-        '#!/bin/sh\nfor a; do printf "%s\\n" "$a"; done > "${0%/*}/run.args"\n'
+        '#!/bin/sh\nd=${0%/*}\nfor a; do printf "%s\\n" "$a"; done > "$d/run.args"\n'
+        'echo call >> "$d/run.calls"\n'
+        'if [ -e "$d/refuse" ]; then rm "$d/refuse"; echo "Starting unit..." >> "$d/journal"\n'
+        '  echo "unit: start operation timed out. Terminating." >> "$d/journal"; exit 1; fi\n'
+        'echo "Started unit." >> "$d/journal"\n'
         'while [ "$1" != -- ]; do shift; done; shift\n'
         'set -- $(printf "%s\\n" "$@" | sed "s/[$][$]/$/g")\nexec "$@"\n')
     (bin_dir / "systemctl").write_text('#!/bin/sh\necho "$*" >> "${0%/*}/systemctl.calls"\n')
+    (bin_dir / "journalctl").write_text('#!/bin/sh\ncat "${0%/*}/journal" 2>/dev/null; '
+                                        ': > "${0%/*}/journal"\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
+
+
+def _on_systemd(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """The wrapper's systemd branch taken (a BOOTED folder, the stubs first on PATH): (the
+    folder root keeps the scripts in, the stubs' folder)."""
+    booted, rundir, stubs = tmp_path / "booted", tmp_path / "run" / "seed", tmp_path / "bin"
+    booted.mkdir()
+    _systemd_stubs(stubs)
+    monkeypatch.setattr(transient, "BOOTED", str(booted))
+    monkeypatch.setattr(ops, "RUNDIR", str(rundir))
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    return rundir, stubs
 
 
 def test_on_systemd_it_runs_in_a_transient_unit_with_the_rpc_servers_user(seed_bin, synthetic,
@@ -193,12 +213,7 @@ def test_on_systemd_it_runs_in_a_transient_unit_with_the_rpc_servers_user(seed_b
     """The systemd branch of seed-as-service.sh, with systemd-run stubbed: the unit gets the
     rpc-server's user and CacheDirectory and the sandbox, the script from a file root keeps
     (gone afterwards), and the seeding's exit status comes back."""
-    booted, rundir, stubs = tmp_path / "booted", tmp_path / "run" / "seed", tmp_path / "bin"
-    booted.mkdir()
-    _systemd_stubs(stubs)
-    monkeypatch.setattr(transient, "BOOTED", str(booted))
-    monkeypatch.setattr(ops, "RUNDIR", str(rundir))
-    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    rundir, stubs = _on_systemd(tmp_path, monkeypatch)
     tensors = [t for t in T.weight_tensors(synthetic) if t.layer == 0]
     cache = tmp_path / "var-cache" / "rpc"
     ran = _apply(seed_bin, synthetic, cache, tensors, tmp_path / "prefix")
@@ -215,8 +230,43 @@ def test_on_systemd_it_runs_in_a_transient_unit_with_the_rpc_servers_user(seed_b
     # A seeding that fails fails the step: the GGUF gone, md-rpc-seed exits non-zero.
     shutil.rmtree(cache)
     gone = tmp_path / "gone.gguf"
+    calls = len((stubs / "run.calls").read_text().splitlines())
     ran = _apply(seed_bin, gone, cache, tensors, tmp_path / "prefix")
     assert ran[0].returncode != 0 and "gone.gguf" in ran[0].stderr
+    # It ran and failed: not tried again, and the step shows systemd's log of the unit.
+    assert len((stubs / "run.calls").read_text().splitlines()) == calls + 1
+    assert "ended with status 1; systemd's log of it:\n  Started unit." in ran[0].stderr
+
+
+def test_a_seed_unit_that_never_started_is_tried_once_more(seed_bin, synthetic, tmp_path,
+                                                          monkeypatch):
+    """systemd-run --quiet fails without a word when systemd gives up on a start before the
+    script runs: the wrapper sees no "Started" in systemd's log of the unit, says so with that
+    log, and starts it once more; a second such failure fails the step."""
+    rundir, stubs = _on_systemd(tmp_path, monkeypatch)
+    tensors = [t for t in T.weight_tensors(synthetic) if t.layer == 0]
+    cache = tmp_path / "var-cache" / "rpc"
+    (stubs / "refuse").touch()
+    ran = _apply(seed_bin, synthetic, cache, tensors, tmp_path / "prefix")
+    assert [r.returncode for r in ran] == [0], [r.stderr for r in ran]
+    assert len((stubs / "run.calls").read_text().splitlines()) == 2
+    assert "did not start (status 1); trying once more" in ran[0].stderr
+    assert "start operation timed out" in ran[0].stderr
+    _check_cache(cache, _wanted(synthetic, tensors))
+    assert os.listdir(rundir) == []
+    # Refused twice: the step fails, after two starts, with systemd's log.
+    shutil.rmtree(cache)
+    (stubs / "run.calls").unlink()
+    (stubs / "journal").write_text("")  # what journalctl --since shows: this start's lines
+    (stubs / "refuse").touch()
+    refuse_again = stubs / "systemd-run"
+    text = refuse_again.read_text()
+    refuse_again.write_text(text.replace('rm "$d/refuse"; ', ''))  # refuses every time now
+    ran = _apply(seed_bin, synthetic, cache, tensors, tmp_path / "prefix")
+    assert ran[0].returncode == 1
+    assert len((stubs / "run.calls").read_text().splitlines()) == 2
+    assert "ended with status 1; systemd's log of it:" in ran[0].stderr
+    assert not (cache / d.rpc_cache_marker).exists()
 
 
 def test_a_seed_unit_may_reach_only_the_host_it_fetches_from():

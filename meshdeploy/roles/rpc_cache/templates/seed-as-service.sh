@@ -20,12 +20,32 @@ if [ -d "$BOOTED" ] && command -v systemd-run >/dev/null 2>&1; then
   printf '%s\n' "$SEED" > "$F.tmp" && chmod 0644 "$F.tmp" && mv -f "$F.tmp" "$F"
   md_unit_free "$U.service"
   set -- --quiet --wait --pipe --collect --unit="$U" --service-type=exec "$@"
-  md_systemd_run "$@" -- /bin/sh "$F" </dev/null &
-  S=$!
-  # A stopped step (Ctrl-C twice, a dead run's lock taken over) stops the unit with it.
-  trap 'systemctl stop "$U" 2>/dev/null; wait "$S"; rm -f "$F"; exit 143' TERM INT HUP
-  C=0
-  wait "$S" || C=$?
+  # A start that systemd gave up on before the script ran (its log of the unit says no
+  # "Started") is tried once more: the seeding wrote nothing yet, and repeating it is safe. On
+  # the lab a seed unit's start once failed after 91 s with no word from systemd-run --quiet;
+  # whatever failed, the step now says what systemd logged of the unit.
+  n=0
+  while :; do
+    T0=$(date +%s)
+    md_systemd_run "$@" -- /bin/sh "$F" </dev/null &
+    S=$!
+    # A stopped step (Ctrl-C twice, a dead run's lock taken over) stops the unit with it.
+    trap 'systemctl stop "$U" 2>/dev/null; wait "$S"; rm -f "$F"; exit 143' TERM INT HUP
+    C=0
+    wait "$S" || C=$?
+    [ "$C" != 0 ] || break
+    n=$((n + 1))
+    log=$(journalctl -u "$U.service" --since "@$T0" -n 15 --no-pager -o cat 2>&1)
+    if [ "$n" -lt 2 ] && ! printf '%s\n' "$log" | grep -q '^Started '; then
+      echo "the seeding unit $U did not start (status $C); trying once more. systemd's log of it:" >&2
+      printf '%s\n' "$log" | sed 's/^/  /' >&2
+      md_unit_free "$U.service"
+      continue
+    fi
+    echo "the seeding unit $U ended with status $C; systemd's log of it:" >&2
+    printf '%s\n' "$log" | sed 's/^/  /' >&2
+    break
+  done
   rm -f "$F"
   exit "$C"
 fi
