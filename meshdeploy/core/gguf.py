@@ -163,6 +163,15 @@ def read_value(buf: bytes, pos: int, vtype: GGUFValueType):
             if count > MAX_ARRAY:
                 return SKIPPED, end
             return list(struct.unpack_from(f"<{count}{SCALAR_FORMATS[item][1]}", buf, pos)), end
+        if count > MAX_ARRAY and item == GGUFValueType.STRING:
+            # A vocabulary: skipped by the strings' lengths alone, none of them decoded (a
+            # 262k-token one took most of a 30-host plan, read once per model and attempt).
+            unpack = struct.unpack_from
+            for _ in range(count):
+                pos += 8 + unpack("<Q", buf, pos)[0]
+            if pos > len(buf):
+                raise IndexError
+            return SKIPPED, pos
         values = []
         for _ in range(count):
             v, pos = read_value(buf, pos, item)

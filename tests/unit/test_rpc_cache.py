@@ -221,6 +221,20 @@ def test_header_end_needs_more_bytes(synthetic):
         T.header_end(b"GGML" + data[4:100])
 
 
+def test_a_vocabulary_cut_anywhere_is_more_bytes_to_read(gemma):
+    """gemma's 262k-token vocabulary is skipped by its strings' lengths, none decoded: a header
+    cut inside it (or inside one of its strings) is incomplete, never a header."""
+    with open(gemma, "rb") as f:
+        data = f.read(7 * MiB)
+    end = T.header_end(data)
+    assert end == T.read_header(gemma).data_offset and end > 6 * MiB
+    for cut in (2 * MiB, 2 * MiB + 3, 4 * MiB + 1, end - 40):
+        assert T.header_end(data[:cut]) is None, cut
+    fields = T.read_header(gemma).fields
+    assert "tokenizer.ggml.tokens" not in fields and "tokenizer.ggml.scores" not in fields
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["gemma3.block_count"] == 18
+
+
 class _CountingHandler:
     """Mixed into the mirror's handler: bytes of file bodies sent, and the Authorization seen."""
 

@@ -67,6 +67,17 @@ def test_users_ssh_config_is_honoured_when_the_file_says_nothing(tmp_path, writt
     assert other.host_key == "yes" and other.known_hosts[0].endswith(".ssh/known_hosts")
 
 
+def test_an_ssh_config_changed_between_two_reads_is_read_again(tmp_path):
+    """The file is parsed once while it stays as it was (hosts of a fleet share one); a change
+    of its contents is seen by the next read in the same process."""
+    config = write_config(tmp_path / ".ssh" / "config",
+                          "Host 10.0.0.1\n    StrictHostKeyChecking no\n")
+    assert settings(tmp_path).host_key == "no"
+    assert settings(tmp_path).host_key == "no"
+    write_config(config, "Host 10.0.0.1\n    StrictHostKeyChecking accept-new\n")
+    assert settings(tmp_path).host_key == "accept-new"
+
+
 def test_clusters_ssh_config_replaces_the_users(tmp_path):
     write_config(tmp_path / ".ssh" / "config", "Host *\n    StrictHostKeyChecking no\n")
     own = write_config(tmp_path / "lab" / "ssh_config",

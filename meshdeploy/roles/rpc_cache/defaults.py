@@ -25,6 +25,7 @@ rpc_cache_disk_headroom_bytes = 512 * 1024 * 1024  # left free in Layout.cache a
 
 # --- reading a remote GGUF header ------------------------------------------------------------------
 rpc_cache_header_first_fetch = 1024 * 1024     # grown x4 until the tensor infos are complete
+rpc_cache_header_local_first = 16 * 1024 * 1024  # the same from a local file: one parse, mostly
 rpc_cache_header_max = 512 * 1024 * 1024       # a header past this is not a model meshdeploy reads
 rpc_cache_http_timeout = 60
 

@@ -55,6 +55,12 @@ def cache_file(cache: Path, key: str, where: str) -> Path:
     return path
 
 
+# Headers parsed in this process, by cache file (named by the content's sha256) as it was when
+# parsed (modification time and size): a plan parses a model's header once however many
+# servers, names or hosts ask for it.
+_PARSED: dict = {}
+
+
 def _kept(cache: Path | None, key: str, produce, where: str, hint: str):
     """A parsed header, from `cache`/<key>.gguf or from produce(dest) (which writes the header
     bytes to dest and returns the path it wrote); only a header that parsed is kept."""
@@ -62,7 +68,10 @@ def _kept(cache: Path | None, key: str, produce, where: str, hint: str):
     path = None
     try:
         if kept is not None and kept.exists():
-            return read_header(str(kept))
+            seen = (kept, kept.stat().st_mtime_ns, kept.stat().st_size)
+            if seen not in _PARSED:
+                _PARSED[seen] = read_header(str(kept))
+            return _PARSED[seen]
         if kept is not None:
             kept.parent.mkdir(parents=True, exist_ok=True)
         path = produce(kept.with_suffix(".tmp") if kept is not None else None)
@@ -70,6 +79,7 @@ def _kept(cache: Path | None, key: str, produce, where: str, hint: str):
         if kept is not None:
             os.replace(path, kept)
             path = None
+            _PARSED[(kept, kept.stat().st_mtime_ns, kept.stat().st_size)] = header
         return header
     except GgufHeaderError as exc:
         raise PlanError(f"{where}: cannot read the GGUF header: {exc}", hint=hint) from None

@@ -54,7 +54,9 @@ def read_header(source) -> Header:
     path = Path(source)
     try:
         with open(path, "rb") as f:
-            return parse_header(header_bytes(f, str(path)))
+            # A local read costs little: start where most headers end, so that the header is
+            # parsed once (each try parses all it has; a vocabulary of 262k tokens is 6 MB).
+            return _read(f, str(path), d.rpc_cache_header_local_first)[1]
     except OSError as exc:
         raise GgufHeaderError(f"{path}: {exc.strerror}") from None
 
@@ -62,7 +64,13 @@ def read_header(source) -> Header:
 def header_bytes(f, name: str) -> bytes:
     """The header of an open binary file (local, or an SFTP file on a host), read only as far
     as the tensor infos go: 1 MiB, then four times more until they are complete."""
-    buf, want = b"", d.rpc_cache_header_first_fetch
+    return _read(f, name, d.rpc_cache_header_first_fetch)[0]
+
+
+def _read(f, name: str, first: int) -> tuple[bytes, Header]:
+    """(header bytes, parsed header) of an open file, reading `first` bytes, then four times
+    more until the tensor infos are complete."""
+    buf, want = b"", first
     while True:
         while len(buf) < want:
             chunk = f.read(want - len(buf))
@@ -71,7 +79,7 @@ def header_bytes(f, name: str) -> bytes:
             buf += chunk
         header = parse_header(buf)
         if header is not None:
-            return buf[:header.data_offset]
+            return buf[:header.data_offset], header
         if len(buf) < want or want >= d.rpc_cache_header_max:
             raise GgufHeaderError(f"{name}: no complete GGUF header in its first "
                                   f"{len(buf)} bytes")
