@@ -254,6 +254,25 @@ def builds_fact(tmp_path: Path, archives: Path) -> dict:
     return fact.process(done.stdout.splitlines())["builds"]
 
 
+def test_pack_keeps_an_archive_made_in_the_manifests_tick_and_repacks_an_older_one(tmp_path):
+    """A file's time has the kernel's tick as its grain: a tiny build is packed within the tick
+    its manifest was written in, so 'archive newer than manifest' failed and packing again
+    replaced the archive the copies were checked against. Equal times keep it; a manifest
+    written after the archive (the build installed again) packs anew."""
+    key = "0c1e57098bba-cpu-1aca21d4"
+    build, tarball = tmp_path / "b1" / key, tmp_path / "share" / f"{key}.tar.gz"
+    fake_build(build, key)
+    assert pack(build, tarball).returncode == 0
+    stamp = tarball.stat().st_mtime_ns
+    os.utime(build / "manifest", ns=(stamp, stamp))
+    assert pack(build, tarball).stdout == ""  # kept
+    assert tarball.stat().st_mtime_ns == stamp
+    os.utime(build / "manifest", ns=(stamp + 1_000_000, stamp + 1_000_000))
+    assert pack(build, tarball).stdout.startswith("packed ")
+    assert (tarball.parent / f"{key}.tar.gz.sha256").read_text().strip() == hashlib.sha256(
+        tarball.read_bytes()).hexdigest()
+
+
 def test_a_tarball_changed_after_its_sha256_is_packed_again(tmp_path, served):
     """The Builds fact reports no tarball where it is newer than its sha256 (so the builder's
     llama_cpp.build packs it again, before anything is copied), and pack.sh packs it again."""

@@ -1,12 +1,15 @@
 # Pack an installed build into the tarball that the hosts copying it fetch from md-share, with
 # its sha256 beside it. Inputs (assigned above by core.shell.template): BUILD (the installed
-# build), ARCHIVE (the tarball's path). An archive newer than the build's manifest and not
-# newer than its sha256 is kept: that sha256 is the one the copies are checked against. One
-# changed after its sha256 was written (the Builds fact reports none then) is packed again.
+# build), ARCHIVE (the tarball's path). An archive is kept when the build's manifest is not
+# newer than it and it is not newer than its sha256 (that sha256 is the one the copies are
+# checked against); equal times count as not newer, as a file's time has the kernel's tick (a
+# few ms) for its grain. One changed after its sha256 was written (the Builds fact reports
+# none then), or older than a build installed again, is packed again.
 set -e
 sum256() { if command -v sha256sum >/dev/null 2>&1; then sha256sum "$1"; else shasum -a 256 "$1"; fi | cut -c1-64; }
 [ -f "$BUILD/manifest" ] || { echo "no installed build at $BUILD to share" >&2; exit 1; }
-if [ -f "$ARCHIVE.sha256" ] && [ -n "$(find "$ARCHIVE" -newer "$BUILD/manifest" 2>/dev/null)" ] &&
+if [ -f "$ARCHIVE.sha256" ] && [ -f "$ARCHIVE" ] &&
+  [ -z "$(find "$BUILD/manifest" -newer "$ARCHIVE" 2>/dev/null)" ] &&
   [ -z "$(find "$ARCHIVE" -newer "$ARCHIVE.sha256" 2>/dev/null)" ]; then exit 0; fi
 mkdir -p "${ARCHIVE%/*}"
 rm -f "$ARCHIVE.tmp"
