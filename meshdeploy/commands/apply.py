@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable progress on stdout")
     options.host_keys(p)
     options.replace(p)
+    options.target(p)
     options.purge(p, "hosts that left the file")
     options.lock_timeout(p)
 
@@ -38,6 +39,7 @@ class Args(options.Arguments):
     json: bool
     accept_new_host_keys: bool
     replace: list[str] | None
+    target: list[str] | None
     purge: bool
     lock_timeout: str | None
 
@@ -50,16 +52,18 @@ def run(args: Args) -> int:
         cluster = load_cluster(saved.cluster_path)
         limit = saved.limit or args.limit
         replacing = saved.replace
+        targets = saved.target
     else:
         cluster = load_cluster(args.file)
         limit = args.limit
         replacing = args.replace or ()
+        targets = args.target or ()
     purge = saved.purge if saved is not None else args.purge
     if args.json and saved is None and not args.auto_approve:
         raise PlanError("apply --json cannot ask for confirmation",
                         hint="add --auto-approve, or apply a saved plan file")
     with common.Locked(cluster, "apply", args.lock_timeout) as lock:
-        return _apply(args, cluster, saved, limit, replacing, purge, lock)
+        return _apply(args, cluster, saved, limit, (replacing, targets), purge, lock)
 
 
 def _is_plan_file(path: str) -> bool:
@@ -71,7 +75,8 @@ def _is_plan_file(path: str) -> bool:
     return head.startswith(b"{")
 
 
-def _apply(args: Args, cluster, saved, limit, replacing, purge, lock) -> int:
+def _apply(args: Args, cluster, saved, limit, addresses, purge, lock) -> int:
+    """addresses: the run's (-replace, -target) addresses."""
     from meshdeploy.engine.planner import config_hash, make_plan
     from meshdeploy.execute.apply import begin
 
@@ -82,7 +87,7 @@ def _apply(args: Args, cluster, saved, limit, replacing, purge, lock) -> int:
     try:
         lock.hosts(session)
         started = time.monotonic()
-        planned = make_plan(session, replacing, purge)
+        planned = make_plan(session, addresses[0], purge, addresses[1])
         if saved is not None:
             check_fresh(saved, config_hash(cluster), planned.plan.fingerprints)
         elif not args.json:

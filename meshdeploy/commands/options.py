@@ -52,6 +52,13 @@ def purge(p: argparse.ArgumentParser, who: str) -> None:
                         "packages always stay")
 
 
+def target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-target", "--target", action="append", metavar="ADDRESS",
+                   help="plan and apply only this resource and what it needs (repeatable; "
+                        "Terraform's spelling, for exceptional runs: -target=network.allowlist, "
+                        "-target=node2/models.gguf[gemma]); the rest is left as it is")
+
+
 def replace(p: argparse.ArgumentParser) -> None:
     p.add_argument("-replace", "--replace", action="append", metavar="ADDRESS",
                    help="replace this resource even if it matches (repeatable; Terraform's "

@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.limit(p)
     options.host_keys(p)
     options.replace(p)
+    options.target(p)
     options.purge(p, "hosts that left the file")
 
 
@@ -39,6 +40,7 @@ class Args(options.Arguments):
     limit: list[str] | None
     accept_new_host_keys: bool
     replace: list[str] | None
+    target: list[str] | None
     purge: bool
 
 
@@ -53,7 +55,7 @@ def run(args: Args) -> int:
     departed = state.departed(cluster, args.purge)
     session = common.open_session(cluster, args.limit, args.accept_new_host_keys, departed)
     try:
-        planned = make_plan(session, args.replace or (), args.purge)
+        planned = make_plan(session, args.replace or (), args.purge, args.target or ())
     finally:
         session.close()
     p = planned.plan

@@ -200,6 +200,7 @@ class Plan:
     remote_commands: dict[str, int] = field(default_factory=dict)  # host -> commands to plan
     seconds: float | None = None  # how long planning took
     replace: list[str] = field(default_factory=list)  # -replace addresses; apply FILE keeps them
+    target: list[str] = field(default_factory=list)  # -target addresses; apply FILE keeps them
     # What hosts that leave keep without --purge: "node3: models gemma (253.1 MB)".
     kept: list[str] = field(default_factory=list)
     purge: bool = False  # builds, models and caches of departing hosts are removed too
@@ -297,8 +298,8 @@ _PLAN_FIELDS = {
 }
 # Typed fields read by _typed, against Plan's own annotations.
 _TYPED_PLAN_FIELDS = ("commit", "commit_source", "limit", "placement", "network", "transfers",
-                      "access",
-                      "remote_commands", "seconds", "replace", "kept", "purge", "local_host")
+                      "access", "remote_commands", "seconds", "replace", "target", "kept",
+                      "purge", "local_host")
 _REQUIRED_PLAN = ("cluster_name", "cluster_path", "config_hash", "fingerprints", "changes")
 _REQUIRED_CHANGE = ("host", "role", "resource", "action")
 _REQUIRED_ATTR = ("name",)

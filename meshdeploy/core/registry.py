@@ -113,6 +113,10 @@ class Resource:
     # none is registered, in its place). For a resource that only needs what those roles'
     # predecessors made, and that their steps need.
     runs_before: tuple[str, ...] = ()
+    # What `-target` brings along with it (engine.targets): these resources (qualified names,
+    # each earlier in apply order) on its host, on every host when cluster_wide; None: every
+    # resource before it on every host, for one whose plan reads what any of them did.
+    needs: tuple[str, ...] | None = None
     role: str = ""  # filled by Role
 
     @property

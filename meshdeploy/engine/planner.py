@@ -22,6 +22,7 @@ from meshdeploy.core import registry
 from meshdeploy.core.context import HostContext, Resolved, Steps
 from meshdeploy.core.plan import HostAccess, Plan, TransferRow, hash_files, utc_now
 from meshdeploy.engine import speeds as speed_store
+from meshdeploy.engine import targets as targeting
 from meshdeploy.errors import ConnectError, PlanError
 from meshdeploy.remote.session import Session, SudoPasswordRequired
 
@@ -155,9 +156,14 @@ class Planned:
     teardown: dict = field(default_factory=dict)
     leaving: tuple[str, ...] = ()  # hosts whose resources all answer "leaves the cluster"
     destroyed: set = field(default_factory=set)  # apply: (host, role) whose destroy ran
+    # -target: the (host, slot) pairs planned and applied (engine.targets); None: all of them.
+    targeted: frozenset | None = None
 
     def destroyed_hosts(self, candidates) -> set[str]:
-        """Those of `candidates` (host names) every planned destroy step of which ran."""
+        """Those of `candidates` (host names) every planned destroy step of which ran (none
+        under -target, which plans no destroy)."""
+        if self.targeted is not None:
+            return set()
         return {h for h in candidates if all((h, r) in self.destroyed
                                              for hh, r in self.teardown if hh == h)}
 
@@ -183,11 +189,13 @@ def check_replace(cluster: Cluster, addresses) -> tuple[str, ...]:
     return tuple(addresses)
 
 
-def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
-    """The plan of the file's hosts, and the destroy of the session's departed hosts."""
+def make_plan(session: Session, replacing=(), purge: bool = False, targets=()) -> Planned:
+    """The plan of the file's hosts, and the destroy of the session's departed hosts; with
+    -target addresses, of those resources and what they need only (engine.targets)."""
     cluster = session.cluster
     hosts = session.hosts()
     replacing = check_replace(cluster, replacing)
+    targets = targeting.check(cluster, targets)
     departed = list(session.departed)
     facts = gather(session, hosts + departed, {h.name for h in departed})
     prepared = prepare(cluster, hosts, facts, header_cache=control_cache("gguf-headers"),
@@ -199,11 +207,15 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
                 role.preflight(HostContext(cluster, h, facts[h.name], resolved))
     checked = registry.checks(registry.Check(cluster, hosts, facts, resolved,
                                              tuple(session.limit or ())))
-    steps = evaluate(cluster, hosts, facts, resolved)
+    targeted = targeting.closure(cluster, hosts, targets)
+    steps = evaluate(cluster, hosts, facts, resolved, targeted)
     warnings = session.warnings() + list(prepared.warnings) + checked
     changes = [steps.on(h.name)[slot.name].change for slot in registry.slots(cluster)
-               for h in hosts]
-    torn, kept = teardown(cluster, departed, facts, resolved, purge)
+               for h in hosts if slot.name in steps.on(h.name)]
+    torn, kept = teardown(cluster, departed if targeted is None else [], facts, resolved, purge)
+    if targeted is not None:
+        every = len(registry.slots(cluster)) * len(hosts)
+        warnings.append(targeting.warning(targets, len(changes), every - len(changes)))
     changes += [s.change for host_steps in torn.values() for s in host_steps]
     plan = Plan(cluster_name=cluster.name, cluster_path=str(cluster.path),
                 config_hash=config_hash(cluster),
@@ -217,8 +229,8 @@ def make_plan(session: Session, replacing=(), purge: bool = False) -> Planned:
                 transfers=transfer_rows([h.name for h in hosts], steps),
                 access=host_access(hosts, prepared.access),
                 replace=list(replacing), kept=kept, purge=purge,
-                local_host=_local_host(hosts + departed))
-    return Planned(plan, resolved, facts, steps, torn)
+                local_host=_local_host(hosts + departed), target=list(targets))
+    return Planned(plan, resolved, facts, steps, torn, targeted=targeted)
 
 
 def transfer_rows(hosts: list[str], steps: Steps) -> list[TransferRow]:
@@ -314,12 +326,15 @@ def config_hash(cluster: Cluster) -> str:
     return hash_files(inputs)
 
 
-def evaluate(cluster, hosts, facts, resolved) -> Steps:
-    """Slot-major: every host's slot N before any host's slot N+1, as apply runs them."""
+def evaluate(cluster, hosts, facts, resolved, targeted=None) -> Steps:
+    """Slot-major: every host's slot N before any host's slot N+1, as apply runs them; with
+    `targeted` (engine.targets.closure), only its (host, slot) pairs."""
     steps = Steps()
     first = hosts[0].name if hosts else None
     for slot in registry.slots(cluster):
         for h in hosts:
+            if targeted is not None and (h.name, slot.name) not in targeted:
+                continue
             ctx = HostContext(cluster, h, facts[h.name], resolved, steps, first=h.name == first,
                               cluster_facts=facts)
             steps.add(h.name, slot.name, slot.resource.plan(ctx, slot.key))

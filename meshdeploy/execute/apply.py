@@ -40,6 +40,7 @@ class Run:
         self.leaving = set(planned.leaving) | {h.name for h in session.departed}
         self.destroyed = planned.destroyed  # (host, role) whose destroy ran, filled as they end
         self.interrupts: Interrupts | None = None  # Ctrl-C while the operations run
+        self.targeted = planned.targeted  # -target: the (host, slot) pairs to run; None: all
 
     def stopping(self) -> bool:
         """Ctrl-C came: no further step starts (the ones in flight finish or are stopped)."""
@@ -50,6 +51,9 @@ class Run:
         if host_name in self.leaving:
             return Step(Change(host_name, resource.role, slot.partition(".")[2], "no-op",
                                reason="leaves the cluster"))
+        if self.targeted is not None and (host_name, slot) not in self.targeted:
+            return Step(Change(host_name, resource.role, slot.partition(".")[2], "no-op",
+                               reason="not targeted (-target)"))
         try:
             self._reread(host_name, resource)
             host = self.cluster.host(host_name)

@@ -52,7 +52,10 @@ def _has_user(name: str) -> bool:
         return False
 
 
-def _relay(lab: str, run_dir: Path, name: str, lab_port: int, local_port: int, marker: str):
+def _relay(lab: str, run_dir: Path, name: str, lab_port: int, local_port: int, marker: str,
+           bind: str = BRIDGE_ADDRESS):
+    """Inside the namespace `lab`, `bind`:`lab_port` reaches 127.0.0.1:`local_port` here,
+    through a UNIX socket in `run_dir` (no route between the two is needed)."""
     sock = run_dir / f"{name}.sock"
     if len(str(sock)) > 100:
         raise LabError(f"lab state dir path too long for a UNIX socket: {sock}; use a shorter one")
@@ -69,7 +72,7 @@ def _relay(lab: str, run_dir: Path, name: str, lab_port: int, local_port: int, m
     if not procs.running(run_dir, f"{name}-lab", marker):
         procs.spawn(
             ["ip", "netns", "exec", lab, "socat",
-             f"TCP-LISTEN:{lab_port},bind={BRIDGE_ADDRESS},fork,reuseaddr",
+             f"TCP-LISTEN:{lab_port},bind={bind},fork,reuseaddr",
              f"UNIX-CONNECT:{sock}"],
             run_dir, f"{name}-lab", marker,
         )
@@ -95,7 +98,10 @@ def _service(run_dir: Path, name: str, marker: str, argv_for_port,
     return port
 
 
-def start_proxy(lab: str, run_dir: Path, marker: str) -> str:
+def start_proxy(lab: str, run_dir: Path, marker: str, bind: str = BRIDGE_ADDRESS,
+                advertise: str = BRIDGE_ADDRESS) -> str:
+    """An apt proxy (tinyproxy) here, reached from the namespace `lab` on `bind`:3142; its URL
+    as the namespace's hosts dial it, on `advertise`."""
     if shutil.which("tinyproxy") is None:
         raise LabError("tinyproxy is missing: install tinyproxy (Debian package)")
     conf = run_dir / "tinyproxy.conf"
@@ -105,8 +111,8 @@ def start_proxy(lab: str, run_dir: Path, marker: str) -> str:
         return ["tinyproxy", "-d", "-c", str(conf)]
 
     port = _service(run_dir, "proxy", marker, argv)
-    _relay(lab, run_dir, "proxy", PROXY_PORT, port, marker)
-    return f"http://{BRIDGE_ADDRESS}:{PROXY_PORT}"
+    _relay(lab, run_dir, "proxy", PROXY_PORT, port, marker, bind)
+    return f"http://{advertise}:{PROXY_PORT}"
 
 
 def start_git(lab: str, run_dir: Path, marker: str, cache: Path) -> dict:

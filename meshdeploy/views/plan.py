@@ -344,6 +344,7 @@ def render_json(plan: Plan) -> str:
         "commit": plan.commit,
         "commit_source": plan.commit_source,
         "limit": list(plan.limit),
+        "target": list(plan.target),
         "remote_commands": dict(plan.remote_commands),
         "seconds": plan.seconds,
         "kept": list(plan.kept),

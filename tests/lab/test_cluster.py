@@ -279,6 +279,35 @@ def test_a_host_without_nftables_gets_it_and_its_table(converged, cluster_file, 
     assert meshdeploy("plan", cluster_file, "--detailed-exitcode").returncode == 0
 
 
+def test_target_applies_the_allowlist_and_leaves_the_rest(converged, cluster_file, lab):
+    """Two drifts on node3 (its table deleted, its rpc-server stopped): -target applies the
+    allow-list and what it needs only; the next whole plan still shows the server, and says
+    nothing of the table."""
+    lab.run("node3", "sudo nft delete table inet meshdeploy", check=True)
+    lab.run("node3", "sudo systemctl stop meshdeploy-rpc-50052", check=True)
+    try:
+        part = meshdeploy("plan", cluster_file, "--json", "-target=node3/network.allowlist")
+        assert part.returncode == 0, part.stderr
+        planned = json.loads(part.stdout)
+        assert [c["address"] for c in planned["changes"] if c["action"] != "no-op"] == [
+            "node3/network.allowlist"]
+        assert {c["host"] for c in planned["changes"]} == {"node3"}
+        assert any(w.startswith("-target=node3/network.allowlist: 2 of ")
+                   for w in planned["warnings"])
+        done = meshdeploy("apply", cluster_file, "--auto-approve",
+                          "-target=node3/network.allowlist")
+        assert done.returncode == 0, done.stderr
+        assert lab.run("node3", "sudo nft list table inet meshdeploy").returncode == 0
+        assert lab.run("node3", "systemctl is-active meshdeploy-rpc-50052").stdout.strip() \
+            != "active"
+        rest = json.loads(meshdeploy("plan", cluster_file, "--json").stdout)["changes"]
+        assert [c["address"] for c in rest if c["action"] != "no-op"] == [
+            "node3/services.rpc_server[50052]"]
+    finally:
+        fixed = meshdeploy("apply", cluster_file, "--auto-approve")
+        assert fixed.returncode == 0, fixed.stderr
+
+
 def test_saved_plan_refuses_drift(converged, cluster_file, tmp_path, lab):
     planfile = tmp_path / "cluster.plan"
     proc = meshdeploy("plan", cluster_file, "-out", planfile)

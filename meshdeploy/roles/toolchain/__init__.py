@@ -11,8 +11,9 @@ ROLE = Role(
     destroy=ops.destroy,
     resources=(
         Resource("apt_proxy", lambda ctx, key: ops.apt_proxy(ctx),
-                 "the apt proxy from the cluster file, or none"),
+                 "the apt proxy from the cluster file, or none", needs=()),
         Resource("packages", lambda ctx, key: ops.packages(ctx),
-                 "the packages that build llama.cpp and md-rpc-seed"),
+                 "the packages that build llama.cpp and md-rpc-seed",
+                 needs=("toolchain.apt_proxy",)),
     ),
 )

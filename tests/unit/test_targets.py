@@ -1,0 +1,128 @@
+"""-target=ADDRESS (engine.targets): which resources a targeted run plans and applies, the
+addresses it refuses, and a plan that says it is partial and destroys nothing."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import registry
+from meshdeploy.core.plan import Plan
+from meshdeploy.engine import planner as engine
+from meshdeploy.engine import targets
+from meshdeploy.errors import PlanError
+
+LAB = Path(__file__).resolve().parents[2] / "inventories" / "lab.yaml"
+DEBIAN = {"kernel": "Linux", "machine": "x86_64", "distro": "debian", "version": "12",
+          "tools": ["apt-get"], "termux": False}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return load_cluster(LAB)
+
+
+def test_a_resource_that_declares_its_needs_brings_only_those(cluster):
+    got = targets.closure(cluster, cluster.hosts, ["network.allowlist"])
+    assert got == {(h, s) for h in ("node1", "node2", "node3")
+                   for s in ("network.allowlist", "toolchain.apt_proxy")}
+    one = targets.closure(cluster, cluster.hosts, ["node2/toolchain.packages"])
+    assert one == {("node2", "toolchain.packages"), ("node2", "toolchain.apt_proxy")}
+
+
+def test_a_resource_without_declared_needs_brings_everything_before_it_on_every_host(cluster):
+    slots = [s.name for s in registry.slots(cluster, apply=True)]
+    got = targets.closure(cluster, cluster.hosts, ["node2/llama_cpp.build"])
+    before = slots[:slots.index("llama_cpp.build")]
+    assert got == {("node2", "llama_cpp.build")} | {(h.name, s) for s in before
+                                                     for h in cluster.hosts}
+    assert ("node1", "llama_cpp.build") not in got  # itself only where targeted
+
+
+def test_a_keyed_slot_or_its_resource_can_be_named(cluster):
+    slots = registry.slots(cluster, apply=True)
+    keyed = next(s for s in slots if s.key is not None and s.resource.qualified == "models.gguf")
+    by_slot = targets.closure(cluster, cluster.hosts, [f"node1/{keyed.name}"])
+    by_resource = targets.closure(cluster, cluster.hosts, ["node1/models.gguf"])
+    assert ("node1", keyed.name) in by_slot and by_slot <= by_resource
+
+
+def test_no_address_is_everything(cluster):
+    assert targets.closure(cluster, cluster.hosts, ()) is None
+
+
+@pytest.mark.parametrize("address", ["network.allowlst", "node9/network.allowlist",
+                                     "node2/models.gguf[nothing]", "network"])
+def test_an_address_that_names_nothing_is_one_error(cluster, address):
+    said = re.escape(f"-target={address}: no such resource address")
+    with pytest.raises(PlanError, match=said) as e:
+        targets.check(cluster, [address])
+    assert "-target=network.allowlist" in e.value.hint
+
+
+def test_every_declared_need_is_a_resource_that_comes_earlier():
+    order = [r.qualified for r in registry.resources()]
+    for r in registry.resources():
+        for need in r.needs or ():
+            assert need in order[:order.index(r.qualified)], (r.qualified, need)
+
+
+@pytest.fixture
+def planner(monkeypatch, tmp_path):
+    """engine.make_plan with the toolchain and network roles only and the probe replaced by
+    the facts given: hosts without nftables, apt-get and no proxy."""
+    (tmp_path / "lab.yaml").write_text(LAB.read_text())
+    cluster = load_cluster(tmp_path / "lab.yaml")
+    roles = tuple(registry.role(name) for name in ("toolchain", "network"))
+    monkeypatch.setattr(registry, "roles", lambda: roles)
+
+    def make(targeted=(), departed=()):
+        facts = {h.name: {"toolchain.Platform": DEBIAN, "toolchain.DebPackages": {},
+                          "network.Tools": []} for h in cluster.hosts}
+        monkeypatch.setattr(engine, "gather", lambda session, hosts, destroying=(): facts)
+        session = SimpleNamespace(cluster=cluster, hosts=lambda: list(cluster.hosts),
+                                  departed=list(departed), limit=None, warnings=lambda: [],
+                                  read_remote=None)
+        return engine.make_plan(session, targets=targeted)
+
+    return make
+
+
+def test_a_targeted_plan_holds_those_changes_only_and_says_it_is_partial(planner):
+    whole = planner()
+    part = planner(["node2/network.allowlist"])
+    assert {c.address for c in part.plan.changes} == {
+        "node2/network.allowlist", "node2/toolchain.apt_proxy"}
+    assert len(whole.plan.changes) > len(part.plan.changes)
+    (said,) = [w for w in part.plan.warnings if w.startswith("-target=")]
+    assert said.startswith(f"-target=node2/network.allowlist: 2 of {len(whole.plan.changes)} ")
+    assert part.plan.target == ["node2/network.allowlist"]
+    again = Plan.from_dict(part.plan.to_dict())
+    assert again.target == ["node2/network.allowlist"]  # apply PLANFILE keeps it
+    assert not any(w.startswith("-target=") for w in whole.plan.warnings)
+
+
+def test_a_targeted_run_destroys_no_departed_host(planner):
+    part = planner(["network.allowlist"])
+    assert part.teardown == {} and part.destroyed_hosts(["gone"]) == set()
+
+
+def test_apply_runs_no_step_outside_the_target(planner):
+    """apply evaluates every slot again inside its pyinfra operation: one outside the target
+    answers no-op there, before anything is read or run on the host; a targeted one plans."""
+    from meshdeploy.execute.apply import Run
+
+    planned = planner(["node2/network.allowlist"])
+    cluster = load_cluster(LAB)
+    session = SimpleNamespace(cluster=cluster, hosts=lambda: list(cluster.hosts), departed=[],
+                              state=SimpleNamespace(failed_hosts=()))
+    run = Run(session, planned, progress=None)
+    allowlist = registry.resource("network.allowlist")
+    left_out = run.step("node1", allowlist, None)
+    assert left_out.noop and left_out.change.reason == "not targeted (-target)"
+    targeted = run.step("node2", allowlist, None)
+    assert targeted.change.action == "create" and targeted.commands
