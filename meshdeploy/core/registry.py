@@ -81,7 +81,8 @@ class Check:
 
 @dataclass(frozen=True)
 class Resource:
-    """One kind of thing a role manages on every host (one pyinfra operation per instance).
+    """One kind of thing a role manages on every host (one pyinfra operation; a keyed one's
+    instances in one operation too, each host running its own: execute.apply).
 
     plan(ctx, key) -> Step is evaluated by `plan` from the probe's facts and again by `apply`
     at execution time, when earlier steps have run.

@@ -41,6 +41,8 @@ class Run:
         self.destroyed = planned.destroyed  # (host, role) whose destroy ran, filled as they end
         self.interrupts: Interrupts | None = None  # Ctrl-C while the operations run
         self.targeted = planned.targeted  # -target: the (host, slot) pairs to run; None: all
+        self.last_begun: dict[str, str] = {}  # host -> the slot that began there last
+        self.failed_as: dict[tuple[str, str], str] = {}  # (host, operation) -> failed slot
 
     def stopping(self) -> bool:
         """Ctrl-C came: no further step starts (the ones in flight finish or are stopped)."""
@@ -78,8 +80,35 @@ class Run:
 
     def begin(self, host_name: str, slot: str) -> None:
         self.started[(host_name, slot)] = time.monotonic()
+        self.last_begun[host_name] = slot
         if self.reporter is not None:
             self.reporter.begin(host_name, slot)
+
+    def finish(self, host_name: str, slot: str, status: str) -> None:
+        """A step ended: its summary row (a no-op that never began has none)."""
+        started = self.started.pop((host_name, slot), None)
+        if self.reporter is not None:
+            self.reporter.end(host_name, slot)
+        if started is None and status == "ok":
+            return  # a no-op: the summary lists only what ran
+        seconds = time.monotonic() - started if started else 0.0
+        self.results.append({"host": host_name, "step": slot, "status": status,
+                             "detail": f"{seconds:.1f} s"})
+        if self.progress:
+            self.progress(f"  {host_name:<12} {slot:<32} {status} ({seconds:.1f} s)")
+
+    def instance(self, host_name: str, name: str) -> str:
+        """The slot an operation named `name` was running on the host when it failed: for a
+        keyed resource's operation (`models.gguf`) the instance begun there and not finished
+        (`models.gguf[gemma]`), or the one whose plan failed."""
+        slot = self.last_begun.get(host_name, "")
+        if slot.startswith(f"{name}[") and (host_name, slot) in self.started:
+            return slot
+        failure = self.failure or {}
+        if failure.get("host") == host_name and str(failure.get("step", "")).startswith(
+                f"{name}["):
+            return failure["step"]
+        return name
 
     def _run(self, host_name: str, command: str) -> tuple[bool, list[str]]:
         ok, output = self.session.run(host_name, command, sudo=False)
@@ -146,12 +175,14 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
     state.add_callback_handler(Progress())
     state.set_stage(StateStage.Prepare)
     metas = {}
-    for slot in registry.slots(cluster, apply=True) if slots else []:
-        kwargs = {"name": slot.name}
-        if slot.resource.serial is not None and slot.resource.serial(cluster):
-            kwargs["_serial"] = True
-        metas[slot.name] = add_op(state, operations.operation_for(slot.resource), slot.key,
-                                  **kwargs)
+    for resource, keys in _operations(cluster) if slots else []:
+        kwargs = {"_serial": True} if resource.serial and resource.serial(cluster) else {}
+        if keys is None:
+            metas[resource.qualified] = add_op(state, operations.operation_for(resource),
+                                               name=resource.qualified, **kwargs)
+        else:
+            metas[resource.qualified] = add_op(state, operations.keyed_operation_for(resource),
+                                               keys=keys, name=resource.qualified, **kwargs)
     for role in reversed(registry.roles()):
         if role.destroy is not None and any(r == role.name for _, r in planned.teardown):
             metas[f"{role.name}.destroy"] = add_op(state, operations.teardown_for(role.name),
@@ -175,6 +206,7 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
             raise err
         parts = []
         for host_name, slot, meta in failed:  # every host's failure: one may explain another
+            slot = run.failed_as.get((host_name, slot), slot)
             lines = [line for line in _stderr(meta) if line.strip()][-25:]
             detail = "\n".join("    " + line for line in lines) or (
                 "    (no output: the SSH connection to it was lost; is the host up?)"
@@ -184,6 +216,21 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
                          hint="fix the cause shown above, then run apply again: finished steps "
                               "are not repeated")
     return run.results
+
+
+def _operations(cluster) -> list[tuple[registry.Resource, tuple | None]]:
+    """The pyinfra operations apply adds, in order: (resource, None) for a resource with one
+    instance per host, (resource, its keys) for a keyed one, all of whose instances are one
+    operation (operations.keyed_operation_for)."""
+    out: list[tuple[registry.Resource, tuple | None]] = []
+    for slot in registry.slots(cluster, apply=True):
+        if slot.resource.keys is None:
+            out.append((slot.resource, None))
+        elif out and out[-1][0] is slot.resource:
+            out[-1] = (slot.resource, out[-1][1] + (slot.key,))
+        else:
+            out.append((slot.resource, (slot.key,)))
+    return out
 
 
 def _failed(metas):
@@ -207,14 +254,9 @@ def _stderr(meta) -> list[str]:
 
 def _record(run: Run, state, host, op_hash, status):
     names = state.get_op_meta(op_hash).names
-    slot = next(iter(names)) if names else op_hash
-    started = run.started.pop((host.name, slot), None)
-    if run.reporter is not None:
-        run.reporter.end(host.name, slot)
-    if started is None and status == "ok":
-        return  # a no-op: the summary lists only what ran
-    seconds = time.monotonic() - started if started else 0.0
-    row = {"host": host.name, "step": slot, "status": status, "detail": f"{seconds:.1f} s"}
-    run.results.append(row)
-    if run.progress:
-        run.progress(f"  {host.name:<12} {slot:<32} {status} ({seconds:.1f} s)")
+    name = next(iter(names)) if names else op_hash
+    if status == "ok" and (host.name, name) not in run.started:
+        return  # a no-op, or a keyed operation whose instances each recorded their end
+    if status != "ok":
+        run.failed_as[(host.name, name)] = name = run.instance(host.name, name)
+    run.finish(host.name, name, status)

@@ -61,6 +61,37 @@ def operation_for(resource):
 
 
 @cache
+def keyed_operation_for(resource):
+    """Every instance of a keyed resource (`models.gguf[gemma]`, `services.llama_server[main]`)
+    as one operation of `meshdeploy apply`: each host runs its own instances in the file's order
+    while the other hosts run theirs. One operation per instance kept a host waiting for another
+    host's instance of another key: three servers on three hosts waited for health in turn."""
+    from pyinfra import host
+    from pyinfra.api import operation
+
+    def body(keys=()):
+        ran = False
+        for key in keys:
+            if _active.stopping():
+                host.noop("not started: apply interrupted")
+                return
+            step = _active.step(host.name, resource, key)
+            if step.noop:
+                continue
+            ran = True
+            _active.begin(host.name, resource.slot(key))
+            yield from commands(step)
+            _active.finish(host.name, resource.slot(key), "ok")
+        if not ran:
+            host.noop("nothing to do")
+
+    body.__name__ = body.__qualname__ = resource.name
+    body.__module__ = f"meshdeploy.roles.{resource.role}"
+    body.__doc__ = f"{resource.qualified}: {resource.doc}"
+    return operation(is_idempotent=True)(body)
+
+
+@cache
 def teardown_for(role: str):
     """`<role>.destroy` as a pyinfra operation: the role's planned destroy steps on a host that
     leaves the cluster, a no-op on the others."""
