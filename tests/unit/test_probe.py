@@ -48,6 +48,57 @@ def test_probe_splits_sections_and_decodes_each():
     assert facts["llama_cpp.Builds"] == {"current": None, "builds": {}}
 
 
+def test_a_missing_marker_loses_its_section_only_and_no_marker_goes_back():
+    sections = [probe.Section("toolchain.Platform", Platform),
+                probe.Section("models.ModelFile[m]", ModelFile, {"path": "/m.gguf"}),
+                probe.Section("llama_cpp.Builds", Builds,
+                              {"builds_dir": "/b", "current_link": "/c"})]
+    lines = [probe.marker("n", 0), "Linux", probe.marker("n", 2), "== k",
+             probe.marker("n", 1),  # after section 2 began: a line of it, not a section
+             probe.marker("other", 2), "@@meshdeploy-section n 02"]  # no nonce, not exact
+    raw = probe.split(lines, sections, "n")
+    assert list(raw) == ["toolchain.Platform", "llama_cpp.Builds"]
+    assert raw["llama_cpp.Builds"] == ["== k", probe.marker("n", 1), probe.marker("other", 2),
+                                       "@@meshdeploy-section n 02"]
+
+
+class RootOnly:
+    """A privileged fact: what only root reads."""
+
+    def command(self, name):
+        return f"echo {name}"
+
+    def process(self, output):
+        return list(output)
+
+    @staticmethod
+    def default():
+        return None
+
+
+def test_consecutive_privileged_sections_share_one_sudo_and_a_refused_one_loses_only_them(
+        tmp_path):
+    sections = [probe.Section("toolchain.Platform", Platform),
+                probe.Section("a", RootOnly, {"name": "a"}, privileged=True),
+                probe.Section("b", RootOnly, {"name": "b"}, privileged=True),
+                probe.Section("models.ModelFile[m]", ModelFile, {"path": str(tmp_path / "m")})]
+    (tmp_path / "m").write_bytes(b"GGUF" + bytes(60))
+    script = probe.compose(sections, "n", sudo=True)
+    assert script.count("sudo -n") == 1
+    for body, root in (('exec "$@"', {"a": ["a"], "b": ["b"]}),
+                       ('echo "sudo: a password is required" >&2; exit 1', {"a": None, "b": None})):
+        stub = tmp_path / "bin" / "sudo"
+        stub.parent.mkdir(exist_ok=True)
+        stub.write_text(f'#!/bin/sh\n[ "$1" = -n ] && shift\n{body}\n')
+        stub.chmod(0o755)
+        out = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True,
+                             env={"PATH": f"{stub.parent}:/usr/bin:/bin"}, timeout=20)
+        facts = probe.decode(sections, probe.split(out.stdout.splitlines(), sections, "n"))
+        assert {k: facts[k] for k in "ab"} == root
+        assert facts["toolchain.Platform"]["kernel"] == "Linux"
+        assert facts["models.ModelFile[m]"]["size"] == 64  # the section after them decodes
+
+
 def test_composed_script_runs_under_sh_and_decodes(tmp_path):
     prefix = tmp_path / "opt meshdeploy"  # a space: every path must reach the shell quoted
     model = prefix / "models" / "gemma" / "gemma-3-270m-q4_k_m.gguf"

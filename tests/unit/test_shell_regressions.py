@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import plistlib
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -184,12 +185,23 @@ def test_probe_runs_unprivileged_except_privileged_sections(lab):
     # left is found under any transport (its folder is root's).
     assert sorted(privileged) == ["network.Allowlist", "network.SshKey", "network.WireGuard",
                                   "rpc_cache.CacheDir[50052]"]
-    blocks = script.split("printf '%s\\n' ")[1:]
-    by_key = dict(zip([s.key for s in sections], blocks))
-    assert by_key["probe.SudoCheck"].count("sudo -n true") == 1
-    for key, block in by_key.items():
-        wrapped = "sudo -n sh -c " in block
-        assert wrapped == (key in privileged), key
+    assert script.count("sudo -n true") == 1  # probe.SudoCheck
+    # Each root shell's script (the word after `sudo -n sh -c`) holds the markers of the
+    # privileged sections, and only theirs; consecutive ones share one sudo.
+    as_root, outside, rest = [], script, script
+    while "sudo -n sh -c " in rest:
+        rest = rest.split("sudo -n sh -c ", 1)[1]
+        lexer = shlex.shlex(rest, posix=True)
+        lexer.whitespace_split = True
+        inner = lexer.get_token()
+        as_root.append(inner)
+        outside = outside.replace(shlex.quote(inner), "")
+    marked = {s.key: f"@@meshdeploy-section n {i}" for i, s in enumerate(sections)}
+    for key, mark in marked.items():
+        inside = any(re.search(re.escape(mark) + r"(?![0-9])", r) for r in as_root)
+        assert inside == (key in privileged), key
+        assert bool(re.search(re.escape(mark) + r"(?![0-9])", outside)) != inside, key
+    assert len(as_root) < len(privileged)  # rpc_cache.CacheDir and network's three: two sudos
     # Without ssh.sudo nothing is wrapped (and no sudo check is made).
     plain = dataclasses.replace(host, ssh=dataclasses.replace(host.ssh, sudo=False))
     _, script = probe_command(cluster, plain, False, "n")
