@@ -441,6 +441,40 @@ def test_units_fact_parses_runit_output():
     assert got["meshdeploy-rpc-50052"]["started"] == 1700000100
 
 
+def test_systemd_units_are_read_with_one_systemctl_call(tmp_path):
+    """systemd --user (and the system's, the same script): every unit's state from one
+    `systemctl show`, its start time in epoch seconds from the host's date, each file's text."""
+    units = tmp_path / "units"
+    units.mkdir()
+    (units / "meshdeploy-rpc-50052.service").write_text("[Service]\nExecStart=/x rpc\n")
+    (units / "meshdeploy-server-main.service").write_text("[Service]\nExecStart=/x server\n")
+    (units / "other.service").write_text("[Service]\n")  # not meshdeploy's
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\n'
+        "printf '%s\\n' Id=meshdeploy-rpc-50052.service ActiveState=active "
+        "UnitFileState=enabled 'ExecMainStartTimestamp=Thu 2023-11-14 22:13:20 UTC' '' "
+        "Id=meshdeploy-server-main.service ActiveState=inactive UnitFileState=disabled "
+        "ExecMainStartTimestamp=\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    out = subprocess.run(["sh", "-c", Units().command(str(units), SYSTEMD_USER)],
+                         capture_output=True, text=True, timeout=20,
+                         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    got = Units().process(out.stdout.splitlines())
+    assert calls.read_text().splitlines() == [
+        "--user show -p Id -p ActiveState -p UnitFileState -p ExecMainStartTimestamp "
+        "meshdeploy-rpc-50052.service meshdeploy-server-main.service"]
+    rpc, server = got["meshdeploy-rpc-50052"], got["meshdeploy-server-main"]
+    assert (rpc["active"], rpc["enabled"], rpc["started"]) == ("active", "enabled", 1700000000)
+    assert (server["active"], server["enabled"], server["started"]) == (
+        "inactive", "disabled", None)
+    assert rpc["content"] == "[Service]\nExecStart=/x rpc\n"
+    assert rpc["written"] == int((units / "meshdeploy-rpc-50052.service").stat().st_mtime)
+    assert set(got) == {"meshdeploy-rpc-50052", "meshdeploy-server-main"}
+
+
 # -- status, logs, exec and bench on rootless hosts ---------------------------------------------
 
 def stub_bin(tmp_path, **tools) -> dict:
