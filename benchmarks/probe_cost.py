@@ -21,6 +21,7 @@ def main(path: str, host_name: str, runs: int = 20) -> int:
     from meshdeploy.config.load import load_cluster
     from meshdeploy.core import probe
     from meshdeploy.engine.planner import probe_sections
+    from meshdeploy.remote import ssh_settings
 
     cluster = load_cluster(Path(path))
     host = cluster.host(host_name)
@@ -33,8 +34,9 @@ def main(path: str, host_name: str, runs: int = 20) -> int:
         body.append(f"fn{n}() {{\n{script}\n}}")
         body.append(f"s=$(date +%s%N); i=0; while [ $i -lt {runs} ]; do fn{n} >/dev/null 2>&1; "
                     f"i=$((i+1)); done; echo @@part {n} $(( $(date +%s%N) - s )); times")
-    ssh = ["ssh", "-F", host.ssh.config, f"{host.ssh.user}@{host.address}"] if host.ssh.config \
-        else ["ssh", f"{host.ssh.user}@{host.address}"]
+    target = ssh_settings.resolve(host).target  # the name its ssh_config knows it by
+    ssh = ["ssh", "-o", "BatchMode=yes", *(["-F", host.ssh.config] if host.ssh.config else []),
+           *(["-l", host.ssh.user] if host.ssh.user else []), target]
     done = subprocess.run([*ssh, "sh -s"], input="\n".join(body) + "\n", capture_output=True,
                           text=True, timeout=600)
     if done.returncode != 0:
