@@ -81,8 +81,8 @@ class Check:
 
 @dataclass(frozen=True)
 class Resource:
-    """One kind of thing a role manages on every host (one pyinfra operation; a keyed one's
-    instances in one operation too, each host running its own: execute.apply).
+    """One kind of thing a role manages on every host (one pyinfra operation per instance, or
+    one for all its instances: `together`).
 
     plan(ctx, key) -> Step is evaluated by `plan` from the probe's facts and again by `apply`
     at execution time, when earlier steps have run.
@@ -114,9 +114,16 @@ class Resource:
     # none is registered, in its place). For a resource that only needs what those roles'
     # predecessors made, and that their steps need.
     runs_before: tuple[str, ...] = ()
+    # A keyed resource whose instances never wait on another host's instance of it (a server's
+    # health, an rpc-server's port): apply runs all its instances as one operation, each host
+    # its own while the others run theirs. Not for one whose instance serves the same instance
+    # elsewhere (models.gguf: a host copies model M from the host that fetches M in its own
+    # models.gguf[M]; one operation per instance starts them together).
+    together: bool = False
     # What `-target` brings along with it (engine.targets): these resources (qualified names,
     # each earlier in apply order) on its host, on every host when cluster_wide; None: every
-    # resource before it on every host, for one whose plan reads what any of them did.
+    # resource before it and itself on every host, for one whose plan reads what any of them did
+    # or that uses the same instance on another host (a copy).
     needs: tuple[str, ...] | None = None
     role: str = ""  # filled by Role
 

@@ -195,7 +195,7 @@ def make_plan(session: Session, replacing=(), purge: bool = False, targets=()) -
     cluster = session.cluster
     hosts = session.hosts()
     replacing = check_replace(cluster, replacing)
-    targets = targeting.check(cluster, targets)
+    targets = targeting.check(cluster, targets, hosts)
     departed = list(session.departed)
     facts = gather(session, hosts + departed, {h.name for h in departed})
     prepared = prepare(cluster, hosts, facts, header_cache=control_cache("gguf-headers"),

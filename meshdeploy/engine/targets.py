@@ -5,7 +5,8 @@ hosts whose build would take hours, repair one resource): an address names a res
 (`network.allowlist`, `models.gguf[gemma]`) on every host or on one (`node2/network.allowlist`).
 A targeted resource brings what it needs (registry.Resource.needs): the resources it declares,
 on its host (on every host for a cluster-wide one), or, where it declares none, every resource
-before it on every host. What is left out is neither planned nor applied; the plan says so.
+before it and itself on every host. What is left out is neither planned nor applied; the plan
+says so.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ def _matches(name: str, slot: registry.Slot) -> bool:
     return name in (slot.name, slot.resource.qualified)
 
 
-def check(cluster, addresses) -> tuple[str, ...]:
-    """Each address names a resource of this file's slots and, when given, a host of the file:
-    one PlanError naming the first that does not."""
-    hosts = {h.name for h in cluster.hosts}
+def check(cluster, addresses, hosts=None) -> tuple[str, ...]:
+    """Each address names a resource of this file's slots and, when given, a host of the run
+    (`hosts`: the file's, or those --limit leaves): one PlanError naming the first that does
+    not."""
+    hosts = {h.name for h in (cluster.hosts if hosts is None else hosts)}
     slots = registry.slots(cluster, apply=True)
     for address in addresses:
         host, _, name = address.rpartition("/")
@@ -52,7 +54,11 @@ def closure(cluster, hosts, addresses) -> frozenset[tuple[str, str]] | None:
         slot = next(s for s in slots if s.name == slot_name)
         needs = slot.resource.needs
         if needs is None:
-            more = {(h, s.name) for s in slots if order[s.name] < order[slot_name] for h in names}
+            # Every earlier slot, and this one, on every host: an instance may use what the same
+            # instance does elsewhere (a copier's models.gguf[M] fetches from the host whose
+            # models.gguf[M] fetches M and serves it; llama_cpp.copy from its builder's).
+            more = {(h, s.name) for s in slots if order[s.name] <= order[slot_name]
+                    for h in names}
         else:
             on = names if slot.resource.cluster_wide else [host]
             more = {(h, s.name) for s in slots if s.resource.qualified in needs for h in on}

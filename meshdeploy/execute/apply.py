@@ -175,14 +175,14 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
     state.add_callback_handler(Progress())
     state.set_stage(StateStage.Prepare)
     metas = {}
-    for resource, keys in _operations(cluster) if slots else []:
+    for name, resource, key, keys in _operations(cluster) if slots else []:
         kwargs = {"_serial": True} if resource.serial and resource.serial(cluster) else {}
         if keys is None:
-            metas[resource.qualified] = add_op(state, operations.operation_for(resource),
-                                               name=resource.qualified, **kwargs)
+            metas[name] = add_op(state, operations.operation_for(resource), key, name=name,
+                                 **kwargs)
         else:
-            metas[resource.qualified] = add_op(state, operations.keyed_operation_for(resource),
-                                               keys=keys, name=resource.qualified, **kwargs)
+            metas[name] = add_op(state, operations.keyed_operation_for(resource), keys=keys,
+                                 name=name, **kwargs)
     for role in reversed(registry.roles()):
         if role.destroy is not None and any(r == role.name for _, r in planned.teardown):
             metas[f"{role.name}.destroy"] = add_op(state, operations.teardown_for(role.name),
@@ -218,18 +218,20 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
     return run.results
 
 
-def _operations(cluster) -> list[tuple[registry.Resource, tuple | None]]:
-    """The pyinfra operations apply adds, in order: (resource, None) for a resource with one
-    instance per host, (resource, its keys) for a keyed one, all of whose instances are one
-    operation (operations.keyed_operation_for)."""
-    out: list[tuple[registry.Resource, tuple | None]] = []
+def _operations(cluster) -> list[tuple[str, registry.Resource, object, tuple | None]]:
+    """The pyinfra operations apply adds, in order, as (name, resource, key, keys): one per
+    slot (its key; None for a resource with one instance per host), except that the instances
+    of a resource with `Resource.together` are one operation of all its keys
+    (operations.keyed_operation_for: each host runs its own while the others run theirs)."""
+    out: list[tuple[str, registry.Resource, object, tuple | None]] = []
     for slot in registry.slots(cluster, apply=True):
-        if slot.resource.keys is None:
-            out.append((slot.resource, None))
-        elif out and out[-1][0] is slot.resource:
-            out[-1] = (slot.resource, out[-1][1] + (slot.key,))
+        resource = slot.resource
+        if resource.keys is None or not resource.together:
+            out.append((slot.name, resource, slot.key, None))
+        elif out and out[-1][1] is resource:
+            out[-1] = (*out[-1][:3], out[-1][3] + (slot.key,))
         else:
-            out.append((slot.resource, (slot.key,)))
+            out.append((resource.qualified, resource, None, (slot.key,)))
     return out
 
 

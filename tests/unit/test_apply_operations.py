@@ -1,6 +1,6 @@
-"""How apply turns the registry's slots into pyinfra operations: one per resource, a keyed
-resource's instances together (each host runs its own while the others run theirs), and a
-failure inside such an operation named by its instance."""
+"""How apply turns the registry's slots into pyinfra operations: one per instance, a
+`together` resource's instances in one (each host runs its own while the others run theirs),
+and a failure inside such an operation named by its instance."""
 
 from __future__ import annotations
 
@@ -28,20 +28,23 @@ def multi_server(tmp_path) -> Path:
     return path
 
 
-def test_a_keyed_resource_is_one_operation_of_all_its_keys_in_slot_order(tmp_path):
+def test_servers_are_one_operation_of_all_their_keys_and_models_one_per_instance(tmp_path):
     cluster = load_cluster(multi_server(tmp_path))
     ops = applying._operations(cluster)
     slots = registry.slots(cluster, apply=True)
-    # The same resources in the same order as the slots, each once.
-    assert [r.qualified for r, _ in ops] == list(dict.fromkeys(s.resource.qualified
-                                                               for s in slots))
-    by_name = {r.qualified: keys for r, keys in ops}
-    assert by_name["llama_cpp.build"] is None
-    assert set(by_name["models.gguf"]) == {"gemma", "other"}
-    assert set(by_name["services.llama_server"]) == {"main", "second"}
-    for resource, keys in ops:  # every instance is in exactly one operation
-        if keys is not None:
-            assert list(keys) == [s.key for s in slots if s.resource is resource]
+    names = [name for name, _, _, _ in ops]
+    assert len(names) == len(set(names))  # each operation's name once (apply's metas)
+    merged = {name: keys for name, _, _, keys in ops if keys is not None}
+    assert set(merged) == {"services.llama_server", "services.rpc_server"}
+    assert set(merged["services.llama_server"]) == {"main", "second"}
+    # A copier's models.gguf[M] runs with its source's: one operation per model.
+    assert {n for n in names if n.startswith("models.gguf")} == {"models.gguf[gemma]",
+                                                                  "models.gguf[other]"}
+    assert "llama_cpp.build" in names
+    # Every slot is in exactly one operation, in slot order.
+    covered = [(r.qualified, k) for _, r, key, keys in ops
+               for k in (keys if keys is not None else (key,))]
+    assert covered == [(s.resource.qualified, s.key) for s in slots]
 
 
 def run_of(cluster):
@@ -114,7 +117,7 @@ def test_hosts_run_their_own_instances_of_a_keyed_resource_at_once(tmp_path, mon
                     sudo=False)
 
     resource = registry.Resource("meet", plan, "three hosts meet", keys=lambda c: "abc",
-                                 role="test")
+                                 role="test", together=True)
     monkeypatch.setattr(registry, "slots", lambda c, apply=False: [
         registry.Slot(resource.slot(k), resource, k) for k in "abc"])
     monkeypatch.setattr(registry, "roles", lambda: ())

@@ -34,13 +34,19 @@ def test_a_resource_that_declares_its_needs_brings_only_those(cluster):
     assert one == {("node2", "toolchain.packages"), ("node2", "toolchain.apt_proxy")}
 
 
-def test_a_resource_without_declared_needs_brings_everything_before_it_on_every_host(cluster):
+def test_a_resource_without_declared_needs_brings_it_and_all_before_it_on_every_host(cluster):
+    """A copier's step uses the same step on its source (models.gguf[M] fetches from the host
+    whose models.gguf[M] serves M; llama_cpp.copy from its builder's): that comes too."""
     slots = [s.name for s in registry.slots(cluster, apply=True)]
-    got = targets.closure(cluster, cluster.hosts, ["node2/llama_cpp.build"])
-    before = slots[:slots.index("llama_cpp.build")]
-    assert got == {("node2", "llama_cpp.build")} | {(h.name, s) for s in before
-                                                     for h in cluster.hosts}
-    assert ("node1", "llama_cpp.build") not in got  # itself only where targeted
+    got = targets.closure(cluster, cluster.hosts, ["node2/models.gguf[gemma]"])
+    upto = slots[:slots.index("models.gguf[gemma]") + 1]
+    assert got == {(h.name, s) for s in upto for h in cluster.hosts}
+    assert ("node1", "models.gguf[gemma]") in got
+
+
+def test_an_address_for_a_host_the_limit_leaves_out_is_refused(cluster):
+    with pytest.raises(PlanError, match=re.escape("-target=node3/network.allowlist: no such")):
+        targets.check(cluster, ["node3/network.allowlist"], cluster.hosts[:2])
 
 
 def test_a_keyed_slot_or_its_resource_can_be_named(cluster):

@@ -53,7 +53,7 @@ ROLE = Role(
                  "meshdeploy units the cluster file no longer describes",
                  runs_before=("models.gguf",)),
         Resource("rpc_server", ops.rpc_server, "one rpc-server, proven listening",
-                 keys=lambda cluster: cluster.rpc_ports(), rereads=_MANIFEST),
+                 keys=lambda cluster: cluster.rpc_ports(), rereads=_MANIFEST, together=True),
         # Right after the network role's keys and pins, before any model byte moves: the
         # forward's reverse ends carry md-share's copies and tensors to the workers
         # (models.gguf, rpc_cache.seed), and the llama-servers dial its local ends.
@@ -62,6 +62,7 @@ ROLE = Role(
                  keys=forward.keys, cluster_wide=True, runs_before=("models.gguf",)),
         Resource("llama_server", ops.llama_server,
                  "the orchestrator, restarted after its workers, then healthy",
-                 keys=lambda cluster: [s.name for s in cluster.servers], rereads=_MANIFEST),
+                 keys=lambda cluster: [s.name for s in cluster.servers], rereads=_MANIFEST,
+                 together=True),
     ),
 )
