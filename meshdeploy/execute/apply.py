@@ -98,9 +98,9 @@ class Run:
             self.progress(f"  {host_name:<12} {slot:<32} {status} ({seconds:.1f} s)")
 
     def instance(self, host_name: str, name: str) -> str:
-        """The slot an operation named `name` was running on the host when it failed: for a
-        keyed resource's operation (`models.gguf`) the instance begun there and not finished
-        (`models.gguf[gemma]`), or the one whose plan failed."""
+        """The slot an operation named `name` was running on the host when it failed: for the
+        operation of a `together` resource (`services.llama_server`) the instance begun there
+        and not finished (`services.llama_server[main]`), or the one whose plan failed."""
         slot = self.last_begun.get(host_name, "")
         if slot.startswith(f"{name}[") and (host_name, slot) in self.started:
             return slot

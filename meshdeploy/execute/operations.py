@@ -62,8 +62,8 @@ def operation_for(resource):
 
 @cache
 def keyed_operation_for(resource):
-    """Every instance of a keyed resource (`models.gguf[gemma]`, `services.llama_server[main]`)
-    as one operation of `meshdeploy apply`: each host runs its own instances in the file's order
+    """Every instance of a `together` resource (`services.llama_server[main]`, `[second]`) as
+    one operation of `meshdeploy apply`: each host runs its own instances in the file's order
     while the other hosts run theirs. One operation per instance kept a host waiting for another
     host's instance of another key: three servers on three hosts waited for health in turn."""
     from pyinfra import host
