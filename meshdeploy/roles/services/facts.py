@@ -14,6 +14,8 @@ _MODE = re.compile(r"[0-7]{1,6}")  # stat's %a / %Lp: octal digits only
 _LOG_MARK = "@@log"
 _OWNED = " ".join(f'"$D"/{d.services_unit_prefix}{kind}*' for kind in d.services_unit_kinds)
 
+_SHOW_MARK = "@@show"  # systemctl show's KEY=VALUE blocks follow, before the first @@unit
+
 
 def _systemd_units(files: str, systemctl: str) -> str:
     """The unit files `files` (shell words) with their state: one `systemctl show` for all of
@@ -31,8 +33,6 @@ def _systemd_units(files: str, systemctl: str) -> str:
             '[ -f "$f" ] || continue; n=${f##*/}; n=${n%.service}; '
             'echo "@@unit $n - - - $(stat -c %Y "$f")"; cat "$f"; done')
 
-
-_SHOW_MARK = "@@show"
 # systemd --user: the unit files of the user's unit folder "$D", read with systemctl --user.
 _USER_UNITS = _systemd_units(_OWNED.replace("*", "*.service"), "systemctl --user")
 
@@ -87,35 +87,25 @@ class Units(FactBase):
                 "echo \"@@unit $n ${st:-inactive} enabled\"; cat \"$f\"; done")
 
     def process(self, output):
+        output = list(output)
+        shown: dict[str, dict[str, str]] = {}
+        if output and output[0] == _SHOW_MARK:
+            end = next((i for i, line in enumerate(output) if line.startswith("@@unit ")),
+                       len(output))
+            shown, output = _show_blocks(output[1:end]), output[end:]
         units: dict[str, dict] = {}
         lines: list[str] = []
-        shown: dict[str, dict[str, str]] = {}
-        block: dict[str, str] | None = None
         for line in output:
-            if line == _SHOW_MARK and not units:  # it comes before the first unit's text
-                block = {}
-                continue
             parts = line.split() if line.startswith("@@unit ") else []
-            if block is not None and not parts:
-                # systemctl show: KEY=VALUE lines, a blank line between units.
-                key, eq, value = line.partition("=")
-                if eq:
-                    block[key] = value
-                elif block:
-                    shown[block.get("Id", "").removesuffix(".service")] = block
-                    block = {}
-                continue
-            if block:
-                shown[block.get("Id", "").removesuffix(".service")] = block
-            block = None
             if len(parts) > 1:
                 lines = []
                 state = shown.get(parts[1])
+                started = (probe.uint(state.get("ExecMainStartTimestamp", "")) if state
+                           else _epoch(parts, 4))
                 units[parts[1]] = {"active": _shown(state, "ActiveState", parts, 2),
                                    "enabled": _shown(state, "UnitFileState", parts, 3),
-                                   "started": (_epoch([state.get("ExecMainStartTimestamp", "")],
-                                                      0) if state else _epoch(parts, 4)),
-                                   "written": _epoch(parts, 5), "lines": lines}
+                                   "started": started or None, "written": _epoch(parts, 5),
+                                   "lines": lines}
             elif units and line == _LOG_MARK:
                 # runit: the service's log/run follows its run script.
                 lines = units[list(units)[-1]]["log_lines"] = []
@@ -130,6 +120,21 @@ class Units(FactBase):
     @staticmethod
     def default():
         return {}
+
+
+def _show_blocks(lines: list[str]) -> dict[str, dict[str, str]]:
+    """systemctl show's output, KEY=VALUE lines with a blank line between units, by unit name
+    (its Id less .service)."""
+    shown: dict[str, dict[str, str]] = {}
+    block: dict[str, str] = {}
+    for line in [*lines, ""]:
+        key, eq, value = line.partition("=")
+        if eq:
+            block[key] = value
+        elif block:
+            shown[block.get("Id", "").removesuffix(".service")] = block
+            block = {}
+    return shown
 
 
 def _shown(state: dict | None, key: str, parts: list[str], index: int) -> str:
