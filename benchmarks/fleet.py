@@ -16,9 +16,10 @@ other hosts as its rpc-servers. Every host runs Debian 12 on one CPU architectur
 key, so one host compiles and every other one copies. Prints, for each cluster: the time from
 `apply` to every server healthy (apply ends there), the hosts that compiled (a ninja log under
 the build folder) and that copied (the apply's llama_cpp.copy lines, less the compiling
-host's, whose copy step packs and serves the build), and the fleet's
-time over the 3-host cluster's; then the fleet's no-op plan: median seconds and remote commands
-per host (benchmarks/plan_once.py).
+host's, whose copy step packs and serves the build), how busy the machine's CPUs were during
+each apply (the lab's hosts share them: near 100%, the time is the machine's, not the hosts'),
+and the fleet's time over the 3-host cluster's; then the fleet's no-op plan: median seconds and
+remote commands per host (benchmarks/plan_once.py).
 """
 
 if __name__ == "__main__":  # before anything imports ssl; never in a test that imports this
@@ -87,14 +88,23 @@ def compiled(info, hosts: list) -> list[str]:
     return found
 
 
-def converge(path: Path) -> tuple[float, str]:
-    t0 = time.monotonic()
+def cpu_times() -> tuple[int, int]:
+    """The machine's (busy, all) CPU time in clock ticks, every core together (/proc/stat's
+    first line: user nice system idle iowait irq softirq steal; idle and iowait are not busy)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def converge(path: Path) -> tuple[float, str, float]:
+    """apply's seconds, its output, and how busy the machine's CPUs were meanwhile (0-1, all
+    cores: the lab's hosts and meshdeploy share them, so near 1 means CPU-bound)."""
+    t0, busy0 = time.monotonic(), cpu_times()
     proc = subprocess.run([sys.executable, "-m", "meshdeploy", "apply", str(path),
                            "--auto-approve"], capture_output=True, text=True)
-    seconds = time.monotonic() - t0
+    seconds, busy1 = time.monotonic() - t0, cpu_times()
     if proc.returncode != 0:
         raise SystemExit(f"apply {path.name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}")
-    return seconds, proc.stdout
+    return seconds, proc.stdout, (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
 
 
 def slowest(output: str, count: int = 6) -> str:
@@ -137,18 +147,19 @@ def main() -> int:
                                       (f"{args.hosts} hosts", fleet, args.servers)):
             path = workdir / f"{label.split()[0]}.yaml"
             path.write_text(cluster_yaml(info, hosts, servers, f"fleet{len(hosts)}"))
-            seconds, output = converge(path)
+            seconds, output, busy = converge(path)
             path.with_suffix(".apply.txt").write_text(output)
             built = compiled(info, hosts)
             copies = copied(output, built)
-            rows.append([label, servers, f"{seconds:.0f}", len(built), len(copies),
-                         ", ".join(built)])
-            print(f"{label}: every server healthy after {seconds:.0f} s; compiled on "
+            rows.append([label, servers, f"{seconds:.0f}", f"{busy:.0%}", len(built),
+                         len(copies), ", ".join(built)])
+            print(f"{label}: every server healthy after {seconds:.0f} s, the CPUs {busy:.0%} "
+                  f"busy; compiled on "
                   f"{', '.join(built) or 'none'}; {len(copies)} copies; slowest steps: "
                   f"{slowest(output)}; apply output in {path.with_suffix('.apply.txt')}",
                   flush=True)
-        print(tabulate(rows, headers=["cluster", "servers", "apply to healthy s", "compiles",
-                                      "copies", "compiled on"]))
+        print(tabulate(rows, headers=["cluster", "servers", "apply to healthy s", "CPUs busy",
+                                      "compiles", "copies", "compiled on"]))
         print(f"ratio {rows[1][0]} vs {rows[0][0]}: {float(rows[1][2]) / float(rows[0][2]):.2f}x "
               "(target: at most 2x)")
         path = workdir / f"{args.hosts}.yaml"

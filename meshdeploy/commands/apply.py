@@ -45,12 +45,13 @@ class Args(options.Arguments):
 
 
 def run(args: Args) -> int:
+    saved = load_plan(args.file) if _is_plan_file(args.file) else None
+    if saved is not None:
+        _refuse_new_addresses(args, saved)
     common.patch_for_gevent()
-    saved = None
-    if _is_plan_file(args.file):
-        saved = load_plan(args.file)
+    if saved is not None:
         cluster = load_cluster(saved.cluster_path)
-        limit = saved.limit or args.limit
+        limit = saved.limit or None  # a --limit beside it is refused unless the same
         replacing = saved.replace
         targets = saved.target
     else:
@@ -64,6 +65,20 @@ def run(args: Args) -> int:
                         hint="add --auto-approve, or apply a saved plan file")
     with common.Locked(cluster, "apply", args.lock_timeout) as lock:
         return _apply(args, cluster, saved, limit, (replacing, targets), purge, lock)
+
+
+def _refuse_new_addresses(args: Args, saved) -> None:
+    """A saved plan is applied as it was made: -target, -replace, --purge or another --limit
+    beside it would apply something no plan showed, so they are refused rather than ignored."""
+    given = [f"-target={a}" for a in args.target or ()] + [
+        f"-replace={a}" for a in args.replace or ()] + (["--purge"] if args.purge else [])
+    if args.limit and sorted(args.limit) != sorted(saved.limit):
+        given.append(f"--limit {','.join(args.limit)}")
+    if given:
+        raise PlanError(f"apply {args.file}: {' '.join(given)} given with a saved plan, which "
+                        "applies only what it planned",
+                        hint="make the plan again with them (meshdeploy plan FILE ... -out "
+                             "PLANFILE), or apply the cluster file with them")
 
 
 def _is_plan_file(path: str) -> bool:

@@ -142,6 +142,9 @@ class Network:
     endpoints: list[RttEndpoint] = field(default_factory=list)
     round_trips: int = 0  # per token: one per remote endpoint
     per_token_ms: float = 0.0  # the sum of their RTTs, on top of compute
+    # Endpoints the orchestrator could not reach when it probed (down, or a tunnel not up yet):
+    # no RTT, so not in per_token_ms.
+    unreachable: list[str] = field(default_factory=list)
 
 
 @dataclass

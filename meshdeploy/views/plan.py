@@ -221,9 +221,12 @@ def render_network(network: list[Network]) -> list[str]:
     """One line per llama-server: RTT to each endpoint and what it adds to every token."""
     lines = []
     for n in network:
-        parts = ", ".join(f"{e.endpoint} {e.rtt_ms:.2f} ms" for e in n.endpoints)
+        parts = ", ".join([f"{e.endpoint} {e.rtt_ms:.2f} ms" for e in n.endpoints]
+                          + [f"{e} unreachable now" for e in n.unreachable])
         lines.append(f"Network ({n.server} on {n.host}): RTT {parts}; expected per-token cost = "
-                     f"compute + {n.round_trips} x RTT (~{n.per_token_ms:.2f} ms)")
+                     f"compute + {n.round_trips} x RTT (~{n.per_token_ms:.2f} ms)"
+                     + (f", not counting {len(n.unreachable)} unreachable" if n.unreachable
+                        else ""))
     return lines
 
 

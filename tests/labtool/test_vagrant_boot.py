@@ -1,6 +1,7 @@
 """The repository's Vagrantfile booted for real: three libvirt VMs, hosts.yaml, plan, and an
-apply of the toolchain and the allow-list (-target: compiling llama.cpp on one emulated vCPU
-would take hours), the allow-list proven between the VMs.
+apply of the toolchain, the allow-list and the WireGuard tunnel (-target: compiling llama.cpp on
+one emulated vCPU would take hours), the allow-list and the tunnel (the kernel's WireGuard, which
+the lab's hosts lack) proven between the VMs.
 
 Run by scripts/vagrant-lab (marker `vagrant`), which starts libvirtd inside a network namespace
 of its own, relays an apt proxy into it (MESHDEPLOY_VAGRANT_APT_PROXY) and runs this module
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.vagrant
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MESHDEPLOY = [sys.executable, "-m", "meshdeploy"]
 MACHINES = {"orchestrator": "192.168.56.10", "worker1": "192.168.56.11", "worker2": "192.168.56.12"}
+TUNNEL = {"orchestrator": "10.99.0.10", "worker1": "10.99.0.11", "worker2": "10.99.0.12"}
 
 
 @pytest.fixture
@@ -121,7 +123,10 @@ def _cluster_file(hosts_yaml: str, ssh_config: Path, hf: dict, apt_proxy: str) -
         "toolchain": {"apt_proxy": apt_proxy},
         "huggingface": {"endpoint": f"http://192.168.56.1:{hf['port']}",
                         "api_endpoint": f"http://127.0.0.1:{hf['port']}"},
-        "network": {"rpc_bind": "address", "allow_public": False},
+        # The VMs run Debian's kernel, which has the WireGuard module (the lab's hosts share
+        # a kernel without it and use wireguard-go): the tunnel the kernel way.
+        "network": {"transport": "wireguard", "allow_public": False,
+                    "wireguard": {"addresses": TUNNEL}},
         "hosts": hosts,
         "models": {"gemma": {"huggingface": {"repo": hf["repo"], "file": hf["file"],
                                              "sha256": hf["sha256"]}}},
@@ -141,7 +146,7 @@ def _reach(vagrant_dir: Path, client: str, address: str) -> str:
     return out
 
 
-def test_vagrantfile_boots_plans_and_applies_the_allowlist(vagrant_dir: Path, report: dict,
+def test_vagrantfile_boots_plans_and_applies_the_network(vagrant_dir: Path, report: dict,
                                                           hf_mirror: dict):
     apt_proxy = os.environ.get("MESHDEPLOY_VAGRANT_APT_PROXY")
     if not apt_proxy:
@@ -188,16 +193,17 @@ def test_vagrantfile_boots_plans_and_applies_the_allowlist(vagrant_dir: Path, re
     report["remote_commands"] = remote
     assert remote == {name: 1 for name in MACHINES}, remote
 
-    # Anything listening on worker1's rpc port: before the allow-list both other VMs reach it.
+    # Anything listening on worker1's rpc port, on every address (the tunnel's too, once it is
+    # up): before the allow-list both other VMs reach it.
     _vagrant(vagrant_dir, "ssh", "worker1", "-c",
-             "sudo systemd-run --unit md-listen python3 -m http.server 50052 "
-             "--bind 192.168.56.11")
+             "sudo systemd-run --unit md-listen python3 -m http.server 50052 --bind 0.0.0.0")
     time.sleep(2)
     before = {c: _reach(vagrant_dir, c, MACHINES["worker1"]) for c in ("orchestrator", "worker2")}
     report["reach_before"] = before
     assert before == {"orchestrator": "open", "worker2": "open"}, before
 
-    targets = ["-target=toolchain.packages", "-target=network.allowlist"]
+    targets = ["-target=toolchain.packages", "-target=network.allowlist",
+               "-target=network.wireguard"]
     start = time.monotonic()
     applied = _meshdeploy(vagrant_dir, "apply", "--auto-approve", *targets, str(cluster),
                           timeout=3600)
@@ -205,14 +211,34 @@ def test_vagrantfile_boots_plans_and_applies_the_allowlist(vagrant_dir: Path, re
     report["apply"] = applied.stdout[-6000:]
     assert applied.returncode == 0, applied.stdout[-4000:] + applied.stderr[-4000:]
 
-    after = {c: _reach(vagrant_dir, c, MACHINES["worker1"]) for c in ("orchestrator", "worker2")}
+    # The rpc port now answers the orchestrator through the tunnel alone: not on the hosts'
+    # network, and never worker2, which is no peer of worker1's.
+    after = {f"{c}->{where}": _reach(vagrant_dir, c, addresses["worker1"])
+             for c in ("orchestrator", "worker2")
+             for where, addresses in (("tunnel", TUNNEL), ("lan", MACHINES))}
     report["reach_after"] = after
-    assert after["orchestrator"] == "open" and after["worker2"].startswith("closed"), after
+    assert after["orchestrator->tunnel"] == "open", after
+    assert all(v.startswith("closed") for k, v in after.items() if k != "orchestrator->tunnel"), \
+        after
+    for name in MACHINES:
+        # The kernel's WireGuard: the interface is of kind wireguard (wireguard-go's is a tun
+        # device), and the plan installed no wireguard-go.
+        link = _vagrant(vagrant_dir, "ssh", name, "-c",
+                        "ip -d link show mdwg0; dpkg-query -W -f '${Status}' wireguard-go "
+                        "2>/dev/null || echo ' no wireguard-go'").stdout
+        report.setdefault("tunnel_link", {})[name] = link
+        assert re.search(r"^\s+wireguard\b", link, re.M), link
+        assert link.rstrip().endswith("no wireguard-go"), link
+    handshakes = _vagrant(vagrant_dir, "ssh", "worker1", "-c",
+                          "sudo wg show mdwg0 latest-handshakes").stdout.split()
+    report["worker1_handshakes"] = handshakes
+    assert len(handshakes) == 2 and int(handshakes[1]) > 0, handshakes  # its one peer, met
     tools = _vagrant(vagrant_dir, "ssh", "orchestrator", "-c", "command -v cmake g++ git ninja curl"
                      ).stdout
     assert tools.count("/usr/bin/") == 5, tools
     table = _vagrant(vagrant_dir, "ssh", "worker1", "-c", "sudo nft list table inet meshdeploy")
-    assert "50052" in table.stdout and MACHINES["orchestrator"] in table.stdout, table.stdout
+    assert "50052" in table.stdout and TUNNEL["orchestrator"] in table.stdout, table.stdout
+    assert "51820" in table.stdout and MACHINES["orchestrator"] in table.stdout, table.stdout
 
     again = _meshdeploy(vagrant_dir, "plan", "--detailed-exitcode", *targets, str(cluster))
     assert again.returncode == 0, again.stdout + again.stderr  # no changes left in the target
@@ -220,4 +246,5 @@ def test_vagrantfile_boots_plans_and_applies_the_allowlist(vagrant_dir: Path, re
     left = {c["address"] for c in json.loads(whole.stdout)["changes"] if c["action"] != "no-op"}
     report["left_after_target"] = sorted(left)
     assert any(a.endswith("llama_cpp.build") for a in left) and not any(
-        a.endswith(("toolchain.packages", "network.allowlist")) for a in left), left
+        a.endswith(("toolchain.packages", "network.allowlist", "network.wireguard",
+                    "network.wireguard_key")) for a in left), left

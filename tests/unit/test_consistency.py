@@ -73,6 +73,19 @@ def test_network_line_sums_one_round_trip_per_worker():
                      "(~2.65 ms)"]
 
 
+def test_an_unreachable_worker_is_named_and_not_counted():
+    """No connect got there (a tunnel not up yet): no RTT for it, and the line says so."""
+    cluster = load_cluster(LAB)
+    facts = {"node1": {"services.Rtt": {"10.200.0.12:22": 150, "10.200.0.13:22": None}}}
+    (network,) = rtt_network(cluster, cluster.hosts, facts)
+    assert [e.endpoint for e in network.endpoints] == ["10.200.0.12:50052"]
+    assert network.unreachable == ["10.200.0.13:50052"]
+    assert (network.round_trips, network.per_token_ms) == (1, 0.15)
+    assert render_network([network]) == [
+        "Network (main on node1): RTT 10.200.0.12:50052 0.15 ms, 10.200.0.13:50052 unreachable "
+        "now; expected per-token cost = compute + 1 x RTT (~0.15 ms), not counting 1 unreachable"]
+
+
 def test_a_worker_faster_than_the_probe_still_counts_as_a_hop():
     cluster = load_cluster(LAB)
     facts = {"node1": {"services.Rtt": {"10.200.0.12:22": 0, "10.200.0.13:22": 530}}}

@@ -34,6 +34,16 @@ def test_a_resource_that_declares_its_needs_brings_only_those(cluster):
     assert one == {("node2", "toolchain.packages"), ("node2", "toolchain.apt_proxy")}
 
 
+def test_a_tunnel_brings_every_host_s_keys_and_allowlist_and_no_build(cluster):
+    """network.wireguard reads its peers' public keys and needs their allow-lists to pass its
+    UDP port: those on every host; llama.cpp's steps, which come earlier, stay out."""
+    got = targets.closure(cluster, cluster.hosts, ["node1/network.wireguard"])
+    needs = ("toolchain.apt_proxy", "network.allowlist", "network.wireguard_key")
+    assert got == {("node1", "network.wireguard")} | {
+        (h, s) for h in ("node1", "node2", "node3") for s in needs}
+    assert not any(s.startswith("llama_cpp.") for _, s in got)
+
+
 def test_a_resource_without_declared_needs_brings_it_and_all_before_it_on_every_host(cluster):
     """A copier's step uses the same step on its source (models.gguf[M] fetches from the host
     whose models.gguf[M] serves M; llama_cpp.copy from its builder's): that comes too."""
@@ -132,3 +142,21 @@ def test_apply_runs_no_step_outside_the_target(planner):
     assert left_out.noop and left_out.change.reason == "not targeted (-target)"
     targeted = run.step("node2", allowlist, None)
     assert targeted.change.action == "create" and targeted.commands
+
+
+@pytest.mark.parametrize("extra", [["-target=network.allowlist"], ["--purge"], ["--limit", "node1"],
+                                   ["-replace=node1/network.wireguard"]])
+def test_a_saved_plan_refuses_addresses_it_was_not_made_with(planner, tmp_path, capsys, extra):
+    """apply PLANFILE applies what that plan showed: an address or a --limit given beside it
+    would change that, and is one error before anything is locked or probed."""
+    from meshdeploy import cli, errors
+    from meshdeploy.core.plan import save_plan
+
+    saved = tmp_path / "part.plan"
+    save_plan(planner(["node2/network.allowlist"]).plan, saved)
+    code = cli.main(["apply", str(saved), *extra])
+    err = capsys.readouterr().err
+    assert code == errors.ERROR, err
+    said = extra[0] if len(extra) == 1 else " ".join(extra)
+    assert f"apply {saved}: {said} given with a saved plan" in err, err
+    assert "Traceback" not in err

@@ -152,25 +152,32 @@ def _epoch(parts: list[str], index: int) -> int | None:
 
 
 class Rtt(FactBase):
-    """TCP connect round-trip time from this host to others, in microseconds.
+    """TCP connect round-trip time from this host to others, in microseconds; None for a
+    target that no connect reached (a host that is down, a tunnel not up yet).
 
     Measured against each worker host's SSH port, never its rpc-server: rpc-server listens with
     a backlog of one and serves one client at a time, so probes there would queue behind the
     orchestrator. The cost of the measuring itself (a subshell, a refused loopback connect) is
-    subtracted.
+    subtracted. A refused connect is a round trip too (the host answered); any other failure
+    (no route, a timeout) is no figure at all, and the target is not tried again.
 
     ```python
-    {"10.200.0.12:22": 180, ...}   # best of three
+    {"10.200.0.12:22": 180, "10.99.0.12:22": None}   # best of three; None: unreachable
     ```
     """
 
-    # "$@": the "address:port" targets, as arguments of a fixed bash script.
-    _BODY = ('ms(){ s=$(date +%s%N); timeout 2 bash -c \'exec 3<>"/dev/tcp/$1/$2"\' rtt "$1" "$2" '
-             '2>/dev/null; e=$(date +%s%N); echo $(( (e-s)/1000 )); }; '
-             'best(){ b=99999999; for i in 1 2 3; do t=$(ms "$1" "$2"); [ "$t" -lt "$b" ] && b=$t; '
-             'done; echo "$b"; }; base=$(best 127.0.0.1 1); '
+    # "$@": the "address:port" targets, as arguments of a fixed bash script. ms prints the
+    # microseconds of one connect, or - when it neither connected nor was refused (the C
+    # locale: bash's message says "Connection refused").
+    _BODY = ('ms(){ s=$(date +%s%N); r=$(LC_ALL=C timeout 2 bash -c \'exec 3<>"/dev/tcp/$1/$2"\' '
+             'rtt "$1" "$2" 2>&1); c=$?; e=$(date +%s%N); case "$c $r" in "0 "*|*refused*) '
+             'echo $(( (e-s)/1000 ));; *) echo -;; esac; }; '
+             'best(){ b=; for i in 1 2 3; do t=$(ms "$1" "$2"); [ "$t" = - ] && break; '
+             'if [ -z "$b" ] || [ "$t" -lt "$b" ]; then b=$t; fi; done; echo "${b:--}"; }; '
+             'base=$(best 127.0.0.1 1); [ "$base" = - ] && base=0; '
              'for ep in "$@"; do t=$(best "${ep%:*}" "${ep##*:}"); '
-             'echo "$ep $(( t > base ? t - base : 0 ))"; done')
+             'if [ "$t" = - ]; then echo "$ep -"; else echo "$ep $(( t > base ? t - base : 0 ))"; '
+             'fi; done')
 
     def command(self, targets):
         # A host that is down must not stall the probe: each connect gets 2 s at most.
@@ -181,6 +188,9 @@ class Rtt(FactBase):
         out = {}
         for line in output:
             parts = line.split()
+            if len(parts) == 2 and parts[1] == "-":
+                out[parts[0]] = None
+                continue
             micros = probe.uint(parts[1]) if len(parts) == 2 else None
             if micros is not None:
                 out[parts[0]] = micros

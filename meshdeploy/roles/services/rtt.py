@@ -13,7 +13,7 @@ def network(cluster, hosts, facts) -> list[Network]:
         if server.host not in {h.name for h in hosts}:
             continue
         rtts = (facts.get(server.host) or {}).get("services.Rtt") or {}
-        measured, remote = [], []
+        measured, remote, unreachable = [], [], []
         for e in cluster.rpc_endpoints(server):
             us = rtts.get(e.ssh_target)
             if e.host.name == server.host:
@@ -21,11 +21,13 @@ def network(cluster, hosts, facts) -> list[Network]:
             elif us is not None:
                 measured.append(RttEndpoint(e.target, e.host.name, us / 1000, remote=True))
                 remote.append(us)  # a fast link measures 0 after the probe's own cost: still a hop
-        if not measured:
+            elif e.ssh_target in rtts:  # probed, and no connect got there (a tunnel not up yet)
+                unreachable.append(e.target)
+        if not measured and not unreachable:
             continue
         # Inference is pipeline-serial and the orchestrator drives every remote device in turn:
         # each token pays one round trip per remote worker (seed llamacpp-rpc-split-guide:
         # per token ~ compute + (N-1) x latency for N nodes).
         out.append(Network(server.name, server.host, measured, round_trips=len(remote),
-                           per_token_ms=sum(remote) / 1000))
+                           per_token_ms=sum(remote) / 1000, unreachable=unreachable))
     return out
