@@ -88,6 +88,13 @@ def shares(cluster: Cluster, host: Host) -> dict[str, list[Host]]:
     return {m: [h for h in cluster.hosts if h.name in names] for m, names in out.items()}
 
 
+def seeds(cluster: Cluster, host: Host) -> bool:
+    """Whether md-rpc-seed runs on `host`: it writes the cache entries of a cached rpc-server,
+    and the digest lists of the models `host` shares (rpc_cache.seed_tool compiles it there
+    with cc; the toolchain role installs a C compiler for it)."""
+    return any(r.cache for r in host.rpc_servers) or bool(shares(cluster, host))
+
+
 def keeps(cluster: Cluster, host: Host) -> list[str]:
     """Models `host` keeps a whole GGUF of, in file order: those it loads, and those a cached
     rpc-server of it seeds from its own copy (`fetch: false`, an Ollama store, a path); not the

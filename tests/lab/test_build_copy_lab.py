@@ -11,7 +11,9 @@ node3's `current` stays; once the tarball is removed, as the message says, the n
 it again and the copy goes through, served by an md-share that was still running with the
 corrupted file open. A tarball changed after its sha256 was written is packed again before any
 copy. Last, node3 is rolled back to an older build by hand and apply switches it back with no
-compile and no copy (activate.sh, the same path as a compile's).
+compile and no copy (activate.sh, the same path as a compile's). The base has no build tools,
+so toolchain.packages installs them on node1 alone: node2 and node3, which copy, get curl and
+libgomp1 (ca-certificates is in the base), and after apply have no cmake, compiler or ninja.
 """
 
 from __future__ import annotations
@@ -120,6 +122,28 @@ def test_node1_compiles_once_and_the_others_copy_its_build(applied):
     assert "29180" in table and "10.200.0.12/31" in table, table  # node2 and node3
     status = meshdeploy("status", applied[1])
     assert status.returncode == 0, status.stdout + status.stderr
+
+
+def block(plan: str, address: str) -> str:
+    """The plan's text of one resource: its comment lines and attributes."""
+    match = re.search(rf"^  # {re.escape(address)} .*?^    }}$", plan, re.M | re.S)
+    assert match, f"{address} not in the plan:\n{plan}"
+    return match.group(0)
+
+
+def test_only_the_builder_gets_the_compiler_toolchain(applied):
+    info, _, plan, _, _ = applied
+    assert "cmake g++ git curl ninja-build ccache" in block(plan, "node1/toolchain.packages")
+    for h in ("node2", "node3"):
+        said = block(plan, f"{h}/toolchain.packages")
+        assert "# (install with apt; copies its llama.cpp build from node1: no compiler)" in said
+        assert '+ packages = "curl libgomp1"' in said, said
+        # Checked on the host: no build tool came with those, and the copied binaries ran.
+        assert sh(info, h, "for t in cmake cc c++ ninja ccache git; do command -v $t; done; "
+                           "true") == ""
+        assert sh(info, h, "dpkg-query -W -f '${db:Status-Abbrev}\\n' curl libgomp1").split() \
+            == ["ii", "ii"]
+    assert sh(info, "node1", "command -v cmake c++ ninja git | wc -l") == "4"
 
 
 def test_a_corrupted_tarball_is_refused_and_once_removed_packed_again_and_copied(applied):

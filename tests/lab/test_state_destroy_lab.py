@@ -7,7 +7,8 @@ is refused naming the first (same folder: the control machine's lock; a copy of 
 another folder, as a second operator's machine: the hosts' lock); a killed apply's lock is taken
 over as stale; the state file deleted -> rebuilt from the hosts, the next plan is empty;
 `destroy` -> no unit, table or tunnel of meshdeploy's on any host, builds and models kept;
-`destroy --purge` -> those gone too, the toolchain's packages still installed.
+`destroy --purge` -> those gone too, the toolchain's packages still installed (cmake on node1,
+which compiles; curl on node2 and node3, which copy node1's build and get no build tools).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def ssh(info, host: str, command: str, timeout: float = 120) -> subprocess.Compl
 
 def leftovers(info, host: str) -> dict:
     """What of meshdeploy's is on the host: units (files, running or failed), nft table, tunnel, build,
-    models, caches, and whether the toolchain's cmake is still installed."""
+    models, caches, and which of the toolchain's packages is still installed: cmake (a host that
+    compiles), else curl (a host that copies its build gets that, and no build tools)."""
     script = ("ls /etc/systemd/system | grep -c '^meshdeploy-' ; "
               # A removed unit may linger in systemd's memory as not-found/inactive until
               # it is garbage-collected: only one that runs or failed counts.
@@ -52,7 +54,8 @@ def leftovers(info, host: str) -> dict:
               "ls -d /opt/meshdeploy/builds/* 2>/dev/null | grep -c . ; "
               "ls /opt/meshdeploy/models 2>/dev/null | grep -c . ; "
               "sudo sh -c 'ls -d /var/cache/private/meshdeploy-rpc-* 2>/dev/null' | grep -c . ; "
-              "dpkg -s cmake >/dev/null 2>&1 && echo cmake || echo no-cmake")
+              "if dpkg -s cmake >/dev/null 2>&1; then echo cmake; "
+              "elif dpkg -s curl >/dev/null 2>&1; then echo curl; else echo none; fi")
     out = ssh(info, host, script).stdout.split()
     keys = ("unit_files", "units_loaded", "table", "tunnel", "builds", "models", "caches",
             "toolchain")
@@ -241,7 +244,7 @@ def _only_the_toolchain(info, host: str) -> None:
     left = leftovers(info, host)
     assert left == {"unit_files": "0", "units_loaded": "0", "table": "none",
                     "tunnel": "none", "builds": "0", "models": "0", "caches": "0",
-                    "toolchain": "cmake"}, (host, left)
+                    "toolchain": "cmake" if host == "node1" else "curl"}, (host, left)
     rest = ssh(info, host, "ls -A /opt/meshdeploy /etc/meshdeploy 2>&1; "
                            "ls /etc/apt/apt.conf.d | grep meshdeploy").stdout
     assert rest.count("No such file") == 2 and "meshdeploy-proxy" not in rest, (host, rest)

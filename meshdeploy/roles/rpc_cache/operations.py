@@ -84,19 +84,13 @@ def digests_path(cluster, model: str, host) -> str:
     return model_path(cluster, model, host) + d.rpc_cache_digests_suffix
 
 
-def _needs_tool(cluster, host) -> bool:
-    """md-rpc-seed writes cache entries on a cached worker and digest lists where models are
-    shared."""
-    return bool(_cached_ports(host)) or bool(distribution.shares(cluster, host))
-
-
 def sections(cluster, host) -> list[Section]:
     """Probe sections: device memory (for the split), the tool, each cached cache dir, the
     digest lists of the models this host shares."""
     out = [Section("rpc_cache.DeviceMemory", DeviceMemory,
                    privileged=host.backend in _PRIVILEGED_MEMORY)] \
         if _in_server(cluster, host) else []
-    if _needs_tool(cluster, host):
+    if distribution.seeds(cluster, host):
         out.append(Section("rpc_cache.SeedTool", SeedTool,
                            {"path": tool_path(host.layout.prefix)}))
     shared = distribution.shares(cluster, host)
@@ -126,7 +120,7 @@ def seed_tool(ctx: HostContext) -> Step:
     + facts: rpc_cache.SeedTool (the source sha256 the installed binary was built from)
     Example: no-op "md-rpc-seed built from source 3f2a9c01b7de"
     """
-    if not _needs_tool(ctx.cluster, ctx.host):
+    if not distribution.seeds(ctx.cluster, ctx.host):
         return Step(ctx.change(ROLE, "seed_tool", "no-op",
                                "no cached rpc-server or shared model on this host"))
     want = source_sha256()

@@ -9,6 +9,22 @@ toolchain_brew_packages = ("cmake", "git", "ninja")
 toolchain_nss_systemd_package = "libnss-systemd"
 toolchain_ccache_package = "ccache"
 
+# --- a copier on apt (Resolved.build_copiers: it copies its llama.cpp build, compiles none) ----
+# What running and copying the build needs there, from what runs on such a host:
+# curl: llama_cpp's copy.sh fetches the tarball from the builder's md-share (tar, gzip and
+#   sha256sum, which it also runs, are Debian's essential packages); the models role downloads
+#   and the services role's health check use it too;
+# ca-certificates: curl's https (a host of a model's first llama-server downloads it from the Hub);
+# libgomp1: the binaries link OpenMP (ggml's GGML_OPENMP, on by default); a full toolchain gets it
+#   with gcc, a copier has no gcc to bring it. libstdc++6 and libgcc-s1 are there with apt itself.
+toolchain_apt_copier_packages = ("curl", "ca-certificates", "libgomp1")
+# The host that resolves the ref (the first of the run) runs git ls-remote (llama_cpp.resolve,
+# and the plan's RemoteRef probe), copier or not.
+toolchain_apt_git_package = "git"
+# A host md-rpc-seed runs on compiles it with cc (rpc_cache.seed_tool): gcc gives cc, libc6-dev
+# the headers (gcc only recommends it, and apt installs no recommends here).
+toolchain_apt_seed_packages = ("gcc", "libc6-dev")
+
 # --- Termux (`pkg`, no root): the tool meshdeploy looks for on PATH -> the package that brings it
 # clang gives cc and c++; getconf counts the cores for a build's -j (build.sh); util-linux brings
 # flock and setsid, without which a long step runs unguarded (core/inflight.py).
@@ -23,7 +39,8 @@ toolchain_termux_python = {"python3": "python"}
 # no tool stands for it (checked through dpkg alone, where there is dpkg).
 toolchain_package_tools = {"cmake": "cmake", "g++": "c++", "gcc-c++": "c++", "git": "git",
                            "curl": "curl", "ca-certificates": None, "ninja-build": "ninja",
-                           "ccache": "ccache", "python3": "python3"}
+                           "ccache": "ccache", "python3": "python3", "libgomp1": None,
+                           "gcc": "cc", "libc6-dev": None}
 
 # --- preflight ----------------------------------------------------------------------------------
 # llama.cpp's top-level CMakeLists.txt: cmake_minimum_required(VERSION 3.14)

@@ -1,4 +1,5 @@
-"""toolchain: build tools (cmake, compiler, git, curl, ninja, ccache) and the apt proxy."""
+"""toolchain: build tools (cmake, compiler, git, curl, ninja, ccache), what a host that copies
+its llama.cpp build needs instead, and the apt proxy."""
 
 from __future__ import annotations
 
@@ -16,11 +17,45 @@ from meshdeploy.roles.toolchain.facts import AptProxy, DebPackages, Platform
 ROLE = "toolchain"
 
 
-def wanted_packages(cluster, manager: str, host) -> tuple[str, ...]:
-    base = {"apt": d.toolchain_apt_packages, "dnf": d.toolchain_dnf_packages,
-            "brew": d.toolchain_brew_packages}[manager]
-    if cluster.llama_cpp.build.ccache:
-        base = base + (d.toolchain_ccache_package,)
+# Who copies. A host in Resolved.build_copiers (llama_cpp's prepare, keys.copiers) copies its
+# llama.cpp build and compiles none of it, so on apt it gets the copy set (defaults.py), not
+# cmake, a C++ compiler or ninja. llama_cpp.resolve decides the copiers again at apply, after
+# this step; can a plan's copier then compile? A key's builder (keys.decide) is the first host
+# -replace names, else a host that has the key's build installed, else the first host of the
+# key in file order. -replace is the same at plan and apply, and a -replace'd host is never a
+# copier. The key's hosts are the same (their probed platforms, backends and flags); only the
+# commit can differ, unknown at plan (keys.UNRESOLVED, which no installed build has), and with
+# it only which host has the build installed. So a plan's copier becomes a builder at apply only
+# as one that has the build: it packs and serves it (pack.sh, md-share) and compiles nothing.
+# Every other builder at apply is the first -replace'd or the first in file order, as at plan.
+# A failed copy never falls back to a compile either: llama_cpp.copy stops and names
+# -replace=HOST/llama_cpp.build, whose plan gives HOST the whole toolchain.
+
+def copies_from(ctx: HostContext) -> str | None:
+    """The host whose llama.cpp build this one copies (Resolved.build_copiers), or None where it
+    compiles its own, runs none, or -replace makes it compile."""
+    if ctx.replacing("llama_cpp.build"):
+        return None
+    return next((builder for builder, copiers in ctx.resolved.build_copiers.items()
+                 if ctx.host.name in copiers), None)
+
+
+def wanted_packages(cluster, manager: str, host, copier: bool = False,
+                    first: bool = False) -> tuple[str, ...]:
+    """The packages `host` wants from `manager`: the build tools, or on apt for a `copier`
+    (copies_from) what copying and running the build needs, git where it is the `first` host
+    of the run (it resolves the ref) and a C compiler where md-rpc-seed runs."""
+    if copier and manager == "apt":
+        base = d.toolchain_apt_copier_packages
+        if first:
+            base = base + (d.toolchain_apt_git_package,)
+        if distribution.seeds(cluster, host):
+            base = base + d.toolchain_apt_seed_packages
+    else:
+        base = {"apt": d.toolchain_apt_packages, "dnf": d.toolchain_dnf_packages,
+                "brew": d.toolchain_brew_packages}[manager]
+        if cluster.llama_cpp.build.ccache:
+            base = base + (d.toolchain_ccache_package,)
     if distribution.share_clients(cluster, host) and manager != "brew":  # macOS ships python3 with its CLT
         base = base + (d.toolchain_python_package,)  # md-share serves the host's model copy
     if manager == "apt" and not host.rootless and cluster.ssh_forwards(host):
@@ -31,11 +66,21 @@ def wanted_packages(cluster, manager: str, host) -> tuple[str, ...]:
     return base
 
 
+def copy_note(source: str | None, manager: str) -> str:
+    """What the plan adds to toolchain.packages' reason where the host gets the copy set rather
+    than the build tools (apt alone: wanted_packages)."""
+    return f"; copies its llama.cpp build from {source}: no compiler" \
+        if source and manager == "apt" else ""
+
+
 def sections(cluster, host) -> list[Section]:
+    # The probe runs before anyone knows who copies: DebPackages asks for what either kind of
+    # host could want (first=True: git is in the build tools anyway).
+    queried = dict.fromkeys(wanted_packages(cluster, "apt", host)
+                            + wanted_packages(cluster, "apt", host, copier=True, first=True))
     out = [
         Section("toolchain.Platform", Platform),
-        Section("toolchain.DebPackages", DebPackages,
-                {"packages": wanted_packages(cluster, "apt", host)}),
+        Section("toolchain.DebPackages", DebPackages, {"packages": tuple(queried)}),
     ]
     if not host.rootless:  # apt's configuration is root's: a rootless host has no proxy file
         out.append(Section("toolchain.AptProxy", AptProxy))
@@ -80,7 +125,8 @@ def preflight(ctx: HostContext) -> None:
                         hint="install cmake, a C++ compiler, git, curl and ninja by hand "
                              "or use a Debian, Ubuntu, Fedora/RHEL or macOS host")
     have = platform.get("cmake_version")
-    if have and tuple(have) < d.toolchain_cmake_min and package_manager(platform) != "brew":
+    if (have and tuple(have) < d.toolchain_cmake_min and package_manager(platform) != "brew"
+            and not copies_from(ctx)):  # a copier runs no cmake
         need = ".".join(map(str, d.toolchain_cmake_min))
         raise PlanError(f"host {host} has cmake {'.'.join(map(str, have))}; llama.cpp needs "
                         f">= {need}",
@@ -129,14 +175,20 @@ def apt_proxy_conf(url: str) -> str:
 
 
 def packages(ctx: HostContext) -> Step:
-    """toolchain.packages: cmake, compiler, git, curl, ninja (and ccache when asked)."""
+    """toolchain.packages: cmake, compiler, git, curl, ninja (and ccache when asked); on an apt
+    host that copies its llama.cpp build (copies_from), what the copy and the binaries need.
+
+    Example: create "install with apt; copies its llama.cpp build from node1: no compiler",
+    packages = "curl libgomp1"
+    """
     platform = ctx.fact("toolchain.Platform") or {}
     if ctx.host.rootless:
         return rootless_packages(ctx, platform)
     manager = package_manager(platform)
     if manager is None:
         preflight(ctx)  # raises the plain "no supported package manager" error
-    wanted = wanted_packages(ctx.cluster, manager, ctx.host)
+    source = copies_from(ctx)
+    wanted = wanted_packages(ctx.cluster, manager, ctx.host, bool(source), ctx.first)
     if (ctx.resolved.build_copiers.get(ctx.host.name) and manager != "brew"
             and d.toolchain_python_package not in wanted
             and "python3" not in platform.get("tools", [])):
@@ -163,9 +215,11 @@ def packages(ctx: HostContext) -> Step:
             command = shell.command("brew", "install", *missing)
         else:
             command = shell.command("dnf", "install", "-y", *missing)
+    copying = copy_note(source, manager)
     if not missing:
-        return Step(ctx.change(ROLE, "packages", "no-op", f"{', '.join(wanted)} installed"))
-    return Step(ctx.change(ROLE, "packages", "create", f"install with {manager}",
+        return Step(ctx.change(ROLE, "packages", "no-op",
+                               f"{', '.join(wanted)} installed{copying}"))
+    return Step(ctx.change(ROLE, "packages", "create", f"install with {manager}{copying}",
                            [AttrDiff("packages", None, " ".join(missing))]),
                 [command], sudo=manager != "brew")
 
@@ -191,7 +245,8 @@ def rootless_missing(ctx: HostContext, platform: dict) -> tuple[str | None, list
     tool is on PATH (the user's own cmake, say) or dpkg lists it installed."""
     manager = package_manager(platform)
     manager = manager if manager in ("apt", "dnf") else None
-    wanted = wanted_packages(ctx.cluster, manager or "apt", ctx.host)
+    wanted = wanted_packages(ctx.cluster, manager or "apt", ctx.host, bool(copies_from(ctx)),
+                             ctx.first)
     installed = (ctx.fact("toolchain.DebPackages") or {}) if manager == "apt" else None
     tools = set(platform.get("tools", []))
     missing = []
@@ -228,9 +283,11 @@ def rootless_packages(ctx: HostContext, platform: dict) -> Step:
     do, or the refusal preflight gives."""
     if not platform.get("termux"):
         refuse_missing(ctx, platform)
-        wanted = wanted_packages(ctx.cluster, rootless_missing(ctx, platform)[0] or "apt",
-                                 ctx.host)
-        return Step(ctx.change(ROLE, "packages", "no-op", f"{', '.join(wanted)} present"))
+        source = copies_from(ctx)
+        manager = rootless_missing(ctx, platform)[0] or "apt"
+        wanted = wanted_packages(ctx.cluster, manager, ctx.host, bool(source), ctx.first)
+        return Step(ctx.change(ROLE, "packages", "no-op",
+                               f"{', '.join(wanted)} present{copy_note(source, manager)}"))
     missing = termux_missing(ctx.cluster, ctx.host, platform)
     if not missing:
         return Step(ctx.change(ROLE, "packages", "no-op", "build tools present (Termux)"))
