@@ -121,7 +121,8 @@ class Resource:
     # models.gguf[M]; one operation per instance starts them together).
     together: bool = False
     # What `-target` brings along with it (engine.targets): these resources (qualified names,
-    # each earlier in apply order) on its host, on every host when cluster_wide; None: every
+    # each earlier in apply order) on its host; when cluster_wide, those and itself on every
+    # host (its plan reads its peers', as a tunnel's ends must agree); None: every
     # resource before it and itself on every host, for one whose plan reads what any of them did
     # or that uses the same instance on another host (a copy).
     needs: tuple[str, ...] | None = None

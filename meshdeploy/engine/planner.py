@@ -201,10 +201,12 @@ def make_plan(session: Session, replacing=(), purge: bool = False, targets=()) -
     prepared = prepare(cluster, hosts, facts, header_cache=control_cache("gguf-headers"),
                        read_remote=session.read_remote, replacing=replacing)
     resolved = prepared.resolved
+    first = hosts[0].name if hosts else None  # as evaluate() has it: the host that resolves
     for role in registry.roles():
         if role.preflight is not None:
             for h in hosts:
-                role.preflight(HostContext(cluster, h, facts[h.name], resolved))
+                role.preflight(HostContext(cluster, h, facts[h.name], resolved,
+                                           first=h.name == first))
     checked = registry.checks(registry.Check(cluster, hosts, facts, resolved,
                                              tuple(session.limit or ())))
     targeted = targeting.closure(cluster, hosts, targets)

@@ -4,8 +4,8 @@ As Terraform's `-target`, for exceptional runs (bring up the allow-list and the 
 hosts whose build would take hours, repair one resource): an address names a resource
 (`network.allowlist`, `models.gguf[gemma]`) on every host or on one (`node2/network.allowlist`).
 A targeted resource brings what it needs (registry.Resource.needs): the resources it declares,
-on its host (on every host for a cluster-wide one), or, where it declares none, every resource
-before it and itself on every host. What is left out is neither planned nor applied; the plan
+on its host (for a cluster-wide one, those and itself on every host), or, where it declares
+none, every resource before it and itself on every host. What is left out is neither planned nor applied; the plan
 says so.
 """
 
@@ -59,9 +59,13 @@ def closure(cluster, hosts, addresses) -> frozenset[tuple[str, str]] | None:
             # models.gguf[M] fetches M and serves it; llama_cpp.copy from its builder's).
             more = {(h, s.name) for s in slots if order[s.name] <= order[slot_name]
                     for h in names}
+        elif slot.resource.cluster_wide:
+            # Its plan reads every host's (a tunnel's peers): what it needs, and itself, on
+            # every host; one end of a tunnel alone would name a key its peers do not know.
+            more = {(h, s.name) for s in slots
+                    if s.resource.qualified in needs or s.name == slot_name for h in names}
         else:
-            on = names if slot.resource.cluster_wide else [host]
-            more = {(h, s.name) for s in slots if s.resource.qualified in needs for h in on}
+            more = {(host, s.name) for s in slots if s.resource.qualified in needs}
         for pair in more - wanted:
             wanted.add(pair)
             todo.append(pair)

@@ -24,14 +24,14 @@ nft add rule ip t out ip daddr 127.0.0.3 tcp dport 22 drop
 s = socket.socket(); s.bind(("127.0.0.1", 2222)); s.listen(8); time.sleep(30)' \
     >/dev/null 2>&1 &
 L=$!
-sleep 0.5
+for _ in $(seq 200); do ss -Hltn 'sport = :2222' | grep -q . && break; sleep 0.05; done
 """
 
 
 def _unavailable() -> str | None:
     if os.geteuid() != 0:
         return "a private network namespace with nft needs root"
-    for tool in ("nft", "unshare", "ip", "bash", "timeout"):
+    for tool in ("nft", "unshare", "ip", "ss", "bash", "timeout"):
         if shutil.which(tool) is None:
             return f"{tool} is missing"
     return None

@@ -34,13 +34,15 @@ def test_a_resource_that_declares_its_needs_brings_only_those(cluster):
     assert one == {("node2", "toolchain.packages"), ("node2", "toolchain.apt_proxy")}
 
 
-def test_a_tunnel_brings_every_host_s_keys_and_allowlist_and_no_build(cluster):
+def test_a_tunnel_brings_every_end_its_keys_and_allowlist_and_no_build(cluster):
     """network.wireguard reads its peers' public keys and needs their allow-lists to pass its
-    UDP port: those on every host; llama.cpp's steps, which come earlier, stay out."""
+    UDP port: those on every host, and every host's end of the tunnel (one end alone, say with
+    a new key from -replace, would name a key its peers do not know); llama.cpp's steps, which
+    come earlier, stay out."""
     got = targets.closure(cluster, cluster.hosts, ["node1/network.wireguard"])
-    needs = ("toolchain.apt_proxy", "network.allowlist", "network.wireguard_key")
-    assert got == {("node1", "network.wireguard")} | {
-        (h, s) for h in ("node1", "node2", "node3") for s in needs}
+    needs = ("toolchain.apt_proxy", "network.allowlist", "network.wireguard_key",
+             "network.wireguard")
+    assert got == {(h, s) for h in ("node1", "node2", "node3") for s in needs}
     assert not any(s.startswith("llama_cpp.") for _, s in got)
 
 
@@ -142,6 +144,20 @@ def test_apply_runs_no_step_outside_the_target(planner):
     assert left_out.noop and left_out.change.reason == "not targeted (-target)"
     targeted = run.step("node2", allowlist, None)
     assert targeted.change.action == "create" and targeted.commands
+
+
+def test_a_saved_plan_takes_its_own_limit_again():
+    """--limit naming the plan's own hosts (in any order) is what the plan was made with."""
+    from meshdeploy.commands import apply
+
+    saved = Plan.from_dict({**Plan(cluster_name="lab", cluster_path="lab.yaml", config_hash="",
+                                   fingerprints={}, changes=[], limit=["node2", "node1"]
+                                   ).to_dict()})
+    args = SimpleNamespace(file="lab.plan", target=None, replace=None, purge=False,
+                           limit=["node1", "node2"])
+    apply._refuse_new_addresses(args, saved)  # no error
+    with pytest.raises(PlanError, match="--limit node1 given with a saved plan"):
+        apply._refuse_new_addresses(SimpleNamespace(**{**vars(args), "limit": ["node1"]}), saved)
 
 
 @pytest.mark.parametrize("extra", [["-target=network.allowlist"], ["--purge"], ["--limit", "node1"],
