@@ -5,8 +5,8 @@ hosts whose build would take hours, repair one resource): an address names a res
 (`network.allowlist`, `models.gguf[gemma]`) on every host or on one (`node2/network.allowlist`).
 A targeted resource brings what it needs (registry.Resource.needs): the resources it declares,
 on its host (for a cluster-wide one, those and itself on every host), or, where it declares
-none, every resource before it and itself on every host. What is left out is neither planned nor applied; the plan
-says so.
+none, every resource before it and itself on every host. What is left out is neither planned
+nor applied; the plan says so.
 """
 
 from __future__ import annotations

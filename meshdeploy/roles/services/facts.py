@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from pyinfra.api import FactBase
 
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import probe, shell
 from meshdeploy.roles.services import defaults as d
+
+TEMPLATES = Path(__file__).parent / "templates"
 
 _MODE = re.compile(r"[0-7]{1,6}")  # stat's %a / %Lp: octal digits only
 _LOG_MARK = "@@log"
@@ -166,23 +169,10 @@ class Rtt(FactBase):
     ```
     """
 
-    # "$@": the "address:port" targets, as arguments of a fixed bash script. ms prints the
-    # microseconds of one connect, or - when it neither connected nor was refused (the C
-    # locale: bash's message says "Connection refused").
-    _BODY = ('ms(){ s=$(date +%s%N); r=$(LC_ALL=C timeout 2 bash -c \'exec 3<>"/dev/tcp/$1/$2"\' '
-             'rtt "$1" "$2" 2>&1); c=$?; e=$(date +%s%N); case "$c $r" in "0 "*|*refused*) '
-             'echo $(( (e-s)/1000 ));; *) echo -;; esac; }; '
-             'best(){ b=; for i in 1 2 3; do t=$(ms "$1" "$2"); [ "$t" = - ] && break; '
-             'if [ -z "$b" ] || [ "$t" -lt "$b" ]; then b=$t; fi; done; echo "${b:--}"; }; '
-             'base=$(best 127.0.0.1 1); [ "$base" = - ] && base=0; '
-             'for ep in "$@"; do t=$(best "${ep%:*}" "${ep##*:}"); '
-             'if [ "$t" = - ]; then echo "$ep -"; else echo "$ep $(( t > base ? t - base : 0 ))"; '
-             'fi; done')
-
     def command(self, targets):
         # A host that is down must not stall the probe: each connect gets 2 s at most.
-        return ("command -v bash >/dev/null && command -v timeout >/dev/null || exit 0; "
-                + shell.command("bash", "-c", self._BODY, "rtt", *targets))
+        return ("command -v bash >/dev/null && command -v timeout >/dev/null || exit 0\n"
+                + shell.template(TEMPLATES / "rtt.sh", args=list(targets)))
 
     def process(self, output):
         out = {}
