@@ -29,6 +29,7 @@ if __name__ == "__main__":  # before anything imports ssl; never in a test that 
 
 import argparse  # noqa: E402
 import re  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -95,16 +96,47 @@ def cpu_times() -> tuple[int, int]:
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
 
 
-def converge(path: Path) -> tuple[float, str, float]:
-    """apply's seconds, its output, and how busy the machine's CPUs were meanwhile (0-1, all
-    cores: the lab's hosts and meshdeploy share them, so near 1 means CPU-bound)."""
+def converge(path: Path) -> tuple[float, str, float, float]:
+    """apply's seconds, its output, how busy the machine's CPUs were meanwhile (0-1, all
+    cores: the lab's hosts and meshdeploy share them, so near 1 means CPU-bound), and the CPU
+    seconds of meshdeploy itself (its process and the ssh clients it started)."""
     t0, busy0 = time.monotonic(), cpu_times()
-    proc = subprocess.run([sys.executable, "-m", "meshdeploy", "apply", str(path),
-                           "--auto-approve"], capture_output=True, text=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    lines, stamped = [], []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-u", "-m", "meshdeploy", "apply", str(path),
+                                 "--auto-approve"], stdout=subprocess.PIPE, stderr=err,
+                                text=True)
+        for line in proc.stdout:  # each line with the second it came: the apply's timeline
+            lines.append(line)
+            stamped.append(f"{time.monotonic() - t0:7.2f} {line}")
+        proc.wait()
+        err.seek(0)
+        stderr = err.read()
     seconds, busy1 = time.monotonic() - t0, cpu_times()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    output = "".join(lines)
+    path.with_suffix(".timeline.txt").write_text("".join(stamped))
     if proc.returncode != 0:
-        raise SystemExit(f"apply {path.name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}")
-    return seconds, proc.stdout, (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
+        raise SystemExit(f"apply {path.name} failed:\n{output[-4000:]}\n{stderr[-3000:]}")
+    own = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return (seconds, output, (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]), own)
+
+
+def timeline(path: Path) -> str:
+    """When the plan was shown, and when each resource's last host ended (seconds from the
+    start of apply), from the timeline converge wrote beside the cluster file."""
+    ends: dict[str, float] = {}
+    planned = None
+    for line in path.with_suffix(".timeline.txt").read_text().splitlines():
+        at, _, rest = line.strip().partition(" ")
+        if planned is None and "will perform the following actions" in rest:
+            planned = float(at)
+        match = re.match(r"\s*\S+\s+([a-z_]+\.[a-z_]+)\S*\s+ok \(", rest)
+        if match:
+            ends[match.group(1)] = float(at)
+    return f"plan shown at {planned or 0:.1f} s; last host done: " + ", ".join(
+        f"{step} {at:.1f}" for step, at in sorted(ends.items(), key=lambda kv: kv[1]))
 
 
 def slowest(output: str, count: int = 6) -> str:
@@ -147,17 +179,18 @@ def main() -> int:
                                       (f"{args.hosts} hosts", fleet, args.servers)):
             path = workdir / f"{label.split()[0]}.yaml"
             path.write_text(cluster_yaml(info, hosts, servers, f"fleet{len(hosts)}"))
-            seconds, output, busy = converge(path)
+            seconds, output, busy, own = converge(path)
             path.with_suffix(".apply.txt").write_text(output)
             built = compiled(info, hosts)
             copies = copied(output, built)
             rows.append([label, servers, f"{seconds:.0f}", f"{busy:.0%}", len(built),
                          len(copies), ", ".join(built)])
             print(f"{label}: every server healthy after {seconds:.0f} s, the CPUs {busy:.0%} "
-                  f"busy; compiled on "
+                  f"busy, meshdeploy's own CPU {own:.1f} s; compiled on "
                   f"{', '.join(built) or 'none'}; {len(copies)} copies; slowest steps: "
                   f"{slowest(output)}; apply output in {path.with_suffix('.apply.txt')}",
                   flush=True)
+            print(f"  {label}: {timeline(path)}", flush=True)
         print(tabulate(rows, headers=["cluster", "servers", "apply to healthy s", "CPUs busy",
                                       "compiles", "copies", "compiled on"]))
         print(f"ratio {rows[1][0]} vs {rows[0][0]}: {float(rows[1][2]) / float(rows[0][2]):.2f}x "

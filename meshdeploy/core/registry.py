@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -115,11 +115,13 @@ class Resource:
     # predecessors made, and that their steps need.
     runs_before: tuple[str, ...] = ()
     # A keyed resource whose instances never wait on another host's instance of it (a server's
-    # health, an rpc-server's port): apply runs all its instances as one operation, each host
-    # its own while the others run theirs. Not for one whose instance serves the same instance
+    # health, an rpc-server's port): True, apply runs all its instances as one operation, each
+    # host its own while the others run theirs. For one whose instance serves the same instance
     # elsewhere (models.gguf: a host copies model M from the host that fetches M in its own
-    # models.gguf[M]; one operation per instance starts them together).
-    together: bool = False
+    # models.gguf[M], so both must run [M] at once), the hosts an instance runs on,
+    # (cluster, key) -> host names: consecutive keys whose hosts do not meet are one operation
+    # (each host runs at most one of them), the others one operation each.
+    together: bool | Callable[[Cluster, Any], Iterable[str]] = False
     # What `-target` brings along with it (engine.targets): these resources (qualified names,
     # each earlier in apply order) on its host; when cluster_wide, those and itself on every
     # host (its plan reads its peers', as a tunnel's ends must agree); None: every

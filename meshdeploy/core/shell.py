@@ -52,6 +52,9 @@ def body(path: Path) -> Raw:
 # md_systemd_run OPTIONS... -- COMMAND ARGS...: systemd-run whose unit runs exactly the words
 # after `--` (systemd would expand "${VAR}" in them); a prelude for scripts that start units.
 SYSTEMD_RUN = body(TEMPLATES / "systemd-run.sh")
+# md_sha256 FILE: its sha256 by the fastest hasher the host has; a prelude for scripts that
+# verify what they downloaded or packed.
+SHA256 = body(TEMPLATES / "sha256.sh")
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODE = re.compile(r"[0-7]{3,4}")

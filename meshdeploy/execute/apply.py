@@ -174,19 +174,20 @@ def apply(session: Session, planned: Planned, progress=print, slots: bool = True
 
     state.add_callback_handler(Progress())
     state.set_stage(StateStage.Prepare)
-    metas = {}
+    metas = []  # (operation name, its meta); a name may recur (models.gguf's runs of keys)
     for name, resource, key, keys in _operations(cluster) if slots else []:
         kwargs = {"_serial": True} if resource.serial and resource.serial(cluster) else {}
         if keys is None:
-            metas[name] = add_op(state, operations.operation_for(resource), key, name=name,
-                                 **kwargs)
+            metas.append((name, add_op(state, operations.operation_for(resource), key,
+                                       name=name, **kwargs)))
         else:
-            metas[name] = add_op(state, operations.keyed_operation_for(resource), keys=keys,
-                                 name=name, **kwargs)
+            metas.append((name, add_op(state, operations.keyed_operation_for(resource),
+                                       keys=keys, name=name, **kwargs)))
     for role in reversed(registry.roles()):
         if role.destroy is not None and any(r == role.name for _, r in planned.teardown):
-            metas[f"{role.name}.destroy"] = add_op(state, operations.teardown_for(role.name),
-                                                   name=f"{role.name}.destroy")
+            metas.append((f"{role.name}.destroy",
+                          add_op(state, operations.teardown_for(role.name),
+                                 name=f"{role.name}.destroy")))
     state.set_stage(StateStage.Execute)
     try:
         with operations.running(run), Interrupts(session, progress or print) as run.interrupts:
@@ -222,22 +223,30 @@ def _operations(cluster) -> list[tuple[str, registry.Resource, object, tuple | N
     """The pyinfra operations apply adds, in order, as (name, resource, key, keys): one per
     slot (its key; None for a resource with one instance per host), except that the instances
     of a resource with `Resource.together` are one operation of all its keys
-    (operations.keyed_operation_for: each host runs its own while the others run theirs)."""
+    (operations.keyed_operation_for: each host runs its own while the others run theirs), or,
+    where `together` says which hosts each instance runs on, one operation of each run of
+    consecutive keys whose hosts do not meet."""
     out: list[tuple[str, registry.Resource, object, tuple | None]] = []
+    used: set[str] = set()  # the hosts of the last operation's keys
     for slot in registry.slots(cluster, apply=True):
         resource = slot.resource
         if resource.keys is None or not resource.together:
             out.append((slot.name, resource, slot.key, None))
-        elif out and out[-1][1] is resource:
+            continue
+        hosts = set(resource.together(cluster, slot.key)) if callable(resource.together) \
+            else set()
+        if out and out[-1][1] is resource and out[-1][3] is not None and not hosts & used:
             out[-1] = (*out[-1][:3], out[-1][3] + (slot.key,))
+            used |= hosts
         else:
             out.append((resource.qualified, resource, None, (slot.key,)))
+            used = hosts
     return out
 
 
 def _failed(metas):
     out = []
-    for slot, per_host in metas.items():
+    for slot, per_host in metas:
         for host, meta in per_host.items():
             try:
                 if meta.did_error():

@@ -1,6 +1,7 @@
 """How apply turns the registry's slots into pyinfra operations: one per instance, a
 `together` resource's instances in one (each host runs its own while the others run theirs),
-and a failure inside such an operation named by its instance."""
+models whose hosts do not meet in one, and a failure inside such an operation named by its
+instance."""
 
 from __future__ import annotations
 
@@ -28,23 +29,34 @@ def multi_server(tmp_path) -> Path:
     return path
 
 
-def test_servers_are_one_operation_of_all_their_keys_and_models_one_per_instance(tmp_path):
+def test_servers_are_one_operation_of_all_their_keys_and_models_whose_hosts_differ_too(tmp_path):
     cluster = load_cluster(multi_server(tmp_path))
     ops = applying._operations(cluster)
     slots = registry.slots(cluster, apply=True)
     names = [name for name, _, _, _ in ops]
-    assert len(names) == len(set(names))  # each operation's name once (apply's metas)
+    assert len(names) == len(set(names))
     merged = {name: keys for name, _, _, keys in ops if keys is not None}
-    assert set(merged) == {"services.llama_server", "services.rpc_server"}
+    assert set(merged) == {"services.llama_server", "services.rpc_server", "models.gguf"}
     assert set(merged["services.llama_server"]) == {"main", "second"}
-    # A copier's models.gguf[M] runs with its source's: one operation per model.
-    assert {n for n in names if n.startswith("models.gguf")} == {"models.gguf[gemma]",
-                                                                  "models.gguf[other]"}
+    # gemma's hosts (node1) and other's (node2) do not meet: both download at once.
+    assert merged["models.gguf"] == ("other", "gemma")
     assert "llama_cpp.build" in names
     # Every slot is in exactly one operation, in slot order.
     covered = [(r.qualified, k) for _, r, key, keys in ops
                for k in (keys if keys is not None else (key,))]
     assert covered == [(s.resource.qualified, s.key) for s in slots]
+
+
+def test_models_whose_hosts_meet_are_operations_in_turn(tmp_path):
+    """A host holding two models runs each model's instance with that model's other hosts (a
+    copier of M must run models.gguf[M] while M's source does): one operation per model."""
+    path = multi_server(tmp_path)
+    path.write_text(path.read_text().replace("    host: node2\n    model: other\n",
+                                             "    host: node1\n    model: other\n"))
+    cluster = load_cluster(path)
+    models = [keys for name, _, _, keys in applying._operations(cluster)
+              if name == "models.gguf"]
+    assert models == [("other",), ("gemma",)]  # the file's order
 
 
 def run_of(cluster):

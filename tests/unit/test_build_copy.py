@@ -215,7 +215,7 @@ def run(script: str) -> subprocess.CompletedProcess:
 
 def copy_script(url: str, out: Path, key: str, expect: str = "") -> str:
     from meshdeploy.core import progress, shell
-    return shell.template(ops.TEMPLATES / "copy.sh", prelude=progress.SHELL,
+    return shell.template(ops.TEMPLATES / "copy.sh", prelude=progress.SHELL + "\n" + shell.SHA256,
                           URL=f"{url}/{key}.tar.gz", SUMURL=f"{url}/{key}.tar.gz.sha256",
                           EXPECT=expect, OUT=str(out), KEY=key, COMMIT=COMMIT, BUILDER="node1",
                           HOST="node2", WAIT=4, ARCHIVE=f"/opt/meshdeploy/build/share/{key}.tar.gz")
@@ -223,7 +223,8 @@ def copy_script(url: str, out: Path, key: str, expect: str = "") -> str:
 
 def pack(build: Path, archive: Path) -> subprocess.CompletedProcess:
     from meshdeploy.core import shell
-    return run(shell.template(ops.TEMPLATES / "pack.sh", BUILD=str(build), ARCHIVE=str(archive)))
+    return run(shell.template(ops.TEMPLATES / "pack.sh", prelude=shell.SHA256, BUILD=str(build),
+                              ARCHIVE=str(archive)))
 
 
 def test_a_packed_build_is_copied_verified_and_its_binaries_run(tmp_path, served):

@@ -242,8 +242,8 @@ def build(ctx: HostContext) -> Step:
 def pack_script(ctx: HostContext, key: str) -> str:
     """pack.sh: the tarball of installed build `key` and its sha256, for the hosts that copy it
     (their copies are checked against that sha256, which apply reads back from this host)."""
-    return shell.template(TEMPLATES / "pack.sh", BUILD=installed_build(ctx.prefix, key),
-                          ARCHIVE=archive(ctx.prefix, key))
+    return shell.template(TEMPLATES / "pack.sh", prelude=shell.SHA256,
+                          BUILD=installed_build(ctx.prefix, key), ARCHIVE=archive(ctx.prefix, key))
 
 
 def _lacking(ctx: HostContext, decision: keys.Decision) -> list[str]:
@@ -301,7 +301,7 @@ def copy(ctx: HostContext) -> Step:
                               f"-replace={host.name}/llama_cpp.build")
     name = f"{decision.key}.tar.gz"
     script = shell.template(
-        TEMPLATES / "copy.sh", prelude=progress.SHELL,
+        TEMPLATES / "copy.sh", prelude=progress.SHELL + "\n" + shell.SHA256,
         URL=share.lan_url(cluster, builder, name), SUMURL=share.lan_url(cluster, builder,
                                                                          f"{name}.sha256"),
         EXPECT=seen[0] if seen else "", OUT=installed_build(ctx.prefix, decision.key),

@@ -28,6 +28,12 @@ def _prepare(p: Prepare) -> Prepared:
     return Prepared(values={"models": resolved, "hf_token": get_token(p.cluster) if needed else None})
 
 
+def _holders(cluster, name: str) -> list[str]:
+    """The hosts whose models.gguf[name] does something: those keeping the model's GGUF (its
+    source among them)."""
+    return [h.name for h in cluster.hosts if name in ops.needed(cluster, h)]
+
+
 ROLE = Role(
     name="models",
     doc=__doc__,
@@ -39,7 +45,10 @@ ROLE = Role(
     # After network: a copy from another host travels through its allow-list and tunnel.
     after=("toolchain", "network"),
     resources=(
+        # A host that copies model M runs its models.gguf[M] while M's source runs its own:
+        # models whose hosts do not meet download at once, the others in turn.
         Resource("gguf", ops.gguf, "one model's GGUF, verified, where a host loads it",
-                 keys=lambda cluster: list(cluster.models), cluster_wide=True),
+                 keys=lambda cluster: list(cluster.models), cluster_wide=True,
+                 together=_holders),
     ),
 )

@@ -58,8 +58,8 @@ def sections(cluster, host) -> list[Section]:
 
 def verify_script(path: str, sha: str) -> str:
     """Hash once; on a match leave a marker (size mtime sha) that later plans trust."""
-    return shell.script("set -e\n" + shell.body(TEMPLATES / "verify.sh"), F=path, SHA=sha,
-                        MARKER=f"{path}{d.models_verified_suffix}")
+    return shell.script("set -e\n" + shell.body(TEMPLATES / "verify.sh"), prelude=shell.SHA256,
+                        F=path, SHA=sha, MARKER=f"{path}{d.models_verified_suffix}")
 
 
 def download_script(path: str, url: str, size: int, sha: str, auth: bool = False,
@@ -68,7 +68,7 @@ def download_script(path: str, url: str, size: int, sha: str, auth: bool = False
     Authorization header from the script's standard input (see SecretStdin); `lan`: from
     another host's md-share (a refused connection, and a reply cut short, are retried)."""
     script = shell.body(TEMPLATES / "download.sh") + "\n" + shell.body(TEMPLATES / "verify.sh")
-    return shell.script(script, prelude=progress.SHELL, F=path,
+    return shell.script(script, prelude=progress.SHELL + "\n" + shell.SHA256, F=path,
                         P=f"{path}{d.models_partial_suffix}", SIZE=int(size), SHA=sha, URL=url,
                         AUTH="1" if auth else "", LAN="1" if lan else "",
                         RETRIES=int(d.models_curl_retries),

@@ -2,7 +2,7 @@
 # it (the marker). Inputs: F, P (the partial), SIZE, SHA, URL, AUTH (non-empty: the
 # Authorization header arrives on standard input, read by curl -H @-), LAN (non-empty: from
 # another host's md-share), RETRIES, MARKER; md_progress, md_watch and md_unwatch come from the
-# prelude (core/progress.py). Line by line:
+# prelude (core/progress.py), md_sha256 too (core.shell.SHA256). Line by line:
 # - An earlier run's download may have finished while this run was planning.
 # - A partial longer than the file, or a finished one with the wrong bytes, starts over.
 # - curl keeps the header in memory for its retries, and since 7.58 drops a custom
@@ -35,5 +35,5 @@ done
 md_unwatch; [ "$rc" = 0 ] || { S=$(stat -c %s "$P" 2>/dev/null || echo 0); FREE=$(df -Pk "$(dirname "$F")" | awk 'NR == 2 {printf "%.0f", $4 * 1024}'); NEED=$((SIZE - S)); if [ "$rc" = 23 ] || [ "${FREE:-0}" -lt "$NEED" ]; then echo "$F: the disk is full: needs $NEED more bytes ($((NEED >> 20)) MiB) of $SIZE, ${FREE:-0} bytes ($((${FREE:-0} >> 20)) MiB) free on $(dirname "$F"); $S bytes kept in $P to resume" >&2; else echo "$F: download failed at $S of $SIZE bytes (curl exit $rc); $P kept to resume" >&2; fi; exit "$rc"; }; fi
 md_progress phase verify sha256
 S=$(stat -c %s "$P"); [ "$S" = "$SIZE" ] || { echo "$F: downloaded $S bytes, expected $SIZE" >&2; exit 1; }
-H=$(sha256sum "$P" | cut -d' ' -f1); [ "$H" = "$SHA" ] || { rm -f "$P"; echo "$F: sha256 $H, expected $SHA; partial removed" >&2; exit 1; }
+H=$(md_sha256 "$P"); [ "$H" = "$SHA" ] || { rm -f "$P"; echo "$F: sha256 $H, expected $SHA; partial removed" >&2; exit 1; }
 mv -f "$P" "$F"
