@@ -318,6 +318,26 @@ def test_a_corrupted_archive_is_refused_and_nothing_is_installed(tmp_path, serve
     assert not out.exists() and not list(out.parent.iterdir())
 
 
+def test_a_copy_that_cannot_be_unpacked_leaves_nothing_behind(tmp_path, served):
+    """A gzip whose content is no tar (sha256 as computed: the builder packed it so) passes the
+    listing checks, which read nothing, and fails to unpack: one message, and neither the
+    unpacked tar nor a half build stays under builds/ (activate.sh's pruning would count an
+    unpacked tar not named .tmp as a build)."""
+    import gzip
+    import hashlib
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    data = gzip.compress(b"not a tar archive, " * 100)
+    (folder / f"{key}.tar.gz").write_bytes(data)
+    computed = hashlib.sha256(data).hexdigest()
+    (folder / f"{key}.tar.gz.sha256").write_text(computed + "\n")
+    out = tmp_path / "b2" / "builds" / key
+    done = run(copy_script(url, out, key, expect=computed))
+    assert done.returncode == 1
+    assert f"node2: could not unpack build {key} into {out}.tmp" in done.stderr
+    assert not list(out.parent.iterdir())
+
+
 def test_a_builder_that_never_serves_ends_the_wait_with_one_message(tmp_path, served):
     _, url = served
     out = tmp_path / "builds" / "k"

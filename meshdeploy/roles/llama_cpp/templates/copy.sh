@@ -11,13 +11,13 @@ set -e
 # An earlier run's copy of this key may have finished while this run was planning.
 if [ -f "$OUT/manifest" ] && grep -qx "key=$KEY" "$OUT/manifest"; then echo "$KEY: already installed"; exit 0; fi
 TAR="$OUT.tar.tmp"
-rm -rf "$OUT.tmp" "$TAR" "$OUT.tar.plain"; mkdir -p "${OUT%/*}"
+rm -rf "$OUT.tmp" "$TAR" "$OUT.plain.tmp"; mkdir -p "${OUT%/*}"
 md_progress phase "wait for $BUILDER"
-# Asked every half second: BUILDER packs and starts md-share in about a second.
-i=0
+# Asked every half second (BUILDER packs and starts md-share in about a second) until WAIT
+# seconds have passed, however long each try takes (a dropped SYN waits for curl's --max-time).
+END=$(($(date +%s) + WAIT))
 until SUM=$(curl -fsS --max-time 10 "$SUMURL" 2>/dev/null); do
-  i=$((i + 1))
-  [ "$i" -lt $((WAIT * 2)) ] || { echo "$HOST: $BUILDER did not serve build $KEY within $WAIT s (see its llama_cpp.copy step); current is unchanged" >&2; exit 1; }
+  [ "$(date +%s)" -lt "$END" ] || { echo "$HOST: $BUILDER did not serve build $KEY within $WAIT s (see its llama_cpp.copy step); current is unchanged" >&2; exit 1; }
   sleep 0.5
 done
 SUM=$(printf '%s' "$SUM" | cut -c1-64)
@@ -44,14 +44,16 @@ if [ "$GOT" != "$EXPECT" ]; then
 fi
 # Unpacked once (gzip costs a copier more than all else it does), then read twice: only plain
 # files and folders below the build, no links, devices, absolute or .. names.
-PLAIN="$OUT.tar.plain"
-gzip -dc "$TAR" > "$PLAIN" || { rm -f "$TAR" "$PLAIN"; echo "$HOST: refused the copy of build $KEY from $BUILDER: not a gzip archive" >&2; exit 1; }
+# Its name ends in .tmp, as every partial thing under builds/ does: activate.sh's pruning skips it.
+PLAIN="$OUT.plain.tmp"
+gzip -dc "$TAR" > "$PLAIN" || { rm -f "$TAR" "$PLAIN"; echo "$HOST: could not unpack the copy of build $KEY from $BUILDER (not a gzip archive, or the disk is full: df $OUT)" >&2; exit 1; }
 rm -f "$TAR"
 if tar -tvf "$PLAIN" | grep -qv '^[-d]' || tar -tf "$PLAIN" | grep -qE '^/|(^|/)\.\.(/|$)'; then
   rm -f "$PLAIN"; echo "$HOST: refused the copy of build $KEY from $BUILDER: the archive holds more than files and folders" >&2; exit 1
 fi
 mkdir -p "$OUT.tmp"
-tar -xf "$PLAIN" -C "$OUT.tmp" --no-same-owner; rm -f "$PLAIN"
+tar -xf "$PLAIN" -C "$OUT.tmp" --no-same-owner || { rm -rf "$PLAIN" "$OUT.tmp"; echo "$HOST: could not unpack build $KEY into $OUT.tmp (is the disk full?); current is unchanged" >&2; exit 1; }
+rm -f "$PLAIN"
 grep -qx "key=$KEY" "$OUT.tmp/manifest" ||
   { rm -rf "$OUT.tmp"; echo "$HOST: the archive from $BUILDER is not build $KEY" >&2; exit 1; }
 # The binaries must run here before they can become current: llama-server tells its commit, the
