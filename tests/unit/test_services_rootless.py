@@ -242,7 +242,8 @@ def test_create_noop_update_restart_and_remove(manager):
         assert 'sv -w "$WAIT" restart "$DIR"' in stopped.commands[-2]
         assert "svlogd -tt" in created.commands[3]
     else:
-        assert "systemctl --user enable --quiet meshdeploy-rpc-50052" in stopped.commands[1]
+        assert "systemctl --user enable --no-reload --quiet meshdeploy-rpc-50052" in \
+            stopped.commands[1]
     # Gone from the file: removed, with its log folder on runit.
     stale = services.stale_units(context(cluster, "node2", {
         unit: have(manager, want, log=log), "meshdeploy-rpc-50053": have(manager, "x")},

@@ -242,15 +242,16 @@ def boot_unit() -> str:
 
 def apply_commands(text: str) -> list[str]:
     """Load the table (`nft -f` is atomic) and keep the file for boot only once it loaded, so
-    the boot unit never meets a ruleset that fails; then install that unit (`systemctl enable`
-    reloads the manager's configuration itself)."""
+    the boot unit never meets a ruleset that fails; then enable that unit for the next boot,
+    without the reload `systemctl enable` does by default: nothing starts it now (the table is
+    loaded), and a reload reruns every generator and rereads every unit file."""
     unit = f"{d.network_unit_dir}/{d.network_nft_unit}.service"
     staged = f"{d.network_nft_file}.new"
     return [
         shell.write_file(staged, text, "0644"),
         shell.command("nft", "-f", staged, shell.AND, "mv", "-f", staged, d.network_nft_file),
         shell.write_file(unit, boot_unit(), "0644"),
-        shell.command("systemctl", "enable", "--quiet", d.network_nft_unit),
+        shell.command("systemctl", "enable", "--no-reload", "--quiet", d.network_nft_unit),
     ]
 
 

@@ -39,14 +39,15 @@ class Systemd:
         return have["content"] != want
 
     def install(self, unit: str) -> str:
-        """After the unit file was written: `systemctl enable` reloads the manager's
-        configuration itself (unless --no-reload, systemctl(1)), so no daemon-reload before
-        it: one reload less per host, and a fleet's hosts reload at once."""
+        """After the unit file was written: the same as restart."""
         return self.restart(unit)
 
     def restart(self, unit: str) -> str:
-        return shell.command("systemctl", "enable", "--quiet", unit, shell.AND,
-                             "systemctl", "restart", unit)
+        """Enabled and restarted, systemd reloading its configuration only when it holds an older
+        copy of this unit than its file (NeedDaemonReload; a unit it never loaded is read from
+        its file when restarted). A reload reruns every generator and rereads every unit file,
+        and `systemctl enable` does one unless --no-reload: 60 of them in a 30-host apply."""
+        return reload_if_stale(("systemctl",), unit)
 
     def stop(self, unit: str) -> str:
         """Stopped if it runs; nothing when it does not exist yet."""
@@ -123,11 +124,10 @@ class SystemdUser(Systemd):
         return f"{self.layout.services}/{unit}.service"
 
     def install(self, unit: str) -> str:
-        return self.restart(unit)  # `enable` reloads (Systemd.install)
+        return self.restart(unit)
 
     def restart(self, unit: str) -> str:
-        return shell.command("systemctl", "--user", "enable", "--quiet", unit, shell.AND,
-                             "systemctl", "--user", "restart", unit)
+        return reload_if_stale(("systemctl", "--user"), unit)  # as Systemd.restart
 
     def stop(self, unit: str) -> str:
         return shell.command("systemctl", "--user", "stop", unit, shell.QUIET, shell.THEN,
@@ -224,6 +224,16 @@ class Runit(Systemd):
 
     def journal(self, unit: str) -> str:
         return _tail(f"{self.log_dir(unit)}/current")
+
+
+def reload_if_stale(systemctl: tuple[str, ...], unit: str) -> str:
+    """`systemctl [--user] enable --no-reload U`, `daemon-reload` only when systemd's copy of U
+    is older than its file, then `restart U`."""
+    stale = shell.command(*systemctl, "show", "-p", "NeedDaemonReload", "--value", unit)
+    return (shell.command(*systemctl, "enable", "--no-reload", "--quiet", unit, shell.AND)
+            + f' {{ [ "$({stale})" != yes ] || '
+            + shell.command(*systemctl, "daemon-reload") + "; } && "
+            + shell.command(*systemctl, "restart", unit))
 
 
 def _tail(path: str) -> str:
