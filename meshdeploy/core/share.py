@@ -124,7 +124,9 @@ reverse_port = distribution.reverse_port  # `-R 127.0.0.1:PORT:127.0.0.1:model_s
 
 def way(cluster) -> str:
     """How md-share's bytes travel, as a plan says it."""
-    return "through the ssh forwards" if cluster.network.forwarded else "over the LAN"
+    if cluster.network.forwarded:
+        return "through the ssh forwards"
+    return "through the WireGuard tunnel" if cluster.network.tunnel else "over the LAN"
 
 
 def address(cluster, host: str) -> str:
@@ -155,9 +157,9 @@ def url(cluster, source: str, sha256: str, client: str) -> str:
 
 def lan_url(cluster, source: str, name: str) -> str:
     """Where another host fetches the file md-share on host `source` serves as `name`, over the
-    hosts' network (the source's cluster address): a model by its sha256 (url()), a llama.cpp
-    build's tarball by its build key (llama_cpp.copy, which runs only where no tunnel or forward
-    must carry it)."""
+    hosts' network (the source's cluster address, its tunnel address under WireGuard): a model
+    by its sha256 (url()), a llama.cpp build's tarball by its build key (llama_cpp.copy, which
+    runs only where no forward must carry it)."""
     address = cluster.source_address(cluster.host(source))
     host = f"[{address}]" if ":" in address else address
     return f"http://{host}:{model_share_port}/models/{name}"

@@ -17,6 +17,7 @@ Runs on its own lab, `mdwg`, never the shared `mdlab`.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -385,6 +386,42 @@ def test_replace_rotates_every_key_in_one_apply(wg_lab, converged, cluster_file)
     assert applied.returncode == 0, applied.stderr
     after = public_keys(wg_lab)
     assert all(before[h] != after[h] for h in before), (before, after)
+    assert chat(wg_lab)["choices"][0]["message"]["content"]
+    again = meshdeploy("plan", cluster_file, "--detailed-exitcode")
+    assert again.returncode == 0 and "No changes." in again.stdout, again.stdout
+
+
+def wg_received(lab, host: str) -> int:
+    """Bytes `host` has received through the tunnel, from every peer (`wg show ... transfer`)."""
+    out = root(lab, host, shell.command("wg", "show", IFACE, "transfer")).stdout
+    return sum(int(line.split()[1]) for line in out.splitlines() if line.strip())
+
+
+def test_a_build_is_copied_through_the_tunnel(wg_lab, converged, cluster_file):
+    """node2 and node3 lose their llama.cpp build (removed by hand): the plan has them copy
+    node1's through the tunnel, an apply of the copy alone (no model load, so no weights on the
+    tunnel) brings each at least the tarball's bytes through it, the copies are node1's
+    binaries, and the next apply restarts the services on them: chat, then No changes."""
+    prefix = "/opt/meshdeploy"
+    for host in ("node2", "node3"):
+        root(wg_lab, host, f"rm -rf {prefix}/builds {prefix}/current")
+    plan = meshdeploy("plan", cluster_file)
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.count("from node1 through the WireGuard tunnel") >= 2, plan.stdout
+    tarball = int(root(wg_lab, "node1", f"stat -c %s {prefix}/build/share/*.tar.gz").stdout
+                  .split()[0])
+    before = {h: wg_received(wg_lab, h) for h in ("node2", "node3")}
+    copied = meshdeploy("apply", cluster_file, "--auto-approve", "-target=llama_cpp.copy")
+    assert copied.returncode == 0, copied.stderr
+    for host in ("node2", "node3"):
+        assert wg_received(wg_lab, host) - before[host] >= tarball, (host, tarball)
+        assert re.search(rf"(?m)^\s*{host}\s+llama_cpp\.copy\s+ok", copied.stdout), \
+            copied.stdout
+    binaries = {h: root(wg_lab, h, f"cd {prefix}/current/bin && sha256sum *").stdout
+                for h in ("node1", "node2", "node3")}
+    assert binaries["node2"] == binaries["node3"] == binaries["node1"] != "", binaries
+    applied = meshdeploy("apply", cluster_file, "--auto-approve")
+    assert applied.returncode == 0, applied.stderr
     assert chat(wg_lab)["choices"][0]["message"]["content"]
     again = meshdeploy("plan", cluster_file, "--detailed-exitcode")
     assert again.returncode == 0 and "No changes." in again.stdout, again.stdout

@@ -154,12 +154,76 @@ def test_replace_compiles_on_the_named_host():
     assert step.change.action == "replace" and "FORCE=1" in step.commands[0]
 
 
-def test_tunnels_and_forwards_keep_every_host_compiling():
+def test_forwards_keep_every_host_compiling():
     cluster = lab()
-    for transport in ("wireguard", "ssh"):
-        other = replace(cluster, network=replace(cluster.network, transport=transport))
-        got = decisions(other, same_platform(other))
-        assert all(d.builder == name and not d.portable for name, d in got.items()), transport
+    other = replace(cluster, network=replace(cluster.network, transport="ssh"))
+    got = decisions(other, same_platform(other))
+    assert all(d.builder == name and not d.portable for name, d in got.items())
+
+
+def wireguard(cluster):
+    return replace(cluster, network=replace(cluster.network, transport="wireguard"))
+
+
+def two_meshes(tmp_path) -> Path:
+    """node1 serves a model alone; node2 serves gemma with node3's rpc-server: node1 is no
+    tunnel peer of the others."""
+    text = (ROOT / "inventories" / "lab.yaml").read_text()
+    text = text.replace("  main:\n    host: node1\n", "  main:\n    host: node2\n"
+                        "    rpc: [node3:50052]\n", 1)
+    text = text.replace("\nservers:\n", "\nservers:\n  alone:\n    host: node1\n    model: other\n"
+                        "    port: 8081\n    rpc: none\n", 1)
+    text = text.replace("\nmodels:\n", "\nmodels:\n  other:\n    huggingface:\n"
+                        "      repo: hugginllam/other-GGUF\n      file: other.gguf\n", 1)
+    text = text.replace("    rpc_servers:\n      - port: 50052\n", "", 1)  # node2's
+    path = tmp_path / "lab.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_through_a_tunnel_peers_copy_from_the_first_host_of_their_star():
+    """Under WireGuard a copy goes through the tunnel: the lab's workers are the orchestrator's
+    peers and copy its build."""
+    cluster = wireguard(lab())
+    got = decisions(cluster, same_platform(cluster))
+    assert {n: d.builder for n, d in got.items()} == {"node1": "node1", "node2": "node1",
+                                                      "node3": "node1"}
+    assert got["node1"].copiers() == ["node2", "node3"] and got["node1"].portable
+    assert "tunnel peers copy it" in got["node1"].why
+
+
+def test_a_host_no_tunnel_reaches_compiles_for_itself(tmp_path):
+    plain = load_cluster(two_meshes(tmp_path))
+    got = decisions(plain, same_platform(plain))
+    assert {n: d.builder for n, d in got.items()} == {"node1": "node1", "node2": "node1",
+                                                      "node3": "node1"}
+    cluster = wireguard(plain)
+    assert [p.name for p in cluster.tunnel_peers(cluster.host("node1"))] == []
+    got = decisions(cluster, same_platform(cluster))
+    assert {n: d.builder for n, d in got.items()} == {"node1": "node1", "node2": "node2",
+                                                      "node3": "node2"}
+    assert got["node1"].members == ("node1",) and got["node2"].copiers() == ["node3"]
+    copiers = keys.copiers(cluster, cluster.hosts, same_platform(cluster), COMMIT)
+    assert copiers == {"node2": ("node3",)}
+
+
+def test_through_a_tunnel_only_the_first_host_of_a_star_builds_for_others():
+    """-replace of a worker makes it compile alone (its peers may not reach it); of the first
+    host, that host compiles for its star; a worker holding the build does not become the
+    builder (the others may not be its peers)."""
+    cluster = wireguard(lab())
+    got = decisions(cluster, same_platform(cluster), replace_=("node2/llama_cpp.build",))
+    assert got["node2"].builder == "node2" and got["node2"].members == ("node2",)
+    assert got["node3"].builder == "node1" and got["node1"].copiers() == ["node3"]
+    got = decisions(cluster, same_platform(cluster), replace_=("node1/llama_cpp.build",))
+    assert got["node3"].builder == "node1" and got["node1"].why == "-replace builds it there"
+    cluster = parallel(cluster)  # the lab builds one host at a time: no installed builder
+    key = got["node1"].key
+    facts = same_platform(cluster, node3=host_facts(builds={key: manifest()}, current=key))
+    got = decisions(cluster, facts)
+    assert got["node2"].builder == "node1" and got["node3"].builder == "node1"
+    plain = decisions(parallel(lab()), facts)  # without the tunnel node3 serves what it holds
+    assert plain["node2"].builder == "node3" and "installed" in plain["node3"].why
 
 
 

@@ -38,8 +38,15 @@ network.allowlist opens md-share's port on a builder to its copiers alone, as fo
 
 Nobody shares where the file says so (llama_cpp.build.copy: false: every host compiles), nor
 where the copy could not travel when it runs: a host whose platform the probe
-could not tell (no C library version: macOS, Termux), and every host under network.wireguard or
-network.transport: ssh (llama_cpp runs before the tunnel and the forwards exist).
+could not tell (no C library version: macOS, Termux), and every host under network.transport:
+ssh (llama_cpp runs before the forwards exist).
+
+Under network.transport: wireguard the copy travels through the tunnel (network.wireguard runs
+before llama_cpp.copy), which joins only RPC peers (Cluster.tunnel_peers). So the hosts of a key
+form stars in file order (tunnel_stars): each joins the first star whose first host is its
+peer, or starts one; a star's first host is its builder (compiling, or holding the build
+already), the rest copy from it, and a host that -replace names elsewhere in a star compiles
+for itself alone.
 """
 
 from __future__ import annotations
@@ -145,8 +152,21 @@ def _facts_of(ctx, name: str) -> dict:
 
 
 def _shares(cluster) -> bool:
-    return cluster.llama_cpp.build.copy and not (cluster.network.tunnel
-                                                 or cluster.network.forwarded)
+    return cluster.llama_cpp.build.copy and not cluster.network.forwarded
+
+
+def tunnel_stars(cluster, names: list[str]) -> list[list[str]]:
+    """`names` (file order) as stars under a tunnel: each host joins the first star whose first
+    host is its tunnel peer, or starts one (module docstring)."""
+    stars: list[list[str]] = []
+    for name in names:
+        peers = {p.name for p in cluster.tunnel_peers(cluster.host(name))}
+        star = next((s for s in stars if s[0] in peers), None)
+        if star is None:
+            stars.append([name])
+        else:
+            star.append(name)
+    return stars
 
 
 def group(ctx) -> list[str] | None:
@@ -159,11 +179,14 @@ def group(ctx) -> list[str] | None:
     if mine is None or not _shares(cluster):
         return [host.name]
     termux = on_termux(ctx.facts)
-    return [h.name for h in cluster.hosts
+    same = [h.name for h in cluster.hosts
             if (h.name == host.name or h.name in ctx.cluster_facts)
             and h.backend == host.backend and targets(cluster, h)
             and platform(_facts_of(ctx, h.name)) == mine
             and on_termux(_facts_of(ctx, h.name)) == termux]
+    if not cluster.network.tunnel:
+        return same
+    return next(star for star in tunnel_stars(cluster, same) if host.name in star)
 
 
 # Stands for the commit in decide() while the ref is not resolved yet (RemoteRef on a first host
@@ -220,14 +243,22 @@ def decide(ctx) -> Decision:
     if len(members) == 1:
         return Decision(key, host.name, (host.name,), tuple(own), "")
     replaced = [m for m in members if ctx.replacing(RESOURCE, m)]
-    sharing = [m for m in members if m not in replaced[1:]]  # other -replace'd hosts: alone
-    if host.name in replaced[1:]:
+    # Other -replace'd hosts compile alone; under a tunnel every one but the star's first host.
+    tunnel = cluster.network.tunnel
+    alone = [m for m in replaced if m != members[0]] if tunnel else replaced[1:]
+    sharing = [m for m in members if m not in alone]
+    if host.name in alone:
         return Decision(key, host.name, (host.name,), tuple(own), "-replace builds it here",
                         portable)
     need = [t for t in ("llama-server", "rpc")
             if any(t in targets(cluster, cluster.host(m)) for m in sharing)]
     installed = [m for m in sharing if covers(_installed(ctx, m, key), need)]
-    if replaced:
+    if tunnel:  # the star's first host: its peers alone can reach it through the tunnel
+        builder = sharing[0]
+        why = ("-replace builds it there" if builder in replaced
+               else "it has that build installed" if builder in installed
+               else "the first host of the key in file order whose tunnel peers copy it")
+    elif replaced:
         builder, why = replaced[0], "-replace builds it there"
     elif installed and not cluster.llama_cpp.build.serial:
         builder, why = installed[0], "it has that build installed"

@@ -24,16 +24,17 @@ ROLE = Role(
                  runs_before=("llama_cpp.copy",),
                  # Its rules come from the file and the plan's copiers, nftables through apt.
                  needs=("toolchain.apt_proxy",)),
-        # wireguard-tools (and wireguard-go) come through apt: the proxy first.
+        # wireguard-tools (and wireguard-go) come through apt: the proxy first. Before
+        # llama_cpp.copy, as the tunnel is: a copier fetches its build through it.
         Resource("wireguard_key", lambda ctx, key: ops.wireguard_key(ctx),
                  "the host's WireGuard key pair, made on the host (network.transport)",
-                 needs=("toolchain.apt_proxy",)),
+                 runs_before=("llama_cpp.copy",), needs=("toolchain.apt_proxy",)),
         # Its peers' public keys, and the allow-list that opens its UDP port to them: on every
         # host, as it is cluster-wide. Nothing of llama.cpp: a tunnel can come up before a build.
         Resource("wireguard", lambda ctx, key: ops.wireguard(ctx),
                  "the WireGuard tunnel to the host's RPC peers (wg-quick@, at boot)",
                  rereads=(("network.wireguard_key", "network.WireGuard"),),
-                 cluster_wide=True, replaceable=True,
+                 cluster_wide=True, replaceable=True, runs_before=("llama_cpp.copy",),
                  needs=("toolchain.apt_proxy", "network.allowlist", "network.wireguard_key")),
         Resource("ssh_key", lambda ctx, key: ssh_ops.ssh_key(ctx),
                  "an orchestrator's key pair for its ssh forwards, made on the host "
