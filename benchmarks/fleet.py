@@ -183,9 +183,9 @@ def main() -> int:
             path.with_suffix(".apply.txt").write_text(output)
             built = compiled(info, hosts)
             copies = copied(output, built)
-            rows.append([label, servers, f"{seconds:.0f}", f"{busy:.0%}", len(built),
+            rows.append([label, servers, f"{seconds:.1f}", f"{busy:.0%}", len(built),
                          len(copies), ", ".join(built)])
-            print(f"{label}: every server healthy after {seconds:.0f} s, the CPUs {busy:.0%} "
+            print(f"{label}: every server healthy after {seconds:.1f} s, the CPUs {busy:.0%} "
                   f"busy, meshdeploy's own CPU {own:.1f} s; compiled on "
                   f"{', '.join(built) or 'none'}; {len(copies)} copies; slowest steps: "
                   f"{slowest(output)}; apply output in {path.with_suffix('.apply.txt')}",
