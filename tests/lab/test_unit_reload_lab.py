@@ -2,14 +2,15 @@
 file): systemd reloads its configuration only when its copy of the unit is older than the file
 (managers.reload_if_stale). A reload reruns every generator and rereads every unit file, and a
 plain `systemctl enable` does one each time: the counter below sees it do so, then sees none
-for a new unit or an unchanged one, and one for a changed one, whose new content then runs."""
+for a new unit or an unchanged one, and one for a changed one, whose new content then runs. A
+rewritten unit (Systemd.install) reloads whatever the file's time says."""
 
 from __future__ import annotations
 
 import pytest
 
 from meshdeploy.core import shell
-from meshdeploy.roles.services.managers import reload_if_stale
+from meshdeploy.roles.services.managers import Systemd, reload_if_stale
 
 pytestmark = pytest.mark.lab
 
@@ -65,4 +66,19 @@ def test_systemd_reloads_only_for_a_unit_it_holds_an_older_copy_of(lab, clean):
     assert run(lab, restart) == 0  # unchanged: restarted, no reload
     write(lab, "second")
     assert run(lab, restart) == 1
+    assert shown(lab)["Description"] == "second" and shown(lab)["ActiveState"] == "active"
+
+
+def test_a_rewritten_unit_runs_its_new_content_whatever_its_time(lab, clean):
+    """NeedDaemonReload compares times: a file written while the host's clock was behind (no
+    RTC, before NTP) looks older than systemd's copy, and the restart alone runs the old
+    content. What a rewrite gets (Systemd.install) reloads anyway."""
+    restart = reload_if_stale(("systemctl",), UNIT)
+    write(lab, "first")
+    run(lab, restart)
+    write(lab, "second")
+    lab.run(HOST, f"touch -d '-1 hour' {PATH}", root=True, check=True)
+    assert run(lab, restart) == 0
+    assert shown(lab)["Description"] == "first"  # the old content still runs
+    assert run(lab, Systemd().install(UNIT)) == 1
     assert shown(lab)["Description"] == "second" and shown(lab)["ActiveState"] == "active"

@@ -401,7 +401,9 @@ def test_a_build_is_copied_through_the_tunnel(wg_lab, converged, cluster_file):
     """node2 and node3 lose their llama.cpp build (removed by hand): the plan has them copy
     node1's through the tunnel, an apply of the copy alone (no model load, so no weights on the
     tunnel) brings each at least the tarball's bytes through it, the copies are node1's
-    binaries, and the next apply restarts the services on them: chat, then No changes."""
+    binaries; restarted by hand (the build key is the same, so an apply has no reason to), the
+    rpc-servers run the copies, and the next apply restarts llama-server after its workers:
+    chat, then No changes."""
     prefix = "/opt/meshdeploy"
     for host in ("node2", "node3"):
         root(wg_lab, host, f"rm -rf {prefix}/builds {prefix}/current")
@@ -420,6 +422,15 @@ def test_a_build_is_copied_through_the_tunnel(wg_lab, converged, cluster_file):
     binaries = {h: root(wg_lab, h, f"cd {prefix}/current/bin && sha256sum *").stdout
                 for h in ("node1", "node2", "node3")}
     assert binaries["node2"] == binaries["node3"] == binaries["node1"] != "", binaries
+    unit = "meshdeploy-rpc-50052"
+    exe = f"readlink /proc/$(systemctl show -p MainPID --value {unit})/exe"
+    for host in ("node2", "node3"):
+        running = root(wg_lab, host, exe).stdout.strip()
+        assert running.endswith("(deleted)"), (host, running)  # still the removed binary
+        root(wg_lab, host, shell.command("systemctl", "restart", unit))
+        running = root(wg_lab, host, exe).stdout.strip()
+        assert running.startswith(f"{prefix}/builds/") and "deleted" not in running, \
+            (host, running)
     applied = meshdeploy("apply", cluster_file, "--auto-approve")
     assert applied.returncode == 0, applied.stderr
     assert chat(wg_lab)["choices"][0]["message"]["content"]

@@ -39,14 +39,23 @@ class Systemd:
         return have["content"] != want
 
     def install(self, unit: str) -> str:
-        """After the unit file was written: the same as restart."""
+        """After an existing unit's file was rewritten: systemd reloads, then enabled and
+        restarted. Always: NeedDaemonReload compares times, and a host whose clock went back
+        (no RTC, before NTP) would write an older time than the copy systemd holds."""
+        return shell.command("systemctl", "daemon-reload", shell.AND, "systemctl", "enable",
+                             "--no-reload", "--quiet", unit, shell.AND, "systemctl", "restart",
+                             unit)
+
+    def start_new(self, unit: str) -> str:
+        """After a new unit's file was written: the same as restart (a unit systemd never loaded,
+        or knows as not found, is read from its file when restarted)."""
         return self.restart(unit)
 
     def restart(self, unit: str) -> str:
         """Enabled and restarted, systemd reloading its configuration only when it holds an older
-        copy of this unit than its file (NeedDaemonReload; a unit it never loaded is read from
-        its file when restarted). A reload reruns every generator and rereads every unit file,
-        and `systemctl enable` does one unless --no-reload: 60 of them in a 30-host apply."""
+        copy of this unit than its file (NeedDaemonReload). A reload reruns every generator and
+        rereads every unit file, and `systemctl enable` does one unless --no-reload: 60 of them
+        in a 30-host apply."""
         return reload_if_stale(("systemctl",), unit)
 
     def stop(self, unit: str) -> str:
@@ -82,6 +91,9 @@ class Launchd(Systemd):
 
     def path(self, unit: str) -> str:
         return f"{d.services_launchd_dir}/{unit}.plist"
+
+    def start_new(self, unit: str) -> str:
+        return self.install(unit)
 
     def install(self, unit: str) -> str:
         return (shell.command("mkdir", "-p", d.services_launchd_log_dir) + " && ("
@@ -123,8 +135,10 @@ class SystemdUser(Systemd):
     def path(self, unit: str) -> str:
         return f"{self.layout.services}/{unit}.service"
 
-    def install(self, unit: str) -> str:
-        return self.restart(unit)
+    def install(self, unit: str) -> str:  # as Systemd.install
+        return shell.command("systemctl", "--user", "daemon-reload", shell.AND, "systemctl",
+                             "--user", "enable", "--no-reload", "--quiet", unit, shell.AND,
+                             "systemctl", "--user", "restart", unit)
 
     def restart(self, unit: str) -> str:
         return reload_if_stale(("systemctl", "--user"), unit)  # as Systemd.restart
@@ -198,6 +212,9 @@ class Runit(Systemd):
                 shell.write_file(f"{new}/run", content, "0700"),
                 shell.write_file(f"{new}/log/run", self.log_run(unit), "0700"),
                 shell.template(TEMPLATES / "runit-move.sh", DIR=self.path(unit), NEW=new)]
+
+    def start_new(self, unit: str) -> str:
+        return self.install(unit)
 
     def install(self, unit: str) -> str:
         return shell.template(TEMPLATES / "runit-up.sh", DIR=self.path(unit),

@@ -286,7 +286,8 @@ def _unit_step(ctx, resource, unit, want, reason_restart=None):
     write = [*mgr.write(unit, want), mgr.install(unit)]
     if have is None:
         return Step(ctx.change(ROLE, resource, "create", "new service",
-                               unit_diff=_diff(None, want, mgr.label(unit))), write), True
+                               unit_diff=_diff(None, want, mgr.label(unit))),
+                    [*mgr.write(unit, want), mgr.start_new(unit)]), True
     if mgr.differs(have, want, unit):
         return Step(ctx.change(ROLE, resource, "update", "unit file differs; restart",
                                unit_diff=_diff(have["content"], want, mgr.label(unit))),
