@@ -23,6 +23,8 @@ TEMPLATES = Path(__file__).with_name("templates")
 class Systemd:
     """Where units live and how they are (re)started on systemd hosts."""
 
+    systemctl: tuple[str, ...] = ("systemctl",)  # the manager install and restart talk to
+
     def name(self, unit: str) -> str:
         return unit_name(unit, "service name")
 
@@ -42,9 +44,9 @@ class Systemd:
         """After an existing unit's file was rewritten: systemd reloads, then enabled and
         restarted. Always: NeedDaemonReload compares times, and a host whose clock went back
         (no RTC, before NTP) would write an older time than the copy systemd holds."""
-        return shell.command("systemctl", "daemon-reload", shell.AND, "systemctl", "enable",
-                             "--no-reload", "--quiet", unit, shell.AND, "systemctl", "restart",
-                             unit)
+        ctl = self.systemctl
+        return shell.command(*ctl, "daemon-reload", shell.AND, *ctl, "enable", "--no-reload",
+                             "--quiet", unit, shell.AND, *ctl, "restart", unit)
 
     def start_new(self, unit: str) -> str:
         """After a new unit's file was written: the same as restart (a unit systemd never loaded,
@@ -56,7 +58,7 @@ class Systemd:
         copy of this unit than its file (NeedDaemonReload). A reload reruns every generator and
         rereads every unit file, and `systemctl enable` does one unless --no-reload: 60 of them
         in a 30-host apply."""
-        return reload_if_stale(("systemctl",), unit)
+        return reload_if_stale(self.systemctl, unit)
 
     def stop(self, unit: str) -> str:
         """Stopped if it runs; nothing when it does not exist yet."""
@@ -129,19 +131,13 @@ class SystemdUser(Systemd):
     (Layout.services), `systemctl --user`, `journalctl --user`. Lingering (checked by
     core.account) keeps the manager, and the services, up without a login."""
 
+    systemctl = ("systemctl", "--user")  # install and restart as Systemd's
+
     def __init__(self, layout):
         self.layout = layout
 
     def path(self, unit: str) -> str:
         return f"{self.layout.services}/{unit}.service"
-
-    def install(self, unit: str) -> str:  # as Systemd.install
-        return shell.command("systemctl", "--user", "daemon-reload", shell.AND, "systemctl",
-                             "--user", "enable", "--no-reload", "--quiet", unit, shell.AND,
-                             "systemctl", "--user", "restart", unit)
-
-    def restart(self, unit: str) -> str:
-        return reload_if_stale(("systemctl", "--user"), unit)  # as Systemd.restart
 
     def stop(self, unit: str) -> str:
         return shell.command("systemctl", "--user", "stop", unit, shell.QUIET, shell.THEN,
