@@ -10,20 +10,41 @@ long arrays.
 
 from __future__ import annotations
 
+import importlib.util
 import struct
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
-
-from gguf.constants import (
-    GGML_QUANT_SIZES,
-    GGUF_MAGIC,
-    MODEL_ARCH_NAMES,
-    GGMLQuantizationType,
-    GGUFValueType,
-)
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
+
+
+def _gguf_constants():
+    """gguf's own type tables (its constants.py, which imports only the standard library),
+    loaded without the gguf package: the package's __init__ imports numpy and every reader and
+    writer, a third of a second of each command's start on a small CPU, for tables alone.
+    Under a name of its own: where the whole package is imported too (tests), its enums are
+    another copy, IntEnums equal to these by value."""
+    name = "meshdeploy.core._gguf_constants"
+    if name in sys.modules:
+        return sys.modules[name]
+    package = importlib.util.find_spec("gguf")  # finds the package, runs nothing of it
+    spec = importlib.util.spec_from_file_location(
+        name, Path(package.submodule_search_locations[0]) / "constants.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_CONSTANTS = _gguf_constants()
+GGML_QUANT_SIZES = _CONSTANTS.GGML_QUANT_SIZES
+GGUF_MAGIC = _CONSTANTS.GGUF_MAGIC
+MODEL_ARCH_NAMES = _CONSTANTS.MODEL_ARCH_NAMES
+GGMLQuantizationType = _CONSTANTS.GGMLQuantizationType
+GGUFValueType = _CONSTANTS.GGUFValueType
 
 SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",

@@ -86,7 +86,9 @@ def damaged(rejected: list[tuple[int, str]]) -> list[str]:
 class SudoCheck(FactBase):
     """Whether `sudo -n` works for the login user: {"ok": True} or {"ok": False, "message": ...}.
 
-    Checked in the probe of every host with ssh.sudo, since apply needs root there.
+    Checked in the probe of every host with ssh.sudo, since apply needs root there. In a
+    composed probe it is the first line of the privileged sections' root shell (compose), whose
+    refusal message it reads; alone, it runs a sudo of its own.
     """
 
     def command(self):
@@ -106,26 +108,37 @@ class SudoCheck(FactBase):
 def compose(sections: list[Section], nonce: str, sudo: bool = False) -> str:
     """One script for the whole probe; run it as the login user (see Section.privileged).
     Privileged sections that follow one another share one `sudo -n` (each sudo costs the host
-    a PAM session and a log line: on 30 hosts sharing two cores, a tenth of a plan)."""
+    a PAM session and a log line: on 30 hosts sharing two cores, a tenth of a plan); a SudoCheck
+    right before them is answered by that same sudo (engine.planner puts them in that order)."""
     out, run = [], []
+    check = None
     for i, section in enumerate(sections):
         if section.privileged and sudo:
             run.append((i, section))
             continue
-        out.append(_as_root(run, nonce))
-        run = []
+        out.append(_as_root(run, nonce, check))
+        run, check = [], None
+        if sudo and section.fact is SudoCheck and i + 1 < len(sections) \
+                and sections[i + 1].privileged:
+            check = i
+            continue
         out.append(section.script(nonce, i, sudo))
-    out.append(_as_root(run, nonce))
+    out.append(_as_root(run, nonce, check))
     return "".join(out)
 
 
-def _as_root(run: list[tuple[int, Section]], nonce: str) -> str:
+def _as_root(run: list[tuple[int, Section]], nonce: str, check: int | None = None) -> str:
     """Consecutive privileged sections in one root shell, each still its own marked subshell
-    (its marker too: a refused sudo leaves their sections missing, as probe.split allows)."""
+    (its marker too: a refused sudo leaves their sections missing, as probe.split allows).
+    + check: the index of a SudoCheck section, marked before the sudo: the root shell first
+      says "ok", and sudo's own refusal (its stderr) is that section's output."""
     if not run:
         return ""
     inner = "".join(Section.wrapped(nonce, i, s.fact().command(**s.kwargs)) for i, s in run)
-    return shell.sudo(inner) + "\n"
+    if check is None:
+        return shell.sudo(inner) + "\n"
+    return (shell.command("printf", "%s\\n", marker(nonce, check)) + "\n"
+            + shell.sudo("echo ok\n" + inner) + " 2>&1\n")
 
 
 def split(output, sections: list[Section], nonce: str) -> dict[str, list[str]]:
@@ -172,8 +185,9 @@ class DiskFree(FactBase):
     """Free bytes on the filesystem that holds `path` (or its nearest existing parent). Roles
     subclass it (a FactBase per role folder, with fixtures)."""
 
-    _BODY = ('while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname -- "$p"); done\n'
-             'df -Pk -- "$p" | tail -n 1')
+    _BODY = ('while [ ! -e "$p" ] && [ "$p" != / ]; do '
+             'case "$p" in */*) p=${p%/*}; p=${p:-/} ;; *) p=. ;; esac; done\n'
+             'df -Pk -- "$p"')  # process() reads the last line
 
     def command(self, path):
         return shell.script(self._BODY, p=path)

@@ -30,9 +30,13 @@ log = logging.getLogger("meshdeploy")
 
 
 def probe_sections(cluster: Cluster, host, first: bool, destroying: bool = False):
-    """Every fact this host's plan reads; a SudoCheck first where apply will need root."""
-    sudo = [probes.Section("probe.SudoCheck", probes.SudoCheck)] if host.sudo else []
-    return sudo + registry.sections(registry.FactRequest(cluster, host, first, destroying))
+    """Every fact this host's plan reads; where apply will need root, a SudoCheck first and the
+    privileged sections right after it: one sudo answers them all (probes.compose)."""
+    sections = registry.sections(registry.FactRequest(cluster, host, first, destroying))
+    if not host.sudo:
+        return sections
+    return ([probes.Section("probe.SudoCheck", probes.SudoCheck)]
+            + [s for s in sections if s.privileged] + [s for s in sections if not s.privileged])
 
 
 def probe_command(cluster: Cluster, host, first: bool, nonce: str,

@@ -442,9 +442,19 @@ def test_units_fact_parses_runit_output():
     assert got["meshdeploy-rpc-50052"]["started"] == 1700000100
 
 
-def test_systemd_units_are_read_with_one_systemctl_call(tmp_path):
+# systemctl show as systemd 248 and later answer --timestamp=unix ("@N"), and as older ones,
+# which refuse the option (and say the local time, which the host's date turns into seconds).
+_NEW_SYSTEMCTL = 'case "$*" in *--timestamp=unix*) t=@1700000000 ;; *) exit 9 ;; esac\n'
+_OLD_SYSTEMCTL = ('case "$*" in *--timestamp=*) echo "Unknown timestamp format" >&2; exit 1 ;; '
+                  'esac; t="Thu 2023-11-14 22:13:20 UTC"\n')
+
+
+@pytest.mark.parametrize("systemctl,calls_made", [(_NEW_SYSTEMCTL, 1), (_OLD_SYSTEMCTL, 2)],
+                         ids=["systemd-248-and-later", "older-systemd"])
+def test_systemd_units_are_read_with_one_systemctl_call(tmp_path, systemctl, calls_made):
     """systemd --user (and the system's, the same script): every unit's state from one
-    `systemctl show`, its start time in epoch seconds from the host's date, each file's text."""
+    `systemctl show` (a second, without --timestamp=unix, where systemd is older than 248),
+    its start time in epoch seconds, each file's text."""
     units = tmp_path / "units"
     units.mkdir()
     (units / "meshdeploy-rpc-50052.service").write_text("[Service]\nExecStart=/x rpc\n")
@@ -454,9 +464,9 @@ def test_systemd_units_are_read_with_one_systemctl_call(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "systemctl").write_text(
-        f'#!/bin/sh\necho "$*" >> {calls}\n'
+        f'#!/bin/sh\necho "$*" >> {calls}\n' + systemctl +
         "printf '%s\\n' Id=meshdeploy-rpc-50052.service ActiveState=active "
-        "UnitFileState=enabled 'ExecMainStartTimestamp=Thu 2023-11-14 22:13:20 UTC' '' "
+        "UnitFileState=enabled \"ExecMainStartTimestamp=$t\" '' "
         "Id=meshdeploy-server-main.service ActiveState=inactive UnitFileState=disabled "
         "ExecMainStartTimestamp=\n")
     (bin_dir / "systemctl").chmod(0o755)
@@ -464,9 +474,10 @@ def test_systemd_units_are_read_with_one_systemctl_call(tmp_path):
                          capture_output=True, text=True, timeout=20,
                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
     got = Units().process(out.stdout.splitlines())
-    assert calls.read_text().splitlines() == [
-        "--user show -p Id -p ActiveState -p UnitFileState -p ExecMainStartTimestamp "
-        "meshdeploy-rpc-50052.service meshdeploy-server-main.service"]
+    show = "--user show -p Id -p ActiveState -p UnitFileState -p ExecMainStartTimestamp "
+    names = "meshdeploy-rpc-50052.service meshdeploy-server-main.service"
+    assert calls.read_text().splitlines() == [f"{show}--timestamp=unix {names}",
+                                              f"{show}{names}"][:calls_made]
     rpc, server = got["meshdeploy-rpc-50052"], got["meshdeploy-server-main"]
     assert (rpc["active"], rpc["enabled"], rpc["started"]) == ("active", "enabled", 1700000000)
     assert (server["active"], server["enabled"], server["started"]) == (

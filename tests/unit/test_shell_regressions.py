@@ -185,9 +185,12 @@ def test_probe_runs_unprivileged_except_privileged_sections(lab):
     # left is found under any transport (its folder is root's).
     assert sorted(privileged) == ["network.Allowlist", "network.SshKey", "network.WireGuard",
                                   "rpc_cache.CacheDir[50052]"]
-    assert script.count("sudo -n true") == 1  # probe.SudoCheck
-    # Each root shell's script (the word after `sudo -n sh -c`) holds the markers of the
-    # privileged sections, and only theirs; consecutive ones share one sudo.
+    # One sudo for the whole probe: the privileged sections come right after probe.SudoCheck,
+    # whose answer is that root shell's first line.
+    assert script.count("sudo -n") == 1
+    assert sections[0].key == "probe.SudoCheck"
+    # The root shell's script (the word after `sudo -n sh -c`) holds the markers of the
+    # privileged sections, and only theirs.
     as_root, outside, rest = [], script, script
     while "sudo -n sh -c " in rest:
         rest = rest.split("sudo -n sh -c ", 1)[1]
@@ -201,7 +204,7 @@ def test_probe_runs_unprivileged_except_privileged_sections(lab):
         inside = any(re.search(re.escape(mark) + r"(?![0-9])", r) for r in as_root)
         assert inside == (key in privileged), key
         assert bool(re.search(re.escape(mark) + r"(?![0-9])", outside)) != inside, key
-    assert len(as_root) < len(privileged)  # rpc_cache.CacheDir and network's three: two sudos
+    assert len(as_root) == 1 and as_root[0].startswith("echo ok\n")
     # Without ssh.sudo nothing is wrapped (and no sudo check is made).
     plain = dataclasses.replace(host, ssh=dataclasses.replace(host.ssh, sudo=False))
     _, script = probe_command(cluster, plain, False, "n")

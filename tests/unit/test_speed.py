@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support.device_facts import cpu
 
@@ -52,9 +53,9 @@ def test_a_device_is_never_fitted_faster_than_free():
     # The second device's time shrinks as it holds more: least squares would call it negative.
     points = [speed.Point((1000 * MB, 100 * MB), 0.05), speed.Point((600 * MB, 500 * MB), 0.028),
               speed.Point((200 * MB, 900 * MB), 0.004)]
-    unconstrained = speed.np.linalg.lstsq(
-        speed.np.array([[b / 1e9 for b in p.bytes] for p in points]),
-        speed.np.array([p.gen for p in points]), rcond=None)[0]
+    unconstrained = np.linalg.lstsq(
+        np.array([[b / 1e9 for b in p.bytes] for p in points]),
+        np.array([p.gen for p in points]), rcond=None)[0]
     assert unconstrained[1] < 0  # what the constraint is there for
     fit = speed.fit(points)
     assert fit.per_byte[1] == 0 and fit.per_byte[0] > 0
@@ -241,7 +242,7 @@ def test_auto_keeps_the_memory_split_when_the_gain_is_within_the_fits_error(tmp_
 def test_the_nonnegative_fit_meets_its_optimality_conditions():
     # Karush-Kuhn-Tucker for min |a x - y|, x >= 0: the gradient a'(y - a x) is 0 where x > 0
     # and never positive where x = 0; checked on random problems of the fit's sizes.
-    rng = speed.np.random.default_rng(1)
+    rng = np.random.default_rng(1)
     for _ in range(300):
         n = int(rng.integers(1, 6))
         a, y = rng.random((int(rng.integers(n, 10)), n)), rng.normal(size=10)

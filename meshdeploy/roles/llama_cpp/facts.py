@@ -74,10 +74,15 @@ class Builds(FactBase):
     # archive: the sha256 and size of the build's tarball under ARCHIVES, where this host keeps
     # the builds other hosts copy (llama_cpp.copy). A tarball changed after its sha256 was
     # written (newer than it) is none: its builder packs it again (pack.sh).
+    # flags: the words of llama-server --help that start with - or -- at the start of a line
+    # or after a space or comma; one awk reads the manifest and them (it was six processes).
     _BODY = ('for m in "$BUILDS"/*/manifest; do [ -f "$m" ] || continue; '
-             'd=${m%/manifest}; echo "== ${d##*/}"; cat "$m"; '
-             "printf 'flags='; grep -oE -- '(^|[ ,])--?[a-zA-Z][a-zA-Z0-9-]*' \"$d/llama-server.help\" "
-             "2>/dev/null | tr -d ' ,' | sort -u | tr '\\n' ' '; echo; "
+             'd=${m%/manifest}; echo "== ${d##*/}"; h="$d/llama-server.help"; '
+             '[ -f "$h" ] && [ -r "$h" ] || h=/dev/null; '
+             "M=$m awk 'FILENAME == ENVIRON[\"M\"] { print; next } "
+             '{ l = " " $0; while (match(l, /[ ,]--?[a-zA-Z][a-zA-Z0-9-]*/)) { '
+             "f[substr(l, RSTART + 1, RLENGTH - 1)] = 1; l = substr(l, RSTART + RLENGTH) } } "
+             'END { printf "flags="; for (k in f) printf "%s ", k; print "" }\' "$m" "$h"; '
              'a="$ARCHIVES/${d##*/}.tar.gz"; [ -z "$ARCHIVES" ] || [ ! -f "$a.sha256" ] || '
              '[ ! -f "$a" ] || '
              '[ -n "$(find "$a" -newer "$a.sha256" 2>/dev/null)" ] || '
@@ -100,7 +105,7 @@ class Builds(FactBase):
                 current = target.rstrip("/").rsplit("/", 1)[-1] or None
             elif entry is not None and "=" in line:
                 key, value = line.split("=", 1)
-                entry[key] = value.split() if key == "flags" else value.strip()
+                entry[key] = sorted(set(value.split())) if key == "flags" else value.strip()
         return {"current": current, "builds": builds}
 
     @staticmethod

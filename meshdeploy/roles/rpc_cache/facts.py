@@ -228,7 +228,9 @@ class DeviceMemory(FactBase):
     """
 
     _TIMEOUT = "t=; command -v timeout >/dev/null 2>&1 && t='timeout 5'"
-    _MEMINFO = "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo 2>/dev/null"
+    # The shell's own read loop: no process (the probe runs on every host of every plan).
+    _MEMINFO = ("[ -r /proc/meminfo ] && while IFS= read -r l; do case \"$l\" in "
+                "MemTotal:*|MemAvailable:*) printf '%s\\n' \"$l\" ;; esac; done < /proc/meminfo")
     _NVIDIA = ("command -v nvidia-smi >/dev/null 2>&1 && $t nvidia-smi "
                "--query-gpu=memory.total,memory.free --format=csv,noheader,nounits "
                "2>/dev/null | sed 's/^/cuda /'")
@@ -248,7 +250,7 @@ class DeviceMemory(FactBase):
                "h && $2 == \"=\" && ($1 == \"size\" || $1 == \"budget\" || $1 == \"usage\") "
                "{ print \"vk\", $1, $3 } "
                "h && /MEMORY_HEAP_DEVICE_LOCAL_BIT/ { print \"vk local\" }'")
-    _MACOS = ("[ \"$(uname -s 2>/dev/null)\" = Darwin ] && { "
+    _MACOS = ("command -v vm_stat >/dev/null 2>&1 && command -v sysctl >/dev/null 2>&1 && { "
               "for k in hw.memsize hw.optional.arm64 iogpu.wired_limit_mb debug.iogpu.wired_limit; "
               "do sysctl -n $k 2>/dev/null | sed \"s/^/mac $k /\"; done; "
               "vm_stat 2>/dev/null | awk '/page size of/ { for (i = 1; i < NF; i++) "

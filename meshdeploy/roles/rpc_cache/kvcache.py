@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from meshdeploy.core.gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 PAD = 256  # llama-context pads n_ctx, and the SWA cache, to 256 cells
 

@@ -17,15 +17,22 @@ Device order (src/llama.cpp): RPC devices first in --rpc order, then local GPUs.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
-
-import numpy as np
 
 from meshdeploy.config.model import MAX_TENSOR_SPLIT
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache.tensors import Tensor
 
 CPU = -1
+_FLOAT32 = struct.Struct("<f")
+
+
+def f32(x: float) -> float:
+    """`x` rounded to the nearest float32. One addition or division of two float32 values, done
+    in double precision and rounded once, is float32's own result (double carries more than
+    twice float32's bits), so this reproduces llama.cpp's float arithmetic."""
+    return _FLOAT32.unpack(_FLOAT32.pack(x))[0]
 
 
 @dataclass(frozen=True)
@@ -53,16 +60,16 @@ class Placement:
         return "; ".join(parts)
 
 
-def split_points(weights) -> tuple[np.float32, ...]:
+def split_points(weights) -> tuple[float, ...]:
     """Cumulative, normalised split points, rounded as llama.cpp's float arithmetic rounds them."""
-    total = np.float32(0)
+    total = 0.0
     cumulative = []
     for w in weights:
-        total = np.float32(total + np.float32(w))
+        total = f32(total + f32(w))
         cumulative.append(total)
     if total <= 0:
         raise ValueError("the split is all zero: give at least one device a positive share")
-    return tuple(np.float32(c / total) for c in cumulative)
+    return tuple(f32(c / total) for c in cumulative)
 
 
 def place(n_layers: int, devices: list[str], tensor_split=None, free_bytes=None,
@@ -106,7 +113,7 @@ def place(n_layers: int, devices: list[str], tensor_split=None, free_bytes=None,
     def device_of(il: int) -> int:
         if il < start or il - start >= active:
             return CPU
-        x = np.float32(np.float32(il - start) / np.float32(active))
+        x = f32(f32(il - start) / f32(active))
         return next(i for i, s in enumerate(split) if s > x)  # std::upper_bound
 
     return Placement(tuple(devices), n_layers, tuple(device_of(il) for il in range(n_layers)),

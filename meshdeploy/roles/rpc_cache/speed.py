@@ -26,9 +26,12 @@ round trip (the scheduler gives it no split).
 from __future__ import annotations
 
 import hashlib
+import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 ROUND_TRIPS = 3
 
@@ -139,6 +142,8 @@ def hops(held: tuple[int, ...], rtt: tuple[float, ...]) -> float:
 
 def nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """min |a x - y| with x >= 0 (Lawson and Hanson's active set, small problems only)."""
+    import numpy as np  # only bench fits: a plan's start does without it
+
     n = a.shape[1]
     x = np.zeros(n)
     free: list[int] = []
@@ -183,6 +188,8 @@ def fit(points: list[Point], rtt: tuple[float, ...] = (), which: str = "gen") ->
     if len(points) < n:
         raise ValueError(f"{len(points)} splits measured for {n} devices: at least {n} "
                          "are needed")
+    import numpy as np
+
     gb = 1e9
     a = np.array([[b / gb for b in p.bytes] for p in points])
     if np.linalg.matrix_rank(a) < n:
@@ -211,7 +218,7 @@ def held_out_error(points: list[Point], rtt: tuple[float, ...] = ()) -> float:
         except ValueError:
             return 0.0
         errors.append(abs(max(other.seconds(p.bytes, rtt), FLOOR) - p.gen) / p.gen)
-    return float(np.median(errors)) if errors else 0.0
+    return statistics.median(errors) if errors else 0.0
 
 
 def held_bytes(placement, shape: dict) -> tuple[int, ...]:

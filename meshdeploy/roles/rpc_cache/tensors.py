@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gguf import GGUFReader
 
 from meshdeploy.core.gguf import GgufHeaderError, Header, from_reader, header_end, parse_header
 from meshdeploy.roles.rpc_cache import defaults as d
@@ -49,8 +48,8 @@ def read_header(source) -> Header:
     """The header of a GGUF path (reading only its first bytes), or of a GGUFReader."""
     if isinstance(source, Header):
         return source
-    if isinstance(source, GGUFReader):
-        return from_reader(source)
+    if not isinstance(source, (str, os.PathLike)):
+        return from_reader(source)  # gguf's GGUFReader (not imported here: see core.gguf)
     path = Path(source)
     try:
         with open(path, "rb") as f:

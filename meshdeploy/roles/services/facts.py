@@ -22,13 +22,14 @@ _SHOW_MARK = "@@show"  # systemctl show's KEY=VALUE blocks follow, before the fi
 
 def _systemd_units(files: str, systemctl: str) -> str:
     """The unit files `files` (shell words) with their state: one `systemctl show` for all of
-    them (three systemctl calls per unit cost a fleet's plan a second), its start time turned
-    into epoch seconds by the host's `date` (which knows the host's time zone), then each
-    file's mtime and text."""
+    them (three systemctl calls per unit cost a fleet's plan a second), its start time in epoch
+    seconds (systemd 248 and later say "@N"; older ones' local time is turned into them by the
+    host's `date`, which knows the host's time zone), then each file's mtime and text."""
+    show = f"{systemctl} show -p Id -p ActiveState -p UnitFileState -p ExecMainStartTimestamp"
     return (f"u=; for f in {files}; do [ -f \"$f\" ] && u=\"$u ${{f##*/}}\"; done; "
             '[ -n "$u" ] || exit 0; '
-            f"echo {_SHOW_MARK}; {systemctl} show -p Id -p ActiveState -p UnitFileState "
-            "-p ExecMainStartTimestamp $u 2>/dev/null | while IFS= read -r l; do "
+            f"echo {_SHOW_MARK}; {show} --timestamp=unix $u 2>/dev/null || "
+            f"{show} $u 2>/dev/null | while IFS= read -r l; do "
             'case "$l" in ExecMainStartTimestamp=?*) '
             'echo "ExecMainStartTimestamp=$(date -d "${l#*=}" +%s 2>/dev/null)" ;; '
             '*) printf \'%s\\n\' "$l" ;; esac; done; '
@@ -103,8 +104,8 @@ class Units(FactBase):
             if len(parts) > 1:
                 lines = []
                 state = shown.get(parts[1])
-                started = (probe.uint(state.get("ExecMainStartTimestamp", "")) if state
-                           else _epoch(parts, 4))
+                started = (probe.uint(state.get("ExecMainStartTimestamp", "").removeprefix("@"))
+                           if state else _epoch(parts, 4))
                 units[parts[1]] = {"active": _shown(state, "ActiveState", parts, 2),
                                    "enabled": _shown(state, "UnitFileState", parts, 3),
                                    "started": started or None, "written": _epoch(parts, 5),
