@@ -402,8 +402,8 @@ def test_a_build_is_copied_through_the_tunnel(wg_lab, converged, cluster_file):
     node1's through the tunnel, an apply of the copy alone (no model load, so no weights on the
     tunnel) brings each at least the tarball's bytes through it, the copies are node1's
     binaries; restarted by hand (the build key is the same, so an apply has no reason to), the
-    rpc-servers run the copies, and with llama-server restarted after them: chat, then the next
-    plan says No changes."""
+    rpc-servers run the copies, and the next apply restarts llama-server after them (its
+    workers hold no connection from it): chat, then the next plan says No changes."""
     prefix = "/opt/meshdeploy"
     for host in ("node2", "node3"):
         root(wg_lab, host, f"rm -rf {prefix}/builds {prefix}/current")
@@ -431,8 +431,12 @@ def test_a_build_is_copied_through_the_tunnel(wg_lab, converged, cluster_file):
         running = root(wg_lab, host, exe).stdout.strip()
         assert running.startswith(f"{prefix}/builds/") and "deleted" not in running, \
             (host, running)
-    # Its connections to the workers' old processes are gone: restarted, it loads again.
-    wire.restart_server(wg_lab)
+    # llama-server's connections to the workers' old processes are gone: the plan finds the
+    # workers without their client (or llama-server already restarting, had a request met the
+    # closed connection) and the apply restarts it.
+    applied = meshdeploy("apply", cluster_file, "--auto-approve")
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "services.llama_server[main]" in applied.stdout, applied.stdout
     assert chat(wg_lab)["choices"][0]["message"]["content"]
     again = meshdeploy("plan", cluster_file, "--detailed-exitcode")
     assert again.returncode == 0 and "No changes." in again.stdout, again.stdout

@@ -192,6 +192,49 @@ class Rtt(FactBase):
         return {}
 
 
+class RpcClients(FactBase):
+    """Who is connected to this host's rpc-servers: for each port, whether something listens on
+    it and the peers of its established connections (`ss`, as the login user: no process
+    names are asked for). None where the host has no `ss` (macOS, some phones).
+
+    ```python
+    {"50052": {"listening": True, "peers": ["10.200.0.11:41538"]}}   # by port, as text (JSON)
+    ```
+    llama-server keeps one connection to each of its rpc-servers for as long as it runs, so
+    an rpc-server that listens with no client was started after its llama-server (by hand, or
+    by its manager after a crash): the llama-server's next request would abort on the closed
+    connection (services.llama_server restarts it instead).
+    """
+
+    def command(self, ports):
+        ports = [int(p) for p in ports]
+        match = " or ".join(f"sport = :{p}" for p in ports)
+        return ("command -v ss >/dev/null 2>&1 || exit 0; echo ss; "
+                + shell.command("ss", "-Htan", f"( {match} )") + " 2>/dev/null")
+
+    def process(self, output):
+        if not output or output[0].strip() != "ss":
+            return None
+        out: dict[str, dict] = {}
+        for line in output[1:]:
+            words = line.split()
+            if len(words) < 5 or words[0] not in ("LISTEN", "ESTAB"):
+                continue
+            port = probe.uint(words[3].rpartition(":")[2])
+            if port is None:
+                continue
+            entry = out.setdefault(str(port), {"listening": False, "peers": []})
+            if words[0] == "LISTEN":
+                entry["listening"] = True
+            else:
+                entry["peers"].append(words[4])
+        return out
+
+    @staticmethod
+    def default():
+        return None
+
+
 class KeyFile(FactBase):
     """Mode and owner of a llama-server's API key file (servers.<name>.api_key_file), read as
     root where the host allows sudo (the file usually sits in a root-only folder).

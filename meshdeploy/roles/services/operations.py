@@ -30,7 +30,7 @@ from meshdeploy.errors import PlanError
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
 from meshdeploy.roles.services import rootless
-from meshdeploy.roles.services.facts import KeyFile, Rtt, RunitTools, Units
+from meshdeploy.roles.services.facts import KeyFile, RpcClients, Rtt, RunitTools, Units
 from meshdeploy.roles.services.managers import (  # noqa: F401 - Systemd/Launchd named here too
     Launchd,
     Runit,
@@ -62,6 +62,9 @@ def sections(cluster, host) -> list[Section]:
     targets = rtt_targets(cluster, host)
     if targets:
         out.append(Section("services.Rtt", Rtt, {"targets": targets}))
+    if host.rpc_servers:
+        out.append(Section("services.RpcClients", RpcClients,
+                           {"ports": tuple(r.port for r in host.rpc_servers)}))
     return out
 
 
@@ -452,6 +455,9 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     build_dir, manifest = _build_info(ctx)
     mgr = manager(ctx)
     unit = mgr.name(server.unit_name)
+    dropped = _dropped(ctx, name, unit, endpoints)
+    if dropped and not reason:
+        reason = f"workers restarted after it hold no connection from it ({', '.join(dropped)})"
     if manifest is None:
         return _awaits_build(ctx, resource, unit)
     sha = model_sha(ctx, server.model)
@@ -490,6 +496,28 @@ def llama_server(ctx: HostContext, name: str) -> Step:
                 f"host(s) {', '.join(lost)} failed in this run; bring it back, then apply again",
                 shell.TO_STDERR) + "; exit 1"]
     return step
+
+
+def _dropped(ctx, server_name: str, unit: str, endpoints) -> list[str]:
+    """The workers (host:port) whose rpc-server listens with no client while this llama-server
+    runs: it was started after the llama-server, whose connection to the one before is closed
+    (services.RpcClients). Only workers the placement gives weights (llama-server holds no
+    connection to one without: rpc_cache's layout), none without a layout, none where a worker's
+    host could not say."""
+    have = (ctx.fact("services.Units") or {}).get(unit)
+    layout = next((lay for lay in ctx.resolved.layouts if lay.server == server_name), None)
+    if have is None or have["active"] != "active" or layout is None:
+        return []
+    used = {(row["host"], row["port"]) for row in layout.rows if row["used"]}
+    out = []
+    for e in endpoints:
+        if (e.host.name, e.rpc.port) not in used:
+            continue
+        clients = ctx.fact_of(e.host.name, "services.RpcClients") or {}
+        port = clients.get(str(e.rpc.port))
+        if port is not None and port["listening"] and not port["peers"]:
+            out.append(e.ref)
+    return out
 
 
 def _restarted_forwards(ctx, endpoints) -> list[str]:

@@ -1,0 +1,70 @@
+"""A worker's rpc-server restarted after its llama-server, on the shared converged lab
+(conftest's converged_lab: node1 orchestrator, node2 and node3 workers).
+
+llama-server keeps one connection to each rpc-server it placed weights on; a worker restarted
+by hand (or by systemd after a crash) closes it, and llama-server's next request aborts on
+it. First that failure, for real; then the plan sees the worker without its client
+(services.RpcClients) and restarts llama-server; the chat answers; the next plan says
+No changes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from support.cli import meshdeploy
+
+from meshdeploy.errors import OK
+
+pytestmark = [pytest.mark.lab, pytest.mark.build]
+
+CHAT = ("curl -s -o /dev/null -w '%{http_code}' -m 60 http://127.0.0.1:8080/completion "
+        "-H 'Content-Type: application/json' -d " +
+        "'" + json.dumps({"prompt": "Hello", "n_predict": 4, "temperature": 0}) + "'")
+
+
+def clients(info, host: str) -> str:
+    return info.run(host, "ss -Htn state established '( sport = :50052 )'", check=True).stdout
+
+
+def healthy(info, seconds: float = 90) -> None:
+    deadline = time.monotonic() + seconds
+    while info.run("node1", "curl -sf -m 5 http://127.0.0.1:8080/health").returncode != 0:
+        assert time.monotonic() < deadline, "llama-server never became healthy again"
+        time.sleep(1)
+
+
+def test_a_worker_restarted_after_its_server_gets_the_server_restarted(converged_lab):
+    info, _, cluster = converged_lab
+    assert clients(info, "node2").strip(), "llama-server holds a connection to node2"
+    assert meshdeploy("plan", cluster).stdout.rstrip().endswith(
+        "No changes. The cluster matches the configuration.")
+
+    info.run("node2", "systemctl restart meshdeploy-rpc-50052", root=True, check=True)
+    assert not clients(info, "node2").strip()
+    plan = meshdeploy("plan", cluster)
+    assert plan.returncode == OK, plan.stderr
+    assert "node1/services.llama_server[main] will be updated in-place" in plan.stdout
+    assert "workers restarted after it hold no connection from it (node2:50052)" in plan.stdout
+    assert "services.rpc_server" not in plan.stdout  # the workers are as the file wants them
+
+    # The failure the restart prevents: the next request aborts llama-server (curl gets no
+    # answer: 000), and systemd starts it again.
+    assert info.run("node1", CHAT).stdout.strip() == "000"
+    healthy(info)
+    # llama-server came back and connected again: nothing left to do.
+    assert clients(info, "node2").strip()
+    assert meshdeploy("plan", cluster).stdout.rstrip().endswith(
+        "No changes. The cluster matches the configuration.")
+
+    # Again, and this time the apply restarts llama-server before any request meets it.
+    info.run("node3", "systemctl restart meshdeploy-rpc-50052", root=True, check=True)
+    apply = meshdeploy("apply", cluster, "--auto-approve")
+    assert apply.returncode == OK, apply.stdout + apply.stderr
+    assert "services.llama_server[main]" in apply.stdout
+    assert info.run("node1", CHAT).stdout.strip() == "200"
+    assert clients(info, "node3").strip()
+    assert meshdeploy("plan", cluster).stdout.rstrip().endswith(
+        "No changes. The cluster matches the configuration.")
