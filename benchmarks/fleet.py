@@ -212,6 +212,8 @@ def main() -> int:
                              "is timed after the last)")
     parser.add_argument("--keep-lab", action="store_true")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat takes 1 or more")
 
     from plan_speed import plan_once  # benchmarks/, this script's folder
 

@@ -79,10 +79,12 @@ class Builds(FactBase):
     _BODY = ('for m in "$BUILDS"/*/manifest; do [ -f "$m" ] || continue; '
              'd=${m%/manifest}; echo "== ${d##*/}"; h="$d/llama-server.help"; '
              '[ -f "$h" ] && [ -r "$h" ] || h=/dev/null; '
+             # awk stops at a file it cannot open: an unreadable manifest is left out.
+             'if [ -r "$m" ]; then set -- "$m" "$h"; else set -- "$h"; fi; '
              "M=$m awk 'FILENAME == ENVIRON[\"M\"] { print; next } "
              '{ l = " " $0; while (match(l, /[ ,]--?[a-zA-Z][a-zA-Z0-9-]*/)) { '
              "f[substr(l, RSTART + 1, RLENGTH - 1)] = 1; l = substr(l, RSTART + RLENGTH) } } "
-             'END { printf "flags="; for (k in f) printf "%s ", k; print "" }\' "$m" "$h"; '
+             'END { printf "flags="; for (k in f) printf "%s ", k; print "" }\' "$@"; '
              'a="$ARCHIVES/${d##*/}.tar.gz"; [ -z "$ARCHIVES" ] || [ ! -f "$a.sha256" ] || '
              '[ ! -f "$a" ] || '
              '[ -n "$(find "$a" -newer "$a.sha256" 2>/dev/null)" ] || '

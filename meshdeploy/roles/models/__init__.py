@@ -1,5 +1,7 @@
 """models: GGUF files from Hugging Face (or a mirror), an Ollama store, or a path."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 from meshdeploy.config.model import HfSource
 from meshdeploy.config import distribution
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
@@ -17,11 +19,16 @@ def _prepare(p: Prepare) -> Prepared:
             read.append(hf.token(cluster))
         return read[0]
 
-    resolved = {name: hf.resolve(p.cluster, model, get_token)
-                for name, model in p.cluster.models.items()
-                if isinstance(model.source, HfSource)
-                and any(name in ops.needed(p.cluster, h) or name in distribution.fetched_models(p.cluster, h)
-                        for h in p.hosts)}
+    wanted = [(name, model) for name, model in p.cluster.models.items()
+              if isinstance(model.source, HfSource)
+              and any(name in ops.needed(p.cluster, h)
+                      or name in distribution.fetched_models(p.cluster, h) for h in p.hosts)]
+    # One request per model, at once (each is a round trip to the Hub); a failure is raised
+    # for the first model in file order that failed, as in turn.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(wanted), 8))) as pool:
+        futures = [(name, pool.submit(hf.resolve, p.cluster, model, get_token))
+                   for name, model in wanted]
+        resolved = {name: future.result() for name, future in futures}
     if not resolved:
         return Prepared()
     needed = any(r.auth for r in resolved.values())

@@ -499,23 +499,28 @@ def llama_server(ctx: HostContext, name: str) -> Step:
 
 
 def _dropped(ctx, server_name: str, unit: str, endpoints) -> list[str]:
-    """The workers (host:port) whose rpc-server listens with no client while this llama-server
-    runs: it was started after the llama-server, whose connection to the one before is closed
-    (services.RpcClients). Only workers the placement gives weights (llama-server holds no
-    connection to one without: rpc_cache's layout), none without a layout, none where a worker's
-    host could not say."""
+    """The workers (host:port) restarted after this running llama-server, whose connection to
+    the process before is closed: the rpc-server listens with no client (services.RpcClients)
+    and its process started later than the llama-server's (each by its own host's clock, as
+    services.Units reads them). Both, because a llama-server also holds no connection while it
+    loads, or where it freed its buffers. Only workers the placement gives weights (rpc_cache's
+    layout); none without a layout, nor where a host could not say."""
     have = (ctx.fact("services.Units") or {}).get(unit)
     layout = next((lay for lay in ctx.resolved.layouts if lay.server == server_name), None)
-    if have is None or have["active"] != "active" or layout is None:
+    if have is None or have["active"] != "active" or not have.get("started") or layout is None:
         return []
     used = {(row["host"], row["port"]) for row in layout.rows if row["used"]}
     out = []
     for e in endpoints:
-        if (e.host.name, e.rpc.port) not in used:
+        facts = (ctx.cluster_facts or {}).get(e.host.name)
+        if (e.host.name, e.rpc.port) not in used or facts is None:
             continue
-        clients = ctx.fact_of(e.host.name, "services.RpcClients") or {}
-        port = clients.get(str(e.rpc.port))
-        if port is not None and port["listening"] and not port["peers"]:
+        port = (facts.get("services.RpcClients") or {}).get(str(e.rpc.port))
+        worker = manager(HostContext(ctx.cluster, e.host, facts, ctx.resolved)).name(
+            e.rpc.unit_name)
+        started = ((facts.get("services.Units") or {}).get(worker) or {}).get("started")
+        if port is not None and port["listening"] and not port["peers"] and started \
+                and started > have["started"]:
             out.append(e.ref)
     return out
 

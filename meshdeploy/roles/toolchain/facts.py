@@ -25,7 +25,7 @@ _TERMUX = ('p=$(command -v pkg 2>/dev/null); case "$p ${PREFIX-}" in */com.termu
 # any other cmake first on PATH (pip's, Kitware's, Homebrew's) is asked itself.
 _CMAKE = ('c=$(command -v cmake 2>/dev/null); v=; [ "$c" = /usr/bin/cmake ] && '
           "v=$(dpkg-query -W -f '${db:Status-Abbrev}${Version}' cmake 2>/dev/null); "
-          'case "$v" in "ii "?*) v=${v#ii }; echo "cmake version ${v#*:}" ;; '
+          'case "$v" in "ii "?*) v=${v#ii }; v=${v#*:}; echo "cmake version ${v%%[-~+]*}" ;; '
           '*) [ -n "$c" ] && cmake --version 2>/dev/null | head -n 1 ;; esac')
 
 

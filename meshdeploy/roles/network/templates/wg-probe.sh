@@ -7,7 +7,12 @@ if [ -e /sys/module/wireguard ] || modprobe -nq wireguard 2>/dev/null; then echo
 command -v wg >/dev/null 2>&1 || exit 0
 [ -s "$KEY" ] && echo "public_key=$(wg pubkey < "$KEY" 2>/dev/null)"
 [ -f "$CONF" ] && echo "conf_sha256=$(sha256sum < "$CONF" | cut -d' ' -f1)"
-systemctl is-enabled --quiet "wg-quick@$IFACE" 2>/dev/null && echo enabled=yes
+# Enabled: the link `systemctl enable` makes for wg-quick@.service's WantedBy (a file test,
+# not a systemctl call: this runs on every host of every plan, tunnel or not).
+for w in /etc/systemd/system/*.wants/"wg-quick@$IFACE.service"; do
+  if [ -L "$w" ] || [ -e "$w" ]; then echo enabled=yes; break; fi
+done
+[ -e "/sys/class/net/$IFACE" ] || exit 0
 wg show "$IFACE" public-key >/dev/null 2>&1 || exit 0
 echo up=yes
 echo "live_key=$(wg show "$IFACE" public-key)"

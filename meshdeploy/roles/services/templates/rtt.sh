@@ -9,6 +9,7 @@
 # shellcheck disable=SC2016 # bash expands the $ of TRY, its own script
 TRY='now() {
   if [ -n "${EPOCHREALTIME:-}" ]; then t=${EPOCHREALTIME/[.,]/}; else t=$(date +%s%N); t=${t%???}; fi
+  case "$t" in ""|*[!0-9]*) exit 1 ;; esac  # a date without %N (BSD, busybox): no clock
 }
 b=
 for _ in 1 2 3; do
