@@ -31,7 +31,7 @@ from meshdeploy.core.units import (
 )
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.services import operations as ops
-from meshdeploy.roles.services import rootless
+from meshdeploy.roles.services import rootless, unit_files
 from meshdeploy.roles.services.managers import Launchd, Runit, SystemdUser
 
 ROLE = "services"
@@ -108,7 +108,7 @@ def system_unit(cluster, host, forward: SshForward, user: str) -> str:
                   address=line_value(forward.worker.address, where), exec_start=exec_start,
                   key=line_value(ssh_key(host.layout), where),
                   known_hosts=line_value(ssh_known_hosts(host.layout), where), unit=unit,
-                  firewall=ops._firewall([forward.worker.address], f"{where} (IPAddressAllow)"))
+                  firewall=unit_files.firewall([forward.worker.address], f"{where} (IPAddressAllow)"))
 
 
 def _user_args(cluster, host, forward, user) -> list:
