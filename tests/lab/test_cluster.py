@@ -126,7 +126,8 @@ def test_status_all_healthy(converged, cluster_file, lab):
 
 def test_a_pyinfra_deploy_reuses_two_roles(converged, cluster_file, lab, tmp_path):
     """docs/examples/deploy.py through pyinfra's own CLI: a stopped rpc-server is started again,
-    and pyinfra names the operations as the registry does."""
+    and pyinfra names the operations as the registry does; meshdeploy's next plan restarts the
+    llama-server that used it."""
     unit = "meshdeploy-rpc-50052"
     lab.run("node2", f"sudo systemctl stop {unit}", check=True)
     assert lab.run("node2", f"systemctl is-active {unit}").stdout.strip() != "active"
@@ -145,7 +146,13 @@ def test_a_pyinfra_deploy_reuses_two_roles(converged, cluster_file, lab, tmp_pat
     assert "Starting operation: services.rpc_server (50052" in said
     assert "Starting operation: toolchain.packages" in said
     assert lab.run("node2", f"systemctl is-active {unit}").stdout.strip() == "active"
-    # meshdeploy agrees: nothing left to do.
+    # meshdeploy agrees on node2, and sees what the deploy of one host could not: node1's
+    # llama-server still holds its connection to the rpc-server that was stopped, so its next
+    # request would abort. The apply restarts it; then nothing is left to do.
+    plan = meshdeploy("plan", cluster_file)
+    assert "workers restarted after it hold no connection from it (node2:50052)" in plan.stdout
+    assert "node2/services" not in plan.stdout, plan.stdout
+    assert meshdeploy("apply", cluster_file, "--auto-approve").returncode == 0
     assert meshdeploy("plan", cluster_file, "--detailed-exitcode").returncode == 0
 
 
