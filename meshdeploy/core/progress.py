@@ -30,12 +30,17 @@ EVERY = 2  # seconds between two lines of one watcher
 # Fixed shell put at the top of a script that reports progress (no value of the cluster file
 # is in it). md_progress KIND FIELDS... prints one marked line (REPORT defines it alone);
 # md_watch FUNC runs FUNC every 2 s in the background while the script's shell lives;
-# md_unwatch stops it. The watcher's sleep holds no descriptor of the SSH channel, so
-# the command ends as soon as its script does.
+# md_unwatch stops it, its sleep included: the watcher waits for its sleep, so the TERM is
+# taken at once and its trap ends the sleep before the watcher exits. A sleep left running
+# would outlive the script: in a transient unit its cgroup then stays populated after the
+# script exits, and systemd stops the unit and waits for the cgroup to empty (once, on the
+# lab, 90 s and a failed seeding). The watcher's sleep holds no descriptor of the SSH channel,
+# so the command ends as soon as its script does.
 REPORT = "md_progress() { printf '%s %s\\n' '" + MARKER + "' \"$*\"; }"
 SHELL = (
     REPORT + "\n"
-    "md_watch() { ( while sleep " + str(EVERY) + " </dev/null >/dev/null 2>&1 && "
+    "md_watch() { ( s=; trap 'kill $s 2>/dev/null; wait $s 2>/dev/null; exit 0' TERM; "
+    "while sleep " + str(EVERY) + " </dev/null >/dev/null 2>&1 & s=$!; wait $s && "
     "kill -0 \"$$\" 2>/dev/null; do \"$@\" || :; done ) & MD_WATCH=$!; }\n"
     "md_unwatch() { kill \"$MD_WATCH\" 2>/dev/null || :; wait \"$MD_WATCH\" 2>/dev/null || :; }"
 )

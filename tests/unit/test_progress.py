@@ -123,6 +123,23 @@ def test_build_script_failure_still_fails_and_stops_its_watcher(tmp_path):
     assert not (tmp_path / "builds" / "k").exists()
 
 
+def test_unwatch_leaves_no_process_behind():
+    """md_unwatch ends the watcher and its sleep. A sleep left running keeps a transient unit's
+    cgroup populated after its script exits: systemd then stops the unit (stop-sigterm) and
+    waits for the cgroup to empty; on the lab it once never saw that and failed a seeding unit
+    with result 'timeout' after 90 s (a lab host's systemd at log level debug: "running ->
+    stop-sigterm -> dead" with the old watcher, "running -> dead" with this one). What is left
+    in the script's session once md_unwatch has returned is listed by ps (procps), as the
+    script's own last command."""
+    script = (progress.SHELL + "\nmd_watch :\nsleep 0.3\nmd_unwatch\n"
+              "exec ps -o pid=,comm= -s $$\n")
+    for shell_name in ("sh", "bash"):
+        done = subprocess.run([shell_name, "-c", script], capture_output=True, text=True,
+                              timeout=10, start_new_session=True, check=True)
+        left = [line.split(None, 1)[1] for line in done.stdout.splitlines()]
+        assert left == ["ps"], (shell_name, done.stdout)
+
+
 # ---- downloads: bytes of the partial file ---------------------------------------------------
 
 REPO, FILE = "acme/slow-GGUF", "slow.gguf"

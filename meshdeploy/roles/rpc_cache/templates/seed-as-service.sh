@@ -21,9 +21,11 @@ if [ -d "$BOOTED" ] && command -v systemd-run >/dev/null 2>&1; then
   md_unit_free "$U.service"
   set -- --quiet --wait --pipe --collect --unit="$U" --service-type=exec "$@"
   # A start that systemd gave up on before the script ran (its log of the unit says no
-  # "Started") is tried once more: the seeding wrote nothing yet, and repeating it is safe. On
-  # the lab a seed unit's start once failed after 91 s with no word from systemd-run --quiet;
-  # whatever failed, the step now says what systemd logged of the unit.
+  # "Started") is tried once more: the seeding wrote nothing yet, and repeating it is safe.
+  # Whatever else fails, the step says what systemd logged of the unit. On the lab a step
+  # failed after 91 s twice; the second time systemd's log said "State 'stop-sigterm' timed
+  # out": the script had exited with a progress watcher's sleep still in the unit's cgroup,
+  # and systemd waited its 90 s for the cgroup to empty. md_unwatch now ends that sleep too.
   n=0
   while :; do
     T0=$(date +%s)
