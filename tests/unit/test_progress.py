@@ -128,16 +128,22 @@ def test_unwatch_leaves_no_process_behind():
     cgroup populated after its script exits: systemd then stops the unit (stop-sigterm) and
     waits for the cgroup to empty; on the lab it once never saw that and failed a seeding unit
     with result 'timeout' after 90 s (a lab host's systemd at log level debug: "running ->
-    stop-sigterm -> dead" with the old watcher, "running -> dead" with this one). What is left
-    in the script's session once md_unwatch has returned is listed by ps (procps), as the
-    script's own last command."""
-    script = (progress.SHELL + "\nmd_watch :\nsleep 0.3\nmd_unwatch\n"
-              "exec ps -o pid=,comm= -s $$\n")
+    stop-sigterm -> dead" with the old watcher, "running -> dead" with this one). The script
+    runs in a session of its own; once it has exited, no process of that session is left
+    (/proc/PID/stat's sixth field is the session)."""
+    script = progress.SHELL + "\nmd_watch :\nsleep 0.3\nmd_unwatch\n"
     for shell_name in ("sh", "bash"):
-        done = subprocess.run([shell_name, "-c", script], capture_output=True, text=True,
-                              timeout=10, start_new_session=True, check=True)
-        left = [line.split(None, 1)[1] for line in done.stdout.splitlines()]
-        assert left == ["ps"], (shell_name, done.stdout)
+        proc = subprocess.Popen([shell_name, "-c", script], start_new_session=True)
+        assert proc.wait(timeout=10) == 0
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                name, rest = stat.read_text().rsplit(")", 1)
+            except OSError:
+                continue
+            if int(rest.split()[3]) == proc.pid:
+                left.append(name.split("(", 1)[1])
+        assert left == [], (shell_name, left)
 
 
 # ---- downloads: bytes of the partial file ---------------------------------------------------
