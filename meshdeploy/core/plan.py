@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
@@ -20,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from meshdeploy.core.files import write_atomic
 from meshdeploy.errors import PlanError, StalePlanError
 
 ACTIONS = ("create", "update", "replace", "delete", "no-op")
@@ -414,37 +413,6 @@ def save_plan(plan: Plan, path) -> None:
     except (TypeError, ValueError) as e:
         raise ValueError(f"plan cannot be saved as JSON: {e}") from e
     write_atomic(path, text, 0o600)
-
-
-def write_atomic(path: Path, text: str, mode: int) -> None:
-    """`text` into `path`: a temporary file in the same folder, fsync'd, renamed over it; a
-    reader sees the old file or the new one, never half of one."""
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # umask-independent
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    # The rename is only durable once the directory entry is on disk.
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 def load_plan(path) -> Plan:

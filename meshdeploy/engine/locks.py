@@ -18,6 +18,7 @@ Two places, because two operators may run from two machines:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import getpass
 import json
@@ -25,6 +26,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -123,7 +125,7 @@ class ControlLock:
         self.release()
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open()
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -141,6 +143,27 @@ class ControlLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(asdict(self.holder)).encode() + b"\n", 0)
         self.fd = fd
+
+    def _open(self) -> int:
+        """The lock file, never through a link planted at its name: it is truncated and
+        written, so a link (or a second name of another file) would have that file emptied.
+        O_NONBLOCK: a FIFO planted there fails the check instead of blocking the open."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            why = "a symbolic link, not a regular file" if e.errno == errno.ELOOP else e.strerror
+            raise MeshdeployError(f"{self.path}: cannot open the cluster's lock file: {why}",
+                                  hint=f"remove {self.path} (meshdeploy makes it again)") from None
+        st = os.fstat(fd)
+        problem = ("not a regular file" if not stat.S_ISREG(st.st_mode)
+                   else "the file has more than one name (a hard link)" if st.st_nlink != 1
+                   else None)
+        if problem:
+            os.close(fd)
+            raise MeshdeployError(f"{self.path}: refusing the cluster's lock file: {problem}",
+                                  hint=f"remove {self.path} (meshdeploy makes it again)")
+        return fd
 
     def release(self) -> None:
         if self.fd is not None:

@@ -11,8 +11,9 @@ splits by memory and says so.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from meshdeploy.core.files import write_atomic
 
 FORMAT_VERSION = 1
 SUFFIX = ".speed.json"
@@ -38,12 +39,10 @@ def read(cluster_path: Path) -> dict:
 
 
 def write(cluster_path: Path, server: str, entry: dict) -> Path:
-    """Replace `server`'s entry (the others stay); atomic (tmp + rename)."""
+    """Replace `server`'s entry (the others stay); atomic, never through a planted link."""
     target = path(cluster_path)
     servers = read(cluster_path)
     servers[server] = entry
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "servers": servers},
-                              indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, target)
+    write_atomic(target, json.dumps({"format_version": FORMAT_VERSION, "servers": servers},
+                                    indent=2, sort_keys=True) + "\n", 0o644)
     return target

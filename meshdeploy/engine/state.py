@@ -31,7 +31,8 @@ from pathlib import Path
 from meshdeploy.config.document import Document
 from meshdeploy.config.model import SSH, Cluster, Host, system_layout
 from meshdeploy.config.schema import error_issues, load_schema, schema_validator
-from meshdeploy.core.plan import utc_now, write_atomic
+from meshdeploy.core.files import write_atomic
+from meshdeploy.core.plan import utc_now
 from meshdeploy.errors import ConfigError, ConfigIssue, PlanError
 
 FORMAT_VERSION = 1

@@ -9,11 +9,12 @@ file (and its lock file), until a state file next to the lock takes it over.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 
 from tabulate import tabulate
+
+from meshdeploy.core.files import write_atomic
 
 FORMAT_VERSION = 1
 STATE_SUFFIX = ".bench.json"
@@ -112,15 +113,14 @@ def kept(result: dict) -> dict:
 
 
 def write_state(cluster_path: Path, results: list[dict]) -> Path:
-    """Replace the kept result of each benched server (others stay); atomic (tmp + rename)."""
+    """Replace the kept result of each benched server (others stay); atomic, never through a
+    planted link."""
     path = state_path(cluster_path)
     servers = read_state(cluster_path)
     for result in results:
         servers[result["server"]] = kept(result)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "servers": servers},
-                              indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"format_version": FORMAT_VERSION, "servers": servers},
+                                  indent=2, sort_keys=True) + "\n", 0o644)
     return path
 
 

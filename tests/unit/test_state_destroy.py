@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from meshdeploy.config.load import load_cluster
-from meshdeploy.core import plan as plan_module
+from meshdeploy.core import files as files_module
 from meshdeploy.core import registry
 from meshdeploy.core.context import Resolved
 from meshdeploy.core.plan import Plan
@@ -204,7 +204,7 @@ def test_state_write_is_atomic(cluster, monkeypatch):
     def broken(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr(plan_module.os, "replace", broken)
+    monkeypatch.setattr(files_module.os, "replace", broken)
     with pytest.raises(OSError):
         states.save(state)
     assert path.read_bytes() == before  # the old state, whole

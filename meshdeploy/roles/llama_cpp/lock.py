@@ -8,10 +8,10 @@ even when the ref moves upstream; the plan only warns that it moved.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
+from meshdeploy.core.files import write_atomic
 from meshdeploy.errors import ApplyError, PlanError
 from meshdeploy.roles.llama_cpp import defaults as d
 from meshdeploy.roles.llama_cpp.facts import COMMIT, RemoteRef, ls_remote, pick_ls_remote
@@ -59,9 +59,7 @@ def write_lock(cluster_path: Path, repo: str, ref: str, commit: str) -> None:
     if not isinstance(data, dict):
         data = {}
     data["llama_cpp"] = {"repo": repo, "ref": ref, "commit": commit}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", 0o644)
 
 
 def build_number(ref: str) -> int | None:

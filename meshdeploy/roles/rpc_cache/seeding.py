@@ -72,9 +72,14 @@ def _kept(cache: Path | None, key: str, produce, where: str, hint: str):
             if seen not in _PARSED:
                 _PARSED[seen] = read_header(str(kept))
             return _PARSED[seen]
+        dest = None
         if kept is not None:
             kept.parent.mkdir(parents=True, exist_ok=True)
-        path = produce(kept.with_suffix(".tmp") if kept is not None else None)
+            # A fresh name, never `<key>.tmp`: a link planted there would be written through.
+            fd, name = tempfile.mkstemp(prefix=f".{kept.stem}.", suffix=".tmp", dir=kept.parent)
+            os.close(fd)
+            path = dest = Path(name)
+        path = produce(dest)
         header = read_header(str(path))
         if kept is not None:
             os.replace(path, kept)
