@@ -238,6 +238,94 @@ def test_copy_false_in_the_file_keeps_every_host_compiling(tmp_path):
     assert all(d.builder == name and not d.portable for name, d in got.items())
     assert keys.copiers(cluster, cluster.hosts, same_platform(cluster), COMMIT) == {}
 
+# -- never a build up a privilege boundary --------------------------------------------------------
+
+def node1_rootless(tmp_path, extra: str = "") -> Path:
+    """The lab's file with node1 (the orchestrator, first in file order) rootless: it validates
+    (its llama-server binds loopback, so the firewall needs no acknowledgement)."""
+    text = (ROOT / "inventories" / "lab.yaml").read_text()
+    node1 = ("  node1:\n    address: 10.200.0.11\n"
+             "    ssh: {user: deploy, config: /var/lib/meshdeploy/lab/mdlab/ssh_config, sudo: true}\n"
+             "    backend: cpu\n")
+    assert node1 in text
+    text = text.replace(node1, "  node1:\n    address: 10.200.0.11\n"
+                        "    ssh: {user: md, config: /var/lib/meshdeploy/lab/mdlab/ssh_config}\n"
+                        "    backend: cpu\n    rootless: true\n", 1)
+    text = text.replace("network:\n  rpc_bind: address\n",
+                        f"network:\n  rpc_bind: address\n  firewall: true\n{extra}", 1)
+    path = tmp_path / "lab.yaml"
+    path.write_text(text)
+    return path
+
+
+def upward(cluster, got) -> list[str]:
+    """'copier <- builder' for every host with root whose build a rootless host makes."""
+    return [f"{name} <- {d.builder}" for name, d in got.items()
+            if not cluster.host(name).rootless and cluster.host(d.builder).rootless]
+
+
+def test_a_rootless_host_never_builds_for_hosts_with_root(tmp_path):
+    """The lab's file with node1 rootless: node1 no longer compiles for node2 and node3 (it
+    did as the first host in file order), neither as the first host, nor with the build
+    installed (a planted manifest), nor under a tunnel; a -replace of node1 makes it compile
+    for itself alone. It still copies the build of a host with root, which may flow down."""
+    cluster = load_cluster(node1_rootless(tmp_path))
+    assert cluster.host("node1").rootless and not cluster.host("node2").rootless
+    facts = same_platform(cluster)
+    got = decisions(cluster, facts)
+    assert upward(cluster, got) == []
+    assert {n: d.builder for n, d in got.items()} == {"node1": "node2", "node2": "node2",
+                                                      "node3": "node2"}
+    assert got["node2"].why == "the first host of the key in file order with root"
+    assert keys.copiers(cluster, cluster.hosts, facts, COMMIT) == {"node2": ("node1", "node3")}
+    ctxs = contexts(cluster, facts)
+    assert ops.source(ctxs["node3"]).change.reason == "copies its build from node2: no clone needed"
+    assert "node2 compiles" in ops.build(ctxs["node1"]).change.reason
+    # The plan (without the commit) and apply's decision once it resolves the ref agree.
+    assert keys.copiers(cluster, cluster.hosts, facts, None) == {"node2": ("node1", "node3")}
+    # A manifest of the key on node1 (written by node1's user: planted, as far as root knows).
+    key = got["node2"].key
+    planted = same_platform(cluster, node1=host_facts(
+        builds={key: {**manifest(), "archive": f"{'a' * 64} 4096"}}, current=key))
+    got = decisions(parallel(cluster), planted)
+    assert upward(cluster, got) == [] and got["node3"].builder == "node2"
+    assert got["node3"].why == "the first host of the key in file order with root"
+    # node2 holding it is the builder as before.
+    held = same_platform(cluster, node2=host_facts(builds={key: manifest()}, current=key))
+    assert decisions(parallel(cluster), held)["node3"].why == "it has that build installed"
+    # -replace of node1: it compiles for itself; node2 for node3.
+    got = decisions(cluster, facts, replace_=("node1/llama_cpp.build",))
+    assert got["node1"].builder == "node1" and got["node1"].members == ("node1",)
+    assert got["node3"].builder == "node2" and got["node2"].copiers() == ["node3"]
+    got = decisions(cluster, facts, replace_=("node1/llama_cpp.build", "node3/llama_cpp.build"))
+    assert got["node2"].builder == "node3" and got["node1"].builder == "node1"
+    # Under a tunnel the stars start from the hosts with root: node3 (node1's peer alone) has no
+    # star it may copy from and compiles; node1 copies from node2.
+    got = decisions(wireguard(cluster), same_platform(cluster))
+    assert upward(cluster, got) == []
+    assert {n: d.builder for n, d in got.items()} == {"node1": "node2", "node2": "node2",
+                                                      "node3": "node3"}
+
+
+def test_md_shares_port_opens_on_no_rootless_host_for_hosts_with_root(tmp_path):
+    from meshdeploy.roles.network import rules
+
+    cluster = load_cluster(node1_rootless(tmp_path))
+    copiers = keys.copiers(cluster, cluster.hosts, same_platform(cluster), COMMIT)
+    assert rules.allowlist(cluster, cluster.host("node2"), copiers["node2"])["29180"] == [
+        "lo", "10.200.0.11", "10.200.0.13"]
+    assert "node1" not in copiers
+
+
+def test_rootless_hosts_alone_still_share_a_build(tmp_path):
+    cluster = load_cluster(node1_rootless(tmp_path))
+    hosts = tuple(replace(h, rootless=True) for h in cluster.hosts)
+    cluster = replace(cluster, hosts=hosts)
+    got = decisions(cluster, same_platform(cluster))
+    assert {d.builder for d in got.values()} == {"node1"}
+    assert got["node1"].why == "the first host of the key in file order"
+
+
 def test_a_copy_from_a_builder_whose_build_failed_stops_with_one_message():
     cluster = lab()
     ctx = contexts(cluster, same_platform(cluster), failed=("node1",))["node2"]
@@ -255,9 +343,12 @@ def fake_build(folder: Path, key: str) -> None:
     rpc.write_text("#!/bin/sh\necho usage\n")
     for f in (server, rpc):
         f.chmod(0o755)
-    (folder / "manifest").write_text(
-        f"commit={COMMIT}\nbackend=cpu\nkey={key}\nrpc_binary=ggml-rpc-server\n"
-        "targets=llama-server ggml-rpc-server\nproto=7.0.0\n")
+    (folder / "manifest").write_text(manifest_text(key))
+
+
+def manifest_text(key: str) -> str:
+    return (f"commit={COMMIT}\nbackend=cpu\nkey={key}\nrpc_binary=ggml-rpc-server\n"
+            "targets=llama-server ggml-rpc-server\nproto=7.0.0\n")
 
 
 @pytest.fixture
@@ -277,11 +368,25 @@ def run(script: str) -> subprocess.CompletedProcess:
     return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
 
 
-def copy_script(url: str, out: Path, key: str, expect: str = "") -> str:
+@pytest.fixture
+def open_dir():
+    """A folder every user may enter (pytest's own are 0700): where a copy runs its binaries
+    as nobody."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="md-copy-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def copy_script(url: str, out: Path, key: str, expect: str = "", size: int = 1 << 20) -> str:
     from meshdeploy.core import progress, shell
     return shell.template(ops.TEMPLATES / "copy.sh", prelude=progress.SHELL + "\n" + shell.SHA256,
                           URL=f"{url}/{key}.tar.gz", SUMURL=f"{url}/{key}.tar.gz.sha256",
-                          EXPECT=expect, OUT=str(out), KEY=key, COMMIT=COMMIT, BUILDER="node1",
+                          EXPECT=expect, SIZE=size, OUT=str(out), KEY=key, COMMIT=COMMIT,
+                          BUILDER="node1",
                           HOST="node2", WAIT=4, ARCHIVE=f"/opt/meshdeploy/build/share/{key}.tar.gz")
 
 
@@ -291,7 +396,7 @@ def pack(build: Path, archive: Path) -> subprocess.CompletedProcess:
                               ARCHIVE=str(archive)))
 
 
-def test_a_packed_build_is_copied_verified_and_its_binaries_run(tmp_path, served):
+def test_a_packed_build_is_copied_verified_and_its_binaries_run(tmp_path, served, open_dir):
     folder, url = served
     key = "0c1e57098bba-cpu-1aca21d4"
     fake_build(tmp_path / "b1" / key, key)
@@ -299,8 +404,9 @@ def test_a_packed_build_is_copied_verified_and_its_binaries_run(tmp_path, served
     assert done.returncode == 0, done.stderr
     digest = hashlib.sha256((folder / f"{key}.tar.gz").read_bytes()).hexdigest()
     assert (folder / f"{key}.tar.gz.sha256").read_text().strip() == digest
-    out = tmp_path / "b2" / "builds" / key
-    done = run(copy_script(url, out, key, expect=digest))
+    out = open_dir / "b2" / "builds" / key
+    size = (folder / f"{key}.tar.gz").stat().st_size
+    done = run(copy_script(url, out, key, expect=digest, size=size))
     assert done.returncode == 0, done.stderr
     assert (out / "manifest").read_text().startswith(f"commit={COMMIT}")
     assert os.access(out / "bin" / "llama-server", os.X_OK)
@@ -400,6 +506,147 @@ def test_a_copy_that_cannot_be_unpacked_leaves_nothing_behind(tmp_path, served):
     assert done.returncode == 1
     assert f"node2: could not unpack build {key} into {out}.tmp" in done.stderr
     assert not list(out.parent.iterdir())
+
+
+def hand_packed(folder: Path, key: str, extra=(), server="echo 'version: 1 (0c1e570)'",
+                rpc="echo usage") -> tuple[str, int]:
+    """A build's tarball made by hand (any mode, any owner), its sha256 beside it as pack.sh
+    writes it; `extra`: (name, bytes or None for a folder, mode, uid). (sha256, bytes)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        def add(name, data, mode, uid=0):
+            info = tarfile.TarInfo(name)
+            info.mode, info.uid, info.gid = mode, uid, uid
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        add("./bin", None, 0o755)
+        add("./manifest", manifest_text(key).encode(), 0o644)
+        add("./bin/llama-server", f"#!/bin/sh\n{server}\n".encode(), 0o755)
+        add("./bin/ggml-rpc-server", f"#!/bin/sh\n{rpc}\n".encode(), 0o755)
+        for entry in extra:
+            add(*entry)
+    data = buf.getvalue()
+    (folder / f"{key}.tar.gz").write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    (folder / f"{key}.tar.gz.sha256").write_text(digest + "\n")
+    return digest, len(data)
+
+
+def test_the_copied_binaries_run_first_as_nobody_where_the_copy_runs_as_root(served, open_dir):
+    """What a copy runs before anything trusts the build (llama-server --version, the RPC
+    worker's --help) runs as nobody where copy.sh runs as root; elsewhere (a rootless host) as
+    the user copy.sh runs as."""
+    import pwd
+
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    seen = open_dir / "seen"
+    seen.mkdir()
+    seen.chmod(0o777)
+    digest, size = hand_packed(folder, key,
+                               server=f"id -u > {seen}/server; echo 'version: 1 (0c1e570)'",
+                               rpc=f"id -u > {seen}/rpc; echo usage")
+    out = open_dir / "builds" / key
+    done = run(copy_script(url, out, key, expect=digest, size=size))
+    assert done.returncode == 0, done.stderr
+    want = pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else os.geteuid()
+    assert (seen / "server").read_text().split() == [str(want)]
+    assert (seen / "rpc").read_text().split() == [str(want)]
+
+
+def test_a_setuid_entry_unpacks_without_special_bits_owned_by_the_copier(served, open_dir):
+    """Root's tar keeps an entry's mode, setuid included: a 4755 file unpacked as root was
+    setuid-root. The copy unpacks every entry as its own user's, its mode under umask 022."""
+    import tarfile
+
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    digest, size = hand_packed(folder, key, extra=[
+        ("./bin/llama-suid", b"#!/bin/sh\n", 0o4755, 0),
+        ("./bin/llama-sgid", b"#!/bin/sh\n", 0o2755, 1234),
+        ("./share", None, 0o1777, 1234)])
+    with tarfile.open(folder / f"{key}.tar.gz") as tar:
+        before = {m.name: m.mode for m in tar.getmembers()}
+    assert (before["./bin/llama-suid"], before["./bin/llama-sgid"], before["./share"]) == (
+        0o4755, 0o2755, 0o1777)
+    out = open_dir / "builds" / key
+    done = run(copy_script(url, out, key, expect=digest, size=size))
+    assert done.returncode == 0, done.stderr
+    after = {name: (out / name).stat() for name in ("bin/llama-suid", "bin/llama-sgid", "share",
+                                                    "bin/llama-server")}
+    assert {n: oct(st.st_mode & 0o7777) for n, st in after.items()} == {
+        "bin/llama-suid": "0o755", "bin/llama-sgid": "0o755", "share": "0o755",
+        "bin/llama-server": "0o755"}
+    assert {st.st_uid for st in after.values()} == {os.geteuid()}
+
+
+class Endless(http.server.BaseHTTPRequestHandler):
+    """A body without Content-Length that ends only when the client stops reading (or at
+    server.limit bytes): server.sent counts what the socket took."""
+
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        chunk = b"0" * 65536
+        try:
+            while self.server.sent < self.server.limit:
+                self.wfile.write(chunk)
+                self.server.sent += len(chunk)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def endless():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    server.sent, server.limit = 0, 512 << 20
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}/models"
+    server.shutdown()
+
+
+def test_a_tarball_longer_than_its_builder_packed_is_refused_unread(tmp_path, served, endless):
+    """copy.sh reads at most the bytes the builder reported (SIZE, read back with its sha256)
+    plus one, whether the server says a longer Content-Length or none."""
+    folder, url = served
+    key = "0c1e57098bba-cpu-1aca21d4"
+    digest, size = hand_packed(folder, key)
+    out = tmp_path / "builds" / key
+    done = run(copy_script(url, out, key, expect=digest, size=size - 1))
+    assert done.returncode == 1
+    assert done.stderr.endswith(f"node2: node1 serves more than the {size - 1} bytes of build "
+                                f"{key} it packed; current is unchanged\n"), done.stderr
+    assert not list(out.parent.iterdir())
+    server, url = endless  # the sha256 from the first server, the tarball endless
+    script = copy_script(url, out, key, expect=digest, size=4096).replace(
+        f"SUMURL={url}/{key}.tar.gz.sha256", f"SUMURL={served[1]}/{key}.tar.gz.sha256")
+    assert f"SUMURL={served[1]}/" in script
+    done = run(script)
+    assert done.returncode == 1
+    assert "node1 serves more than the 4096 bytes" in done.stderr, done.stderr
+    assert server.sent < 64 << 20, server.sent
+    assert not list(out.parent.iterdir())
+
+
+def test_a_sha256_without_end_is_refused_at_once(tmp_path, endless):
+    server, url = endless
+    started = time.monotonic()
+    done = run(copy_script(url, tmp_path / "builds" / "k", "k", expect="a" * 64))
+    assert done.returncode == 1
+    assert done.stderr == "node2: node1 serves more than a sha256 for build k; current is unchanged\n"
+    assert server.sent < 64 << 20 and time.monotonic() - started < 4
 
 
 def test_a_builder_that_never_serves_ends_the_wait_with_one_message(tmp_path, served):

@@ -33,6 +33,16 @@ key's hosts need (no compile at all), unless llama_cpp.build.serial (one host at
 order: the build that the others copy must come first); else the first host of the key in file
 order. Other hosts that -replace names compile too, for themselves.
 
+Never up a privilege boundary. A rootless host's build is the login user's: its tarball, the
+sha256 beside it and its manifest sit in that user's folders, where anything running as that
+user (its own llama-server, a taken-over rpc-server) can replace them together. So a rootless
+host builds for others only where every host of the key is rootless: where the key has a host
+with root, its builder is a host with root (-replace of a rootless host makes it compile for
+itself alone, and a build a rootless host holds does not make it the one that has the build),
+and the rootless hosts of the key copy from that builder, as root's bytes may flow down to them.
+Under a tunnel the stars are formed with the hosts with root first, so a star a host with root
+joins has one as its first host.
+
 The builders and their copiers go to the other roles as Resolved.build_copiers (copiers()):
 network.allowlist opens md-share's port on a builder to its copiers alone, as for models.
 
@@ -186,7 +196,15 @@ def group(ctx) -> list[str] | None:
             and on_termux(_facts_of(ctx, h.name)) == termux]
     if not cluster.network.tunnel:
         return same
-    return next(star for star in tunnel_stars(cluster, same) if host.name in star)
+    # The hosts with root first: a star's first host builds for it (module docstring).
+    ordered = sorted(same, key=lambda name: cluster.host(name).rootless)
+    return next(star for star in tunnel_stars(cluster, ordered) if host.name in star)
+
+
+def may_build_for(cluster, members) -> list[str]:
+    """The hosts of `members` whose build the others may copy: the hosts with root, or all of
+    them where every one is rootless (never a build up a privilege boundary: module docstring)."""
+    return [m for m in members if not cluster.host(m).rootless] or list(members)
 
 
 # Stands for the commit in decide() while the ref is not resolved yet (RemoteRef on a first host
@@ -243,25 +261,31 @@ def decide(ctx) -> Decision:
     if len(members) == 1:
         return Decision(key, host.name, (host.name,), tuple(own), "")
     replaced = [m for m in members if ctx.replacing(RESOURCE, m)]
-    # Other -replace'd hosts compile alone; under a tunnel every one but the star's first host.
+    trusted = may_build_for(cluster, members)
+    # Other -replace'd hosts compile alone; under a tunnel every one but the star's first host
+    # (one with root where the star has one: group()), else every one but the first that may
+    # build for the others.
     tunnel = cluster.network.tunnel
-    alone = [m for m in replaced if m != members[0]] if tunnel else replaced[1:]
+    lead = members[:1] if tunnel else [m for m in replaced if m in trusted][:1]
+    alone = [m for m in replaced if m not in lead]
     sharing = [m for m in members if m not in alone]
     if host.name in alone:
         return Decision(key, host.name, (host.name,), tuple(own), "-replace builds it here",
                         portable)
     need = [t for t in ("llama-server", "rpc")
             if any(t in targets(cluster, cluster.host(m)) for m in sharing)]
-    installed = [m for m in sharing if covers(_installed(ctx, m, key), need)]
+    installed = [m for m in sharing if m in trusted and covers(_installed(ctx, m, key), need)]
     if tunnel:  # the star's first host: its peers alone can reach it through the tunnel
         builder = sharing[0]
         why = ("-replace builds it there" if builder in replaced
                else "it has that build installed" if builder in installed
                else "the first host of the key in file order whose tunnel peers copy it")
-    elif replaced:
-        builder, why = replaced[0], "-replace builds it there"
+    elif lead:
+        builder, why = lead[0], "-replace builds it there"
     elif installed and not cluster.llama_cpp.build.serial:
         builder, why = installed[0], "it has that build installed"
+    elif trusted[0] != sharing[0]:
+        builder, why = trusted[0], "the first host of the key in file order with root"
     else:
         builder, why = sharing[0], "the first host of the key in file order"
     wanted = need if builder == host.name else own

@@ -304,7 +304,8 @@ def copy(ctx: HostContext) -> Step:
         TEMPLATES / "copy.sh", prelude=progress.SHELL + "\n" + shell.SHA256,
         URL=share.lan_url(cluster, builder, name), SUMURL=share.lan_url(cluster, builder,
                                                                          f"{name}.sha256"),
-        EXPECT=seen[0] if seen else "", OUT=installed_build(ctx.prefix, decision.key),
+        EXPECT=seen[0] if seen else "", SIZE=seen[1] if seen else 0,
+        OUT=installed_build(ctx.prefix, decision.key),
         KEY=decision.key, COMMIT=checked_commit(commit), BUILDER=builder, HOST=host.name,
         WAIT=int(d.llama_cpp_copy_wait),
         ARCHIVE=archive(cluster.host(builder).layout.prefix, decision.key))
