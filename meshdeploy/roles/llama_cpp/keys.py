@@ -180,8 +180,9 @@ def tunnel_stars(cluster, names: list[str]) -> list[list[str]]:
 
 
 def group(ctx) -> list[str] | None:
-    """The hosts (file order) whose builds could be this host's: same backend, flags and
-    platform, each probed in this run; None when the other hosts' facts are not known."""
+    """The hosts (file order; under a tunnel this host's star, hosts with root first) whose
+    builds could be this host's: same backend, flags and platform, each probed in this run;
+    None when the other hosts' facts are not known."""
     if ctx.cluster_facts is None:
         return None
     cluster, host = ctx.cluster, ctx.host
