@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from meshdeploy import errors
-from meshdeploy.commands import common, options, sweep
+from meshdeploy.commands import common, options, sweep, sweep_guard
 from meshdeploy.commands.server_api import (
     N_PREDICT,
     SEED,
@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"with --sweep: how many splits to measure (default {sweep.POINTS})")
     p.add_argument("--no-local", action="store_true",
                    help="with --sweep: do not also run the model on the orchestrator alone")
+    p.add_argument("--restart-after", type=int, metavar="SECONDS",
+                   help="with --sweep: the orchestrator starts the deployed llama-server by "
+                        "itself this long after a step of the sweep began, should the sweep be "
+                        f"cut off; each split must fit in it (default {sweep_guard.SECONDS})")
     options.auto_approve(p)
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     options.host_keys(p)
@@ -68,6 +72,7 @@ class Args(options.Arguments):
     sweep: bool
     points: int | None
     no_local: bool
+    restart_after: int | None
     auto_approve: bool
     json: bool
     accept_new_host_keys: bool
@@ -88,7 +93,9 @@ def bench_server(cluster, server, settings: SshSettings, runs: int, n_predict: i
             # The key file, the process's argv and systemd-run need root.
             sudo = settings.sudo if settings.local else settings.user != "root"
         key = read_key(conn, server, sudo)
-        api = Api(conn, local_address(server.bind), server.port, key)
+        # The key goes only to the deployed unit's own listener (a user unit's is not checked).
+        api = Api(conn, local_address(server.bind), server.port, key,
+                  unit=None if host.rootless else server.unit_name, sudo=sudo)
         api.wait_healthy(0)
         build = build_of(conn, api, prefix)
         progress(f"llama-server {server.name} on {server.host}: {runs} runs")
@@ -101,7 +108,8 @@ def bench_server(cluster, server, settings: SshSettings, runs: int, n_predict: i
             result["local"] = {"skipped": f"{server.host} is rootless: the comparison runs as a "
                                           "transient system unit, which needs root"}
         elif local:
-            result["local"] = compare_local(conn, sudo, server, key, runs, n_predict, progress)
+            result["local"] = compare_local(conn, sudo, cluster, server, key, runs, n_predict,
+                                            progress)
             if "skipped" not in result["local"]:
                 result["ratio_to_local"] = report.ratio(result["overall"],
                                                         result["local"]["overall"])
@@ -131,6 +139,9 @@ def run(args: Args) -> int:
     if args.no_local and not args.sweep:
         raise PlanError("--no-local is an option of --sweep",
                         hint="add --sweep, or drop --no-local")
+    if args.restart_after is not None and not args.sweep:
+        raise PlanError("--restart-after is an option of --sweep",
+                        hint="add --sweep, or drop --restart-after")
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

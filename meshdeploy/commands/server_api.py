@@ -4,7 +4,9 @@ transient systemd units (bench --compare-local, bench --sweep).
 
 The server usually listens on the orchestrator's loopback: requests travel through the SSH
 connection as direct-tcpip channels (no port is opened on the control machine). The API key,
-when the server has one, is read on the host with `sudo -n cat` and kept in memory only.
+when the server has one, is read on the host with `sudo -n cat` and kept in memory only; it
+goes only to a listener that belongs to the unit meant (Api.owned: its cgroup, read as root):
+while the sweep has the deployed server stopped its port is anyone's to take.
 fabric (remote.connections) and http.client are imported where they are used: the command line
 imports this module to build its parser, and ssl must not be imported before gevent's patch.
 """
@@ -72,21 +74,83 @@ def run_remote(conn, command: str, sudo: bool = False) -> str:
     return result.stdout
 
 
+# Every listener on a TCP port with the cgroup of each process that holds it, and the cgroup of
+# the unit UNIT, as root (ss -p names other users' processes only to root). "0::" is the cgroup
+# v2 line of /proc/PID/cgroup; "name=systemd" its v1 counterpart. Input: UNIT, PORT.
+_OWNER = r"""
+command -v ss >/dev/null 2>&1 || { echo no-ss; exit 0; }
+echo "unit $(systemctl show -p ControlGroup --value "$UNIT")"
+ss -Hltnp "sport = :$PORT" | while read -r _ _ _ local _ users; do
+  case $users in *pid=*) ;; *) echo "held $local ?"; continue ;; esac
+  for pid in $(printf '%s\n' "$users" | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do
+    echo "held $local $(sed -n -e 's/^0::\(.*\)$/\1/p' -e 's/^[0-9]*:name=systemd:\(.*\)$/\1/p' \
+      "/proc/$pid/cgroup" 2>/dev/null | head -n 1)"
+  done
+done
+"""
+
+
+def foreign_listener(lines, unit: str, address: str, port: int) -> str | None:
+    """Why a connection to address:port might not reach `unit` (the _OWNER script's lines), or
+    None when every listener that could take it is a process of the unit's own cgroup."""
+    text = [line.strip() for line in lines if line.strip()]
+    if "no-ss" in text:
+        return "the host has no ss (iproute2) to tell who holds it"
+    own = next((line[5:].strip() for line in text if line.startswith("unit ")), "")
+    wanted = {address, "0.0.0.0", "*", "::", f"::ffff:{address}"}
+    held = []
+    for line in text:
+        if not line.startswith("held "):
+            continue
+        local, _, cgroup = line[5:].partition(" ")
+        host = local.rsplit(":", 1)[0].strip("[]").split("%", 1)[0]
+        if host in wanted:
+            held.append(cgroup.strip() or "?")
+    if not held:
+        return "nothing listens there"
+    other = next((c for c in held if c != own or not own), None)
+    if other is None:
+        return None
+    return (f"it is held by cgroup {other}, not by {unit} "
+            f"({own or 'which is not running'}): another process took the port")
+
+
 class Api:
-    """llama-server's HTTP API on (address, port) as the host sees it, over the SSH connection."""
-    def __init__(self, conn, address: str, port: int, key: str | None, timeout: float = 600):
+    """llama-server's HTTP API on (address, port) as the host sees it, over the SSH connection.
+    + unit: the systemd unit that must hold the port before the key is sent (run as root with
+      `sudo`); None sends it unchecked"""
+    def __init__(self, conn, address: str, port: int, key: str | None, timeout: float = 600,
+                 unit: str | None = None, sudo: bool = False):
         self.conn, self.address, self.port, self.key, self.timeout = \
             conn, address, port, key, timeout
+        self.unit, self.sudo = unit, sudo
 
-    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    def owned(self) -> None:
+        """BenchError unless every listener on the port is a process of self.unit."""
+        if self.unit is None:
+            return
+        out = run_remote(self.conn, shell.script(_OWNER, UNIT=self.unit, PORT=self.port),
+                         self.sudo)
+        why = foreign_listener(out.splitlines(), self.unit, self.address, self.port)
+        if why is not None:
+            raise BenchError(f"{self.conn.original_host}: {self.address}:{self.port}: {why}; "
+                             "nothing with the API key was sent to it",
+                             hint=f"check who listens there (ss -ltnp 'sport = :{self.port}')")
+
+    def call(self, method: str, path: str, body: dict | None = None,
+             keyed: bool = True) -> tuple[int, dict]:
+        """+ keyed: with the API key (checked first: Api.owned); /health needs none"""
         import http.client
 
+        keyed = keyed and bool(self.key)
+        if keyed:
+            self.owned()
         channel = self.conn.dial(self.address, self.port, timeout=30)
         channel.settimeout(self.timeout)
         client = http.client.HTTPConnection(self.address, self.port)
         client.sock = channel  # http.client then never dials itself
         headers = {"Content-Type": "application/json"}
-        if self.key:
+        if keyed:
             headers["Authorization"] = f"Bearer {self.key}"
         try:
             client.request(method, path, json.dumps(body) if body is not None else None, headers)
@@ -110,15 +174,19 @@ class Api:
 
     def wait_healthy(self, seconds: float, alive=None) -> None:
         """Until /health answers 200; BenchError after `seconds`, or as soon as alive(), when
-        given, says the process is gone (a copy that failed to load)."""
+        given, says the process is gone (a copy that failed to load). /health is asked without
+        the key (llama-server serves it to anyone); with a key, a 200 counts once the listener
+        is the unit's own (Api.owned), and one that is not ends the wait at once."""
         deadline = time.monotonic() + seconds
         while True:
             try:
-                status, _ = self.call("GET", "/health")
-                if status == 200:
-                    return
+                status, _ = self.call("GET", "/health", keyed=False)
             except Exception:  # not listening yet: the channel open fails
                 status = None
+            if status == 200:
+                if self.key:
+                    self.owned()
+                return
             if alive is not None and not alive():
                 raise BenchError(f"llama-server on {self.address}:{self.port} exited before it "
                                  "was healthy")
@@ -149,14 +217,26 @@ def measure(api: Api, runs: int, n_predict: int, progress) -> dict:
 
 # -- the running server and copies of it ---------------------------------------------------------
 
-def running_argv(conn, sudo: bool, server) -> list[str]:
-    """The deployed llama-server's argv, from /proc/PID/cmdline of its unit's main process."""
-    pid = run_remote(conn, shell.command("systemctl", "show", "-p", "MainPID", "--value",
-                                         server.unit_name)).strip()
-    if not pid.isdigit() or pid == "0":
-        raise BenchError(f"{server.unit_name} is not running", hint="run `meshdeploy apply`")
-    return [a for a in run_remote(conn, shell.command("cat", f"/proc/{pid}/cmdline"),
-                                  sudo).split("\0") if a]
+def planned_argv(conn, cluster, server) -> list[str]:
+    """The deployed llama-server's argv as the plan renders it (roles.services.argv) for the
+    build the host's `current` link names, with the options that build's --help lists: never
+    read from the running process, which can rewrite its own /proc/PID/cmdline."""
+    from meshdeploy.core.paths import installed_build, model_path
+    from meshdeploy.roles.llama_cpp.facts import Builds
+    from meshdeploy.roles.services.argv import llama_server_argv
+
+    host = cluster.host(server.host)
+    paths = llama_cpp_paths(host.layout.prefix)
+    facts = Builds.process(Builds(), run_remote(conn, Builds.command(
+        Builds(), paths["builds"], paths["current"])).splitlines())
+    key = facts["current"]
+    if key is None or key not in facts["builds"]:
+        raise BenchError(f"{server.host} has no current llama.cpp build",
+                         hint="run `meshdeploy apply`")
+    flags = facts["builds"][key].get("flags")
+    return llama_server_argv(f"{installed_build(host.layout.prefix, key)}/bin/llama-server",
+                             cluster, server, model_path(cluster, server.model, host),
+                             frozenset(flags) if flags else None)
 
 
 def local_argv(argv: list[str], port: int, key_path: str | None,
@@ -203,21 +283,24 @@ def free_port(conn) -> int:
 
 
 class Copy:
-    """A copy of `server` as the transient system unit `unit` on its host: DynamicUser, the
-    deployed unit's supplementary groups, the API key as a credential (key_path is where the
-    copy reads it), stopped by stop() and after COPY_MAX_SECONDS at the latest."""
+    """A copy of `server` as the transient system unit `unit` on its host, in the deployed
+    unit's sandbox (roles.services.unit_files.server_sandbox: DynamicUser, its groups, device
+    and IP rules, the API key as a credential; key_path is where the copy reads it), stopped by
+    stop() and after COPY_MAX_SECONDS at the latest."""
 
-    def __init__(self, conn, sudo: bool, server, unit: str, key: str | None):
+    def __init__(self, conn, sudo: bool, cluster, server, unit: str, key: str | None):
+        from meshdeploy.roles.services.unit_files import server_sandbox
+
         self.conn, self.sudo, self.unit = conn, sudo, unit
         self.key_path = f"/run/credentials/{unit}.service/api-key" if key else None
-        self.props = ["DynamicUser=yes", f"RuntimeMaxSec={COPY_MAX_SECONDS}"]
-        groups = run_remote(conn, shell.command("systemctl", "show", "-p",
-                                                "SupplementaryGroups", "--value",
-                                                server.unit_name)).strip()
-        if groups:
-            self.props.append(f"SupplementaryGroups={groups}")
-        if key:
-            self.props.append(f"LoadCredential=api-key:{server.api_key_file}")
+        self.props = [p for p in server_sandbox(cluster, cluster.host(server.host), server)
+                      if key or not p.startswith("LoadCredential=")]
+        self.props.append(f"RuntimeMaxSec={COPY_MAX_SECONDS}")
+
+    def api(self, port: int, key: str | None) -> Api:
+        """The copy's API on a loopback port: the key goes only to this unit's listener."""
+        return Api(self.conn, "127.0.0.1", port, key, unit=self.unit,
+                   sudo=self.sudo)
 
     def refusal(self, argv: list[str]) -> str | None:
         """Why `argv` cannot run as this unit, or None."""
@@ -298,13 +381,13 @@ _MEMINFO = "sed -n 's/^MemAvailable: *\\([0-9]*\\) kB$/\\1/p' /proc/meminfo"
 LOCAL_UNIT = "meshdeploy-bench-{name}"
 
 
-def compare_local(conn, sudo: bool, server, key: str | None, runs: int, n_predict: int,
-                  progress, argv: list[str] | None = None) -> dict:
+def compare_local(conn, sudo: bool, cluster, server, key: str | None, runs: int,
+                  n_predict: int, progress, argv: list[str] | None = None) -> dict:
     """The same binary and model, without the workers, on a free loopback port of the
     orchestrator, as a transient systemd unit (Copy: stopped afterwards in every case).
-    + argv: the deployed server's, when it is stopped (bench --sweep); else read from it"""
-    unit = Copy(conn, sudo, server, LOCAL_UNIT.format(name=server.name), key)
-    argv = running_argv(conn, sudo, server) if argv is None else argv
+    + argv: the deployed server's as planned_argv renders it (bench --sweep has it already)"""
+    unit = Copy(conn, sudo, cluster, server, LOCAL_UNIT.format(name=server.name), key)
+    argv = planned_argv(conn, cluster, server) if argv is None else argv
     files = model_files(argv)
     sizes = run_remote(conn, shell.command("stat", "-L", "-c", "%s", "--", *files), sudo)
     available = int(run_remote(conn, shell.command(shell.Raw(_MEMINFO))).strip() or 0) * 1024
@@ -319,7 +402,7 @@ def compare_local(conn, sudo: bool, server, key: str | None, runs: int, n_predic
     try:
         progress(f"starting {unit.unit} on port {port} (no workers)")
         unit.start(argv)
-        api = Api(conn, "127.0.0.1", port, key)
+        api = unit.api(port, key)
         api.wait_healthy(server.health.retries * server.health.interval + 30)
         result = measure(api, runs, n_predict, progress)
     finally:

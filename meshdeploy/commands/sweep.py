@@ -7,6 +7,12 @@ measures, stopped, and the deployed server is started again in every case. Every
 weight bytes per device and its seconds per token are the points roles.rpc_cache.speed fits;
 the fit is kept by engine.speeds for placement: auto. Views: meshdeploy.views.sweep.
 
+The sweep holds the host locks of the server's hosts throughout (engine.locks, as apply does),
+so no apply changes the cluster under it. What brings the deployed server back when the sweep
+cannot (a dead-man timer on the orchestrator; SIGTERM and SIGHUP): commands.sweep_guard. The
+copies run in the deployed unit's sandbox, from the argv the plan renders
+(server_api.planned_argv), and the API key goes only to a listener of the unit meant.
+
 The rpc_cache role's modules (numpy, gguf, and through the role's package pyinfra and ssl) and
 engine.speeds are imported where they are used: the command line imports this module to build
 its parser, before gevent's patch, and its other commands need none of them.
@@ -18,7 +24,7 @@ import sys
 from datetime import datetime, timezone
 
 from meshdeploy import errors
-from meshdeploy.commands import common, rpc_hello, server_api
+from meshdeploy.commands import common, rpc_hello, server_api, sweep_guard
 from meshdeploy.config.model import local_address
 from meshdeploy.core import shell
 from meshdeploy.errors import AbortedError, PlanError
@@ -26,6 +32,7 @@ from meshdeploy.remote import ssh_settings
 from meshdeploy.views import sweep as view
 
 POINTS = 7
+MIN_RESTART_AFTER = 30
 UNIT = "meshdeploy-sweep-{name}"
 # How far a candidate moves layers toward one device: the share of every other device's layers
 # it takes. Mild first, so that the first few candidates already tell every device apart.
@@ -178,7 +185,7 @@ def _measure_split(conn, copy: server_api.Copy, argv: list[str], ts: list[int], 
                             ts)
     try:
         copy.start(split_argv)
-        api = server_api.Api(conn, "127.0.0.1", port, key)
+        api = copy.api(port, key)
         api.wait_healthy(server.health.retries * server.health.interval + 30, alive=copy.active)
         return server_api.measure(api, runs, server_api.N_PREDICT, progress)
     except Exception as exc:  # HTTP, SSH channel and socket failures come in many classes
@@ -234,35 +241,73 @@ def round_trips(conn, cluster, server) -> tuple[float, ...]:
     return tuple(0.0 if e is None else measured.get(e.target, 0.0) for *_, e in devs)
 
 
-def _sweep(conn, sudo: bool, server, key, argv: list[str], splits, runs: int, progress,
-           first=None, last=None) -> list:
+def _say(progress, line: str) -> None:
+    try:
+        progress(line)
+    except OSError:  # after SIGHUP the terminal may be gone: the server is started all the same
+        pass
+
+
+def _sweep(conn, sudo: bool, cluster, server, key, argv: list[str], splits, runs: int,
+           progress, first=None, last=None, seconds: int = sweep_guard.SECONDS) -> list:
     """Every split measured with the deployed server stopped; that server started again and
-    healthy afterwards, also when a split or the sweep itself fails.
+    healthy afterwards, also when a split or the sweep itself fails, or SIGTERM or SIGHUP
+    ends it; and by the orchestrator itself `seconds` after the last step began when the sweep
+    cannot (sweep_guard.Deadman).
     + first, last: called while the server is stopped, before the splits (round_trips) and
       after them (the model on the orchestrator alone)"""
-    copy = server_api.Copy(conn, sudo, server, UNIT.format(name=server.name), key)
+    copy = server_api.Copy(conn, sudo, cluster, server, UNIT.format(name=server.name), key)
     odd = copy.refusal(with_split(server_api.local_argv(argv, 1, copy.key_path,
                                                         drop=frozenset()), [1]))
     if odd is not None:
         raise server_api.BenchError(f"servers.{server.name}: {odd}",
                                     hint="the sweep starts copies of the running server as "
                                          "transient units; remove the character")
-    deployed = server_api.Api(conn, local_address(server.bind), server.port, key)
-    progress(f"stopping {server.unit_name} on {server.host} for the sweep")
-    server_api.run_remote(conn, shell.command("systemctl", "stop", server.unit_name), sudo)
+    deployed = server_api.Api(conn, local_address(server.bind), server.port, key,
+                              unit=server.unit_name, sudo=sudo)
+    guard = sweep_guard.Deadman(conn, sudo, server, seconds,
+                                [copy.unit, server_api.LOCAL_UNIT.format(name=server.name)])
+
+    def step() -> None:
+        guard.arm()
+        if guard.fired():
+            raise server_api.BenchError(
+                f"{server.unit_name} on {server.host} runs again in the middle of the sweep: "
+                f"a step took longer than --restart-after {seconds} s, and the orchestrator "
+                "started it as the sweep had asked", hint="give a longer --restart-after")
+
     measured = []
-    try:
-        if first is not None:
-            first()
-        for i, (ts, _) in enumerate(splits, 1):
-            progress(f"split {i}/{len(splits)}: -ts {','.join(map(str, ts))}")
-            measured.append(_measure_split(conn, copy, argv, ts, key, server, runs, progress))
-        if last is not None:
-            last()
-    finally:
-        progress(f"starting {server.unit_name} on {server.host} again")
-        server_api.run_remote(conn, shell.command("systemctl", "start", server.unit_name), sudo)
-        deployed.wait_healthy(server.health.retries * server.health.interval + 30)
+    guard.cancel()  # one a killed sweep left
+    with sweep_guard.interruptible():
+        try:
+            guard.arm()
+            progress(f"stopping {server.unit_name} on {server.host} for the sweep (the "
+                     f"orchestrator starts it by itself if the sweep is cut off for {seconds} s)")
+            server_api.run_remote(conn, shell.command("systemctl", "stop", server.unit_name),
+                                  sudo)
+            if first is not None:
+                first()
+            for i, (ts, _) in enumerate(splits, 1):
+                step()
+                progress(f"split {i}/{len(splits)}: -ts {','.join(map(str, ts))}")
+                measured.append(_measure_split(conn, copy, argv, ts, key, server, runs,
+                                               progress))
+            if last is not None:
+                step()
+                last()
+        finally:
+            with sweep_guard.uninterrupted():
+                _say(progress, f"starting {server.unit_name} on {server.host} again")
+                try:
+                    server_api.run_remote(conn, shell.command("systemctl", "start",
+                                                              server.unit_name), sudo)
+                    guard.cancel()
+                except Exception as exc:  # the SSH connection is gone, most likely
+                    raise server_api.BenchError(
+                        f"{server.host}: could not start {server.unit_name} again: {exc}",
+                        hint=f"the orchestrator starts it by itself within {seconds} s "
+                             f"(systemd timer {guard.names[guard.armed or 0]})") from None
+            deployed.wait_healthy(server.health.retries * server.health.interval + 30)
     return measured
 
 
@@ -300,12 +345,13 @@ def _fit(labels, build: dict, tensors, shape: dict, splits, measured,
     return {**cal.to_json(), "splits": kept}, rows, points
 
 
-def _alone(conn, sudo: bool, server, key, argv: list[str], runs: int, progress) -> dict:
+def _alone(conn, sudo: bool, cluster, server, key, argv: list[str], runs: int,
+           progress) -> dict:
     """The model on the orchestrator alone, as bench --compare-local runs it, while the
     deployed server is stopped: {"gen", "prompt"} tokens/s, or {"skipped": why}."""
     try:
-        result = server_api.compare_local(conn, sudo, server, key, runs, server_api.N_PREDICT,
-                                          progress, argv=argv)
+        result = server_api.compare_local(conn, sudo, cluster, server, key, runs,
+                                          server_api.N_PREDICT, progress, argv=argv)
     except Exception as exc:  # HTTP, SSH channel and socket failures come in many classes
         return {"skipped": f"{exc} (see `journalctl -u "
                            f"{server_api.LOCAL_UNIT.format(name=server.name)}`)"}
@@ -315,7 +361,7 @@ def _alone(conn, sudo: bool, server, key, argv: list[str], runs: int, progress) 
 
 
 def sweep_server(cluster, server, settings, runs: int, count: int, local: bool,
-                 progress) -> dict:
+                 progress, seconds: int = sweep_guard.SECONDS) -> dict:
     from meshdeploy.engine import speeds
 
     conn = server_api.connect(settings)
@@ -323,10 +369,11 @@ def sweep_server(cluster, server, settings, runs: int, count: int, local: bool,
         # The key file, the process's argv and systemd need root.
         sudo = settings.sudo if settings.local else settings.user != "root"
         key = server_api.read_key(conn, server, sudo)
-        deployed = server_api.Api(conn, local_address(server.bind), server.port, key)
+        deployed = server_api.Api(conn, local_address(server.bind), server.port, key,
+                                  unit=server.unit_name, sudo=sudo)
         deployed.wait_healthy(0)
         build = server_api.build_of(conn, deployed, cluster.llama_cpp.prefix)
-        argv = server_api.running_argv(conn, sudo, server)
+        argv = server_api.planned_argv(conn, cluster, server)
         files = server_api.model_files(argv)
         labels = [label for label, *_ in cluster.server_devices(server)]
         params = {"runs": runs, "points": count, "n_predict": server_api.N_PREDICT}
@@ -349,10 +396,10 @@ def sweep_server(cluster, server, settings, runs: int, count: int, local: bool,
             rtt.extend(round_trips(conn, cluster, server))
 
         def last():
-            alone.update(_alone(conn, sudo, server, key, argv, runs, progress))
+            alone.update(_alone(conn, sudo, cluster, server, key, argv, runs, progress))
 
-        measured = _sweep(conn, sudo, server, key, argv, splits, runs, progress, first,
-                          last if local else None)
+        measured = _sweep(conn, sudo, cluster, server, key, argv, splits, runs, progress, first,
+                          last if local else None, seconds)
         entry, rows, _ = _fit(labels, build, tensors, shape, splits, measured, tuple(rtt))
         result.update(time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       splits=rows, alone=alone)
@@ -377,6 +424,11 @@ def run(args, cluster, servers, progress) -> int:
     points = POINTS if args.points is None else args.points
     if points < 2:
         raise PlanError("--points must be at least 2")
+    restart_after = sweep_guard.SECONDS if args.restart_after is None else args.restart_after
+    if restart_after < MIN_RESTART_AFTER:
+        raise PlanError(f"--restart-after must be at least {MIN_RESTART_AFTER} seconds",
+                        hint="it is how long one split (loading included) may take before "
+                             "the orchestrator starts the deployed server by itself")
     if args.json and not args.auto_approve:
         raise PlanError("bench --sweep --json cannot ask for confirmation",
                         hint="add --auto-approve")
@@ -393,12 +445,21 @@ def run(args, cluster, servers, progress) -> int:
     print(view.render_notice(swept, results), file=sys.stderr)
     if swept and not args.auto_approve and not common.confirm("bench --sweep"):
         raise AbortedError("bench --sweep cancelled: nothing was stopped")
-    with common.Locked(cluster, "bench --sweep"):
-        for server in swept:
-            settings = ssh_settings.resolve(cluster.host(server.host),
-                                            accept_new=args.accept_new_host_keys)
-            results.append(sweep_server(cluster, server, settings, args.runs, points,
-                                        not args.no_local, progress))
+    with common.Locked(cluster, "bench --sweep") as lock:
+        session = common.open_session(cluster, hosts_of(cluster, swept),
+                                      args.accept_new_host_keys) if swept else None
+        try:
+            if session is not None:
+                lock.hosts(session)  # no apply changes these hosts during the sweep
+            for server in swept:
+                settings = ssh_settings.resolve(cluster.host(server.host),
+                                                accept_new=args.accept_new_host_keys)
+                results.append(sweep_server(cluster, server, settings, args.runs, points,
+                                            not args.no_local, progress, restart_after))
+        finally:
+            lock.release_hosts()
+            if session is not None:
+                session.close()
     order = [s.name for s in servers]
     results.sort(key=lambda r: order.index(r["server"]))
     kept = str(speeds.path(cluster.path))
@@ -406,6 +467,14 @@ def run(args, cluster, servers, progress) -> int:
           else view.render_text(results))
     # A server that could not be swept said why; one whose splits could not be fitted failed.
     return errors.ERROR if any("fit_error" in r for r in results) else errors.OK
+
+
+def hosts_of(cluster, servers) -> list[str]:
+    """The hosts a sweep of `servers` uses: their orchestrators and their workers."""
+    names = {s.host for s in servers}
+    for server in servers:
+        names.update(e.host.name for e in cluster.rpc_endpoints(server))
+    return sorted(names)
 
 
 def skip(cluster, server) -> str | None:

@@ -11,6 +11,8 @@ splits by memory and says so.
 from __future__ import annotations
 
 import json
+import math
+from datetime import datetime
 from pathlib import Path
 
 from meshdeploy.core.files import write_atomic
@@ -34,8 +36,38 @@ def read(cluster_path: Path) -> dict:
     if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
         return {}
     servers = data.get("servers")
-    return {k: v for k, v in servers.items() if isinstance(v, dict)} \
+    return {k: _checked(v) for k, v in servers.items() if isinstance(v, dict)} \
         if isinstance(servers, dict) else {}
+
+
+def _finite(value) -> bool:
+    """Whether every number in `value` is one a float holds (not a 400-digit integer, 1e400,
+    NaN or Infinity, which json reads)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return math.isfinite(float(value))
+        except OverflowError:
+            return False
+    if isinstance(value, (dict, list)):
+        return all(_finite(v) for v in (value.values() if isinstance(value, dict) else value))
+    return True
+
+
+def _checked(entry: dict) -> dict:
+    """The entry as the planner may use it: one holding a number no float holds is replaced
+    by {"unreadable": why}, which the plan reports as device speeds it cannot read; a
+    `measured_at` that is not an ISO 8601 time is dropped (the plan says "unknown time"), and
+    one that is comes back in one fixed spelling, so no other text of the file reaches the
+    terminal through it."""
+    if not _finite(entry):
+        return {"unreadable": "a number in it is out of range"}
+    entry = dict(entry)
+    try:
+        entry["measured_at"] = datetime.fromisoformat(entry["measured_at"]).isoformat(
+            timespec="seconds")
+    except (KeyError, TypeError, ValueError):
+        entry.pop("measured_at", None)
+    return entry
 
 
 def write(cluster_path: Path, server: str, entry: dict) -> Path:

@@ -15,6 +15,8 @@ import json
 
 from tabulate import tabulate
 
+from meshdeploy.errors import terminal_text
+
 FORMAT_VERSION = 1
 
 
@@ -109,7 +111,9 @@ def _server(r: dict) -> list[str]:
 
 
 def render_text(results: list[dict]) -> str:
+    """The results for a person; what hosts and files said in them (a split's error, a
+    skip's reason) is shown, never run by the terminal (errors.terminal_text)."""
     out = []
     for r in results:
         out += _server(r) + [""]
-    return "\n".join(out).rstrip() + "\n"
+    return terminal_text("\n".join(out).rstrip() + "\n")

@@ -151,17 +151,25 @@ def test_ctrl_c_stops_the_local_copy(first, bn_lab, cluster_file):
     assert info.run("node1", f"systemctl is-active {LOCAL_UNIT}").stdout.strip() != "active"
 
 
-def test_api_key_is_used_and_never_shown(first, bn_lab, cluster_file):
-    info, _ = bn_lab
+def keyed_cluster(info, cluster_file, name: str):
+    """(key, cluster file): a fresh API key in a root-only file on node1, and a variant of the
+    cluster file named NAME.yaml whose server reads it, applied (apply `cluster_file` again to
+    put the cluster back)."""
     key = "mdkey-" + secrets.token_hex(16)
-    path = "/etc/meshdeploy-secrets/bench-key"
+    path = f"/etc/meshdeploy-secrets/{name}-key"
     put = ssh(info, "node1", "sudo sh -c 'umask 077; mkdir -p /etc/meshdeploy-secrets; "
                              f"cat > {path}'", key + "\n")
     assert put.returncode == 0, put.stderr
-    keyed = variant(cluster_file, "keyed.yaml", "    port: 8080\n",
+    keyed = variant(cluster_file, f"{name}.yaml", "    port: 8080\n",
                     f"    port: 8080\n    api_key_file: {path}\n")
     applied = meshdeploy("apply", keyed, "--auto-approve")
     assert applied.returncode == 0, applied.stderr
+    return key, keyed
+
+
+def test_api_key_is_used_and_never_shown(first, bn_lab, cluster_file):
+    info, _ = bn_lab
+    key, keyed = keyed_cluster(info, cluster_file, "keyed")
     try:
         # The key is needed: without it the server refuses /completion.
         refused = info.run("node1", "curl -s -o /dev/null -w '%{http_code}' -X POST "

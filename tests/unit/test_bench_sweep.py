@@ -183,9 +183,12 @@ class FakeCopy:
     def stop(self):
         self.log.append(("stop copy",))
 
+    def api(self, port, key):
+        return FakeApi(None, "127.0.0.1", port, key)
+
 
 class FakeApi:
-    def __init__(self, conn, address, port, key):
+    def __init__(self, conn, address, port, key, **_):
         self.port = port
 
     def wait_healthy(self, seconds, alive=None):
@@ -197,15 +200,33 @@ class Server:
     health = Health(1, 1.0)
 
 
+def remote(log, deployed="inactive"):
+    """run_remote's stand-in: the dead-man timer's commands logged as ("arm", timer) and
+    ("cancel", timers), the deployed unit's state answered with `deployed`, others logged."""
+    def run(conn, command, sudo=False):
+        if "--on-active" in command:
+            log.append(("arm", command.split("NAME=", 1)[1].split("\n", 1)[0]))
+        elif "reset-failed" in command and ".timer" in command:
+            log.append(("cancel", command.split("set -- ", 1)[1].split("\n", 1)[0]))
+        elif command.startswith("systemctl is-active meshdeploy-server-m"):
+            return deployed + "\n"
+        else:
+            log.append(("run", command))
+        return ""
+    return run
+
+
 @pytest.fixture
 def fakes(monkeypatch):
     log = []
     FakeApi.log = log
     monkeypatch.setattr(server_api, "Api", FakeApi)
     monkeypatch.setattr(server_api, "free_port", lambda conn: 40001)
-    monkeypatch.setattr(server_api, "run_remote",
-                        lambda conn, command, sudo=False: log.append(("run", command)))
+    monkeypatch.setattr(server_api, "run_remote", remote(log))
     return log
+
+
+BOTH = "meshdeploy-sweep-restart-m-0 meshdeploy-sweep-restart-m-1"
 
 
 def test_the_deployed_server_is_stopped_for_the_sweep_and_started_again(fakes, monkeypatch):
@@ -213,16 +234,20 @@ def test_the_deployed_server_is_stopped_for_the_sweep_and_started_again(fakes, m
     monkeypatch.setattr(server_api, "measure", lambda api, runs, n, progress: next(measures))
     monkeypatch.setattr(server_api, "Copy", lambda *a: FakeCopy(fakes, fail_on="12,7"))
     splits = sweep.candidates(18, ["a", "b"], 3)
-    measured = sweep._sweep(None, True, Server(), None, RUNNING, splits, 1, lambda line: None)
+    measured = sweep._sweep(None, True, None, Server(), None, RUNNING, splits, 1,
+                            lambda line: None)
     assert measured[1] == {"error": "llama-server on 127.0.0.1:1 exited before it was healthy "
                                     "(see `journalctl -u meshdeploy-sweep-m`)"}
     assert measured[0]["overall"]["tg"]["median"] == 50.0
     assert measured[2]["overall"]["tg"]["median"] == 45.0
-    assert fakes[0] == ("run", "systemctl stop meshdeploy-server-m")
+    # A timer left by a killed sweep is cancelled; one is armed before the server stops.
+    assert fakes[:3] == [("cancel", BOTH), ("arm", "meshdeploy-sweep-restart-m-0"),
+                         ("run", "systemctl stop meshdeploy-server-m")]
     assert [e for e in fakes if e[0] == "start copy"] == [
         ("start copy", "10,9"), ("start copy", "12,7"), ("start copy", "7,12")]
     assert fakes.count(("stop copy",)) == 3  # every copy, the failed one too
-    assert fakes[-2:] == [("run", "systemctl start meshdeploy-server-m"), ("healthy", 8080)]
+    assert fakes[-3:] == [("run", "systemctl start meshdeploy-server-m"), ("cancel", BOTH),
+                          ("healthy", 8080)]
 
 
 def test_an_interrupted_sweep_starts_the_deployed_server_again(fakes, monkeypatch):
@@ -231,10 +256,10 @@ def test_an_interrupted_sweep_starts_the_deployed_server_again(fakes, monkeypatc
     monkeypatch.setattr(server_api, "measure", interrupted)
     monkeypatch.setattr(server_api, "Copy", lambda *a: FakeCopy(fakes))
     with pytest.raises(KeyboardInterrupt):
-        sweep._sweep(None, True, Server(), None, RUNNING, sweep.candidates(18, ["a", "b"], 3), 1,
-                     lambda line: None)
-    assert fakes[-3:] == [("stop copy",), ("run", "systemctl start meshdeploy-server-m"),
-                          ("healthy", 8080)]
+        sweep._sweep(None, True, None, Server(), None, RUNNING,
+                     sweep.candidates(18, ["a", "b"], 3), 1, lambda line: None)
+    assert fakes[-4:] == [("stop copy",), ("run", "systemctl start meshdeploy-server-m"),
+                          ("cancel", BOTH), ("healthy", 8080)]
 
 
 def result():
@@ -415,8 +440,8 @@ def test_round_trips_and_the_orchestrator_alone_are_measured_while_the_server_is
         fakes, monkeypatch):
     monkeypatch.setattr(server_api, "measure", lambda api, runs, n, progress: summary(50.0, 900.0))
     monkeypatch.setattr(server_api, "Copy", lambda *a: FakeCopy(fakes))
-    sweep._sweep(None, True, Server(), None, RUNNING, sweep.candidates(18, ["a", "b"], 3), 1,
-                 lambda line: None, lambda: fakes.append(("first",)),
+    sweep._sweep(None, True, None, Server(), None, RUNNING, sweep.candidates(18, ["a", "b"], 3),
+                 1, lambda line: None, lambda: fakes.append(("first",)),
                  lambda: fakes.append(("last",)))
     order = [e[0] if e[0] != "run" else e[1] for e in fakes]
     stop, start = order.index("systemctl stop meshdeploy-server-m"), \

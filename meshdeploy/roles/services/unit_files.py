@@ -163,6 +163,32 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
                    firewall=_server_firewall(cluster, server, f"{where} (IPAddressAllow)"))
 
 
+# [Service] settings of llama-server's unit that a copy of it does not take: its command, its
+# environment and its restart policy (a copy runs once, for a measurement).
+_NOT_SANDBOX = frozenset({"Type", "ExecStart", "Environment", "Restart", "RestartSec"})
+
+
+def server_sandbox(cluster, host, server) -> list[str]:
+    """The sandbox of llama-server `server`'s systemd unit as systemd-run properties: every
+    [Service] setting of server_unit but its command, environment and restart policy (the
+    user, groups, credential, device and IP rules, system call filters). bench --compare-local
+    and --sweep run copies of the server in it."""
+    text = server_unit(cluster, host, server, "/nonexistent", None, None)
+    service = text.split("\n[Service]\n", 1)[1].split("\n[", 1)[0]
+    out = []
+    for line in service.splitlines():
+        name, eq, value = line.partition("=")
+        if not eq or line.startswith("#") or name in _NOT_SANDBOX:
+            continue
+        if name in ("IPAddressAllow", "IPAddressDeny"):
+            # systemd-run (252) takes address prefixes only: the unit file's word `localhost`
+            # is what systemd means by it.
+            value = " ".join("127.0.0.0/8 ::1" if w == "localhost" else w
+                             for w in value.split())
+        out.append(f"{name}={value}")
+    return out
+
+
 def launchd_plist(label: str, argv: list[str], env: dict, log_dir: str) -> str:
     """A LaunchDaemon: kept alive like Restart=always, logs where `log show` cannot lose them."""
     doc = {"Label": label, "ProgramArguments": list(argv), "RunAtLoad": True,
