@@ -19,9 +19,10 @@ GEMMA_CACHED = Path("/var/cache/meshdeploy/lab/hf/models/hugginllam/gemma-3-270m
 
 def build_seed_tool(out: Path, *flags: str) -> Path:
     """Compile md-rpc-seed to `out` (skips without a C compiler); `flags` go before -o."""
+    from support.require import require
+
+    require("cc")
     cc = shutil.which("cc")
-    if cc is None:
-        pytest.skip("no C compiler (cc)")
     from meshdeploy.roles.rpc_cache.operations import SOURCE
 
     # The exact command seed_tool runs on workers, plus warnings as errors to keep it clean C99.

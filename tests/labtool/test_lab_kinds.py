@@ -9,13 +9,13 @@ promises; most checks run on a host of another kind too, where the answer differ
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from support.require import require
 from conftest import own_lab
 
 from meshdeploy.lab import Lab, LabError, LabInfo, base, kinds
@@ -126,8 +126,7 @@ def test_a_lab_json_from_before_kinds_reads_as_root_hosts():
 @pytest.mark.parametrize("kind", [k for k in kinds.KINDS.values() if k.script],
                          ids=lambda k: k.name)
 def test_kind_scripts_pass_shellcheck(kind, tmp_path):
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (Debian package shellcheck)")
+    require("shellcheck")
     script = tmp_path / f"{kind.name}.sh"
     script.write_text("#!/bin/sh\n" + kind.script)
     out = subprocess.run(["shellcheck", "--shell=sh", "--format=gcc", str(script)],

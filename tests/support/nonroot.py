@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import os
 import pwd
-import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
+from support.require import require
 
 
 def as_user(argv: list[str]) -> list[str]:
     """argv run as nobody when this process is root (else as this process's own user)."""
     if os.geteuid() != 0:
         return argv
-    if shutil.which("setpriv") is None:
-        pytest.skip("no setpriv to drop root")
+    require("setpriv")
     return ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv]
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.require import needs
 
 from meshdeploy.roles.rpc_cache.facts import DeviceMemory
 from meshdeploy.roles.rpc_cache.memory import (GiB, MiB, DeviceFree, device_free,
@@ -354,7 +355,7 @@ def test_command_prints_nothing_for_missing_tools(bin_dir):
     assert all(x.split()[0] in ("MemTotal:", "MemAvailable:") for x in lines), lines
 
 
-@pytest.mark.skipif(not shutil.which("timeout"), reason="needs coreutils timeout")
+@needs("timeout")
 def test_a_hung_tool_is_cut_off(bin_dir):
     tool(bin_dir, "vulkaninfo", "echo GPU0:; exec sleep 60\n")
     started = time.monotonic()

@@ -16,6 +16,7 @@ import pytest
 from support import golden
 from support.nonroot import as_user, give, owned_folder
 from support.steps import decided
+from support.require import require
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import RUNIT, Layout
@@ -172,8 +173,7 @@ def test_a_host_with_root_builds_as_before(tmp_path):
 # -- for real, as a user without root ---------------------------------------------------------
 
 def test_the_guarded_clone_runs_without_root(tmp_path):
-    if shutil.which("git") is None or shutil.which("flock") is None:
-        pytest.skip("needs git and flock")
+    require("git", "flock")
     base = owned_folder()
     try:
         upstream = base / "upstream"

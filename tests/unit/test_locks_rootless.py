@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.nonroot import as_user, owned_folder
+from support.require import require
 
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, Layout, system_layout
 from meshdeploy.core import inflight, share
@@ -23,8 +24,9 @@ from meshdeploy.engine import locks
 from meshdeploy.errors import PlanError
 from meshdeploy.execute.interrupt import Interrupts
 
-pytestmark = pytest.mark.skipif(shutil.which("flock") is None or shutil.which("setsid") is None,
-                                reason="needs flock and setsid")
+@pytest.fixture(autouse=True)
+def _tools():
+    require("flock", "setsid")
 
 
 @pytest.fixture

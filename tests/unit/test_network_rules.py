@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from support import golden
 from support.accounts import load_inventory
+from support.require import unmet
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.errors import PlanError
@@ -226,9 +227,7 @@ def netns_nft():
     """Runs a shell script in a fresh network namespace (its own, empty ruleset)."""
     reason = _nft_unavailable()
     if reason:
-        if os.environ.get("MESHDEPLOY_REQUIRE_LAB") == "1":
-            pytest.fail(f"MESHDEPLOY_REQUIRE_LAB=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+        unmet(reason)
 
     def run(script: str, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["unshare", "-n", "sh", "-ec", script, "sh", *args],

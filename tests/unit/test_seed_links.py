@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from support.require import needs
 from test_rpc_cache import SHA, ctx_for, fnv1a, synthetic  # noqa: F401 (fixture)
 
 from meshdeploy.core import transient
@@ -276,8 +277,8 @@ def test_a_seed_unit_may_reach_only_the_host_it_fetches_from():
     assert not any(p.startswith("IPAddress") for p in ops.seed_properties(50052, ["node1.lan"]))
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                    reason="a folder of another user's, read by root through setpriv")
+@pytest.mark.skipif(os.geteuid() != 0, reason="a folder of another user's, read by root")
+@needs("setpriv")
 def test_the_probe_reads_a_service_users_marker_as_that_user(tmp_path):
     """The probe runs as root; the marker is the rpc-server's to write, and it can swap in a link
     to a file only root may read after the probe checked it is a plain file. Read as the folder's

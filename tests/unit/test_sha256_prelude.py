@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.require import needs
 
 from meshdeploy.core import shell
 
@@ -42,7 +43,7 @@ def blob(tmp_path) -> tuple[Path, str]:
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@needs("openssl")
 def test_openssl_gives_the_digest(tmp_path, blob):
     path, digest = blob
     assert sha256(path, only(tmp_path, "openssl", "cut")) == digest + "\n"

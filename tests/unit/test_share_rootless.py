@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.require import needs
 from test_md_share import free_port
 from test_share_start import FAKE_CTL, FAKE_RUN, HOST_PATH, get, running, uid_of
 
@@ -219,8 +220,8 @@ def test_under_systemd_user_it_is_a_unit_of_the_users_manager(home):
     assert command[1:4] == [share.server_path(layout.prefix), "--pid-file", str(pid_file)]
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None or not AS_USER,
-                    reason="systemd-analyze (Debian package systemd) run as a user")
+@pytest.mark.skipif(not AS_USER, reason="systemd-analyze run as a user: needs root and setpriv")
+@needs("systemd-analyze")
 def test_the_user_units_settings_are_valid_for_a_user_manager(home):
     """systemd-analyze verify --user reads the settings as a user manager would (an option a
     user manager does not know, or a typo, fails it)."""

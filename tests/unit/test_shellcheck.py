@@ -9,7 +9,6 @@ MESHDEPLOY_REQUIRE_LAB=1: there a missing shellcheck fails instead of skipping.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from support.require import require
 
 from meshdeploy.core import shell
 
@@ -31,10 +31,7 @@ _JUSTIFIED = re.compile(r"#\s*shellcheck\s+disable=[A-Z0-9,]+\s+#\s*\S")
 def shellcheck() -> str:
     path = shutil.which("shellcheck")
     if path is None:
-        reason = "shellcheck is not installed (Debian package shellcheck)"
-        if os.environ.get("MESHDEPLOY_REQUIRE_LAB") == "1":
-            pytest.fail(f"MESHDEPLOY_REQUIRE_LAB=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+        require("shellcheck")
     return path
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from support.nonroot import as_user, give, owned_folder
+from support.require import require
 from test_ssh_transport_network import (CLUSTER, K1, K2, LINE1, OTHERS, ctx_for, key_fact,
                                         login_fact)
 
@@ -114,8 +115,8 @@ def race(home: Path, script: str, path: str) -> bytes:
 
 @pytest.mark.parametrize("flock", [True, False], ids=["flock", "mkdir-lock"])
 def test_two_writers_at_once_keep_both_lines(home, bins, flock):
-    if flock and not shutil.which("flock"):
-        pytest.skip("no flock")
+    if flock:
+        require("flock")
     # Each awk reads, then waits (3 s at most) for a second awk to have read before it prints:
     # unlocked, both writers read the old file before either renames; locked, the second
     # cannot start before the first ends.

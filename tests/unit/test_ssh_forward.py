@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 from support import accounts, golden, systemd_parse
 from support.steps import decided
+from support.require import needs
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, Layout
@@ -159,7 +159,7 @@ def test_hostile_paths_are_refused():
                             "node2")
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+@needs("systemd-analyze")
 @pytest.mark.parametrize("manager", ["systemd", SYSTEMD_USER])
 def test_systemd_analyze_verifies_the_unit(manager, tmp_path):
     text = definition(forward.ssh_forward(context(ssh_lab(manager), manager=manager), "node2"))
@@ -174,7 +174,7 @@ def test_systemd_analyze_verifies_the_unit(manager, tmp_path):
     assert done.returncode == 0 and not complaints, done.stderr
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+@needs("systemd-analyze")
 def test_exposure_score(tmp_path):
     text = definition(forward.ssh_forward(context(ssh_lab()), "node2"))
     path = tmp_path / "meshdeploy-ssh-node2.service"
@@ -601,8 +601,8 @@ def _owner_check(manager: str, port: int) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None,
-                    reason="needs root (a listener of another uid) and ss")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a listener of another uid)")
+@needs("ss")
 def test_a_port_another_user_took_first_is_not_taken_for_the_forward(tmp_path):
     """A local user who binds the forward's port while the forward is down would be sent
     llama-server's tensors: the TCP readiness alone accepts that listener (shown), the owner

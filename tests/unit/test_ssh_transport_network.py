@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from support.nonroot import as_user, give, owned_folder
+from support.require import needs
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import account, paths, probe, registry
@@ -64,7 +65,7 @@ LINE1 = ('command="false",restrict,port-forwarding,permitopen="127.0.0.1:50052",
 TERMUX = ["home=/data/data/com.termux/files/home", "user=u0_a123", "uid=10123", "sv=yes",
           "runsvdir=runsvdir -P /data/data/com.termux/files/usr/var/service",
           "termux_prefix=/data/data/com.termux/files/usr"]
-needs_keygen = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="no ssh-keygen")
+needs_keygen = needs("ssh-keygen")
 
 
 @pytest.fixture
@@ -288,7 +289,8 @@ def test_sections_by_role_of_the_host(cluster):
     assert [s.key for s in operations.sections(cluster, node2)] == ["network.SshLogin"]
     plain = load_cluster(ROOT / "inventories" / "lab.yaml")
     assert [s.key for s in operations.sections(plain, plain.host("node1"))
-            if s.key.startswith("network.Ssh")] == ["network.SshKey", "network.SshLogin"]
+            if s.key.startswith("network.Ssh")] == ["network.SshdStreamLocal", "network.SshKey",
+                                                    "network.SshLogin"]
 
 
 def test_order_after_toolchain_before_services(cluster):
@@ -358,7 +360,11 @@ def test_preflight_needs_ssh_on_an_orchestrator(cluster):
 # -- the allow-list and the Hosts table ------------------------------------------------------------
 
 def test_no_allowlist_rule_for_loopback_rpc_ports_under_ssh(cluster):
-    assert rules.allowlist(cluster, cluster.host("node3")) == {}
+    # No input rule: loopback only. The output chain keeps other local users out (root and the
+    # login user, rules.local_ports; tests/unit/test_loopback_rpc_private.py).
+    assert rules.allowlist(cluster, cluster.host("node3"), login_uid=1000) == {
+        "loopback/50052": ["uid 0", "uid 1000"], "loopback/50053": ["uid 0", "uid 1000"]}
+    assert rules.ports(cluster, cluster.host("node3")) == []
     plain = load_cluster(ROOT / "inventories" / "lab.yaml")
     assert rules.allowlist(plain, plain.host("node2")) == {"50052": ["lo", "10.200.0.11"]}
     wg = load_cluster(ROOT / "inventories" / "lab-wireguard.yaml")
@@ -369,7 +375,8 @@ def test_hosts_table_says_workers_are_reached_through_forwards(cluster, tmp_path
     rows = dict((h, text) for h, _, text in operations.access(cluster, cluster.hosts, {}))
     assert rows == {"node1": "allow-list (nftables)",
                     "node2": "loopback only; reached through ssh forwards",
-                    "node3": "loopback only; reached through ssh forwards"}
+                    "node3": "loopback only, for root and the login user (nftables); reached "
+                             "through ssh forwards"}
     # A worker that also serves a llama-server keeps the allow-list for its port.
     path = tmp_path / "c.yaml"
     path.write_text(CLUSTER.replace(', "node3:50053"]', "]").replace(
@@ -377,7 +384,8 @@ def test_hosts_table_says_workers_are_reached_through_forwards(cluster, tmp_path
         "port: 8081, rpc: ['node3:50053']}\n")
     both = load_cluster(path)
     rows = dict((h, text) for h, _, text in operations.access(both, both.hosts, {}))
-    assert rows["node3"] == "loopback only; reached through ssh forwards; allow-list (nftables)"
+    assert rows["node3"] == ("loopback only, for root and the login user (nftables); reached "
+                             "through ssh forwards; allow-list (nftables)")
     plain = load_cluster(ROOT / "inventories" / "lab.yaml")
     assert {t for _, _, t in operations.access(plain, plain.hosts, {})} == {
         "allow-list (nftables)"}

@@ -7,11 +7,11 @@ dropped from a template (or a backend losing its device list) raises the score a
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from support.require import needs
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import share
@@ -54,8 +54,7 @@ def exposure(unit: str, tmp_path: Path) -> float:
     return float(found.group(1))
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze is missing (Debian package systemd)")
+@needs("systemd-analyze")
 @pytest.mark.parametrize("inventory,host,kind,most", CASES,
                          ids=[f"{Path(c[0]).stem}-{c[2]}" for c in CASES])
 def test_exposure_score(inventory, host, kind, most, tmp_path):
@@ -64,8 +63,7 @@ def test_exposure_score(inventory, host, kind, most, tmp_path):
     assert score <= most, f"{kind} on {inventory} scores {score} (pinned {most}):\n{unit}"
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze is missing (Debian package systemd)")
+@needs("systemd-analyze")
 def test_md_share_exposure_score(tmp_path):
     """md-share's transient unit: the settings systemd-run gets (core/share.py), as a file."""
     unit = ("[Service]\nExecStart=/usr/bin/python3 /opt/meshdeploy/tools/md-share.py\n"
@@ -74,8 +72,7 @@ def test_md_share_exposure_score(tmp_path):
     assert score <= MD_SHARE_MOST, f"md-share scores {score} (pinned {MD_SHARE_MOST}):\n{unit}"
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze is missing (Debian package systemd)")
+@needs("systemd-analyze")
 @pytest.mark.parametrize("sources", [[], ["10.200.0.11"]], ids=["local", "fetching"])
 def test_seed_unit_exposure_score(sources, tmp_path):
     """The unit that seeds a worker's cache as its rpc-server's user (rpc_cache.seed): the
