@@ -74,12 +74,23 @@ class Deadman:
 
 
 class Hangup(KeyboardInterrupt):
-    """SIGTERM or SIGHUP during a sweep: handled as Ctrl-C (gevent's hub passes a
-    KeyboardInterrupt on to the main greenlet, as it does Ctrl-C's)."""
+    """SIGTERM or SIGHUP during a sweep: handled as Ctrl-C."""
 
 
 def _raise(signum, frame):
-    raise Hangup(f"{signal.Signals(signum).name} received")
+    error = Hangup(f"{signal.Signals(signum).name} received")
+    # Under gevent the handler may run in the hub (the sweep waits on a socket there), which
+    # would print the exception's traceback before handing it to the main greenlet: it is
+    # thrown into the main greenlet directly, where the sweep's `finally` is.
+    import greenlet
+
+    current = main = greenlet.getcurrent()
+    while main.parent is not None:
+        main = main.parent
+    if current is not main:
+        main.throw(error)
+        return
+    raise error
 
 
 @contextmanager
