@@ -59,6 +59,16 @@ def cluster_file(converged_lab):
     return converged_lab[2]
 
 
+@pytest.fixture(autouse=True)
+def server_back(lab):
+    """After each test the deployed server runs again, whatever the test (or the code it
+    tests) left: no copy, no timer."""
+    yield
+    lab.run("node1", f"systemctl stop {COPY} 'meshdeploy-sweep-restart-*.timer'; "
+                     "systemctl start meshdeploy-server-main", root=True)
+    assert wait_healthy(lab, 120) is not None
+
+
 def start_sweep(cluster_file, *extra) -> tuple[subprocess.Popen, list[str]]:
     """A sweep running, once it has stopped the deployed server and started its first split's
     copy; (the process, the stderr lines so far)."""
