@@ -11,6 +11,7 @@ gevent or fabric: the runs that need those import them, so --help and validate n
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from typing import Callable
@@ -48,16 +49,31 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshdeploy",
         description="Plan and apply llama.cpp RPC inference clusters from a cluster file.",
         epilog="meshdeploy lab ... manages the local systemd-nspawn lab (meshdeploy lab --help).")
+    parser.add_argument("--version", action="version", version=f"meshdeploy {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                 parser_class=Parser)
+    parser.commands = {}
     for command in COMMANDS:
         p = sub.add_parser(command.NAME, help=command.HELP, description=command.HELP)
         p.add_argument("--verbose", "-v", action="store_true",
                        help="show every error, not only the most relevant one")
         p.add_argument("--debug", action="store_true", help="show tracebacks")
+        p.add_argument("-no-color", "--no-color", dest="no_color", action="store_true",
+                       help="no colour in the output (so does NO_COLOR set to anything)")
         command.add_arguments(p)
+        parser.commands[command.NAME] = p
     sub.add_parser("lab", help="manage the local systemd-nspawn lab", add_help=False)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("meshdeploy")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     # node2` names node2 too.
     if extra and ns.command == logs.NAME and not any(e.startswith("-") for e in extra):
         ns.targets += extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # the usage shown is the command's own, as for every other usage error
+        parser.commands[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    if ns.no_color:  # https://no-color.org: what the views (and any child) read
+        os.environ["NO_COLOR"] = "1"
     command = _BY_NAME[ns.command]
     detailed = command is plan and ns.detailed_exitcode
     return guarded(lambda: command.run(command.Args.from_namespace(ns)), debug=ns.debug,

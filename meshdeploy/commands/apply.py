@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import dataclass
 
@@ -82,12 +83,21 @@ def _refuse_new_addresses(args: Args, saved) -> None:
 
 
 def _is_plan_file(path: str) -> bool:
+    """A saved plan is a JSON object with a format_version (save_plan); a cluster file, in YAML
+    or in JSON, has none. A file that starts like JSON but does not parse is taken for a
+    damaged plan only if it says format_version: load_plan then names what is wrong."""
     try:
         with open(path, "rb") as f:
-            head = f.read(64).lstrip()
+            text = f.read()
     except OSError:
         return False
-    return head.startswith(b"{")
+    if not text.lstrip().startswith(b"{"):
+        return False
+    try:
+        document = json.loads(text)
+    except ValueError:  # also bad UTF-8
+        return b'"format_version"' in text
+    return isinstance(document, dict) and "format_version" in document
 
 
 def _apply(args: Args, cluster, saved, limit, addresses, purge, lock) -> int:

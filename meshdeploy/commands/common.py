@@ -4,6 +4,7 @@ fabric connections of logs and exec."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from meshdeploy.engine import locks
@@ -49,7 +50,9 @@ def open_session(cluster, limit, accept_new_host_keys: bool, departed=()) -> Ses
 
 
 def color() -> bool:
-    return sys.stdout.isatty()
+    """Colour on a terminal, unless NO_COLOR is set to anything but "" (no-color.org; also what
+    --no-color sets)."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
 
 class Locked:

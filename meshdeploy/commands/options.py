@@ -30,7 +30,8 @@ def limit(p: argparse.ArgumentParser) -> None:
 
 
 def auto_approve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--auto-approve", action="store_true", help="do not ask for confirmation")
+    p.add_argument("-auto-approve", "--auto-approve", dest="auto_approve", action="store_true",
+                   help="do not ask for confirmation")
 
 
 def host_keys(p: argparse.ArgumentParser) -> None:

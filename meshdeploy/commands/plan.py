@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
     p.add_argument("-out", "--out", dest="out", metavar="FILE",
                    help="save the plan for a later `apply FILE`")
-    p.add_argument("--detailed-exitcode", action="store_true",
+    p.add_argument("-detailed-exitcode", "--detailed-exitcode", dest="detailed_exitcode",
+                   action="store_true",
                    help="exit 0 = no changes, 2 = changes, 1 = error")
     options.limit(p)
     options.host_keys(p)

@@ -267,8 +267,10 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
             hint = f"quote it: '{show(value)}'"
         label = {"object": "mapping", "array": "list"}.get(wanted, wanted)
         article = "an" if str(label)[0] in "aeiou" else "a"
-        return [doc.issue(path, f"expected {article} {label}, got {yaml_type(value)} "
-                                f"{show(value)}", hint)]
+        # A mapping or a list is named by its kind alone ("got a list"), a scalar with its
+        # value too ("got string 'x'").
+        got = show(value) if isinstance(value, (dict, list)) else f"{yaml_type(value)} {show(value)}"
+        return [doc.issue(path, f"expected {article} {label}, got {got}", hint)]
     if kind == "pattern":
         meaning = field_lookup(PATTERN_MEANING, path) or \
             f"does not match {error.validator_value}"

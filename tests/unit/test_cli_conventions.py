@@ -1,0 +1,101 @@
+"""The conventions of the tools operators know: --version, NO_COLOR and --no-color, Terraform's
+single-dash spellings, a usage error with the command's own usage, and a JSON cluster file told
+apart from a saved plan by what it says, not by its first byte."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from support.cli import meshdeploy
+
+from meshdeploy import cli
+from meshdeploy.commands import apply, common
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = ROOT / "inventories" / "lab.yaml"
+
+
+def test_version_names_the_project_and_pyproject_version():
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    out = meshdeploy("--version")
+    assert out.returncode == 0 and out.stdout == f"meshdeploy {version}\n"
+
+
+@pytest.mark.parametrize("command,single,double,dest", [
+    ("apply", "-auto-approve", "--auto-approve", "auto_approve"),
+    ("destroy", "-auto-approve", "--auto-approve", "auto_approve"),
+    ("plan", "-detailed-exitcode", "--detailed-exitcode", "detailed_exitcode"),
+    ("plan", "-no-color", "--no-color", "no_color"),
+    ("status", "-no-color", "--no-color", "no_color"),
+])
+def test_terraform_single_dash_spellings_mean_the_double_dash_ones(command, single, double, dest):
+    parser = cli.build_parser()
+    plain = parser.parse_args([command, "f.yaml"])
+    assert getattr(plain, dest) is False
+    for spelling in (single, double):
+        assert getattr(parser.parse_args([command, "f.yaml", spelling]), dest) is True
+
+
+def test_no_color_turns_colour_off_on_a_terminal(monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert common.color()
+    monkeypatch.setenv("NO_COLOR", "")  # no-color.org: set and empty does not count
+    assert common.color()
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not common.color()
+
+
+def test_the_no_color_flag_sets_no_color_for_the_views(monkeypatch, tmp_path):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: x\n")
+    # The run fails at validation; the flag has been taken by then.
+    assert cli.main(["validate", str(bad), "--no-color"]) != 0
+    assert cli.os.environ.get("NO_COLOR") == "1"
+    monkeypatch.delenv("NO_COLOR")
+
+
+def test_a_usage_error_prints_the_commands_own_usage():
+    out = meshdeploy("plan", LAB, "--no-such-flag")
+    assert out.returncode == 1
+    assert out.stderr.startswith("usage: meshdeploy plan ")
+    assert "meshdeploy plan: error: unrecognized arguments: --no-such-flag" in out.stderr
+
+
+def test_a_json_cluster_file_is_not_taken_for_a_saved_plan(tmp_path):
+
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"cluster": "c", "llama_cpp": {"ref": "b1"}, "hosts": {}}))
+    saved = tmp_path / "saved.plan"
+    saved.write_text(json.dumps({"format_version": "1.0", "changes": []}))
+    damaged = tmp_path / "damaged.plan"
+    damaged.write_text('{"format_version": "1.0", "changes": [')
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("cluster: c\n")
+    assert not apply._is_plan_file(str(cluster))
+    assert apply._is_plan_file(str(saved))
+    assert apply._is_plan_file(str(damaged))  # load_plan says what is wrong with it
+    assert not apply._is_plan_file(str(yaml))
+    assert not apply._is_plan_file(str(tmp_path / "missing"))
+
+
+def test_a_json_cluster_file_given_to_apply_is_validated_as_a_cluster_file(tmp_path):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"cluster": "c", "hosts": []}\n')
+    out = meshdeploy("apply", cluster, "--auto-approve")
+    assert out.returncode != 0
+    # Read as a saved plan before: "not a meshdeploy plan (no format_version)".
+    assert "plan" not in out.stderr
+    assert out.stderr.startswith(f"{cluster}:1:1: missing required key 'llama_cpp'")
+
+
+def test_a_list_where_a_mapping_belongs_is_named_once(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: x\nllama_cpp: {ref: b1}\nhosts: [a]\nmodels: {}\nservers: {}\n")
+    out = meshdeploy("validate", bad, "--verbose")
+    assert "hosts: expected a mapping, got a list\n" in out.stderr
