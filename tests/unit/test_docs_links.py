@@ -90,3 +90,18 @@ def test_every_docs_page_is_reachable_from_the_readme():
                 todo.append(path)
     lost = [str(p.relative_to(REPO)) for p in PAGES if p.resolve() not in reached]
     assert not lost, f"no chain of links from README.md reaches {lost}"
+
+
+def _plan_headline(text: str) -> list[str]:
+    """The per-host table and the Plan: line of a page's example plan."""
+    lines = text.splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("Plan: "))
+    start = max(i for i in range(end) if lines[i].startswith("host "))
+    return [line for line in lines[start:end + 1] if line.strip() and line.strip() != "..."]
+
+
+def test_the_readmes_example_plan_is_the_tours():
+    readme = _plan_headline((REPO / "README.md").read_text())
+    tour = _plan_headline((REPO / "docs" / "tour.md").read_text())
+    assert readme[-1].startswith("Plan: ") and len(readme) >= 5
+    assert readme == tour
