@@ -220,7 +220,11 @@ def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     for host in cluster.hosts:
         for i, rpc in enumerate(host.rpc_servers):
             claim(host.name, rpc.port, ("hosts", host.name, "rpc_servers", i, "port"))
-        for forward in cluster.ssh_forwards(host):
+        try:
+            forwards = cluster.ssh_forwards(host)
+        except KeyError:  # an rpc entry names an unknown host: check_servers says so
+            forwards = []
+        for forward in forwards:
             for local, remote in forward.ports:
                 # Said at network.ssh.local_port_base: the forwards' ports follow from it.
                 owner = owners.setdefault((host.name, local), f"the forward to {forward.worker.name}")

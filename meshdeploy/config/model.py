@@ -567,6 +567,10 @@ class Cluster:
 
 def dial_address(host: Host, rpc: RpcServer, from_host: str) -> str:
     """Where an orchestrator on `from_host` reaches `rpc` on `host`."""
+    if rpc.bind is None:
+        # A DNS-named host without a bind (config.load.resolve_bind): the checks ask for one,
+        # and read the distribution meanwhile; the host's name is what a client would dial.
+        return host.address
     if is_loopback(rpc.bind):
         return rpc.bind
     if host.name == from_host:

@@ -213,9 +213,101 @@ def generated(rnd: random.Random) -> bytes:
     return ("\n".join(lines) + "\n").encode("utf-8", "surrogatepass")
 
 
+# -- documents shaped like a cluster file: they pass the schema and reach the semantic checks --
+
+ADDRESSES = ["10.0.0.1", "10.0.0.2", "127.0.0.1", "192.168.1.5", "203.0.113.7", "0.0.0.0",
+             "::1", "fd00::1", "1", "5", "node1.lan", "gpu-01", "localhost", "10.0.0.1.5"]
+PORTS = [0, 1, 2, 22, 80, 1023, 1024, 8080, 50052, 50053, 51820, 65535]
+
+
+def _maybe(rnd: random.Random, line: str, p: float = 0.5) -> list[str]:
+    return [line] if rnd.random() < p else []
+
+
+def _host(rnd: random.Random, name: str) -> list[str]:
+    """A host, its keys left out as often as given (no backend, no ssh, no rpc-servers)."""
+    lines = [f"  {name}:", f"    address: {json.dumps(rnd.choice(ADDRESSES))}"]
+    lines += _maybe(rnd, f"    backend: {rnd.choice(['cpu', 'cuda', 'metal', 'vulkan', 'rocm'])}")
+    lines += _maybe(rnd, f"    connection: {rnd.choice(['ssh', 'local'])}", 0.2)
+    lines += _maybe(rnd, f"    rootless: {rnd.choice(['true', 'false'])}", 0.3)
+    lines += _maybe(rnd, f"    unprotected: {rnd.choice(['true', 'false'])}", 0.15)
+    if rnd.random() < 0.4:
+        lines += ["    ssh:", f"     user: {rnd.choice(['n', 'root', 'deploy'])}"]
+        lines += _maybe(rnd, f"     sudo: {rnd.choice(['true', 'false'])}", 0.3)
+        lines += _maybe(rnd, f"     port: {rnd.choice(PORTS)}", 0.3)
+    if rnd.random() < 0.6:
+        lines.append("    rpc_servers:")
+        for _ in range(rnd.randint(0, 3)):
+            rpc = [f"port: {rnd.choice(PORTS)}"]
+            rpc += _maybe(rnd, f"bind: {json.dumps(rnd.choice(ADDRESSES))}", 0.3)
+            rpc += _maybe(rnd, f"cache: {rnd.choice(['true', 'false'])}", 0.4)
+            rpc += _maybe(rnd, f"fetch: {rnd.choice(['true', 'false'])}", 0.2)
+            rpc += _maybe(rnd, f"device: {rnd.choice(['CPU', 'CUDA0', 'Vulkan0', 'x'])}", 0.2)
+            lines.append("    - {" + ", ".join(rpc) + "}")
+    return lines
+
+
+def _model(rnd: random.Random, name: str) -> list[str]:
+    kind = rnd.randrange(4)
+    if kind == 0:
+        repo = json.dumps(rnd.choice(["h/L", "a/b"]))
+        lines = [f" {name}:", "  huggingface:", f"   repo: {repo}"]
+        lines += _maybe(rnd, f"   file: {rnd.choice(['m.gguf', 'x.bin', '../m.gguf'])}")
+        return lines
+    if kind == 1:
+        return [f" {name}:", f"  path: {rnd.choice(['/m.gguf', 'm.gguf', '/opt/x'])}"]
+    if kind == 2:
+        return [f" {name}:", f"  ollama: {{model: {rnd.choice(['gemma3', 'a:b', 'x/y'])}}}"]
+    return [f" {name}: {{}}"]
+
+
+def _server(rnd: random.Random, name: str, hosts: list[str], models: list[str],
+            rpcs: list[str]) -> list[str]:
+    lines = [f" {name}:", f"    host: {rnd.choice(hosts + ['nowhere'])}",
+             f"    model: {rnd.choice(models + ['missing'])}"]
+    lines += _maybe(rnd, f"    port: {rnd.choice(PORTS)}", 0.3)
+    lines += _maybe(rnd, f"    bind: {json.dumps(rnd.choice(ADDRESSES))}", 0.2)
+    if rnd.random() < 0.5:
+        refs = rnd.sample(rpcs + ["nowhere:1"], rnd.randint(0, min(3, len(rpcs) + 1)))
+        lines.append(f"    rpc: {json.dumps(refs) if refs or rnd.random() < 0.5 else 'none'}")
+    lines += _maybe(rnd, f"    placement: {rnd.choice(['memory', 'auto'])}", 0.2)
+    lines += _maybe(rnd, f"    tensor_split: {rnd.choice(['auto', '[1, 1]', '[0, 1]'])}", 0.2)
+    lines += _maybe(rnd, f"    allow_unauthenticated: {rnd.choice(['true', 'false'])}", 0.2)
+    return lines
+
+
+def structured(rnd: random.Random) -> bytes:
+    """A file shaped like a cluster file, as the one the fuzzing run found validate crashing
+    on: hosts without a backend, an rpc-server on a low port or a DNS-named host, servers
+    naming hosts, models and rpc-servers that may not exist, a network section or none."""
+    hosts = [rnd.choice(["i", "x", "node1", "node2", "n"]) + str(k)
+             for k in range(rnd.randint(1, 4))]
+    models = [f"m{k}" for k in range(rnd.randint(0, 2))]
+    lines = [f"cluster: {json.dumps(rnd.choice(['b', 'lab', 'c-1']))}", "llama_cpp:",
+             f" ref: {rnd.choice(['L', 'b11312', 'main'])}", "hosts:"]
+    for name in hosts:
+        lines += _host(rnd, name)
+    rpcs = [f"{h}:{p}" for h in hosts for p in rnd.sample(PORTS, 2)]
+    if models:
+        lines.append("models:")
+        for name in models:
+            lines += _model(rnd, name)
+    if rnd.random() < 0.8:
+        lines.append("servers:")
+        for k in range(rnd.randint(1, 3)):
+            lines += _server(rnd, f"s{k}", hosts, models, rpcs)
+    if rnd.random() < 0.5:
+        lines += ["network:", f"  transport: {rnd.choice(['plain', 'wireguard', 'ssh'])}"]
+        lines += _maybe(rnd, f"  rpc_bind: {rnd.choice(['address', 'loopback'])}")
+        lines += _maybe(rnd, f"  firewall: {rnd.choice(['true', 'false'])}", 0.3)
+        lines += _maybe(rnd, f"  allow_public: {rnd.choice(['true', 'false'])}", 0.3)
+    return ("\n".join(lines) + "\n").encode()
+
+
 def document(seed: int) -> bytes:
     rnd = random.Random(seed)
-    return mutated(rnd) if rnd.random() < 0.8 else generated(rnd)
+    roll = rnd.random()
+    return mutated(rnd) if roll < 0.65 else generated(rnd) if roll < 0.8 else structured(rnd)
 
 
 # -- checking one document --------------------------------------------------------------------

@@ -113,3 +113,11 @@ def test_the_checker_catches_a_broken_promise(tmp_path):
     assert fuzz.issue_problems(path, spilled)[0].startswith("not one clean line")
     located = ConfigError([ConfigIssue(path, 0, 0, "", "cannot read: is a directory")])
     assert fuzz.issue_problems(path, located) == []
+
+
+@BUDGET
+@given(seed=st.integers(0, 2 ** 32 - 1))
+def test_documents_shaped_like_a_cluster_file(scratch, seed):
+    """Past the schema, into the semantic checks: hosts without a backend, rpc-servers on low
+    ports or DNS-named hosts, references to what the file lacks, no network section."""
+    assert_validates_cleanly(scratch, fuzz.structured(random.Random(seed)))

@@ -239,6 +239,70 @@ def test_every_failure_is_exit_3_with_one_clear_line(tmp_path):
         "  hint: a cluster file cannot hold a recursive structure: copy the values"]
 
 
+# -- the semantic checks read the distribution of a file they refuse --------------------------
+
+# Found by a fuzzing run (1 internal error in 3,543 files): an rpc-server on a host whose address
+# is not IPv4 has no bind until the checks ask for one, and the distribution the port check
+# reads dialled it (AttributeError: 'NoneType' object has no attribute 'startswith').
+NO_BIND = """cluster: "b"
+llama_cpp:
+ ref: L
+hosts:
+  i:
+    address: "1"
+    ssh:
+     user: n
+  x:
+    address: "5"
+    rpc_servers:
+    - {port: 2}
+models:
+ m:
+  huggingface:
+   repo: "h/L"
+servers:
+ n:
+    host: i
+    model: m
+"""
+
+# Found by the generator of files shaped like a cluster file: under transport: ssh the port
+# check listed the forwards of an rpc entry naming an unknown host (KeyError).
+UNKNOWN_WORKER_OVER_SSH = """cluster: b
+llama_cpp: {ref: L}
+hosts:
+  i: {address: 10.0.0.1}
+models: {m: {path: /m.gguf}}
+servers:
+  n: {host: i, model: m, rpc: ["nowhere:1"]}
+network: {transport: ssh}
+"""
+
+
+def test_an_rpc_server_without_a_bind_is_reported_not_dialled(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(NO_BIND)
+    with pytest.raises(ConfigError) as info:
+        load_cluster(path)
+    issues = {(i.line, i.col, i.path): i.message for i in info.value.issues}
+    assert issues[(12, 7, "hosts.x.rpc_servers[0]")].startswith(
+        "needs an explicit bind: address '5' is a DNS name")
+    done = run_cli(path)
+    assert done.returncode == CONFIG, done.stderr
+    assert done.stderr.startswith(f"{path}:6:14: hosts.i.address: ")
+    assert "internal error" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_unknown_worker_under_the_ssh_transport_is_reported(tmp_path):
+    issue = refused(tmp_path, "", head=UNKNOWN_WORKER_OVER_SSH)
+    path = tmp_path / "c.yaml"
+    assert at(issue) == (7, 32, "servers.n.rpc[0]")
+    assert issue.message == "unknown host 'nowhere' in 'nowhere:1'"
+    done = run_cli(path)
+    assert done.returncode == CONFIG, done.stderr
+    assert "internal error" not in done.stderr and "Traceback" not in done.stderr
+
+
 # -- values that would reach a root shell or a unit file -------------------------------------
 
 def test_escaped_newline_in_extra_args(tmp_path):
