@@ -10,6 +10,7 @@ from meshdeploy import errors
 from meshdeploy.commands import options
 from meshdeploy.config.checks import warnings_for
 from meshdeploy.config.load import load_cluster
+from meshdeploy.errors import ConfigError
 from meshdeploy.views import validate as view
 
 NAME = "validate"
@@ -26,7 +27,11 @@ class Args(options.Arguments):
 
 
 def run(args: Args) -> int:
-    cluster = load_cluster(args.file)
+    try:
+        cluster = load_cluster(args.file)
+    except ConfigError as error:  # every error, in file order: the others show the first
+        print(errors.terminal_text(view.render_errors(error)), file=sys.stderr)
+        return error.exit_code
     for warning in warnings_for(cluster):
         print(f"warning: {warning}", file=sys.stderr)
     print(view.render_text(args.file, cluster))

@@ -32,13 +32,40 @@ def test_config_error_exits_3_without_traceback(tmp_path):
     done = run_cli("validate", str(bad))
     assert done.returncode == errors.CONFIG
     assert "Traceback" not in done.stderr
-    lines = done.stderr.splitlines()
-    assert lines[0].startswith(f"{bad}:4:")
-    assert lines[-1] == "1 more error (--verbose)"
-    verbose = run_cli("validate", "--verbose", str(bad))
-    assert "more error" not in verbose.stderr
-    assert "'cudaa' is not one of cpu, cuda, metal, vulkan, rocm" in verbose.stderr
-    assert "unknown key 'x'" in verbose.stderr
+    # validate shows every error at once, in file order (the column orders one line's).
+    errors_shown = [line for line in done.stderr.splitlines() if not line.startswith("  hint")]
+    assert len(errors_shown) == 2 and all(e.startswith(f"{bad}:4:") for e in errors_shown)
+    columns = [int(e.split(":")[2]) for e in errors_shown]
+    assert columns == sorted(columns)
+    assert "more error" not in done.stderr
+    assert "'cudaa' is not one of cpu, cuda, metal, vulkan, rocm" in done.stderr
+    assert "unknown key 'x'" in done.stderr
+
+
+def test_validate_lists_errors_in_file_order_up_to_a_cap(tmp_path):
+    from meshdeploy.views.validate import MOST_ERRORS
+
+    hosts = "".join(f"  h{i}: {{address: 10.0.0.{i}, backend: cpu, typo{i}: 1}}\n"
+                    for i in range(MOST_ERRORS + 5))
+    bad = tmp_path / "many.yaml"
+    bad.write_text(f"cluster: t\nllama_cpp: {{ref: b1}}\nhosts:\n{hosts}")
+    done = run_cli("validate", str(bad))
+    assert done.returncode == errors.CONFIG
+    shown = [line for line in done.stderr.splitlines() if line.startswith(f"{bad}:")]
+    assert len(shown) == MOST_ERRORS
+    assert [int(line.split(":")[1]) for line in shown] == sorted(int(line.split(":")[1])
+                                                                  for line in shown)
+    assert shown[0].startswith(f"{bad}:1:") or shown[0].startswith(f"{bad}:4:")
+    assert done.stderr.rstrip().endswith("more errors (fix these first)")
+
+
+def test_other_commands_still_show_the_most_relevant_error_first(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: t\nllama_cpp: {ref: b1}\nhosts:\n  n: {address: 10.0.0.1, "
+                   "backend: cudaa, x: 1}\n")
+    done = run_cli("plan", str(bad))
+    assert done.returncode == errors.CONFIG
+    assert done.stderr.splitlines()[-1] == "1 more error (--verbose)"
 
 
 def test_missing_file_is_a_config_error(tmp_path):
