@@ -25,6 +25,7 @@ from meshdeploy.commands import (
     logs,
     plan,
     resources,
+    show,
     state,
     status,
     validate,
@@ -32,7 +33,7 @@ from meshdeploy.commands import (
 from meshdeploy.errors import MeshdeployError
 
 # In the order --help lists them.
-COMMANDS = (validate, plan, apply, destroy, status, logs, exec_, bench, state, resources)
+COMMANDS = (validate, plan, show, apply, destroy, status, logs, exec_, bench, state, resources)
 _BY_NAME = {command.NAME: command for command in COMMANDS}
 
 

@@ -350,3 +350,24 @@ def test_a_format_1_plan_is_refused_with_a_replan_hint(tmp_path):
         load_plan(f)
     assert "plan format 1 is not supported (this meshdeploy reads format 2)" in str(e.value)
     assert "meshdeploy plan" in e.value.hint
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_show_prints_a_saved_plan_as_plan_did(as_json, headers, tmp_path):
+    from support.cli import meshdeploy
+
+    plan = built_plan("cuda-seeded")
+    save_plan(plan, tmp_path / "p.plan")
+    out = meshdeploy("show", tmp_path / "p.plan", *(["--json"] if as_json else []))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (render_json(plan) if as_json else render_text(plan)) + "\n"
+
+
+def test_show_of_a_file_that_is_no_plan_is_one_clear_error(tmp_path):
+    from support.cli import meshdeploy
+
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("cluster: c\n")
+    out = meshdeploy("show", bad)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") <= 3 and str(bad) in out.stderr
