@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -222,6 +224,75 @@ def test_a_killed_worker_comes_back_by_itself(applied, rl_lab):
         time.sleep(3)
 
 
+# -- no build flows up from the rootless host -----------------------------------------------------
+
+# Run as md on node3: a build of KEY of md's own in node3's folders, where node3's md-share would
+# serve it from: a tarball whose llama-server leaves a mark as whoever runs it, and its sha256.
+PLANT = r"""
+set -e
+P="$HOME/.local/share/meshdeploy"; KEY=$1
+D=$(mktemp -d); mkdir "$D/bin"
+cp "$P/builds/$KEY/manifest" "$D/"
+SHORT=$(sed -n 's/^commit=//p' "$D/manifest" | cut -c1-7)
+printf '#!/bin/sh\ntouch /tmp/md-planted-ran-as-$(id -u)\necho "version: 1 (%s)"\n' "$SHORT" \
+  > "$D/bin/llama-server"
+chmod 755 "$D/bin/llama-server"
+mkdir -p "$P/build/share"
+tar -C "$D" -czf "$P/build/share/$KEY.tar.gz" .
+sha256sum "$P/build/share/$KEY.tar.gz" | cut -c1-64 > "$P/build/share/$KEY.tar.gz.sha256"
+rm -rf "$D"
+"""
+
+
+def test_a_build_planted_on_the_rootless_host_changes_nothing_on_the_root_one(applied, rl_lab):
+    """node3 (rootless) copied node1's build: they share its key. md plants a build of that key
+    in node3's folders (PLANT); node1 loses its build (removed by hand) and the file lets a host
+    that holds a build serve it (serial: false). Before, the plan had node1 copy from node3
+    ("it has that build installed") and apply ran the planted llama-server as root on node1.
+    Now node1 compiles its own (its cmake tree is built already: nothing to compile), node3
+    serves nothing, and nothing of md's reaches node1."""
+    info, _ = rl_lab
+    current = info.run("node1", "readlink /opt/meshdeploy/current", root=True, check=True)
+    key = current.stdout.strip().rsplit("/", 1)[-1]
+    mine = f"~/.local/share/meshdeploy/build/share/{key}.tar.gz"
+    assert info.run("node3", f"test -f ~/.local/share/meshdeploy/builds/{key}/manifest"
+                    ).returncode == 0  # copied from node1: one key
+    text = applied["path"].read_text()
+    assert "    serial: true\n" in text
+    path = applied["path"].with_name("rootless-parallel.yaml")
+    path.write_text(text.replace("    serial: true\n", "    serial: false\n", 1))
+    share = f"/opt/meshdeploy/build/share/{key}.tar.gz"
+    try:
+        info.run("node3", ["sh", "-c", PLANT, "plant", key], check=True)
+        info.run("node1", f"rm -rf /opt/meshdeploy/builds/{key} {share} {share}.sha256",
+                 root=True, check=True)
+        plan = meshdeploy("plan", path)
+        assert plan.returncode == 0, plan.stdout[-3000:] + plan.stderr
+        started = time.monotonic()
+        done = meshdeploy("apply", path, "--auto-approve")
+        took = time.monotonic() - started
+        marks = info.run("node1", "ls /tmp /var/tmp | grep md-planted; true", root=True)
+        same = info.run("node1", f"cmp /opt/meshdeploy/builds/{key}/bin/llama-server "
+                                 "/opt/meshdeploy/build/cpu-*/bin/llama-server && echo same",
+                        root=True)
+        seen = {"plan: node1 copies from node3": "from node3" in plan.stdout,
+                "plan: node3 serves a build": "# node3/llama_cpp.copy will be" in plan.stdout,
+                "plan: node1 builds": "# node1/llama_cpp.build will be" in plan.stdout,
+                "apply ok": done.returncode == 0,
+                "marks on node1": marks.stdout.split(),
+                "node1 runs the build of its tree": same.stdout.strip() == "same"}
+        assert seen == {"plan: node1 copies from node3": False,
+                        "plan: node3 serves a build": False, "plan: node1 builds": True,
+                        "apply ok": True, "marks on node1": [],
+                        "node1 runs the build of its tree": True}, (
+            plan.stdout[-4000:] + done.stdout[-3000:] + done.stderr[-2000:])
+        print(f"apply with node1's build removed: {took:.1f} s")
+        assert completion(info)["tokens_predicted"] > 0
+    finally:
+        info.run("node3", f"rm -f {mine} {mine}.sha256")
+        info.run("node1", "rm -f /tmp/md-planted-* /var/tmp/md-planted-*", root=True)
+
+
 # -- the same hosts, RPC over plain OpenSSH (network.transport: ssh) -----------------------------
 
 PROBE = ("import socket, sys\n"
@@ -232,6 +303,7 @@ PROBE = ("import socket, sys\n"
          "    print('closed', type(e).__name__)\n")
 CAPTURE = Path(__file__).resolve().parents[1] / "support" / "capture.py"
 SSH_PORTS = {"node2": 8022, "node3": 22}
+ROOT_PORT = 50053  # node1's own rpc-server under network.transport: ssh
 
 
 def reach(info, source: str, address: str, port: int) -> str:
@@ -354,6 +426,13 @@ def ssh_applied(applied, rl_lab, seeded_window, tmp_path_factory):
     text = text.replace("network:\n  rpc_bind: address\n",
                         "network:\n  rpc_bind: address\n  transport: ssh\n")
     text = text.replace("    unprotected: true\n", "")
+    # node1 (root) gets a loopback rpc-server that no llama-server uses: on a root host only
+    # root and the login user (as whom sshd's forwards connect) may reach it.
+    text = text.replace("  node2:\n    address:",
+                        f"    rpc_servers:\n      - port: {ROOT_PORT}\n  node2:\n    address:")
+    text = text.replace("    model: gemma\n    port: 8080\n",
+                        "    model: gemma\n    rpc: [node2:50052, node3:50052]\n    port: 8080\n")
+    assert f"port: {ROOT_PORT}" in text and "rpc: [node2:50052" in text
     text = text.replace(f"    ssh: {{config: {info.ssh['config']}}}   # md on port 8022",
                         f"    ssh: {{config: {info.ssh['config']}, port: 8022}}   # md on 8022")
     assert "transport: ssh" in text and "port: 8022" in text and "unprotected" not in text
@@ -482,6 +561,95 @@ def test_a_killed_forward_comes_back_and_the_cluster_serves(ssh_applied, rl_lab)
             pass
         assert time.monotonic() < deadline, "the cluster did not recover"
         time.sleep(3)
+
+
+def as_nobody(command: list[str]) -> list[str]:
+    """`command` run as nobody, a local user like any other (from root: sudo on node1)."""
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+
+
+def hello_over_ssh(info, host: str, port: int) -> bytes:
+    """A HELLO sent through `ssh -W 127.0.0.1:PORT host` from the control machine (sshd makes
+    that connection as the login user) and what came back within 10 s."""
+    proc = subprocess.Popen(["ssh", "-F", str(info.ssh["config"]), "-W", f"127.0.0.1:{port}",
+                             host], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        out, _ = proc.communicate(bytes([14]) + struct.pack("<Q", 24) + bytes(24), timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # rpc-server keeps the connection open for the next command
+        out, _ = proc.communicate()
+    return out
+
+
+def test_a_root_hosts_loopback_rpc_port_admits_root_and_the_login_user_only(ssh_applied,
+                                                                            rl_lab):
+    """node1's rpc-server binds 127.0.0.1 (network.transport: ssh): the allow-list's output
+    chain drops a connection from any other local user (on the old code nobody got in)."""
+    info, _ = rl_lab
+    probe = ["python3", "-c", PROBE, "127.0.0.1", str(ROOT_PORT)]
+    nobody = info.run("node1", ["sudo", *as_nobody(probe)], timeout=60)
+    assert nobody.returncode == 0, nobody.stderr
+    assert nobody.stdout.strip().startswith("closed"), nobody.stdout
+    assert info.run("node1", probe, timeout=60).stdout.strip() == "open"  # deploy, the login user
+    assert reach(info, "node1", "127.0.0.1", ROOT_PORT) == "open"  # root
+    # sshd's own forward (as the login user, as an orchestrator's would): a HELLO is answered
+    # (8 bytes of size, then major, minor, patch).
+    reply = hello_over_ssh(info, "node1", ROOT_PORT)
+    assert len(reply) == 11 and reply[:8] == bytes([3] + [0] * 7), reply
+    rules = info.run("node1", "sudo nft list chain inet meshdeploy output", timeout=60).stdout
+    assert f"tcp dport {ROOT_PORT}" in rules and "skuid" in rules, rules
+
+
+SQUAT = ("import os, socket, sys, time\n"
+         "s = socket.socket()\n"
+         "s.bind(('127.0.0.1', int(sys.argv[1])))\n"
+         "s.listen(8)\n"
+         "open(sys.argv[2], 'w').write(str(os.getpid()))\n"
+         "while True:\n"
+         "    c, _ = s.accept()\n"
+         "    time.sleep(1)\n"
+         "    c.close()\n")
+
+
+def squat(info, host: str, port: int) -> str:
+    """A listener of nobody's on 127.0.0.1:PORT (the port free: its unit stopped); its pid."""
+    pidfile = f"/tmp/md-squat-{port}.pid"
+    info.run(host, f"rm -f {pidfile}", root=True, check=True)
+    start = shlex.join(["setsid", "-f", *as_nobody(["python3", "-c", SQUAT, str(port),
+                                                     pidfile])])
+    info.run(host, f"{start} </dev/null >/dev/null 2>&1", root=True, check=True)
+    pid = info.run(host, f"for i in $(seq 50); do [ -s {pidfile} ] && exec cat {pidfile}; "
+                         "sleep 0.2; done; exit 1", root=True)
+    assert pid.returncode == 0 and pid.stdout.strip().isdigit(), pid.stdout + pid.stderr
+    return pid.stdout.strip()
+
+
+def test_a_squatter_on_a_loopback_rpc_port_fails_the_apply(ssh_applied, rl_lab):
+    """Another local user binds a worker's loopback rpc port while its unit is down: rpc-server
+    cannot bind it (and exits 0), the TCP wait alone accepted the squatter and llama-server
+    would have sent it its tensors. apply names the port and fails, on a root host (node1, whose
+    own check reads the unit's cgroup) and a rootless one (node3, systemd --user)."""
+    info, _ = rl_lab
+    squatters = {}
+    info.run("node3", "systemctl --user stop meshdeploy-rpc-50052", check=True)
+    info.run("node1", f"sudo systemctl stop meshdeploy-rpc-{ROOT_PORT}", check=True)
+    try:
+        squatters = {"node3": squat(info, "node3", PORT),
+                     "node1": squat(info, "node1", ROOT_PORT)}
+        proc = meshdeploy("apply", ssh_applied["path"], "--auto-approve")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, out[-3000:]
+        for host, port in (("node3", PORT), ("node1", ROOT_PORT)):
+            assert f"{host}/meshdeploy-rpc-{port}: 127.0.0.1:{port} is held by" in out, out[-4000:]
+    finally:
+        for host, pid in squatters.items():
+            info.run(host, f"kill {pid}", root=True)
+        info.run("node3", "systemctl --user start meshdeploy-rpc-50052")
+        info.run("node1", f"sudo systemctl start meshdeploy-rpc-{ROOT_PORT}")
+    again = meshdeploy("apply", ssh_applied["path"], "--auto-approve")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr
+    assert completion(info)["tokens_predicted"] > 0
 
 
 def test_destroy_leaves_nothing_of_meshdeploy_on_the_rootless_hosts(ssh_applied, rl_lab):

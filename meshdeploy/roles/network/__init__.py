@@ -46,5 +46,8 @@ ROLE = Role(
         Resource("ssh_known_hosts", lambda ctx, key: ssh_ops.ssh_known_hosts(ctx),
                  "the workers' sshd host keys an orchestrator's forwards accept (pinned)",
                  cluster_wide=True),
+        Resource("sshd_streamlocal", lambda ctx, key: ssh_ops.sshd_streamlocal(ctx),
+                 "a root worker's sshd refuses Unix-socket forwards to the forwards' logins "
+                 "(network.transport: ssh)", cluster_wide=True),
     ),
 )

@@ -5,6 +5,12 @@
 network_nft_family = "inet"
 network_nft_table = "meshdeploy"
 network_nft_chain = "input"
+# The chain that keeps a root host's loopback rpc-server ports (network.transport: ssh) from its
+# local users: it drops a connection whose socket belongs to any uid but root, the login user
+# (sshd's forwards run as it) and, where a llama-server of the host dials its own rpc-server,
+# systemd's DynamicUser= range (that llama-server's uid is picked from it at every start).
+network_nft_output_chain = "output"
+network_dynamic_uids = (61184, 65519)
 # Where the rendered table lives on the host, and the unit that loads it again at boot (a
 # ruleset is gone after a reboot; the rpc-servers come back enabled).
 network_nft_file = "/etc/meshdeploy/network/meshdeploy.nft"

@@ -12,13 +12,24 @@ from pyinfra.api import FactBase
 from meshdeploy.core import probe, shell
 from meshdeploy.roles.network import defaults as d
 from meshdeploy.roles.network import ssh as sshk
-from meshdeploy.roles.network.rules import LOOPBACK, TEMPLATES, VIA, normalize, port_key
+from meshdeploy.roles.network.rules import (
+    LOCAL,
+    LOOPBACK,
+    TEMPLATES,
+    VIA,
+    normalize,
+    port_key,
+    uid_order,
+)
 
 _DPORT = {proto: {"payload": {"protocol": proto, "field": "dport"}} for proto in ("tcp", "udp")}
 _SADDR = {"ip": {"payload": {"protocol": "ip", "field": "saddr"}},
           "ip6": {"payload": {"protocol": "ip6", "field": "saddr"}}}
 _IIFNAME = {"meta": {"key": "iifname"}}
 _OURS = ("filter", "input", "accept")  # the chain's type, hook and policy as rules.py writes them
+_OURS_OUT = ("filter", "output", "accept")  # the same of the output chain (rules.local_ports)
+_OIFNAME = {"meta": {"key": "oifname"}}
+_SKUID = {"meta": {"key": "skuid"}}
 
 
 class Allowlist(FactBase):
@@ -27,6 +38,7 @@ class Allowlist(FactBase):
     ```python
     {"50052": ["lo", "10.200.0.11"], "8080": ["lo"]}
     {"50052": ["lo", "10.99.149.186 via mdwg0"], "udp/51820": ["10.200.0.11"]}  # WireGuard
+    {"loopback/50052": ["uid 0", "uid 1000"]}   # network.transport: ssh, the output chain
     ```
     A port is listed when the table drops it, with the sources accepted before that drop
     ("lo" = arriving on loopback; networks merged as rules.normalize does). Whatever meshdeploy
@@ -62,11 +74,20 @@ def read_table(items: list) -> dict:
         (kind, body), = item.items()
         if kind in ("metainfo", "table"):
             continue
-        if kind == "chain" and body.get("name") == d.network_nft_chain:
+        chains = {d.network_nft_chain: _OURS, d.network_nft_output_chain: _OURS_OUT}
+        if kind == "chain" and body.get("name") in chains:
             found = (body.get("type"), body.get("hook"), body.get("policy"))
-            if found != _OURS:
+            if found != chains[body["name"]]:
                 other.append("chain {}: type {} hook {} policy {}".format(
                     body.get("name"), *found))
+            continue
+        if kind == "rule" and body.get("chain") == d.network_nft_output_chain:
+            local = _local_rule(body.get("expr") or [])
+            if local is None or local[0] in accepted:
+                other.append(f"{kind}: {json.dumps(_described(body), sort_keys=True)}")
+            else:
+                accepted[local[0]] = local[1]
+                dropped.append(local[0])
             continue
         rule = _rule(body.get("expr") or []) if kind == "rule" else None
         if rule is None or body.get("chain") != d.network_nft_chain:
@@ -81,6 +102,9 @@ def read_table(items: list) -> dict:
             accepted.setdefault(port, []).extend(sources)
     out = {}
     for port in sorted(dropped, key=lambda k: (k.partition("/")[2] or k, k)):
+        if port.startswith(LOCAL):
+            out[port] = accepted[port]
+            continue
         try:
             out[port] = normalize(accepted.get(port, []))
         except ValueError:
@@ -120,6 +144,33 @@ def _rule(expr: list) -> tuple[str, list[str] | None] | None:
                 return None
             return key, [s + (f"{VIA}{iface}" if iface else "") for s in sources]
     return None
+
+
+def _local_rule(expr: list) -> tuple[str, list[str]] | None:
+    """("loopback/PORT", the uids it lets through) of an output-chain rule in the form
+    rules.nft_table writes (tcp dport, oifname lo, meta skuid != a set, drop); None otherwise."""
+    matches = [e["match"] for e in expr if "match" in e]
+    rest = [e for e in expr if "match" not in e and "counter" not in e]
+    if len(matches) != 3 or rest != [{"drop": None}] or not _is(matches[0], _DPORT["tcp"]) \
+            or not (_is(matches[1], _OIFNAME)
+                    and matches[1]["right"] == d.network_loopback_ifaces["nft"]) \
+            or matches[2].get("op") != "!=" or matches[2].get("left") != _SKUID:
+        return None
+    port = matches[0]["right"]
+    right = matches[2]["right"]
+    elements = right["set"] if isinstance(right, dict) and "set" in right else [right]
+    uids = []
+    for e in elements:
+        if isinstance(e, int) and not isinstance(e, bool):
+            uids.append(f"uid {e}")
+        elif isinstance(e, dict) and isinstance(e.get("range"), list) and len(e["range"]) == 2 \
+                and all(isinstance(u, int) and not isinstance(u, bool) for u in e["range"]):
+            uids.append(f"uid {e['range'][0]}-{e['range'][1]}")
+        else:
+            return None
+    if not isinstance(port, int) or isinstance(port, bool):
+        return None
+    return f"{LOCAL}{port}", uid_order(uids)
 
 
 def _is(match: dict, left: dict) -> bool:
@@ -278,6 +329,7 @@ class SshLogin(FactBase):
 
     ```python
     {"user": "md",                                   # id -un; None when it is no user name
+     "uid": 1000,                                    # id -u; None when it is no number
      "host_keys": ["ssh-ed25519 AAAA...", ...],      # sshd's host keys (type + base64), sorted
      "authorized": ["command=... ssh-ed25519 AAAA... meshdeploy-rpc:lab:node1", ...],
      "unparsed": ["meshdeploy-rpc:lab:node1"],        # marker lines whose key does not parse
@@ -299,13 +351,16 @@ class SshLogin(FactBase):
         return shell.template(TEMPLATES / "ssh-login-probe.sh")
 
     def process(self, output):
-        out = {"user": None, "host_keys": [], "authorized": [], "unparsed": [],
+        out = {"user": None, "uid": None, "host_keys": [], "authorized": [], "unparsed": [],
                "authorized_link": False, "keys_file": None}
         keys = set()
         for line in output:
             name, _, value = line.partition("=")
             if name == "user":
                 out["user"] = value if _LOGIN.fullmatch(value) else None
+            elif name == "uid":
+                out["uid"] = int(value) if re.fullmatch(r"[0-9]{1,10}", value) and \
+                    int(value) < 2**32 - 1 else None
             elif name == "host_key":
                 key = sshk.public_key(value)
                 if key is not None:
@@ -325,6 +380,45 @@ class SshLogin(FactBase):
                     if last.startswith(sshk.MARKER):
                         out["unparsed"].append(re.sub(r"[^A-Za-z0-9_.:@-]", "?", last)[:200])
         out["host_keys"] = sorted(keys)
+        return out
+
+    @staticmethod
+    def default():
+        return None
+
+
+class SshdStreamLocal(FactBase):
+    """What a root worker's sshd lets the forwards' logins do with Unix sockets
+    (network.transport: ssh), read as root.
+
+    ```python
+    {"user": "deploy",                 # the login user (who ran sudo), as sshd matches it
+     "content": "# Managed by ..." | None,   # meshdeploy's drop-in (regular file), None: none
+     "include": True,                  # sshd_config includes /etc/ssh/sshd_config.d/
+     "effective": "no" | "all" | ... | None}  # sshd -T for that user from ADDR; None: no sshd
+    ```
+    content: the first 4 KiB of the file, made printable ASCII. None (the fact): not read.
+    + file: the drop-in's path; address: where the forwards log in from (an orchestrator's)
+    """
+
+    def command(self, file, address):
+        return shell.template(TEMPLATES / "sshd-probe.sh", FILE=file, ADDR=address)
+
+    def process(self, output):
+        out = {"user": None, "content": None, "include": False, "effective": None}
+        lines = []
+        for line in output:
+            name, _, value = line.partition("=")
+            if name == "user":
+                out["user"] = value if _LOGIN.fullmatch(value) else None
+            elif name == "line":
+                lines.append(re.sub(r"[^ -~\t]", "?", value))
+            elif name == "file":
+                out["content"] = "".join(f"{x}\n" for x in lines)
+            elif name == "include":
+                out["include"] = value == "yes"
+            elif name == "effective":
+                out["effective"] = value if re.fullmatch(r"[a-z]{1,10}", value) else None
         return out
 
     @staticmethod

@@ -72,8 +72,10 @@ def preflight(ctx: HostContext) -> None:
 
 def access(cluster, hosts, facts: dict) -> list[tuple[str, str, str]]:
     """What guards each host's meshdeploy ports, for the plan's Hosts table. Under
-    network.transport: ssh a worker's rpc-servers listen on loopback only (the allow-list has
-    no rule for them: rules.ports), and its other ports keep the allow-list where it has one."""
+    network.transport: ssh a worker's rpc-servers listen on loopback only (the allow-list's
+    input chain has no rule for them: rules.ports; on a root host its output chain keeps other
+    local users out: rules.local_ports), and its other ports keep the allow-list where it has
+    one."""
     out = []
     for h in hosts:
         darwin = (facts.get(h.name, {}).get("toolchain.Platform") or {}).get("kernel") == "Darwin"
@@ -83,7 +85,10 @@ def access(cluster, hosts, facts: dict) -> list[tuple[str, str, str]]:
                  "allow-list (nftables)")
         if cluster.network.forwarded and cluster.forwarded_to(h):
             forwarded = "loopback only; reached through ssh forwards"
-            guard = forwarded if guard.startswith("nothing") or not rules.allowlist(
+            if rules.local_ports(cluster, h, None) and not guard.startswith("nothing"):
+                forwarded = ("loopback only, for root and the login user (nftables); reached "
+                             "through ssh forwards")
+            guard = forwarded if guard.startswith("nothing") or not rules.ports(
                 cluster, h) else f"{forwarded}; {guard}"
         if cluster.network.tunnel and cluster.tunnel_peers(h):
             guard += "; RPC through WireGuard"
@@ -93,12 +98,13 @@ def access(cluster, hosts, facts: dict) -> list[tuple[str, str, str]]:
 
 def warnings(cluster, facts: dict) -> list[str]:
     """What the plan says every time about hosts that are not firewalled."""
+    sshd = ssh_ops.sshd_warnings(cluster, facts)
     if not cluster.network.firewall:
         return [f"{OPT_OUT}: no host filters its meshdeploy ports; any machine that reaches a "
-                "worker's rpc-server port can read and write its memory"]
+                "worker's rpc-server port can read and write its memory"] + sshd
     macs = sorted(name for name, f in facts.items()
                   if (f.get("toolchain.Platform") or {}).get("kernel") == "Darwin")
-    out = []
+    out = sshd
     tunneled = [m for m in macs if cluster.network.tunnel
                 and cluster.tunnel_peers(cluster.host(m))]
     if tunneled:
@@ -129,7 +135,8 @@ def allowlist(ctx: HostContext) -> Step:
         return Step(ctx.change(ROLE, "allowlist", "delete", f"{OPT_OUT}: remove the table",
                                rules.diffs({}, live)), rules.remove_commands())
     copiers = ctx.resolved.build_copiers.get(ctx.host.name, ())
-    wanted = rules.allowlist(ctx.cluster, ctx.host, copiers)
+    login_uid = _login_uid(ctx)
+    wanted = rules.allowlist(ctx.cluster, ctx.host, copiers, login_uid)
     if not wanted:
         if live is None:
             return Step(ctx.change(ROLE, "allowlist", "no-op", "no meshdeploy port on this host"))
@@ -142,8 +149,19 @@ def allowlist(ctx: HostContext) -> Step:
     return Step(ctx.change(ROLE, "allowlist", "create" if live is None else "update",
                            "not loaded" if live is None else "rules differ (drift or a new peer)",
                            rules.diffs(wanted, live)),
-                [c for c in install if c] + rules.apply_commands(rules.nft_file(ctx.cluster,
-                                                                                ctx.host, copiers)))
+                [c for c in install if c] + rules.apply_commands(
+                    rules.nft_file(ctx.cluster, ctx.host, copiers, login_uid)))
+
+
+def _login_uid(ctx: HostContext) -> int | None:
+    """The login user's uid (network.SshLogin), which a loopback rpc-server port admits (sshd's
+    forwards run as it); a plan that needs it and has none is refused, not guessed."""
+    uid = (ctx.fact(ssh_ops.LOGIN_FACT) or {}).get("uid")
+    if uid is None and rules.local_ports(ctx.cluster, ctx.host, None):
+        raise PlanError(f"{ctx.host.name}: the login user's uid was not read (network.SshLogin), "
+                        "and its loopback rpc-server ports admit only root and that user",
+                        hint="check that `id -u` works for the login user there, then plan again")
+    return uid
 
 
 # -- WireGuard (network.transport: wireguard) ----------------------------------------------------

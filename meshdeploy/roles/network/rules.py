@@ -11,9 +11,15 @@ rpc-server is unauthenticated and lets any client allocate, read and write the w
 (upstream's own warning: never run it on an open network), so an rpc-server that no llama-server
 in the file uses is open to loopback only.
 
+Under network.transport: ssh a root host's rpc-servers bind loopback, which every local user
+reaches: an output chain drops a connection to their ports from any local user but root, the
+login user (sshd's forwards run as it; meshdeploy's own status probe too) and, where a
+llama-server of the host dials its own rpc-server, systemd's DynamicUser= range (local_ports).
+
 ```python
 allowlist(cluster, cluster.host("node2"))   # {"50052": ["lo", "10.200.0.11"]}
 nft_file(cluster, cluster.host("node2"))     # "table inet meshdeploy {}\\ndelete table ..."
+allowlist(ssh_cluster, node2, login_uid=1000)   # {"loopback/50052": ["uid 0", "uid 1000"]}
 ```
 """
 
@@ -103,9 +109,56 @@ def ports(cluster, host, build_copiers=()) -> list[Port]:
                                                           key=lambda i: (i[0][1], i[0][0]))]
 
 
-def allowlist(cluster, host, build_copiers=()) -> dict[str, list[str]]:
-    """What facts.Allowlist reads back once the table is loaded: port -> sorted sources."""
-    return {p.key: list(p.sources) for p in ports(cluster, host, build_copiers)}
+def allowlist(cluster, host, build_copiers=(), login_uid: int | None = None) -> dict[str, list[str]]:
+    """What facts.Allowlist reads back once the table is loaded: port -> sorted sources, and
+    "loopback/PORT" -> the local users that may connect (local_ports)."""
+    out = {p.key: list(p.sources) for p in ports(cluster, host, build_copiers)}
+    out.update({p.key: list(p.uids) for p in local_ports(cluster, host, login_uid)})
+    return out
+
+
+LOCAL = "loopback/"  # the allow-list key of a loopback port's local users: "loopback/50052"
+
+
+@dataclass(frozen=True)
+class LocalPort:
+    """A root host's loopback rpc-server port and the local users that may connect to it."""
+
+    port: int
+    uids: tuple[str, ...]  # "uid 0", "uid 1000", "uid 61184-65519": uid_order()ed
+    what: str
+
+    @property
+    def key(self) -> str:
+        return f"{LOCAL}{self.port}"
+
+
+def local_ports(cluster, host, login_uid: int | None) -> list[LocalPort]:
+    """Under network.transport: ssh, each loopback rpc-server port of a root host: open to root
+    (meshdeploy's own checks run through sudo), the login user `login_uid` (sshd's forwards
+    for the orchestrators log in as it, and so does meshdeploy; left out while unknown) and,
+    where a llama-server of this host dials the rpc-server directly, systemd's DynamicUser=
+    range. Nobody else: a local user would be an unauthenticated RPC client. None on a
+    rootless host (no nftables) or another transport."""
+    if host.rootless or not cluster.network.forwarded:
+        return []
+    low, high = d.network_dynamic_uids
+    out = []
+    for rpc in host.rpc_servers:
+        if not is_loopback(rpc.bind or ""):
+            continue
+        uids = {0} | ({int(login_uid)} if login_uid is not None else set())
+        local = any(s.host == host.name for s in _rpc_clients(cluster, host, rpc))
+        shown = [f"uid {u}" for u in uids if not (local and low <= u <= high)]
+        if local:
+            shown.append(f"uid {low}-{high}")
+        out.append(LocalPort(rpc.port, tuple(uid_order(shown)), "rpc-server, local users"))
+    return out
+
+
+def uid_order(uids) -> list[str]:
+    """"uid N" and "uid A-B" items by their first uid, as nft lists a set's elements."""
+    return sorted(set(uids), key=lambda u: int(u.split()[1].partition("-")[0]))
 
 
 def _rpc_clients(cluster, host, rpc) -> list:
@@ -187,8 +240,10 @@ def split_source(source: str) -> tuple[str, str]:
 
 # -- nftables ----------------------------------------------------------------------------------
 
-def nft_table(port_list: list[Port], cluster_name: str) -> str:
-    """`table inet meshdeploy { ... }`: per port, accept loopback and the sources, drop the rest."""
+def nft_table(port_list: list[Port], cluster_name: str, local: list[LocalPort] = ()) -> str:
+    """`table inet meshdeploy { ... }`: per port, accept loopback and the sources, drop the rest;
+    per local port, an output chain drops what a local user but the allowed ones sends it. A
+    packet without a socket of a user (the kernel's own resets) matches no `meta skuid`."""
     rules = []
     for p in port_list:
         match = f"{p.proto} dport {p.port}"
@@ -205,14 +260,24 @@ def nft_table(port_list: list[Port], cluster_name: str) -> str:
         rules.append(f'{match} counter drop comment "{comment_text(p.what)}"')
     body = "".join(f"\t\t{r}\n" for r in rules)
     comment = comment_text(f"meshdeploy allow-list, cluster {cluster_name}")
+    output = ""
+    if local:
+        lo = d.network_loopback_ifaces["nft"]
+        out_rules = "".join(
+            f'\t\ttcp dport {p.port} oifname "{lo}" meta skuid != '
+            f'{{ {", ".join(u.split()[1] for u in p.uids)} }} counter drop '
+            f'comment "{comment_text(p.what)}"\n' for p in local)
+        output = (f"\tchain {d.network_nft_output_chain} {{\n"
+                  "\t\ttype filter hook output priority filter; policy accept;\n"
+                  f"{out_rules}\t}}\n")
     return (f"table {TABLE} {{\n"
             f'\tcomment "{comment}"\n'
             f"\tchain {d.network_nft_chain} {{\n"
             "\t\ttype filter hook input priority filter; policy accept;\n"
-            f"{body}\t}}\n}}\n")
+            f"{body}\t}}\n{output}}}\n")
 
 
-def nft_file(cluster, host, build_copiers=()) -> str:
+def nft_file(cluster, host, build_copiers=(), login_uid: int | None = None) -> str:
     """The file for `nft -f`: one transaction that replaces table inet meshdeploy, and only it.
 
     Creating the table first makes the delete succeed whether or not it existed (nft 1.0.6 has
@@ -221,7 +286,8 @@ def nft_file(cluster, host, build_copiers=()) -> str:
     return (f"# meshdeploy: allow-list of {comment_text(host.name)}'s meshdeploy ports. "
             "Generated; the next apply replaces it.\n"
             f"table {TABLE} {{}}\ndelete table {TABLE}\n"
-            + nft_table(ports(cluster, host, build_copiers), cluster.name))
+            + nft_table(ports(cluster, host, build_copiers), cluster.name,
+                        local_ports(cluster, host, login_uid)))
 
 
 def _version(source: str) -> int | None:

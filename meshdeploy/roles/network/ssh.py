@@ -74,6 +74,11 @@ def cluster_marker(cluster) -> str:
     return f"{MARKER}{cluster.name}:"
 
 
+def source_address(cluster, orchestrator) -> str:
+    """The IP address `orchestrator`'s forwards log in to a worker from (from=, sshd's Match)."""
+    return _source(cluster, orchestrator)
+
+
 def _source(cluster, orchestrator) -> str:
     address = cluster.source_address(orchestrator)
     try:

@@ -4,7 +4,9 @@ services role's).
 - network.ssh_key (orchestrators): the forwards' key pair, made on the host;
 - network.ssh_authorize (workers): that key in the login user's authorized_keys, limited to
   the forward;
-- network.ssh_known_hosts (orchestrators): the workers' host keys, pinned.
+- network.ssh_known_hosts (orchestrators): the workers' host keys, pinned;
+- network.sshd_streamlocal (root workers): an sshd_config drop-in that refuses Unix-socket
+  forwards to the forwards' logins (authorized_keys options limit TCP forwards only).
 """
 
 from __future__ import annotations
@@ -18,22 +20,29 @@ from meshdeploy.core.probe import Section
 from meshdeploy.errors import PlanError
 from meshdeploy.remote import ssh_settings
 from meshdeploy.roles.network import ssh as sshk
-from meshdeploy.roles.network.facts import ODD_LINE, SshKey, SshLogin
+from meshdeploy.roles.network.facts import ODD_LINE, SshdStreamLocal, SshKey, SshLogin
 from meshdeploy.roles.network.rules import TEMPLATES
 
 ROLE = "network"
 KEY_FACT = "network.SshKey"
 LOGIN_FACT = "network.SshLogin"
+SSHD_FACT = "network.SshdStreamLocal"
+SSHD_DIR = "/etc/ssh/sshd_config.d"
 
 
 def sections(cluster, host, destroying: bool = False) -> list[Section]:
     """SshKey on every host whose layout is known (privileged where the host has root: the
-    folder is root's) and SshLogin on every host (as the login user: its own files), whatever
+    folder is root's), SshLogin on every host (as the login user: its own files) and
+    SshdStreamLocal on every root host (as root: sshd -T), whatever
     the transport: what an earlier network.transport: ssh apply left (a key pair, known_hosts,
     authorized lines) is found and removed when the file turns to plain or wireguard, or when a
     host stops forwarding or being forwarded to. Two more sections in the one probe per host; a
     no-op plan stays one remote command per host."""
     out = []
+    if not host.rootless:
+        out.append(Section(SSHD_FACT, SshdStreamLocal, privileged=True,
+                           kwargs={"file": sshd_file(cluster),
+                                   "address": _login_address(cluster, host)}))
     layout = host.layout
     if layout is not None:
         out.append(Section(KEY_FACT, SshKey, privileged=True,
@@ -318,6 +327,11 @@ def destroy(ctx: HostContext) -> list[Step]:
         steps.append(Step(ctx.change(ROLE, "ssh_authorize", "delete", "leaves the cluster", diffs),
                           [authorize_script(ctx.cluster, [])], sudo=False))
     left = _key_delete(ctx, "leaves the cluster")
+    dropin = (ctx.fact(SSHD_FACT) or {}).get("content")
+    if dropin is not None and not ctx.host.rootless:
+        steps.append(Step(ctx.change(ROLE, "sshd_streamlocal", "delete", "leaves the cluster",
+                                     [AttrDiff("AllowStreamLocalForwarding", "no", None)]),
+                          [shell.command("rm", "-f", sshd_file(ctx.cluster)), _reload_sshd()]))
     return steps + ([left] if left else [])
 
 
@@ -336,3 +350,110 @@ def _key_delete(ctx: HostContext, reason: str) -> Step | None:
                                paths.ssh_known_hosts(ctx.host.layout), shell.THEN,
                                "rmdir", folder, ctx.host.layout.config, shell.QUIET,
                                shell.OR, "true")])
+
+
+# -- network.sshd_streamlocal ----------------------------------------------------------------------
+
+def sshd_file(cluster) -> str:
+    """The drop-in of this cluster: first among sshd_config.d's files, as sshd applies the first
+    Match block that sets a keyword for a connection."""
+    return f"{SSHD_DIR}/00-meshdeploy-{cluster.name}.conf"
+
+
+def _login_address(cluster, host) -> str:
+    """Where an orchestrator's forward logs in to `host` from (the first one's), for sshd -T;
+    the host's own address where nothing forwards to it."""
+    for orchestrator, _ in cluster.forwarded_to(host):
+        try:
+            return sshk.source_address(cluster, orchestrator)
+        except PlanError:
+            continue
+    return "127.0.0.1"
+
+
+def sshd_dropin(cluster, host, user: str) -> str | None:
+    """The drop-in a root worker's sshd reads: for the forwards' logins (the login user from
+    the orchestrators' addresses, as their authorized lines' from= says), no Unix-socket
+    forwarding. None where no forward reaches the host."""
+    pairs = cluster.forwarded_to(host)
+    if not pairs:
+        return None
+    addresses = sorted({sshk.source_address(cluster, s) for s, _ in pairs})
+    return (f"# Managed by meshdeploy (cluster {cluster.name}); `meshdeploy apply` rewrites this "
+            "file.\n"
+            "# network.transport: ssh: the orchestrators' forward keys log in as this user from "
+            "these\n# addresses. Their authorized_keys options (permitopen, permitlisten) limit "
+            "TCP forwards\n# only: Unix-socket forwards (ssh -L or -R to a socket path) are "
+            "refused here.\n"
+            f"Match User {user} Address {','.join(addresses)}\n"
+            "\tAllowStreamLocalForwarding no\n")
+
+
+def _reload_sshd() -> str:
+    return shell.command("systemctl", "reload", "ssh.service", shell.QUIET, shell.OR,
+                         "systemctl", "reload", "sshd.service")
+
+
+def sshd_streamlocal(ctx: HostContext) -> Step:
+    """network.sshd_streamlocal: on a root worker of network.transport: ssh, an sshd_config
+    drop-in (sshd_file) that refuses Unix-socket forwards to the forwards' logins: the login
+    user from the orchestrators' addresses. Checked with `sshd -t` before sshd reloads, and with
+    `sshd -T` after. A host whose sshd_config does not include sshd_config.d gets none (every
+    plan warns); a rootless worker's sshd is not meshdeploy's to configure (docs/security.md).
+
+    + example: node2/network.sshd_streamlocal  + create  AllowStreamLocalForwarding: no
+    """
+    fact = ctx.fact(SSHD_FACT)
+    if ctx.host.rootless or fact is None:
+        return Step(ctx.change(ROLE, "sshd_streamlocal", "no-op",
+                               "rootless: sshd is not meshdeploy's" if ctx.host.rootless
+                               else "sshd not read"))
+    user = (ctx.fact(LOGIN_FACT) or {}).get("user") or fact.get("user")
+    want = sshd_dropin(ctx.cluster, ctx.host, user) if user else None
+    have = fact.get("content")
+    path = sshd_file(ctx.cluster)
+    if want is None:
+        if have is None:
+            return Step(ctx.change(ROLE, "sshd_streamlocal", "no-op",
+                                   "no ssh forward reaches this host"))
+        return Step(ctx.change(ROLE, "sshd_streamlocal", "delete",
+                               "no ssh forward reaches this host any more",
+                               [AttrDiff("AllowStreamLocalForwarding", "no", None)]),
+                    [shell.command("rm", "-f", path), _reload_sshd()])
+    if not fact.get("include"):
+        return Step(ctx.change(ROLE, "sshd_streamlocal", "no-op",
+                               "sshd_config does not include sshd_config.d (warned)"))
+    if have == want and fact.get("effective") == "no":
+        return Step(ctx.change(ROLE, "sshd_streamlocal", "no-op",
+                               "Unix-socket forwards refused to the forwards' logins"))
+    address = _login_address(ctx.cluster, ctx.host)
+    check = shell.command("sshd", "-T", "-C", f"user={user},host={address},addr={address}")
+    return Step(ctx.change(ROLE, "sshd_streamlocal", "create" if have is None else "update",
+                           "Unix-socket forwards of the forwards' logins not refused yet" if
+                           have is None else "drop-in differs, or sshd does not apply it",
+                           [AttrDiff("AllowStreamLocalForwarding", fact.get("effective"), "no")]),
+                [shell.write_file(path, want, "0644"),
+                 'PATH="$PATH:/usr/sbin:/sbin"; ' + shell.command("sshd", "-t") + " || { "
+                 + shell.command("rm", "-f", path) + "; "
+                 + shell.command("echo", f"{ctx.host.name}: sshd refuses {path}; removed",
+                                 shell.TO_STDERR) + "; exit 1; }",
+                 _reload_sshd(),
+                 'PATH="$PATH:/usr/sbin:/sbin"; ' + check
+                 + " | grep -qx 'allowstreamlocalforwarding no' || { "
+                 + shell.command("echo", f"{ctx.host.name}: sshd does not apply {path} to "
+                                 f"{user}", shell.TO_STDERR) + "; exit 1; }"])
+
+
+def sshd_warnings(cluster, facts: dict) -> list[str]:
+    """Root workers whose sshd_config does not include sshd_config.d: their forwards' logins
+    keep Unix-socket forwarding."""
+    out = []
+    for host in cluster.hosts:
+        fact = (facts.get(host.name) or {}).get(SSHD_FACT)
+        if not host.rootless and fact is not None and not fact.get("include") \
+                and cluster.forwarded_to(host):
+            out.append(f"{host.name}: sshd_config does not include /etc/ssh/sshd_config.d/, so "
+                       "meshdeploy cannot refuse Unix-socket forwards (ssh -L/-R to a socket "
+                       "path) to the forward key's logins there; add `Match User <login user>` "
+                       "with `AllowStreamLocalForwarding no` to sshd_config yourself")
+    return out

@@ -303,5 +303,29 @@ class RunitTools(FactBase):
         return {"sh": None, "svlogd": None}
 
 
+class UserNamespaces(FactBase):
+    """Whether the login user may make a user namespace (systemd --user hosts only): a user
+    manager builds a unit's file-system sandbox (ProtectHome=, ProtectSystem=, PrivateTmp=, ...)
+    only inside one of its own (PrivateUsers=yes), ignores those settings silently without
+    PrivateUsers=, and fails to start the unit where the kernel refuses the namespace.
+
+    ```python
+    True    # `unshare --user true` succeeded as the login user
+    False   # refused (kernel.unprivileged_userns_clone=0, user.max_user_namespaces=0, an LSM), or no unshare
+    ```
+    """
+
+    def command(self):
+        return ('if command -v unshare >/dev/null 2>&1 && unshare --user true 2>/dev/null; '
+                'then echo userns=yes; else echo userns=no; fi')
+
+    def process(self, output):
+        return any(line.strip() == "userns=yes" for line in output)
+
+    @staticmethod
+    def default():
+        return False
+
+
 # A path a `#!` line or an unquoted word can carry as it is.
 _PLAIN_PATH = re.compile(r"/[A-Za-z0-9_./+-]*")

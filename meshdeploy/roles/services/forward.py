@@ -37,7 +37,6 @@ from meshdeploy.roles.services.managers import Launchd, Runit, SystemdUser
 ROLE = "services"
 TEMPLATES = Path(__file__).with_name("templates")
 SCRIPT = TEMPLATES / "ssh-forward.sh"
-OWNER = TEMPLATES / "forward-owner.sh"
 READY_SECONDS = 20  # every loopback port of a (re)started forward accepts within this
 LOGIN = "network.SshLogin"
 # ssh expands `%` tokens, `${VAR}` and (in -o values) quotes and backslashes in its paths: a
@@ -180,12 +179,10 @@ def ssh_forward(ctx: HostContext, worker: str) -> Step:
 
 
 def owner_check(mgr, unit: str, who: str, forward: SshForward) -> str:
-    """The forward's ports are held by the forward (templates/forward-owner.sh): under systemd
-    (system or user) by a socket of the unit's cgroup; under runit by the login user's."""
-    systemd = not isinstance(mgr, Runit)
-    return shell.template(OWNER, args=[int(local) for local, _ in forward.ports], WHO=who,
-                          MODE="cgroup" if systemd else "uid",
-                          WANT=f"/{unit}.service" if systemd else "")
+    """The forward's ports are held by the forward (ops.port_owner): under systemd (system or
+    user) by a socket of the unit's own cgroup, its whole path; under runit by the login
+    user's."""
+    return ops.port_owner(mgr, unit, who, "the forward", [local for local, _ in forward.ports])
 
 
 def _user_unknown(ctx, resource: str, unit: str, worker: str) -> Step:

@@ -6,7 +6,7 @@ import difflib
 from dataclasses import replace as _replace
 from pathlib import Path
 
-from meshdeploy.config.model import RUNIT, HfResolved, rpc_ref
+from meshdeploy.config.model import RUNIT, SYSTEMD_USER, HfResolved, rpc_ref
 from meshdeploy.core import progress, shell
 from meshdeploy.core.context import HostContext, Step, Teardown
 from meshdeploy.core.paths import installed_build, model_path, rpc_server_cache
@@ -17,7 +17,14 @@ from meshdeploy.errors import PlanError
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
 from meshdeploy.roles.services import rootless
-from meshdeploy.roles.services.facts import KeyFile, RpcClients, Rtt, RunitTools, Units
+from meshdeploy.roles.services.facts import (
+    KeyFile,
+    RpcClients,
+    Rtt,
+    RunitTools,
+    Units,
+    UserNamespaces,
+)
 from meshdeploy.roles.services.managers import (  # noqa: F401 - Systemd/Launchd named here too
     Launchd,
     Runit,
@@ -44,6 +51,8 @@ def sections(cluster, host) -> list[Section]:
                        {"services": layout.services, "manager": layout.manager})]
         if layout.manager == RUNIT:
             out.append(Section("services.RunitTools", RunitTools))
+        if layout.manager == SYSTEMD_USER:
+            out.append(Section(rootless.USERNS, UserNamespaces))
     else:
         out = [Section("services.Units", Units)]
     for server in (s for s in cluster.servers if s.host == host.name and s.api_key_file):
@@ -201,6 +210,21 @@ def tcp_wait(address: str, port: int, seconds: int, journal: str | None, who: st
             + f" || {{ {fail}; }}")
 
 
+def port_owner(mgr, unit: str, who: str, what: str, ports) -> str | None:
+    """After tcp_wait: every listener on each of `ports` is the unit's own
+    (templates/port-owner.sh), not another local user's that took the port while the unit was
+    down. systemd: the whole path of the unit's cgroup (/system.slice/UNIT.service; under
+    systemd --user the path its manager names); runit: the login user's uid. None under launchd
+    (no ss, no cgroups)."""
+    if isinstance(mgr, Launchd):
+        return None
+    mode = ("uid" if isinstance(mgr, Runit) else "user" if isinstance(mgr, SystemdUser)
+            else "cgroup")
+    return shell.template(TEMPLATES / "port-owner.sh", args=[int(p) for p in ports], WHO=who,
+                          WHAT=what, MODE=mode, UNIT=f"{unit}.service",
+                          WANT=f"/system.slice/{unit}.service" if mode == "cgroup" else "")
+
+
 def _awaits_build(ctx, resource: str, unit: str, restarts: tuple[str, ...] = ()) -> Step:
     """A unit whose binary is the build this run makes: its ExecStart is known after apply."""
     have = (ctx.fact("services.Units") or {}).get(unit)
@@ -232,7 +256,7 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
                               f"llama.cpp RPC worker {rpc.bind}:{port} (meshdeploy)",
                               "rpc-server.user.service",
                               exposed=exposed(ctx.cluster, ctx.host), bind=rpc.bind,
-                              port=int(port))
+                              port=int(port), writable=[cache] if rpc.cache else [])
     else:
         want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
     step, restarted = _unit_step(ctx, resource, unit, want)
@@ -242,6 +266,11 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
         step.restarts = (rpc_ref(ctx.host.name, port),)
         step.commands.append(tcp_wait(rpc.bind, port, d.services_rpc_probe_seconds,
                                       mgr.journal(unit), f"{ctx.host.name}/{unit}"))
+        # rpc-server exits 0 when it cannot bind: whoever took the port first would pass the
+        # wait, and be sent the tensors (through the forwards under network.transport: ssh).
+        owner = port_owner(mgr, unit, f"{ctx.host.name}/{unit}", "the rpc-server", [port])
+        if owner:
+            step.commands.append(owner)
     return step
 
 

@@ -23,13 +23,56 @@ TEMPLATES = Path(__file__).with_name("templates")
 EXPOSED = "meshdeploy: WARNING: RPC on this port is unauthenticated and unencrypted"
 
 
+USERNS = "services.UserNamespaces"
+
+
+def file_sandbox(host, writable, userns: bool, where: str) -> str:
+    """What a user manager enforces of the system units' file-system sandbox: only inside a
+    user namespace of the unit's own (PrivateUsers=yes), which it builds as the unprivileged
+    user; without PrivateUsers= it ignores these settings silently, and where the kernel
+    refuses the namespace the unit would not start, so such a host gets none (and its plan
+    says so). Shown on the lab's systemd 252: each line here works there; ProtectKernelLogs=
+    fails the start (226/NAMESPACE), DynamicUser=, CapabilityBoundingSet= outside a user
+    namespace (218/CAPABILITIES), IPAddressDeny= and DevicePolicy= (cgroup BPF) cannot work.
+
+    + writable: the folders the service writes (its cache); the rest of home is read-only
+    + userns: the UserNamespaces fact"""
+    if not userns:
+        return ("# No file-system sandbox: this host refuses the login user a user namespace "
+                "(services.UserNamespaces),\n# in which alone a user manager builds one.\n")
+    lines = ["PrivateUsers=yes", "ProtectSystem=strict", "ProtectHome=read-only",
+             *(f"ReadWritePaths={_path_value(w, where)}" for w in writable),
+             "PrivateTmp=yes",
+             # The user's runtime folder: its systemd and D-Bus sockets, through which a
+             # taken-over service could start units without this sandbox.
+             "InaccessiblePaths=%t",
+             "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectControlGroups=yes",
+             "ProtectClock=yes", "ProtectHostname=yes", "ProtectProc=invisible",
+             "CapabilityBoundingSet="]
+    if not d.services_device_allow.get(host.backend):
+        lines.append("PrivateDevices=yes")  # a GPU backend's device nodes stay visible
+    return "".join(line + "\n" for line in lines)
+
+
+def _path_value(path: str, where: str) -> str:
+    """An absolute path as one item of a path list (ReadWritePaths=), which systemd splits at
+    whitespace and unquotes: a path with whitespace, quotes or backslashes is refused."""
+    text = line_value(path, where)
+    if not text.startswith("/") or any(c in text for c in " \t\"'\\"):
+        raise PlanError(f"{where}: {path!r} cannot be named in ReadWritePaths= (an absolute path "
+                        "without whitespace, quotes or backslashes)",
+                        hint="set XDG_CACHE_HOME to such a folder for the login user")
+    return text
+
+
 def user_unit(template: str, cluster, host, argv: list, env: dict, where: str,
-              exposed: bool = False, **values) -> str:
+              exposed: bool = False, writable=(), userns: bool = False, **values) -> str:
     """A systemd --user unit from `template` (rpc-server.user.service or
     llama-server.user.service)."""
     warning = f'ExecStartPre=/bin/echo "{EXPOSED}"\n' if exposed else ""
     sandbox = "MemoryDenyWriteExecute=yes\n" if host.backend in d.services_deny_write_execute \
         else ""
+    sandbox += file_sandbox(host, writable, userns, where)
     return render(TEMPLATES / template, cluster=comment_value(cluster.name, "cluster"),
                   exec_start=exec_line(argv, f"{where} (ExecStart)"),
                   environment="".join(env_line(k, v, f"{where} (Environment)")
@@ -86,11 +129,12 @@ def check_key_file(ctx, server, fact: dict) -> None:
 
 def want(ctx, mgr, where: str, argv: list, env: dict, description: str,
                    template: str, exposed: bool = False, after: str | None = None,
-                   **values) -> str:
+                   writable=(), **values) -> str:
     """A rootless host's definition: a systemd --user unit, or a runit `run` script.
 
     + after: whole lines a unit template takes as ${after} (ordered_after's; runit has no
-      ordering: llama-server's worker checks stand for it)"""
+      ordering: llama-server's worker checks stand for it)
+    + writable: folders the service writes, in a systemd --user unit's sandbox"""
     if isinstance(mgr, Runit):
         # Without the RunitTools fact at all (a plan rendered without a probe) the POSIX path
         # stands in; a probed host without sh was refused at preflight.
@@ -99,7 +143,8 @@ def want(ctx, mgr, where: str, argv: list, env: dict, description: str,
     quoted = {k: line_value(v, where) if isinstance(v, str) else v for k, v in values.items()}
     if after is not None:
         quoted["after"] = after
-    return user_unit(template, ctx.cluster, ctx.host, argv, env, where, exposed, **quoted)
+    return user_unit(template, ctx.cluster, ctx.host, argv, env, where, exposed,
+                     writable=writable, userns=bool(ctx.fact(USERNS)), **quoted)
 
 
 # health.sh reads the unit's restart count with `systemctl show -p NRestarts`: on a rootless

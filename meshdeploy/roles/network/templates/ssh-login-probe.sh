@@ -1,10 +1,11 @@
-# The network.SshLogin fact (facts.py says what it returns), run as the login user: its name,
-# the sshd host keys' public halves (the system's and, under Termux only, the app prefix's:
-# elsewhere PREFIX is any user's variable, and a key there is not sshd's), sshd's
+# The network.SshLogin fact (facts.py says what it returns), run as the login user: its name
+# and uid, the sshd host keys' public halves (the system's and, under Termux only, the app
+# prefix's: elsewhere PREFIX is any user's variable, and a key there is not sshd's), sshd's
 # AuthorizedKeysFile where its config is readable, and the lines of the user's authorized_keys
 # that carry a meshdeploy-rpc: marker. One awk reads every file (each file a process of its
 # own cost a plan of many hosts a tenth of a second). Inputs: none.
 echo "user=$(id -un)"
+echo "uid=$(id -u)"
 etc=/etc/ssh
 termux=
 case "${PREFIX:-}" in */com.termux/files/usr) termux=yes ;; esac
