@@ -20,6 +20,7 @@ from meshdeploy import errors
 from meshdeploy.commands import (
     apply,
     bench,
+    completion,
     destroy,
     exec_,
     logs,
@@ -33,7 +34,8 @@ from meshdeploy.commands import (
 from meshdeploy.errors import MeshdeployError
 
 # In the order --help lists them.
-COMMANDS = (validate, plan, show, apply, destroy, status, logs, exec_, bench, state, resources)
+COMMANDS = (validate, plan, show, apply, destroy, status, logs, exec_, bench, state, resources,
+            completion)
 _BY_NAME = {command.NAME: command for command in COMMANDS}
 
 
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, words = argv[:cut], argv[cut + 1:]
     parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (meshdeploy completion)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)  # answers and exits
     ns, extra = parser.parse_known_args(argv)
     if words is not None:
         ns.argv = words

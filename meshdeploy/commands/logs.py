@@ -27,6 +27,7 @@ from meshdeploy.commands.log_lines import (
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.errors import terminal_text
+from meshdeploy.views import completion
 from meshdeploy.views.logs import render, width
 
 NAME = "logs"
@@ -37,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("targets", nargs="*", metavar="HOST|SERVICE",
                    help="only these: host names, rpc-server, llama-server, a server name, a unit "
-                        "name or an rpc-server's host:port (default: every service)")
+                        "name or an rpc-server's host:port (default: every service)"
+                   ).completer = completion.complete_log_targets
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing new lines as they come, until Ctrl-C (exit 0)")
     p.add_argument("--since", metavar="WHEN", help="only lines since 10m, 2h, 1d ago or a date "

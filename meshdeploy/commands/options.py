@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from meshdeploy.views import completion
+
 
 @dataclasses.dataclass(frozen=True)
 class Arguments:
@@ -26,7 +28,8 @@ def host_list(value: str) -> list[str]:
 
 
 def limit(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--limit", type=host_list, metavar="HOST,...", help="only these hosts")
+    p.add_argument("--limit", type=host_list, metavar="HOST,...",
+                   help="only these hosts").completer = completion.complete_hosts
 
 
 def auto_approve(p: argparse.ArgumentParser) -> None:
@@ -57,11 +60,13 @@ def target(p: argparse.ArgumentParser) -> None:
     p.add_argument("-target", "--target", action="append", metavar="ADDRESS",
                    help="plan and apply only this resource and what it needs (repeatable; "
                         "Terraform's spelling, for exceptional runs: -target=network.allowlist, "
-                        "-target=node2/models.gguf[gemma]); the rest is left as it is")
+                        "-target=node2/models.gguf[gemma]); the rest is left as it is"
+                   ).completer = completion.complete_addresses
 
 
 def replace(p: argparse.ArgumentParser) -> None:
     p.add_argument("-replace", "--replace", action="append", metavar="ADDRESS",
                    help="replace this resource even if it matches (repeatable; Terraform's "
                         "spelling: -replace=network.wireguard rotates every host's WireGuard "
-                        "keys, -replace=node2/network.wireguard one host's)")
+                        "keys, -replace=node2/network.wireguard one host's)"
+                   ).completer = completion.complete_addresses
