@@ -15,6 +15,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from meshdeploy.core.files import write_atomic
+from meshdeploy.errors import terminal_text
 
 FORMAT_VERSION = 1
 STATE_SUFFIX = ".bench.json"
@@ -150,8 +151,8 @@ def _ratios(r: dict) -> str:
                      for m, _, _ in METRICS)
 
 
-def _build(build: dict | None) -> str:
-    if not build:
+def _build(build) -> str:
+    if not build or not isinstance(build, dict):  # the kept one is the bench file's to say
         return "build unknown"
     commit = (build.get("commit") or "")[:12]
     info = build.get("info") or ""
@@ -159,7 +160,9 @@ def _build(build: dict | None) -> str:
 
 
 def render_text(results: list[dict], kept: str | None = None) -> str:
-    """Each server's result; then, given `kept`, where the result was kept."""
+    """Each server's result; then, given `kept`, where the result was kept. Inert for the
+    terminal (terminal_text): the build's text is the server's answer, and the earlier result
+    the bench file's, which whoever can write the cluster file's folder writes."""
     out = []
     for r in results:
         p = r["params"]
@@ -185,4 +188,4 @@ def render_text(results: list[dict], kept: str | None = None) -> str:
             out.append("\nNo earlier bench of this server to compare with.")
         out.append("")
     text = "\n".join(out).rstrip() + "\n"
-    return text if kept is None else text + f"\nKept as the last result in {kept}"
+    return terminal_text(text if kept is None else text + f"\nKept as the last result in {kept}")

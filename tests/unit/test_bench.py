@@ -126,6 +126,24 @@ def test_text_view_says_when_there_is_nothing_to_compare_with():
     assert "Local comparison skipped: the model does not fit" in text
 
 
+def test_text_view_makes_what_the_server_and_the_bench_file_say_inert(tmp_path):
+    """The build's text comes from the server's /props, the earlier result from the bench file
+    (whoever can write the cluster file's folder writes it): neither reaches the terminal as a
+    control sequence, and an earlier build of the wrong shape is no internal error."""
+    cluster = tmp_path / "c.yaml"
+    earlier = {**report.kept(result()), "model": "gemma\x1b]52;c;ZWNobyBoaQ==\x07",
+               "time": "2026\x9b31m", "build": ["not", "a", "dict"]}
+    (tmp_path / "c.bench.json").write_text(json.dumps(
+        {"format_version": report.FORMAT_VERSION, "servers": {"main": earlier}}))
+    r = result()
+    r["build"] = {"commit": "f" * 40, "info": "b1\x1b[2J"}
+    r["change"] = report.change(r, report.read_state(cluster)["main"])
+    text = report.render_text([r])
+    assert not any(c in text for c in "\x1b\x07\x9b"), text
+    assert "b1\\x1b[2J" in text and "gemma\\x1b]52;c;ZWNobyBoaQ==\\x07" in text
+    assert "2026\\x9b31m, build unknown" in text
+
+
 def test_json_view_is_versioned_and_carries_the_same_figures():
     r = result()
     data = json.loads(report.render_json("lab", [r], "/x/lab.bench.json"))
