@@ -259,6 +259,14 @@ def test_a_user_units_check_asks_its_manager_for_the_cgroup(tmp_path):
                          env=_stub_ss(tmp_path, [line.format(other)]))
     assert bad.returncode == 1 and "held by cgroup " + other in bad.stderr, bad.stderr
     assert services.port_owner(services.Launchd(), "u", "w", "x", [1]) is None
+    # Between two starts (rpc-server exited: it could not bind) the unit has no cgroup: the
+    # squatter is named all the same.
+    env = _stub_ss(tmp_path, [line.format(other)])
+    Path(env["PATH"].split(":")[0], "systemctl").write_text("#!/bin/sh\nexit 0\n")
+    idle = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env=env)
+    assert idle.returncode == 1 and (f"127.0.0.1:50052 is held by cgroup {other}, not by the "
+                                     "rpc-server (meshdeploy-rpc-50052.service, not running)"
+                                     ) in idle.stderr, idle.stderr
 
 
 def _listener_as_nobody() -> tuple[subprocess.Popen, int]:
