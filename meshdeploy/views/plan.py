@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, fields, is_dataclass, replace
 from typing import Any
 
 from tabulate import tabulate
@@ -27,6 +27,7 @@ from meshdeploy.core.plan import (
     TransferRow,
     size_text,
 )
+from meshdeploy.errors import terminal_text
 
 # Symbols are right-aligned to the width of "-/+" so resource lines line up, as in Terraform.
 _SYMBOL = {"create": "  +", "update": "  ~", "delete": "  -", "replace": "-/+"}
@@ -85,8 +86,10 @@ def _literal(value: Any) -> str:
     if isinstance(value, dict):
         if not value:
             return "{}"
-        return "{ " + ", ".join(f"{k} = {_literal(v)}" for k, v in value.items()) + " }"
-    return json.dumps(str(value), ensure_ascii=False)
+        return "{ " + ", ".join(f"{terminal_text(str(k))} = {_literal(v)}"
+                                for k, v in value.items()) + " }"
+    # json.dumps escapes C0 controls (\u001b), not C1 ones (U+0080 to U+009F): terminal_text does.
+    return terminal_text(json.dumps(str(value), ensure_ascii=False))
 
 
 def _attr_line(d: AttrDiff, action: str, width: int, paint: _Paint) -> str:
@@ -263,7 +266,28 @@ def local_host_note(host: str) -> str:
             "SSH, so no host-key policy applies to it.")
 
 
+def inert(value):
+    """`value` with every string in it passed through terminal_text: a plan carries what hosts
+    said (a build's name under `current`, a unit file they hold, device names), and the only
+    control sequences its text may hold are the view's own colours."""
+    if isinstance(value, str):
+        return terminal_text(value)
+    if isinstance(value, AttrDiff):  # its values are shown by _literal, which quotes them
+        return replace(value, name=terminal_text(value.name))
+    if is_dataclass(value) and not isinstance(value, type):
+        return replace(value, **{f.name: inert(getattr(value, f.name))
+                                 for f in fields(value) if f.init})
+    if isinstance(value, list):
+        return [inert(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(inert(v) for v in value)
+    if isinstance(value, dict):
+        return {inert(k): inert(v) for k, v in value.items()}
+    return value
+
+
 def render_text(plan: Plan, color: bool = False) -> str:
+    plan = inert(plan)
     paint = _Paint(color)
     visible = [c for c in plan.changes if c.action != "no-op"]
     out: list[str] = []
@@ -381,8 +405,8 @@ def render_apply_summary(rows: list[dict]) -> str:
         unknown = sorted(set(r) - set(_APPLY_HEADERS))
         if unknown:
             raise ValueError(f"apply summary row {i}: unknown key {unknown[0]!r}")
-    return _table([{k: "" if r.get(k) is None else str(r.get(k)) for k in _APPLY_HEADERS}
-                   for r in rows], _APPLY_HEADERS)
+    return _table([{k: "" if r.get(k) is None else terminal_text(str(r.get(k)))
+                    for k in _APPLY_HEADERS} for r in rows], _APPLY_HEADERS)
 
 
 def render_saved(path: str) -> str:

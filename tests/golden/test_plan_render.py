@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.core import plan as plan_mod
+from meshdeploy.core import files as files_mod
 from meshdeploy.core.plan import (
     AttrDiff,
     Change,
@@ -342,7 +342,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     def boom(*a, **kw):
         raise OSError("disk full")
 
-    monkeypatch.setattr(plan_mod.os, "fsync", boom)
+    monkeypatch.setattr(files_mod.os, "fsync", boom)
     with pytest.raises(OSError, match="disk full"):
         save_plan(_plan([Change("x", "services", "s", "create")]), out)
     assert out.read_bytes() == before  # the old plan survives a failed write intact

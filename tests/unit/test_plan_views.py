@@ -371,3 +371,24 @@ def test_show_of_a_file_that_is_no_plan_is_one_clear_error(tmp_path):
     out = meshdeploy("show", bad)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.count("\n") <= 3 and str(bad) in out.stderr
+
+
+def test_what_hosts_said_reaches_the_terminal_inert():
+    """A plan carries host text: `current` is the name of the build the host's link points at
+    (a rootless host's login user names it), a unit diff holds the host's file. Its text view
+    shows their control characters as escapes and keeps only its own colours."""
+    plan = built_plan("lab")
+    link = "b1\x1b]52;c;aGk=\x07"
+    plan.changes.append(Change("node1", "llama_cpp", "build", "update",
+                               [AttrDiff("current", link, "0123456789ab-cpu-x"),
+                                AttrDiff("flags", {"k\x1b[2J": "v\x9b"}, None)],
+                               reason="current moves\x9b31m",
+                               unit_diff="-ExecStart=/x\x1b[2J\n+ExecStart=/y"))
+    for color in (False, True):
+        text = render_text(plan, color=color)
+        assert "\x07" not in text and "\x9b" not in text and "\x1b]" not in text
+        assert "\x1b[2J" not in text
+        assert '"b1\\u001b]52;c;aGk=\\u0007"' in text and "moves\\x9b31m" in text
+        assert '{ k\\x1b[2J = "v\\x9b" }' in text and "-ExecStart=/x\\x1b[2J" in text
+    assert "\x1b[" in render_text(plan, color=True)  # its own colours stay
+    assert json.loads(render_json(plan))  # the JSON escapes them itself
