@@ -25,6 +25,7 @@ from meshdeploy.commands import (
     exec_,
     logs,
     plan,
+    prometheus,
     resources,
     show,
     state,
@@ -32,10 +33,11 @@ from meshdeploy.commands import (
     validate,
 )
 from meshdeploy.errors import MeshdeployError
+from meshdeploy.views import diagnostics
 
 # In the order --help lists them.
-COMMANDS = (validate, plan, show, apply, destroy, status, logs, exec_, bench, state, resources,
-            completion)
+COMMANDS = (validate, plan, show, apply, destroy, status, logs, exec_, bench, prometheus, state,
+            resources, completion)
 _BY_NAME = {command.NAME: command for command in COMMANDS}
 
 
@@ -80,6 +82,15 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `meshdeploy plan --json | head`: the reader left, nothing to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit must not fail again
+        return errors.ERROR
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lab"]:
         return run_lab(argv[1:])
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     command = _BY_NAME[ns.command]
     detailed = command is plan and ns.detailed_exitcode
     return guarded(lambda: command.run(command.Args.from_namespace(ns)), debug=ns.debug,
-                   verbose=ns.verbose, detailed=detailed)
+                   verbose=ns.verbose, detailed=detailed, as_json=getattr(ns, "json", False))
 
 
 def run_lab(rest: list[str]) -> int:
@@ -119,9 +130,10 @@ def run_lab(rest: list[str]) -> int:
 
 
 def guarded(work: Callable[[], int | None], debug: bool, verbose: bool,
-            detailed: bool = False) -> int:
+            detailed: bool = False, as_json: bool = False) -> int:
     """work()'s exit code; an error as one message on stderr and its exit code (1 for every
-    error with `detailed`, plan's --detailed-exitcode)."""
+    error with `detailed`, plan's --detailed-exitcode); with `as_json` (the command's --json)
+    the error is JSON diagnostics on stdout instead (views.diagnostics), same exit code."""
     try:
         code = work()
         return errors.OK if code is None else int(code)
@@ -131,14 +143,20 @@ def guarded(work: Callable[[], int | None], debug: bool, verbose: bool,
     except MeshdeployError as exc:
         if debug:
             traceback.print_exc()
-        # An apply's error quotes what hosts printed: shown, never run by the terminal.
-        print(errors.terminal_text(exc.render(verbose=verbose)), file=sys.stderr)
         # Terraform's convention: with --detailed-exitcode, 2 means "changes", so errors
         # collapse to 1 and cannot be mistaken for it.
-        return errors.ERROR if detailed else exc.exit_code
+        code = errors.ERROR if detailed else exc.exit_code
+        if as_json:
+            print(diagnostics.render_error(exc, code))
+        else:
+            # An apply's error quotes what hosts printed: shown, never run by the terminal.
+            print(errors.terminal_text(exc.render(verbose=verbose)), file=sys.stderr)
+        return code
     except Exception as exc:  # the last line of defence: no traceback unless asked
         if debug:
             traceback.print_exc()
+        elif as_json:
+            print(diagnostics.render_error(exc, errors.ERROR))
         else:
             print(errors.terminal_text(f"internal error: {type(exc).__name__}: {exc}\n"
                                        "rerun with --debug for the traceback, and report it"),

@@ -10,7 +10,7 @@ from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.engine import state as states
-from meshdeploy.errors import AbortedError
+from meshdeploy.errors import AbortedError, PlanError
 from meshdeploy.views import plan as view
 
 NAME = "destroy"
@@ -19,6 +19,8 @@ HELP = "remove everything meshdeploy put on the cluster's hosts"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON document at the end, as apply --json (needs --auto-approve)")
     options.auto_approve(p)
     options.limit(p)
     options.host_keys(p)
@@ -29,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Args(options.Arguments):
     file: str
+    json: bool
     auto_approve: bool
     limit: list[str] | None
     accept_new_host_keys: bool
@@ -39,6 +42,9 @@ class Args(options.Arguments):
 def run(args: Args) -> int:
     """Every host of the file (and the departed ones the state knows) loses what meshdeploy put
     there; builds, models and caches only with --purge. The toolchain's packages stay."""
+    if args.json and not args.auto_approve:
+        raise PlanError("destroy --json cannot ask for confirmation",
+                        hint="add --auto-approve")
     common.patch_for_gevent()
     cluster = load_cluster(args.file)
     with common.Locked(cluster, "destroy", args.lock_timeout) as lock:
@@ -56,21 +62,27 @@ def _destroy(args: Args, cluster, lock) -> int:
         lock.hosts(session)
         started = time.monotonic()
         planned = make_destroy_plan(session, args.purge)
-        print(view.render_text(planned.plan, color=common.color()))
+        if not args.json:
+            print(view.render_text(planned.plan, color=common.color()))
         reached = [h.name for h in session.reached()]
+        rows = []
         if planned.plan.has_changes():
             if not args.auto_approve and not common.confirm("destroy"):
                 raise AbortedError("destroy cancelled: nothing was changed")
-            print("\nDestroying:")
+            if not args.json:
+                print("\nDestroying:")
             ok = False
             try:
-                rows = common.run_apply(session, planned, slots=False)
+                rows = common.run_apply(session, planned, args.json, slots=False)
                 ok = True
             finally:
                 _forget(state, planned, reached, args.purge, ok)
-            print(view.render_done(rows, time.monotonic() - started, "Destroy"))
+            if not args.json:
+                print(view.render_done(rows, time.monotonic() - started, "Destroy"))
         else:
             _forget(state, planned, reached, args.purge, True)
+        if args.json:
+            print(view.render_apply_json(planned.plan, rows, time.monotonic() - started))
     finally:
         lock.release_hosts()
         session.close()

@@ -9,11 +9,17 @@ from meshdeploy.errors import ConfigError
 MOST_ERRORS = 20
 
 
+def summary(cluster: Cluster) -> dict:
+    """What a valid file holds: {"hosts": 3, "rpc_servers": 2, "models": 1}."""
+    return {"hosts": len(cluster.hosts), "rpc_servers": len(cluster.rpc_servers()),
+            "models": len(cluster.models)}
+
+
 def render_text(path: str, cluster: Cluster) -> str:
     """`cluster.yaml: ok (3 hosts, 2 rpc-servers, 1 model)`"""
-    return (f"{path}: ok ({plural(len(cluster.hosts), 'host')}, "
-            f"{plural(len(cluster.rpc_servers()), 'rpc-server')}, "
-            f"{plural(len(cluster.models), 'model')})")
+    n = summary(cluster)
+    return (f"{path}: ok ({plural(n['hosts'], 'host')}, "
+            f"{plural(n['rpc_servers'], 'rpc-server')}, {plural(n['models'], 'model')})")
 
 
 def plural(n: int, word: str) -> str:

@@ -99,3 +99,43 @@ def test_a_list_where_a_mapping_belongs_is_named_once(tmp_path):
     bad.write_text("cluster: x\nllama_cpp: {ref: b1}\nhosts: [a]\nmodels: {}\nservers: {}\n")
     out = meshdeploy("validate", bad, "--verbose")
     assert "hosts: expected a mapping, got a list\n" in out.stderr
+
+
+# -- --json answers, on failure too --------------------------------------------------------------
+
+BAD = "cluster: x\nhosts: [a]\nextra: 1\n"
+
+
+def test_validate_json_of_a_good_file(tmp_path):
+    out = meshdeploy("validate", LAB, "--json")
+    doc = json.loads(out.stdout)
+    assert out.returncode == 0 and out.stderr == ""
+    assert doc["valid"] is True and doc["error_count"] == 0 and doc["diagnostics"] == []
+    assert (doc["hosts"], doc["rpc_servers"], doc["models"]) == (3, 2, 1)
+
+
+@pytest.mark.parametrize("command", [["validate"], ["plan"], ["apply", "--auto-approve"],
+                                     ["destroy", "--auto-approve"], ["status"], ["bench"]])
+def test_a_bad_file_under_json_is_diagnostics_on_stdout_with_the_same_exit_code(command, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD)
+    plain = meshdeploy(command[0], bad, *command[1:])
+    out = meshdeploy(command[0], bad, *command[1:], "--json")
+    assert out.returncode == plain.returncode == 3
+    assert out.stderr == ""
+    doc = json.loads(out.stdout)
+    assert doc["valid"] is False and doc["exit_code"] == 3
+    errors_ = [d for d in doc["diagnostics"] if d["severity"] == "error"]
+    assert doc["error_count"] == len(errors_) == 3  # every one, not only the first
+    assert [d["range"]["start"]["line"] for d in errors_] == [1, 2, 3]  # file order
+    assert all(d["range"]["filename"] == str(bad) for d in errors_)
+    assert errors_[2]["path"] == "extra" and errors_[2]["detail"].startswith("allowed keys")
+
+
+def test_an_error_without_a_place_under_json(tmp_path):
+    out = meshdeploy("destroy", LAB, "--json")  # --json cannot ask for confirmation
+    doc = json.loads(out.stdout)
+    assert out.returncode == 1 and doc["exit_code"] == 1 and out.stderr == ""
+    assert doc["diagnostics"] == [{"severity": "error",
+                                   "summary": "destroy --json cannot ask for confirmation",
+                                   "detail": "add --auto-approve"}]

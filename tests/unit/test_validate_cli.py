@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -144,10 +145,13 @@ def test_errors_map_to_named_exit_codes(fake_commands, capsys):
     assert cli.main(["plan", "c.yaml", "--limit", "stale", "--detailed-exitcode"]) == \
         errors.ERROR
     assert cli.main(["apply", "c.yaml", "--auto-approve"]) == errors.INTERRUPTED
-    assert cli.main(["status", "c.yaml", "--json"]) == errors.CONNECT
     err = capsys.readouterr().err
-    assert "plan is stale: node2 changed\n  hint: run plan again" in err
-    assert "cannot reach node2" in err and "Traceback" not in err
+    assert "plan is stale: node2 changed\n  hint: run plan again" in err and "Traceback" not in err
+    # Under --json the error is a diagnostic on stdout, with the same exit code.
+    assert cli.main(["status", "c.yaml", "--json"]) == errors.CONNECT
+    answered = capsys.readouterr()
+    assert answered.err == ""
+    assert "cannot reach node2" in json.loads(answered.out)["diagnostics"][0]["summary"]
 
 
 def test_lab_gets_the_rest_of_argv(monkeypatch):
