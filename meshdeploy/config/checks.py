@@ -428,6 +428,10 @@ def warnings_for(cluster: Cluster) -> list[str]:
     """Risks that are allowed but must be said every time (validate, plan and apply print
     them; the rpc-server unit says the first kind in the journal at each start)."""
     warnings = [exposed.warning for exposed in exposed_rpc_servers(cluster)]
+    if not cluster.network.firewall:
+        warnings.append("network.firewall: false: no host filters its meshdeploy ports; any "
+                        "machine that reaches a worker's rpc-server port can read and write its "
+                        "memory")
     for host in cluster.hosts:
         if host.unprotected and host.rpc_servers:
             ports = ", ".join(str(r.port) for r in host.rpc_servers)

@@ -139,3 +139,17 @@ def test_an_error_without_a_place_under_json(tmp_path):
     assert doc["diagnostics"] == [{"severity": "error",
                                    "summary": "destroy --json cannot ask for confirmation",
                                    "detail": "add --auto-approve"}]
+
+
+def test_validate_says_the_warnings_that_need_no_host(tmp_path):
+    text = LAB.read_text().replace("network:\n  rpc_bind: address\n",
+                                   "network:\n  rpc_bind: address\n  firewall: false\n", 1)
+    assert "firewall: false" in text
+    off = tmp_path / "off.yaml"
+    off.write_text(text)
+    out = meshdeploy("validate", off)
+    assert out.returncode == 0
+    assert "warning: network.firewall: false: no host filters its meshdeploy ports" in out.stderr
+    doc = json.loads(meshdeploy("validate", off, "--json").stdout)
+    assert doc["valid"] and doc["warning_count"] == 1
+    assert doc["diagnostics"][0]["severity"] == "warning"
