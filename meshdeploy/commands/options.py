@@ -70,3 +70,18 @@ def replace(p: argparse.ArgumentParser) -> None:
                         "spelling: -replace=network.wireguard rotates every host's WireGuard "
                         "keys, -replace=node2/network.wireguard one host's)"
                    ).completer = completion.complete_addresses
+
+
+def whole_seconds(low: int, high: int):
+    """An argparse type: whole seconds from `low` to `high` (status --window, prometheus
+    --interval)."""
+    def parse(value: str) -> int:
+        try:
+            seconds = int(value)
+        except ValueError:
+            seconds = low - 1
+        if not low <= seconds <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected whole seconds from {low} to {high}, got {value!r}")
+        return seconds
+    return parse

@@ -22,13 +22,22 @@ HELP = "show what runs on the hosts and whether it is healthy"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--json", action="store_true", help="machine-readable status on stdout")
+    p.add_argument("--window", type=options.whole_seconds(0, 300), default=WINDOW,
+                   metavar="SECONDS",
+                   help="read each llama-server's counters twice, this far apart, for its recent "
+                        "generation rate (0: only the mean since it started; default: "
+                        "%(default)s)")
     options.host_keys(p)
+
+
+WINDOW = 5  # seconds between the two samples of a llama-server's /metrics counters
 
 
 @dataclass(frozen=True)
 class Args(options.Arguments):
     file: str
     json: bool
+    window: int
     accept_new_host_keys: bool
 
 
@@ -37,7 +46,7 @@ def run(args: Args) -> int:
     cluster = load_cluster(args.file)
     session = common.open_session(cluster, None, args.accept_new_host_keys)
     try:
-        rows = collect(session)
+        rows = collect(session, args.window)
     finally:
         session.close()
     print(view.render_json(rows) if args.json else view.render_text(rows))
@@ -68,17 +77,21 @@ _RPC = ('printf \'rpc %s %s %s\\n\' "$2" "$(systemctl is-active "$3" 2>/dev/null
 # read its file: on curl's standard input (-H @-), never on a command line `ps` shows.
 # /v1/models and /metrics need the key when one is set (only /health does not).
 # (md_get's own $1 is PATH; the server's arguments follow it: name, unit, URL, key file.)
-_SERVER = ('md_get() { { [ -n "$5" ] && [ -r "$5" ] && '
+_MD_GET = ('md_get() { { [ -n "$5" ] && [ -r "$5" ] && '
            'printf \'Authorization: Bearer %s\\n\' "$(cat "$5")"; } | '
-           'curl -s --max-time 5 -H @- "$4$1"; }; '
-           'printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/dev/null)" '
+           'curl -s --max-time 5 -H @- "$4$1"; }; ')
+# `metrics NAME COUNTERS` (METRICS_AGAIN: `metrics-again`, the second sample, `window` s later).
+_METRICS = ('printf \'%s %s %s\\n\' "${KIND:-metrics}" "$1" "$(md_get /metrics "$@" | '
+            # Two POSIX expressions, not GNU's \| alternation: any host's sed reads them.
+            'sed -n -e \'s/^llamacpp:tokens_predicted_total \\([0-9.e+-]*\\)$/'
+            'tokens_predicted_total=\\1/p\' -e \'s/^llamacpp:tokens_predicted_seconds_total '
+            '\\([0-9.e+-]*\\)$/tokens_predicted_seconds_total=\\1/p\' | tr \'\\n\' \' \')"')
+_SERVER = (_MD_GET
+           + 'printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/dev/null)" '
            '"$(curl -s -o /dev/null -w \'%{http_code}\' --max-time 5 "$3/health")"; '
            'printf \'models %s %s\\n\' "$1" "$(md_get /v1/models "$@" | tr -d \'\\n\')"; '
-           'printf \'metrics %s %s\\n\' "$1" "$(md_get /metrics "$@" | '
-           # Two POSIX expressions, not GNU's \| alternation: any host's sed reads them.
-           'sed -n -e \'s/^llamacpp:tokens_predicted_total \\([0-9.e+-]*\\)$/'
-           'tokens_predicted_total=\\1/p\' -e \'s/^llamacpp:tokens_predicted_seconds_total '
-           '\\([0-9.e+-]*\\)$/tokens_predicted_seconds_total=\\1/p\' | tr \'\\n\' \' \')"')
+           + _METRICS)
+METRICS_AGAIN = "metrics-again"
 
 
 # A rootless host's manager answers "is it running" in its own words: md_active UNIT prints
@@ -92,10 +105,11 @@ _ACTIVE = {
 }
 
 
-def host_script(cluster, host, nonce: str = "") -> str:
+def host_script(cluster, host, nonce: str = "", window: int = 0) -> str:
     """The status probe of one host: runs as the login user (nothing here needs root). A role's
     lines follow a mark with this run's `nonce` on a line of its own (role_rows). A rootless
-    host's services are asked through its own manager (md_active)."""
+    host's services are asked through its own manager (md_active). With a `window`, each
+    llama-server's counters are read again that many seconds after the first reading."""
     p = llama_cpp_paths(host.layout.prefix)
     lines = [shell.script('printf \'proto %s\\n\' "$(sed -n \'s/^proto=//p\' "$CURRENT/manifest" '
                           '2>/dev/null)"', CURRENT=p["current"])]
@@ -109,15 +123,21 @@ def host_script(cluster, host, nonce: str = "") -> str:
         lines.append(shell.subshell(shell.script(rpc_body,
                                                  args=[rpc.bind, rpc.port, rpc.unit_name],
                                                  HELLO=HELLO)))
-    for server in (s for s in cluster.servers if s.host == host.name):
-        lines.append(shell.subshell(shell.script(server_body,
-                                                 args=[server.name, server.unit_name,
-                                                       server.local_url,
-                                                       server.api_key_file or ""])))
+    servers = [s for s in cluster.servers if s.host == host.name]
+    for server in servers:
+        lines.append(shell.subshell(shell.script(server_body, args=_server_args(server))))
+    if servers and window:
+        lines.append(shell.command("sleep", int(window)))
+        lines += [shell.subshell(shell.script(_MD_GET + _METRICS, args=_server_args(s),
+                                              KIND=METRICS_AGAIN)) for s in servers]
     for name, probe in registry.status_probes(cluster, host):
         lines += [shell.command("printf", f"\\n{ROLE_MARK}%s %s\\n", nonce, name),
                   shell.subshell(probe.script)]
     return "\n".join(lines) + "\ntrue"
+
+
+def _server_args(server) -> list:
+    return [server.name, server.unit_name, server.local_url, server.api_key_file or ""]
 
 
 ROLE_MARK = "@role-"  # + the run's nonce: the line before a role's own status lines
@@ -144,10 +164,26 @@ def role_rows(cluster, host, lines: list[str],
     return own, rows
 
 
-def generation(body: str) -> dict:
-    """A server row's generation figures from its /metrics counters (`name=value` words):
-    tokens generated since it started and their mean rate; None where /metrics gave none
-    (no --metrics, an API key the login user cannot read, or nothing generated yet)."""
+def recent(first: str, second: str, window: int) -> dict:
+    """A server row's recent generation figures from two samples of its /metrics counters,
+    `window` seconds apart: the tokens generated between them and their rate (tokens per second
+    of generating). llama.cpp adds a completion to its counters when the completion ends, so
+    the figures are those of the completions that ended in the window; None where none did or
+    a sample had no counters (a counter that went down is a server that restarted)."""
+    a, b = generation(first), generation(second)
+    none = {"recent_tps": None, "recent_generated": None, "window": window}
+    if a["generated"] is None or b["generated"] is None:
+        return none
+    tokens = b["generated"] - a["generated"]
+    seconds = (_counters(second)["tokens_predicted_seconds_total"]
+               - _counters(first)["tokens_predicted_seconds_total"])
+    if tokens < 0 or seconds < 0:
+        return none
+    return {"recent_tps": round(tokens / seconds, 2) if tokens and seconds > 0 else None,
+            "recent_generated": int(tokens), "window": window}
+
+
+def _counters(body: str) -> dict[str, float]:
     values = {}
     for word in body.split():
         key, _, value = word.partition("=")
@@ -155,6 +191,14 @@ def generation(body: str) -> dict:
             values[key] = float(value)
         except ValueError:
             continue
+    return values
+
+
+def generation(body: str) -> dict:
+    """A server row's generation figures from its /metrics counters (`name=value` words):
+    tokens generated since it started and their mean rate; None where /metrics gave none
+    (no --metrics, an API key the login user cannot read, or nothing generated yet)."""
+    values = _counters(body)
     tokens, seconds = (values.get(k) for k in ("tokens_predicted_total",
                                               "tokens_predicted_seconds_total"))
     if tokens is None or seconds is None:
@@ -163,7 +207,7 @@ def generation(body: str) -> dict:
             "generated": int(tokens)}
 
 
-def collect(session) -> list[dict]:
+def collect(session, window: int = 0) -> list[dict]:
     import gevent
 
     cluster = session.cluster
@@ -179,8 +223,10 @@ def collect(session) -> list[dict]:
 
     def read(host):
         nonce = secrets.token_hex(8)
-        ok, output = session.run(host.name, host_script(cluster, host, nonce), sudo=False)
+        ok, output = session.run(host.name, host_script(cluster, host, nonce, window),
+                                 sudo=False)
         proto = ""
+        first: dict[str, str] = {}  # server name -> its first /metrics sample
         own, extra = role_rows(cluster, host, output.stdout_lines, nonce) if ok else ([], [])
         rows.extend(extra)
         for line in own:
@@ -202,13 +248,20 @@ def collect(session) -> list[dict]:
                              "answer": {"200": "healthy", "503": "loading"}.get(
                                  code, f"HTTP {code or '-'}"),
                              "protocol": proto or None, "model": None,
-                             "gen_tps": None, "generated": None,
+                             "gen_tps": None, "generated": None, "recent_tps": None,
+                             "recent_generated": None, "window": None,
                              "healthy": state == "active" and code == "200"})
             elif kind == "metrics":
                 name, _, body = rest.partition(" ")
+                first[name] = body
                 for row in rows:
                     if row["host"] == host.name and row["service"] == f"llama-server {name}":
                         row.update(generation(body))
+            elif kind == METRICS_AGAIN:
+                name, _, body = rest.partition(" ")
+                for row in rows:
+                    if row["host"] == host.name and row["service"] == f"llama-server {name}":
+                        row.update(recent(first.get(name, ""), body, window))
             elif kind == "models":
                 name, _, body = rest.partition(" ")
                 try:

@@ -1,7 +1,8 @@
 """`meshdeploy status` as text (a table) and JSON, from the same rows (commands/status.py
 collects them: host, service, unit, answer, protocol, model, healthy, and for a llama-server
-gen_tps and generated from its /metrics; a role's own lines are
-its registry.StatusRow with the host)."""
+from its /metrics: gen_tps and generated since it started, recent_tps and recent_generated
+between two samples `window` seconds apart; a role's own lines are its registry.StatusRow with
+the host)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,18 @@ def render_text(rows: list[dict]) -> str:
 
 
 def _generation(r: dict) -> str:
-    """A llama-server's mean generation rate since it started, over how many tokens."""
+    """A llama-server's recent generation rate: that of the completions that ended between the
+    two samples (`window` seconds apart), or that none did; without a second sample, the mean
+    since it started."""
+    if r.get("window"):
+        if r.get("recent_tps") is not None:
+            return f"{r['recent_tps']:.2f} ({r['recent_generated']} tokens in {r['window']} s)"
+        if r.get("recent_generated") == 0:
+            return f"no completion ended in {r['window']} s"
+        return ""
     if r.get("gen_tps") is None:
         return ""
-    return f"{r['gen_tps']:.2f} ({r['generated']} tokens)"
+    return f"{r['gen_tps']:.2f} since start ({r['generated']} tokens)"
 
 
 def render_json(rows: list[dict]) -> str:

@@ -19,7 +19,9 @@ PACKAGES = {"cc": "gcc", "systemd-analyze": "systemd", "runsvdir": "runit", "sv"
             "svlogd": "runit", "setpriv": "util-linux", "flock": "util-linux",
             "setsid": "util-linux", "curl": "curl", "shellcheck": "shellcheck", "git": "git",
             "ssh-keygen": "openssh-client", "openssl": "openssl", "ss": "iproute2",
-            "timeout": "coreutils", "nft": "nftables"}
+            "timeout": "coreutils", "nft": "nftables", "promtool": "prometheus",
+            "prometheus": "prometheus",
+            "prometheus-blackbox-exporter": "prometheus-blackbox-exporter"}
 
 
 def required() -> bool:

@@ -205,10 +205,10 @@ def test_a_role_declares_its_own_section_of_the_cluster_file(demo_role, tmp_path
     assert merged["properties"]["zz_demo"] == SCHEMA
     jsonschema.Draft202012Validator.check_schema(merged)
     # Absent, the section reads as its defaults.
-    assert load_cluster(LAB).sections == {"zz_demo": {"path": "/etc/motd", "prefix": ""}}
+    assert load_cluster(LAB).sections["zz_demo"] == {"path": "/etc/motd", "prefix": ""}
 
     cluster = load_cluster(demo_cluster(tmp_path, "zz_demo: {path: /srv/motd, prefix: 'hi '}\n"))
-    assert cluster.sections == {"zz_demo": {"path": "/srv/motd", "prefix": "hi "}}
+    assert cluster.sections["zz_demo"] == {"path": "/srv/motd", "prefix": "hi "}
     _, script = engine.probe_command(cluster, cluster.host("node2"), False, "n0nce")
     assert "cat /srv/motd" in script and "/etc/motd" not in script
     steps = demo_steps(cluster)

@@ -59,7 +59,7 @@ def server():
     httpd.shutdown()
 
 
-def probe(tmp_path, port: int, key_file: Path | None) -> list[str]:
+def probe(tmp_path, port: int, key_file: Path | None, window: int = 0) -> list[str]:
     text = (ROOT / "inventories" / "lab.yaml").read_text().replace("    port: 8080\n",
                                                                   f"    port: {port}\n")
     if key_file is not None:
@@ -73,7 +73,8 @@ def probe(tmp_path, port: int, key_file: Path | None) -> list[str]:
     (bin_dir / "systemctl").write_text("#!/bin/sh\necho active\n")
     (bin_dir / "systemctl").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    done = subprocess.run(["sh", "-c", status.host_script(cluster, cluster.host("node1"))],
+    script = status.host_script(cluster, cluster.host("node1"), window=window)
+    done = subprocess.run(["sh", "-c", script],
                           capture_output=True, text=True, env=env, timeout=60)
     return done.stdout.splitlines()
 
@@ -123,7 +124,45 @@ def test_the_text_view_shows_the_rate_and_its_tokens():
     text = view.render_text(rows)
     assert text.splitlines()[0].split() == ["host", "service", "unit", "answer", "protocol",
                                             "model", "gen", "t/s", "healthy"]
-    assert "32.00 (512 tokens)" in text
+    assert "32.00 since start (512 tokens)" in text
+
+
+def test_the_text_view_shows_the_recent_rate_not_the_mean_since_start():
+    row = {"host": "node1", "service": "llama-server main", "unit": "active",
+           "answer": "healthy", "protocol": "3.0.0", "model": "gemma", "gen_tps": 32.0,
+           "generated": 512, "recent_tps": 8.0, "recent_generated": 64, "window": 5,
+           "healthy": True}
+    text = view.render_text([row])
+    assert "8.00 (64 tokens in 5 s)" in text and "32.00" not in text
+    idle = view.render_text([{**row, "recent_tps": None, "recent_generated": 0}])
+    assert "no completion ended in 5 s" in idle and "32.00" not in idle
+
+
+def test_the_recent_rate_is_that_of_the_tokens_between_two_samples():
+    first = "tokens_predicted_total=512 tokens_predicted_seconds_total=16"
+    second = "tokens_predicted_total=576 tokens_predicted_seconds_total=24"
+    # 64 tokens in 8 s of generating: 8 tok/s, where the mean since start says 32.
+    assert status.recent(first, second, 5) == {"recent_tps": 8.0, "recent_generated": 64,
+                                               "window": 5}
+    assert status.recent(first, first, 5) == {"recent_tps": None, "recent_generated": 0,
+                                              "window": 5}
+    # A restarted server (counters went down) or a sample without counters: no figure.
+    restarted = "tokens_predicted_total=10 tokens_predicted_seconds_total=1"
+    for later in (restarted, ""):
+        assert status.recent(first, later, 5)["recent_generated"] is None
+
+
+def test_the_host_script_reads_the_counters_again_after_the_window(server, tmp_path):
+    port, seen = server
+    key_file = tmp_path / "api-key"
+    key_file.write_text(KEY + "\n")
+    lines = probe(tmp_path, port, key_file, window=1)
+    again = [line for line in lines if line.startswith(f"{status.METRICS_AGAIN} ")]
+    assert again == ["metrics-again main tokens_predicted_total=512 "
+                     "tokens_predicted_seconds_total=16 "], lines
+    assert [p for p, _ in seen].count("/metrics") == 2
+    assert lines.index(again[0]) > max(i for i, line in enumerate(lines)
+                                       if line.startswith("metrics "))
 
 
 def test_llama_server_serves_metrics_once():

@@ -3,7 +3,8 @@
 Pure: the cluster model in, text and commands out; nothing here talks to a host. Each
 rpc-server port accepts TCP from loopback and from the hosts whose llama-servers name it in
 `--rpc` (their `address`, where the orchestrator dials from); each llama-server port from
-loopback and from what the file allows; every other packet to those ports is dropped. Nothing
+loopback and from what the file allows; both from the Prometheus scrapers of
+monitoring.scrapers; every other packet to those ports is dropped. Nothing
 else is filtered: the chain's policy is accept, and an accept in one nftables table never
 overrides a drop in another, so the host's own rules work exactly as before.
 
@@ -83,9 +84,13 @@ def ports(cluster, host, build_copiers=()) -> list[Port]:
             # Under WireGuard the orchestrator's tunnel address counts only on the tunnel: the
             # same source on the bridge is not authenticated.
             peers = [f"{p}{VIA}{tunnel.interface}" for p in peers]
+        elif not is_loopback(rpc.bind or ""):
+            peers += _scrapers(cluster)  # they reach it as its llama-server does
         _add(found, ("tcp", rpc.port), "rpc-server", peers)
     for server in (s for s in cluster.servers if s.host == host.name):
         allow = [_literal(a, f"servers.{server.name}.allow") for a in server.allow]
+        if not is_loopback(server.bind):
+            allow += _scrapers(cluster)
         _add(found, ("tcp", server.port), f"llama-server {server.name}", allow)
     # Under network.transport: ssh md-share listens on loopback, reached through the forwards'
     # reverse ends: no port to open.
@@ -196,6 +201,14 @@ def _ip_of(peer, address: str, why: str) -> str:
             f"{why}, but hosts.{peer.name}.address is {peer.address!r}, a DNS name; nftables and "
             "pf rules hold IP addresses",
             hint=f"give hosts.{peer.name}.address as the IP address it connects from") from None
+
+
+def _scrapers(cluster) -> list[str]:
+    """monitoring.scrapers (the monitoring role's section of the cluster file, read as data):
+    where Prometheus scrapes each llama-server's /metrics and probes each rpc-server's port from.
+    Opened on ports a scraper can reach (not loopback, not inside a WireGuard tunnel)."""
+    section = cluster.sections.get("monitoring") or {}
+    return [_literal(a, "monitoring.scrapers") for a in section.get("scrapers", ())]
 
 
 def _literal(value: str, where: str) -> str:

@@ -1,0 +1,13 @@
+"""monitoring: watching a cluster with Prometheus. No resource on the hosts: the role owns the
+cluster file's `monitoring:` section (schema.json; the network role opens the services' ports to
+its scrapers) and renders the scrape configuration that `meshdeploy prometheus` writes
+(prometheus.py)."""
+
+from meshdeploy.core.registry import Role
+
+ROLE = Role(
+    name="monitoring",
+    doc=__doc__,
+    facts=lambda req: [],
+    resources=(),
+)

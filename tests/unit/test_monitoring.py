@@ -1,0 +1,226 @@
+"""Watching a cluster with Prometheus: `monitoring.scrapers` in the allow-list, the files
+`meshdeploy prometheus` writes (checked by promtool, the recording rules run by `promtool test
+rules` on series shaped like the lab's), and the golden of the lab's files.
+
+The lab test (tests/lab/test_prometheus_lab.py) runs Debian's prometheus and blackbox exporter
+against the converged lab."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+from support import golden
+from support.cli import meshdeploy
+from support.require import require
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.errors import ConfigError, PlanError
+from meshdeploy.roles.monitoring import prometheus
+from meshdeploy.roles.network import rules
+
+TESTS = Path(__file__).resolve().parents[1]
+ROOT = TESTS.parent
+LAB = ROOT / "inventories" / "lab.yaml"
+GOLDEN = TESTS / "golden" / "monitoring"
+
+# The lab as the Prometheus lab test runs it: llama-server on node1's address with an API key,
+# Prometheus on the lab's bridge address.
+WATCHED = {"    bind: 127.0.0.1\n":
+           "    bind: 10.200.0.11\n    api_key_file: /etc/meshdeploy/main.key\n",
+           "hosts:\n": "monitoring:\n  scrapers: [10.200.0.1]\nhosts:\n"}
+
+
+def cluster_file(tmp_path: Path, edits: dict, source: Path = LAB) -> Path:
+    text = source.read_text()
+    for old, new in edits.items():
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    return path
+
+
+def watched(tmp_path):
+    return load_cluster(cluster_file(tmp_path, WATCHED))
+
+
+# -- the allow-list ------------------------------------------------------------------------------
+
+def test_scrapers_reach_every_service_port_a_scraper_can_reach(tmp_path):
+    cluster = watched(tmp_path)
+    assert rules.allowlist(cluster, cluster.host("node1")) == {"8080": ["lo", "10.200.0.1"]}
+    for worker in ("node2", "node3"):
+        assert rules.allowlist(cluster, cluster.host(worker)) == \
+            {"50052": ["lo", "10.200.0.1", "10.200.0.11"]}
+    table = rules.nft_file(cluster, cluster.host("node2"))
+    assert "tcp dport 50052 ip saddr { 10.200.0.1, 10.200.0.11 } accept" in table
+
+
+def test_without_scrapers_nothing_changes_and_a_loopback_server_is_not_opened(tmp_path):
+    lab = load_cluster(LAB)
+    assert rules.allowlist(lab, lab.host("node1")) == {"8080": ["lo"]}
+    assert rules.allowlist(lab, lab.host("node2")) == {"50052": ["lo", "10.200.0.11"]}
+    only_scrapers = load_cluster(cluster_file(tmp_path, {"hosts:\n": WATCHED["hosts:\n"]}))
+    # llama-server binds 127.0.0.1: no scraper reaches it, so its port stays loopback only.
+    assert rules.allowlist(only_scrapers, only_scrapers.host("node1")) == {"8080": ["lo"]}
+
+
+def test_under_wireguard_the_rpc_ports_stay_inside_the_tunnel(tmp_path):
+    source = ROOT / "inventories" / "lab-wireguard.yaml"
+    cluster = load_cluster(cluster_file(tmp_path, {"hosts:\n": WATCHED["hosts:\n"]}, source))
+    for host in cluster.hosts:
+        for port, sources in rules.allowlist(cluster, host).items():
+            if port == "50052":
+                assert "10.200.0.1" not in sources, (host.name, sources)
+    assert any("WireGuard tunnel" in note for note in prometheus.skipped(cluster))
+
+
+def test_a_scraper_that_is_no_address_is_one_error(tmp_path):
+    cluster = load_cluster(cluster_file(tmp_path, {"hosts:\n": "monitoring:\n  scrapers: "
+                                                   "[prometheus.example]\nhosts:\n"}))
+    with pytest.raises(PlanError, match=r"monitoring.scrapers: 'prometheus.example' is not an IP"):
+        rules.allowlist(cluster, cluster.host("node2"))
+
+
+def test_an_unknown_key_of_monitoring_is_an_error_at_its_line(tmp_path):
+    path = cluster_file(tmp_path, {"hosts:\n": "monitoring:\n  scraper: [10.0.0.1]\nhosts:\n"})
+    with pytest.raises(ConfigError) as caught:
+        load_cluster(path)
+    text = str(caught.value) + " ".join(str(i) for i in getattr(caught.value, "issues", []))
+    assert "scraper" in text and ":24:" in text, text
+
+
+# -- the files -----------------------------------------------------------------------------------
+
+def test_the_lab_files_are_the_golden_ones(tmp_path):
+    docs = prometheus.documents(watched(tmp_path), interval=5)
+    golden.check(GOLDEN / "lab.txt", "".join(f"==> {name} <==\n{text}\n"
+                                             for name, text in docs.items()))
+
+
+def test_values_from_the_cluster_file_stay_strings(tmp_path):
+    """Names YAML would read as a null, a boolean and a number, as labels and job names."""
+    path = cluster_file(tmp_path, {**WATCHED, "cluster: lab\n": "cluster: 'null'\n",
+                                   "servers:\n  main:\n": "servers:\n  '1e3':\n"})
+    cluster = load_cluster(path)
+    config = YAML(typ="safe").load(prometheus.documents(cluster)["prometheus.yml"])
+    (server,) = [j for j in config["scrape_configs"]
+                 if j["static_configs"][0]["labels"]["job"] == "meshdeploy-llama-server"]
+    assert server["static_configs"][0]["labels"] == {"job": "meshdeploy-llama-server",
+                                                     "cluster": "null", "host": "node1",
+                                                     "server": "1e3"}
+    assert server["authorization"]["credentials_file"] == "keys/1e3"
+
+
+def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    require("promtool")
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=60)
+
+
+def write_files(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    done = meshdeploy("prometheus", cluster_file(tmp_path, WATCHED), "--out", out, "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["key_files"] == [{"server": "main", "host": "node1",
+                                    "source": "/etc/meshdeploy/main.key",
+                                    "path": str(out / "keys" / "main")}]
+    return out
+
+
+def test_promtool_accepts_the_files_once_the_key_is_in_place(tmp_path):
+    out = write_files(tmp_path)
+    missing = promtool("check", "config", "prometheus.yml", cwd=out)
+    assert missing.returncode != 0 and "keys/main" in missing.stdout + missing.stderr
+    (out / "keys").mkdir()
+    (out / "keys" / "main").write_text("the-key\n")
+    checked = promtool("check", "config", "prometheus.yml", cwd=out)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 5 rules found" in checked.stdout
+
+
+# Series as the lab gives them, one sample per 15 s. node2's rpc-server: connected (no client
+# yet), then a timed-out connect (llama-server holds the connection, the accept queue is full),
+# then refused (stopped), then a timeout again but with its host gone. node3's stays connected.
+# llama-server main: one completion of 64 tokens in 8 s of generating ends between 15 s and 30 s.
+RULE_TESTS = """
+rule_files: [meshdeploy.rules.yml]
+evaluation_interval: 15s
+tests:
+  - interval: 15s
+    input_series:
+      - series: 'probe_success{job="meshdeploy-rpc-server",cluster="lab",host="node2",port="50052",instance="10.200.0.12:50052"}'
+        values: '1 0 0 0'
+      - series: 'probe_duration_seconds{job="meshdeploy-rpc-server",cluster="lab",host="node2",port="50052",instance="10.200.0.12:50052"}'
+        values: '0.002 2.0 0.001 2.0'
+      - series: 'probe_success{job="meshdeploy-host",cluster="lab",host="node2",instance="10.200.0.12:22"}'
+        values: '1 1 1 0'
+      - series: 'probe_success{job="meshdeploy-rpc-server",cluster="lab",host="node3",port="50052",instance="10.200.0.13:50052"}'
+        values: '1 1 1 1'
+      - series: 'probe_duration_seconds{job="meshdeploy-rpc-server",cluster="lab",host="node3",port="50052",instance="10.200.0.13:50052"}'
+        values: '0.002 0.002 0.002 0.002'
+      - series: 'probe_success{job="meshdeploy-host",cluster="lab",host="node3",instance="10.200.0.13:22"}'
+        values: '1 1 1 1'
+      - series: 'llamacpp:tokens_predicted_total{job="meshdeploy-llama-server",cluster="lab",host="node1",server="main",instance="10.200.0.11:8080"}'
+        values: '100 100 164 164'
+      - series: 'llamacpp:tokens_predicted_seconds_total{job="meshdeploy-llama-server",cluster="lab",host="node1",server="main",instance="10.200.0.11:8080"}'
+        values: '10 10 18 18'
+    promql_expr_test:
+%s
+"""
+
+
+def _expect(expr: str, at: str, value: float | None, labels: str) -> str:
+    samples = ("[]" if value is None else
+               f"\n          - labels: '{labels}'\n            value: {value}")
+    return f"      - expr: {expr}\n        eval_time: {at}\n        exp_samples: {samples}\n"
+
+
+def test_the_recording_rules_on_the_lab_s_series(tmp_path):
+    out = write_files(tmp_path)
+    node2 = 'meshdeploy:rpc_server_up{cluster="lab",host="node2",port="50052"}'
+    workers = 'meshdeploy:workers_up{cluster="lab"}'
+    speed = 'meshdeploy:generation_tokens_per_second:5m{cluster="lab",host="node1",server="main"}'
+    cases = [("meshdeploy:rpc_server_up{host=\"node2\"}", "0s", 1, node2),
+             ("meshdeploy:rpc_server_up{host=\"node2\"}", "15s", 1, node2),  # in use: timed out
+             ("meshdeploy:rpc_server_up{host=\"node2\"}", "30s", 0, node2),  # refused: stopped
+             ("meshdeploy:rpc_server_up{host=\"node2\"}", "45s", 0, node2),  # its host is gone
+             ("meshdeploy:workers_up", "15s", 2, workers),
+             ("meshdeploy:workers_up", "30s", 1, workers),
+             # The completion's own rate: 64 tokens in 8 s; nothing before it ended.
+             ("meshdeploy:generation_tokens_per_second:5m", "15s", None, ""),
+             ("meshdeploy:generation_tokens_per_second:5m", "45s", 8, speed)]
+    (out / "rules.test.yml").write_text(RULE_TESTS % "".join(_expect(*c) for c in cases))
+    done = promtool("test", "rules", "rules.test.yml", cwd=out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+
+
+def test_blackbox_exporter_accepts_its_module(tmp_path):
+    require("prometheus-blackbox-exporter")
+    out = write_files(tmp_path)
+    done = subprocess.run(["prometheus-blackbox-exporter", "--config.check",
+                           f"--config.file={out / 'blackbox.yml'}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Config file is ok" in done.stderr, done.stderr
+
+
+def test_the_summary_names_what_prometheus_cannot_reach(tmp_path):
+    done = meshdeploy("prometheus", LAB, "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert "Not scraped: llama-server main on node1 binds 127.0.0.1" in done.stdout
+    assert "monitoring.scrapers is empty" in done.stdout
+    assert (tmp_path / "out" / "prometheus.yml").exists()
+
+
+def test_a_folder_that_cannot_be_written_is_one_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    done = meshdeploy("prometheus", LAB, "--out", blocker / "out")
+    assert done.returncode == 1 and "cannot write the Prometheus files" in done.stderr
+    assert "Traceback" not in done.stderr
