@@ -223,8 +223,8 @@ def copiers(cluster, hosts, facts: dict, commit: str | None,
     Also while the commit is unknown (None: no host had git when the plan probed, as on hosts
     with nothing installed): which hosts share a build depends on their platform, backend and
     flags, all probed before anything is installed, never on the commit, and the builder is
-    the first of them in file order unless a host holds the key's build, which the plan takes
-    none to do. So the first plan on fresh hosts shows the allow-list that apply converges to,
+    the first of them in file order (with root, where any has) unless a host holds the key's
+    build, which the plan takes none to do. So the first plan on fresh hosts shows the allow-list that apply converges to,
     and the plan after it has nothing to open. Apply decides again once it resolves the ref
     (llama_cpp.resolve)."""
     out = {}
