@@ -34,7 +34,7 @@ class FactRequest:
 
     cluster: Cluster
     host: Host
-    first: bool  # the host that resolves cluster-wide values (the ref, by ls-remote)
+    first: bool  # the host that resolves cluster-wide values (resolver())
     # The host is to be destroyed (it left the file, or `meshdeploy destroy`): a role adds
     # the facts its destroy hook reads (what it stored there, and how big it is).
     destroying: bool = False
@@ -226,6 +226,17 @@ class Slot:
 
 class RegistryError(Exception):
     pass
+
+
+def resolver(hosts: Sequence[Host]) -> str | None:
+    """The host that resolves cluster-wide values for a run over `hosts` (the llama.cpp ref, by
+    git ls-remote: the commit every host compiles and runs): the first host with root in file
+    order, so that a rootless host's login user, whom a root host must not trust, never chooses
+    what root hosts run; the first host when every host is rootless."""
+    for host in hosts:
+        if not host.rootless:
+            return host.name
+    return hosts[0].name if hosts else None
 
 
 @cache

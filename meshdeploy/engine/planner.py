@@ -57,7 +57,7 @@ def gather(session: Session, hosts=None, destroying=frozenset()) -> dict[str, di
 
     cluster = session.cluster
     hosts = session.hosts() if hosts is None else hosts
-    first = session.hosts()[0].name if session.hosts() else None
+    first = registry.resolver(session.hosts())
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
 
@@ -205,7 +205,7 @@ def make_plan(session: Session, replacing=(), purge: bool = False, targets=()) -
     prepared = prepare(cluster, hosts, facts, header_cache=control_cache("gguf-headers"),
                        read_remote=session.read_remote, replacing=replacing)
     resolved = prepared.resolved
-    first = hosts[0].name if hosts else None  # as evaluate() has it: the host that resolves
+    first = registry.resolver(hosts)  # as evaluate() has it: the host that resolves
     for role in registry.roles():
         if role.preflight is not None:
             for h in hosts:
@@ -336,7 +336,7 @@ def evaluate(cluster, hosts, facts, resolved, targeted=None) -> Steps:
     """Slot-major: every host's slot N before any host's slot N+1, as apply runs them; with
     `targeted` (engine.targets.closure), only its (host, slot) pairs."""
     steps = Steps()
-    first = hosts[0].name if hosts else None
+    first = registry.resolver(hosts)
     for slot in registry.slots(cluster):
         for h in hosts:
             if targeted is not None and (h.name, slot.name) not in targeted:

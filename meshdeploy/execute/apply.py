@@ -27,7 +27,7 @@ class Run:
         self.cluster = session.cluster
         self.resolved = planned.resolved
         self.facts = {h.name: dict(planned.facts[h.name]) for h in session.hosts()}
-        self.first = session.hosts()[0].name
+        self.first = registry.resolver(session.hosts())
         self.steps = Steps()
         self.reread: set[tuple[str, str]] = set()
         self.reread_lock = threading.Lock()

@@ -294,3 +294,40 @@ def test_a_host_that_changes_between_root_and_rootless_is_refused(tmp_path):
     state.hosts["phone"] = states.record_for(rootless, rootless.host("phone"))
     with pytest.raises(PlanError, match="set it up rootless"):
         state.same_access(with_root)
+
+
+def test_a_rootless_host_never_resolves_the_ref_for_root_hosts(tmp_path, monkeypatch):
+    """The first host in file order resolves llama_cpp.ref by ls-remote when nothing pins it,
+    and every host then compiles and runs that commit: a rootless host's login user (its
+    ~/.gitconfig, a `git` earlier on its PATH) must not choose it for hosts with root. The
+    first host with root does; the first host only when every host is rootless."""
+    from types import SimpleNamespace
+
+    from meshdeploy.core import probe, registry
+    from meshdeploy.engine import planner
+
+    phone_first = (HEAD + "hosts:\n  phone:\n    address: 10.0.0.2\n    rootless: true\n"
+                   "    unprotected: true\n    rpc_servers:\n      - port: 50052\n"
+                   "  node1:\n    address: 10.0.0.1\n"
+                   "models:\n  m: {path: /m.gguf}\nservers:\n  main: {host: node1, model: m}\n")
+    _, cluster = load(tmp_path, phone_first)
+    assert [h.name for h in cluster.hosts] == ["phone", "node1"]
+    assert registry.resolver(cluster.hosts) == "node1"
+    assert registry.resolver([cluster.host("phone")]) == "phone"  # all rootless: the first
+    assert registry.resolver([]) is None
+
+    asked = {}
+    real = planner.probe_command
+
+    def probe_command(cluster_, host, first, *rest):
+        asked[host.name] = first
+        return real(cluster_, host, first, *rest)
+
+    monkeypatch.setattr(planner, "probe_command", probe_command)
+    monkeypatch.setattr(probe, "decode", lambda sections, parts: {})
+    monkeypatch.setattr(probe, "split", lambda lines, sections, nonce: {})
+    session = SimpleNamespace(cluster=cluster, hosts=lambda: list(cluster.hosts),
+                              run=lambda *a, **k: (True, SimpleNamespace(stdout_lines=[],
+                                                                         stderr_lines=[])))
+    planner.gather(session)
+    assert asked == {"phone": False, "node1": True}  # only node1 runs ls-remote

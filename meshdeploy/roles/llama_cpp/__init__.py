@@ -1,6 +1,7 @@
 """llama_cpp: one commit everywhere (lock file), the clone, and builds compiled once per build
 key and copied to the key's other hosts (keys.py)."""
 
+from meshdeploy.core import registry
 from meshdeploy.core.registry import FactRequest, Prepare, Prepared, Resource, Role
 from meshdeploy.roles.llama_cpp import consistency, keys, lock
 from meshdeploy.roles.llama_cpp import operations as ops
@@ -12,7 +13,7 @@ def _facts(req: FactRequest):
 
 
 def _prepare(p: Prepare) -> Prepared:
-    first = p.hosts[0].name if p.hosts else None
+    first = registry.resolver(p.hosts)
     upstream = (p.facts.get(first) or {}).get("llama_cpp.RemoteRef") if first else None
     commit, how = lock.resolve(p.cluster, upstream, first)
     if upstream == ops.RemoteRef.MISSING:
