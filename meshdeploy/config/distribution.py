@@ -5,7 +5,9 @@ it (`model_source`). Every other host gets its bytes from that copy over the LAN
 
 - a worker with a cached rpc-server that some llama-server of a one-file Hub model uses, and
   that loads no llama-server of that model itself, keeps no GGUF: it fetches the byte ranges of
-  the tensors its placement holds (`tensor_fetches`; rpc_cache.seed);
+  the tensors its placement holds (`tensor_fetches`; rpc_cache.seed), unless the source is
+  rootless and the worker is not: then it copies the whole GGUF, whose sha256 the source
+  cannot write;
 - a host that keeps a whole GGUF of the model (a second orchestrator, a `fetch: false` worker)
   copies it (`copies`; models.gguf).
 
@@ -66,7 +68,13 @@ def _tensor_fetches(cluster: Cluster) -> tuple[Fetch, ...]:
             continue
         loaders = {s.host for s in cluster.servers if s.model == server.model}
         source = model_source(cluster, server.model)
+        # A rootless source makes the digest list the worker checks tensors against, and its
+        # login user could rewrite the GGUF and the list together: a worker with root takes no
+        # tensor from it, but keeps a whole copy, checked against the Hub's sha256 (copies).
+        untrusted = source is not None and cluster.host(source).rootless
         for e in cluster.rpc_endpoints(server):
+            if untrusted and not e.host.rootless:
+                continue
             if e.rpc.cache and e.host.name not in loaders:
                 out.setdefault((server.model, e.host.name), Fetch(server.model, source, e.host.name))
                 if not e.rpc.fetch:

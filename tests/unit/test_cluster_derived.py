@@ -50,3 +50,17 @@ def test_a_server_the_file_does_not_hold_gets_its_own_endpoints():
     fewer = replace(server, rpc=server.rpc[:1])
     assert [e.host.name for e in cluster.rpc_endpoints(fewer)] == ["node2"]
     assert len(cluster.rpc_endpoints(server)) == 2
+
+
+def test_a_root_worker_takes_no_tensor_from_a_rootless_source():
+    """A rootless source writes the digest list its workers check tensors against: a worker
+    with root copies the whole GGUF instead (checked against the Hub's sha256); a rootless
+    worker, of equal rank, still fetches its tensors."""
+    cluster = cached_lab()
+    hosts = tuple(replace(h, rootless=h.name in ("node1", "node3")) for h in cluster.hosts)
+    mixed = replace(cluster, hosts=hosts)
+    assert distribution.model_source(mixed, "gemma") == "node1"
+    assert {(f.source, f.worker) for f in distribution.tensor_fetches(mixed)} == \
+        {("node1", "node3")}
+    assert {(f.source, f.worker) for f in distribution.copies(mixed)} == {("node1", "node2")}
+    assert distribution.keeps(mixed, mixed.host("node2")) == ["gemma"]
