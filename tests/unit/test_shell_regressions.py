@@ -182,8 +182,10 @@ def test_probe_runs_unprivileged_except_privileged_sections(lab):
     sections, script = probe_command(cluster, host, False, "n")
     privileged = [s.key for s in sections if s.privileged]
     # network.SshKey on every host with a layout: what an earlier network.transport: ssh apply
-    # left is found under any transport (its folder is root's).
-    assert sorted(privileged) == ["network.Allowlist", "network.SshKey", "network.WireGuard",
+    # left is found under any transport (its folder is root's); network.SshdStreamLocal on
+    # every root host (sshd -T, and a drop-in an earlier apply left).
+    assert sorted(privileged) == ["network.Allowlist", "network.SshKey",
+                                  "network.SshdStreamLocal", "network.WireGuard",
                                   "rpc_cache.CacheDir[50052]"]
     # One sudo for the whole probe: the privileged sections come right after probe.SudoCheck,
     # whose answer is that root shell's first line.
