@@ -44,9 +44,25 @@ def check(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     """Every problem of `cluster` (built from `doc`), in file order."""
     issues: list[ConfigIssue] = []
     for checker in (check_ref, check_models, check_hosts, check_local, check_rootless,
-                    check_ports, check_servers, check_wireguard, check_ssh_transport):
+                    check_ports, check_servers, check_wireguard, check_ssh_transport,
+                    check_scrapers):
         issues += checker(doc, cluster)
     issues.sort(key=lambda i: (i.line, i.col))
+    return issues
+
+
+def check_scrapers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
+    """monitoring.scrapers: addresses or networks, as nftables rules and IPAddressAllow= hold
+    them (a DNS name there would leave a unit without its IP restriction)."""
+    issues = []
+    for i, value in enumerate(cluster.scrapers):
+        try:
+            ipaddress.ip_network(value, strict=True)
+        except ValueError:
+            issues.append(doc.issue(("monitoring", "scrapers", i),
+                                    f"{value!r} is not an IP address or network",
+                                    "write the address Prometheus scrapes from (10.0.0.5) or "
+                                    "its network (10.0.0.0/24)"))
     return issues
 
 

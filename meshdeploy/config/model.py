@@ -444,6 +444,12 @@ class Cluster:
             self._derived[key] = compute()
         return self._derived[key]
 
+    @property
+    def scrapers(self) -> tuple[str, ...]:
+        """monitoring.scrapers (the monitoring role's section, as written): where Prometheus
+        scrapes from; the network role's allow-list and the services' units let them in."""
+        return tuple((self.sections.get("monitoring") or {}).get("scrapers", ()))
+
     def host(self, name: str) -> Host:
         host = self.derived("hosts by name", lambda: {h.name: h for h in self.hosts}).get(name)
         if host is None:

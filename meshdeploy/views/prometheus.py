@@ -4,9 +4,9 @@ beside them, and the services it cannot reach (text and JSON, from the same data
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 
+from meshdeploy.core import shell
 from meshdeploy.roles.monitoring import prometheus
 
 
@@ -38,13 +38,13 @@ def render_text(cluster, out: Path, written: list[Path]) -> str:
                                       for kind, n in counts.items()) or "none")]
     for k in s["key_files"]:
         lines.append(f"API key of llama-server {k['server']}: copy "
-                     f"{k['host']}:{shlex.quote(k['source'])} to {shlex.quote(k['path'])}, "
+                     f"{k['host']}:{shell.quote(k['source'])} to {shell.quote(k['path'])}, "
                      "readable by the user Prometheus runs as only")
     lines += [f"Not scraped: {note}" for note in s["skipped"]]
     if not s["scrapers"]:
         lines.append("monitoring.scrapers is empty: every host's allow-list drops the scrapers "
                      "until the cluster file names them and an apply loads it")
-    config = shlex.quote(str(out / "prometheus.yml"))
+    config = shell.quote(str(out / "prometheus.yml"))
     lines.append(f"Run: prometheus --config.file={config}; prometheus-blackbox-exporter "
-                 f"--config.file={shlex.quote(str(out / 'blackbox.yml'))}")
+                 f"--config.file={shell.quote(str(out / 'blackbox.yml'))}")
     return "\n".join(lines)

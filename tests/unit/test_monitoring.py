@@ -18,7 +18,7 @@ from support.cli import meshdeploy
 from support.require import require
 
 from meshdeploy.config.load import load_cluster
-from meshdeploy.errors import ConfigError, PlanError
+from meshdeploy.errors import ConfigError
 from meshdeploy.roles.monitoring import prometheus
 from meshdeploy.roles.network import rules
 
@@ -79,11 +79,26 @@ def test_under_wireguard_the_rpc_ports_stay_inside_the_tunnel(tmp_path):
     assert any("WireGuard tunnel" in note for note in prometheus.skipped(cluster))
 
 
-def test_a_scraper_that_is_no_address_is_one_error(tmp_path):
-    cluster = load_cluster(cluster_file(tmp_path, {"hosts:\n": "monitoring:\n  scrapers: "
-                                                   "[prometheus.example]\nhosts:\n"}))
-    with pytest.raises(PlanError, match=r"monitoring.scrapers: 'prometheus.example' is not an IP"):
-        rules.allowlist(cluster, cluster.host("node2"))
+def test_a_scraper_that_is_no_address_is_one_error_at_its_position(tmp_path):
+    path = cluster_file(tmp_path, {"hosts:\n": "monitoring:\n  scrapers: "
+                                   "[10.0.0.1, prometheus.example]\nhosts:\n"})
+    done = meshdeploy("validate", path)
+    assert done.returncode == 3 and "Traceback" not in done.stderr  # 3: a configuration error
+    assert (f"{path}:24:24: monitoring.scrapers[1]: 'prometheus.example' is not an IP address "
+            "or network") in done.stderr, done.stderr
+
+
+def test_the_units_let_the_scrapers_in_where_they_filter(tmp_path):
+    """systemd's IPAddressAllow= would drop what the nftables table accepts."""
+    from meshdeploy.roles.services import unit_files
+
+    edits = {**WATCHED, "    ctx_size: 2048\n": "    ctx_size: 2048\n    allow: [10.9.9.0/24]\n"}
+    cluster = load_cluster(cluster_file(tmp_path, edits))
+    node2 = cluster.host("node2")
+    rpc = unit_files.rpc_unit(cluster, node2, node2.rpc_servers[0], "/b", "rpc-server")
+    assert "IPAddressAllow=localhost 10.200.0.11 10.200.0.12 10.200.0.1\n" in rpc
+    server = unit_files._server_firewall(cluster, cluster.servers[0], "servers.main")
+    assert server.endswith(" 10.9.9.0/24 10.200.0.1\n"), server
 
 
 def test_an_unknown_key_of_monitoring_is_an_error_at_its_line(tmp_path):

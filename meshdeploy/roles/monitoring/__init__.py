@@ -3,6 +3,7 @@ cluster file's `monitoring:` section (schema.json; the network role opens the se
 its scrapers) and renders the scrape configuration that `meshdeploy prometheus` writes
 (prometheus.py)."""
 
+from meshdeploy.core.context import Teardown
 from meshdeploy.core.registry import Role
 
 ROLE = Role(
@@ -10,4 +11,6 @@ ROLE = Role(
     doc=__doc__,
     facts=lambda req: [],
     resources=(),
+    # Nothing of the role's is on a host: the scrapers' rules are the network role's table.
+    destroy=lambda ctx, purge: Teardown(),
 )

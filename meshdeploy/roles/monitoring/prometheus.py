@@ -57,8 +57,8 @@ class KeyFile:
 
 
 def scrapers(cluster) -> list[str]:
-    """monitoring.scrapers as written (the network role checks each is an address or network)."""
-    return list((cluster.sections.get("monitoring") or {}).get("scrapers", ()))
+    """monitoring.scrapers as written (config.checks: each an address or network)."""
+    return list(cluster.scrapers)
 
 
 def _hostport(address: str, port: int) -> str:

@@ -204,11 +204,9 @@ def _ip_of(peer, address: str, why: str) -> str:
 
 
 def _scrapers(cluster) -> list[str]:
-    """monitoring.scrapers (the monitoring role's section of the cluster file, read as data):
-    where Prometheus scrapes each llama-server's /metrics and probes each rpc-server's port from.
+    """monitoring.scrapers (the monitoring role's section of the cluster file): where Prometheus scrapes each llama-server's /metrics and probes each rpc-server's port from.
     Opened on ports a scraper can reach (not loopback, not inside a WireGuard tunnel)."""
-    section = cluster.sections.get("monitoring") or {}
-    return [_literal(a, "monitoring.scrapers") for a in section.get("scrapers", ())]
+    return [_literal(a, "monitoring.scrapers") for a in cluster.scrapers]
 
 
 def _literal(value: str, where: str) -> str:

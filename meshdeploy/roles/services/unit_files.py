@@ -9,6 +9,7 @@ from dataclasses import replace as _replace
 from pathlib import Path
 
 from meshdeploy.config.checks import exposed_rpc_servers
+from meshdeploy.config.model import is_loopback
 from meshdeploy.core.paths import model_path, rpc_server_cache
 from meshdeploy.core.units import (
     SystemdExpr,
@@ -77,7 +78,11 @@ def _rpc_peers(cluster, host, rpc) -> list[str]:
             break
     if not peers:
         return []
-    return peers + ([] if rpc.bind == "0.0.0.0" else [rpc.bind])
+    # Prometheus's probes (monitoring.scrapers) where they reach the port: as the network
+    # role's allow-list lets them in (not loopback, not inside a WireGuard tunnel).
+    reached = not (is_loopback(rpc.bind or "") or cluster.network.tunnel)
+    scrapers = list(cluster.scrapers) if reached else []
+    return peers + ([] if rpc.bind == "0.0.0.0" else [rpc.bind]) + scrapers
 
 
 def _after_tunnel(cluster, needed: bool) -> str:
@@ -129,8 +134,9 @@ def _server_firewall(cluster, server, setting: str) -> str:
         loopback = False
     if not loopback and not server.allow:
         return firewall([], setting, f"it serves clients on {comment_value(server.bind, setting)}")
-    return firewall([e.address for e in cluster.rpc_endpoints(server)] + list(server.allow),
-                     setting)
+    scrapers = [] if loopback else list(cluster.scrapers)  # Prometheus reads its /metrics
+    return firewall([e.address for e in cluster.rpc_endpoints(server)] + list(server.allow)
+                    + scrapers, setting)
 
 
 def after_forwards(cluster, host) -> str:
