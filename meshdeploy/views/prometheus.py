@@ -12,7 +12,7 @@ from meshdeploy.roles.monitoring import prometheus
 
 def summary(cluster, out: Path, written: list[Path]) -> dict:
     return {
-        "format_version": "1",
+        "format_version": 1,
         "out": str(out),
         "files": [str(p) for p in written],
         "targets": [{"kind": t.kind, "host": t.host, "address": t.address, **t.labels}

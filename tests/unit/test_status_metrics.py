@@ -172,3 +172,12 @@ def test_llama_server_serves_metrics_once():
     older = llama_server_argv("/opt/llama-server", cluster, cluster.servers[0], "/m.gguf",
                               flags=frozenset({"-m", "--host", "--port", "--rpc", "-ngl", "-c"}))
     assert "--metrics" not in older
+
+
+@pytest.mark.parametrize("window", ["x", "-1", "301"])
+def test_a_window_that_is_not_whole_seconds_is_a_usage_error(window):
+    from support.cli import meshdeploy
+
+    done = meshdeploy("status", ROOT / "inventories" / "lab.yaml", "--window", window)
+    assert done.returncode == 1 and "usage: meshdeploy status" in done.stderr
+    assert f"expected whole seconds from 0 to 300, got '{window}'" in done.stderr
