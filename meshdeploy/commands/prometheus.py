@@ -24,7 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR",
                    help="the folder to write into (default: <cluster-file-stem>.prometheus "
                         "beside the cluster file)")
-    p.add_argument("--interval", type=options.whole_seconds(1, 3600),
+    # At least 3 s: a probe's scrape must leave the blackbox exporter its whole connect timeout
+    # (2 s, and half a second it keeps), or a dropped SYN could not be told from a refusal.
+    p.add_argument("--interval", type=options.whole_seconds(3, 3600),
                    default=d.monitoring_scrape_interval,
                    metavar="SECONDS", help="scrape and rule interval (default: %(default)s)")
     p.add_argument("--blackbox", default=d.monitoring_blackbox_address, metavar="HOST:PORT",

@@ -239,3 +239,9 @@ def test_a_folder_that_cannot_be_written_is_one_error(tmp_path):
     done = meshdeploy("prometheus", LAB, "--out", blocker / "out")
     assert done.returncode == 1 and "cannot write the Prometheus files" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_an_interval_too_short_for_the_probe_timeout_is_a_usage_error(tmp_path):
+    done = meshdeploy("prometheus", LAB, "--out", tmp_path / "out", "--interval", "2")
+    assert done.returncode == 1 and "expected whole seconds from 3 to 3600, got '2'" in done.stderr
+    assert not (tmp_path / "out").exists()
