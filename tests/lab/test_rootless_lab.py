@@ -594,15 +594,46 @@ def test_a_root_hosts_loopback_rpc_port_admits_root_and_the_login_user_only(ssh_
     assert info.run("node1", probe, timeout=60).stdout.strip() == "open"  # deploy, the login user
     assert reach(info, "node1", "127.0.0.1", ROOT_PORT) == "open"  # root
     # sshd's own forward (as the login user, as an orchestrator's would): a HELLO is answered
-    # (8 bytes of size, then major, minor, patch).
+    # (8 bytes of size, then that many: major, minor, patch first).
     reply = hello_over_ssh(info, "node1", ROOT_PORT)
-    assert len(reply) == 11 and reply[:8] == bytes([3] + [0] * 7), reply
+    size = struct.unpack("<Q", reply[:8])[0] if len(reply) >= 8 else -1
+    assert 3 <= size <= 64 and len(reply) == 8 + size, reply
     rules = info.run("node1", "sudo nft list chain inet meshdeploy output", timeout=60).stdout
     assert f"tcp dport {ROOT_PORT}" in rules and "skuid" in rules, rules
 
 
+def test_a_rootless_rpc_server_sees_the_login_users_home_read_only(ssh_applied, rl_lab):
+    """node3 lets md make user namespaces: its rpc-server runs in one of its own, where home is
+    read-only but for its cache, so a taken-over rpc-server cannot write ~/.ssh/authorized_keys
+    (the old unit had no ProtectHome=, and a user manager ignores it without PrivateUsers=)."""
+    info, _ = rl_lab
+    pid = rpc_pid(info, "node3")
+    assert pid
+    mounts = info.run("node3", f"cat /proc/{pid}/mountinfo").stdout
+    options = {line.split()[4]: line.split()[5].split(",") for line in mounts.splitlines()}
+
+    def mount_of(path: str) -> list[str]:
+        """The options of the mount `path` lies on, in the rpc-server's mount namespace."""
+        return options[max((m for m in options if path == m or path.startswith(m.rstrip("/")
+                                                                               + "/")), key=len)]
+
+    assert "ro" in mount_of("/home/md/.ssh/authorized_keys"), mounts
+    assert "ro" in mount_of("/etc/passwd"), mounts
+    assert "rw" in mount_of("/home/md/.cache/meshdeploy/meshdeploy-rpc-50052/x"), mounts
+    # md's own view: all of it writable (the check can fail).
+    own = info.run("node3", "cat /proc/self/mountinfo").stdout
+    assert any(line.split()[4] == "/" and "rw" in line.split()[5].split(",")
+               for line in own.splitlines()), own
+    # The runit worker (node2) has no sandbox to give: its rpc-server shares md's mounts.
+    pid2 = rpc_pid(info, "node2")
+    ns = info.run("node2", f"readlink /proc/{pid2}/ns/mnt /proc/self/ns/mnt").stdout.split()
+    assert len(ns) == 2 and ns[0] == ns[1], ns
+
+
 SQUAT = ("import os, socket, sys, time\n"
          "s = socket.socket()\n"
+         # As rpc-server does: a connection the killed server left in TIME_WAIT holds the port.
+         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
          "s.bind(('127.0.0.1', int(sys.argv[1])))\n"
          "s.listen(8)\n"
          "open(sys.argv[2], 'w').write(str(os.getpid()))\n"
