@@ -74,45 +74,30 @@ def run_remote(conn, command: str, sudo: bool = False) -> str:
     return result.stdout
 
 
-# Every listener on a TCP port with the cgroup of each process that holds it, and the cgroup of
-# the unit UNIT, as root (ss -p names other users' processes only to root). "0::" is the cgroup
-# v2 line of /proc/PID/cgroup; "name=systemd" its v1 counterpart. Input: UNIT, PORT.
-_OWNER = r"""
-command -v ss >/dev/null 2>&1 || { echo no-ss; exit 0; }
-echo "unit $(systemctl show -p ControlGroup --value "$UNIT")"
-ss -Hltnp "sport = :$PORT" | while read -r _ _ _ local _ users; do
-  case $users in *pid=*) ;; *) echo "held $local ?"; continue ;; esac
-  for pid in $(printf '%s\n' "$users" | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do
-    echo "held $local $(sed -n -e 's/^0::\(.*\)$/\1/p' -e 's/^[0-9]*:name=systemd:\(.*\)$/\1/p' \
-      "/proc/$pid/cgroup" 2>/dev/null | head -n 1)"
-  done
-done
-"""
+# The unit's own cgroup and the verdict on every listener on its port (core/templates/
+# listener-owner.sh), as root: ss -p names other users' processes only to root.
+_OWNER = 'md_owner "$UNIT" "$ADDRESS" "$PORT"'
 
 
-def foreign_listener(lines, unit: str, address: str, port: int) -> str | None:
-    """Why a connection to address:port might not reach `unit` (the _OWNER script's lines), or
-    None when every listener that could take it is a process of the unit's own cgroup."""
+def foreign_listener(lines, unit: str) -> str | None:
+    """Why a connection to the unit's address and port might not reach `unit` (md_owner's lines:
+    core/templates/listener-owner.sh), or None when every listener that could take it is the
+    unit's own process (status says the same words)."""
     text = [line.strip() for line in lines if line.strip()]
-    if "no-ss" in text:
-        return "the host has no ss (iproute2) to tell who holds it"
-    own = next((line[5:].strip() for line in text if line.startswith("unit ")), "")
-    wanted = {address, "0.0.0.0", "*", "::", f"::ffff:{address}"}
-    held = []
-    for line in text:
-        if not line.startswith("held "):
-            continue
-        local, _, cgroup = line[5:].partition(" ")
-        host = local.rsplit(":", 1)[0].strip("[]").split("%", 1)[0]
-        if host in wanted:
-            held.append(cgroup.strip() or "?")
-    if not held:
-        return "nothing listens there"
-    other = next((c for c in held if c != own or not own), None)
-    if other is None:
+    own = next((line[4:].strip() for line in text if line.split()[0] == "unit"), "")
+    verdict = next((line for line in text if line.split()[0] != "unit"), "")
+    if verdict == "owned":
         return None
-    return (f"it is held by cgroup {other}, not by {unit} "
-            f"({own or 'which is not running'}): another process took the port")
+    if verdict == "none":
+        return "nothing listens there"
+    if verdict == "no-ss":
+        return "the host has no ss (iproute2) to tell who holds it"
+    if verdict.startswith("foreign "):
+        who = verdict[8:].strip()
+        who = f"process {who[4:]}" if who.startswith("pid ") else f"cgroup {who}"
+        return (f"it is held by {who}, not by {unit} "
+                f"({own or 'which is not running'}): another process took the port")
+    return "who holds it could not be told"
 
 
 class Api:
@@ -129,9 +114,10 @@ class Api:
         """BenchError unless every listener on the port is a process of self.unit."""
         if self.unit is None:
             return
-        out = run_remote(self.conn, shell.script(_OWNER, UNIT=self.unit, PORT=self.port),
-                         self.sudo)
-        why = foreign_listener(out.splitlines(), self.unit, self.address, self.port)
+        out = run_remote(self.conn, shell.script(_OWNER, prelude=shell.LISTENER_OWNER,
+                                                 UNIT=self.unit, ADDRESS=self.address,
+                                                 PORT=self.port, MANAGER=""), self.sudo)
+        why = foreign_listener(out.splitlines(), self.unit)
         if why is not None:
             raise BenchError(f"{self.conn.original_host}: {self.address}:{self.port}: {why}; "
                              "nothing with the API key was sent to it",

@@ -8,9 +8,9 @@ import secrets
 from dataclasses import asdict, dataclass
 
 from meshdeploy import errors
-from meshdeploy.commands import common, options, rpc_hello
+from meshdeploy.commands import common, options, rpc_hello, server_api
 from meshdeploy.config.load import load_cluster
-from meshdeploy.config.model import RUNIT, SYSTEMD_USER
+from meshdeploy.config.model import RUNIT, SYSTEMD_USER, local_address
 from meshdeploy.core import registry, shell
 from meshdeploy.core.paths import llama_cpp_paths
 from meshdeploy.views import status as view
@@ -73,13 +73,24 @@ except (OSError, EOFError):
 # One line per service; every value arrives as a positional parameter, never as shell text.
 _RPC = ('printf \'rpc %s %s %s\\n\' "$2" "$(systemctl is-active "$3" 2>/dev/null)" '
         '"$(python3 -c "$HELLO" "$1" "$2" 2>/dev/null || echo n/a)"')
-# md_get PATH: the server's PATH with its API key where there is one and the login user may
-# read its file: on curl's standard input (-H @-), never on a command line `ps` shows.
-# /v1/models and /metrics need the key when one is set (only /health does not).
-# (md_get's own $1 is PATH; the server's arguments follow it: name, unit, URL, key file.)
-_MD_GET = ('md_get() { { [ -n "$5" ] && [ -r "$5" ] && '
+# md_get PATH: the server's PATH with its API key where there is one, the login user may read
+# its file and md_keycheck found every listener on the port to be the server's own unit (a
+# process that took the port while the server was down gets no key): on curl's standard input
+# (-H @-), never on a command line `ps` shows. /v1/models and /metrics need the key when one is
+# set (only /health does not). md_keycheck prints `keyless NAME OWN<tab>VERDICT` where it
+# withholds the key (core/templates/listener-owner.sh's md_owner says who holds the port).
+# (md_get's own $1 is PATH; the server's arguments follow it: name, unit, URL, key file,
+# address, port.)
+_MD_GET = ('md_keycheck() { md_keyed=; [ -n "$4" ] && [ -r "$4" ] || return 0; '
+           'md_why=$(md_owner "$2" "$5" "$6"); '
+           'md_verdict=$(printf \'%s\\n\' "$md_why" | tail -n 1); '
+           'if [ "$md_verdict" = owned ]; then md_keyed=1; else '
+           'printf \'keyless %s %s\\t%s\\n\' "$1" "$(printf \'%s\\n\' "$md_why" | '
+           'sed -n \'s/^unit //p\')" "$md_verdict"; fi; }; '
+           'md_get() { { [ -n "$md_keyed" ] && '
            'printf \'Authorization: Bearer %s\\n\' "$(cat "$5")"; } | '
            'curl -s --max-time 5 -H @- "$4$1"; }; ')
+_KEYCHECK = 'md_keycheck "$@"; '  # after the server's own line: a `keyless` line joins its row
 # `metrics NAME COUNTERS` (METRICS_AGAIN: `metrics-again`, the second sample, `window` s later).
 _METRICS = ('printf \'%s %s %s\\n\' "${KIND:-metrics}" "$1" "$(md_get /metrics "$@" | '
             # Two POSIX expressions, not GNU's \| alternation: any host's sed reads them.
@@ -89,6 +100,7 @@ _METRICS = ('printf \'%s %s %s\\n\' "${KIND:-metrics}" "$1" "$(md_get /metrics "
 _SERVER = (_MD_GET
            + 'printf \'server %s %s %s\\n\' "$1" "$(systemctl is-active "$2" 2>/dev/null)" '
            '"$(curl -s -o /dev/null -w \'%{http_code}\' --max-time 5 "$3/health")"; '
+           + _KEYCHECK +
            'printf \'models %s %s\\n\' "$1" "$(md_get /v1/models "$@" | tr -d \'\\n\')"; '
            + _METRICS)
 METRICS_AGAIN = "metrics-again"
@@ -112,11 +124,14 @@ def host_script(cluster, host, nonce: str = "", window: int = 0) -> str:
     llama-server's counters are read again that many seconds after the first reading."""
     p = llama_cpp_paths(host.layout.prefix)
     lines = [shell.script('printf \'proto %s\\n\' "$(sed -n \'s/^proto=//p\' "$CURRENT/manifest" '
-                          '2>/dev/null)"', CURRENT=p["current"])]
+                          '2>/dev/null)"', CURRENT=p["current"]),
+             # md_owner (md_keycheck): how the host's units run.
+             shell.script(shell.LISTENER_OWNER, MANAGER=host.layout.manager,
+                          SVDIR_MD=host.layout.services)]
     rpc_body, server_body = _RPC, _SERVER
     active = _ACTIVE.get(host.layout.manager)
     if active:
-        lines.append(shell.script(active, SVDIR_MD=host.layout.services))
+        lines.append(shell.script(active))
         rpc_body = _RPC.replace('systemctl is-active "$3" 2>/dev/null', 'md_active "$3"')
         server_body = _SERVER.replace('systemctl is-active "$2" 2>/dev/null', 'md_active "$2"')
     for rpc in host.rpc_servers:
@@ -128,7 +143,7 @@ def host_script(cluster, host, nonce: str = "", window: int = 0) -> str:
         lines.append(shell.subshell(shell.script(server_body, args=_server_args(server))))
     if servers and window:
         lines.append(shell.command("sleep", int(window)))
-        lines += [shell.subshell(shell.script(_MD_GET + _METRICS, args=_server_args(s),
+        lines += [shell.subshell(shell.script(_MD_GET + _KEYCHECK + _METRICS, args=_server_args(s),
                                               KIND=METRICS_AGAIN)) for s in servers]
     for name, probe in registry.status_probes(cluster, host):
         lines += [shell.command("printf", f"\\n{ROLE_MARK}%s %s\\n", nonce, name),
@@ -137,7 +152,8 @@ def host_script(cluster, host, nonce: str = "", window: int = 0) -> str:
 
 
 def _server_args(server) -> list:
-    return [server.name, server.unit_name, server.local_url, server.api_key_file or ""]
+    return [server.name, server.unit_name, server.local_url, server.api_key_file or "",
+            local_address(server.bind), server.port]
 
 
 ROLE_MARK = "@role-"  # + the run's nonce: the line before a role's own status lines
@@ -262,6 +278,19 @@ def collect(session, window: int = 0) -> list[dict]:
                 for row in rows:
                     if row["host"] == host.name and row["service"] == f"llama-server {name}":
                         row.update(recent(first.get(name, ""), body, window))
+            elif kind == "keyless":
+                name, _, body = rest.partition(" ")
+                own, _, verdict = body.partition("\t")
+                unit = next((s.unit_name for s in cluster.servers
+                             if s.host == host.name and s.name == name), name)
+                why = server_api.foreign_listener([f"unit {own}", verdict], unit)
+                for row in rows:
+                    if row["host"] == host.name and row["service"] == f"llama-server {name}" \
+                            and why and "key_withheld" not in row:
+                        row["key_withheld"] = why
+                        row["answer"] += f"; API key not sent: {why}"
+                        # Someone else answers on the server's port: not a healthy server.
+                        row["healthy"] = row["healthy"] and not verdict.startswith("foreign")
             elif kind == "models":
                 name, _, body = rest.partition(" ")
                 try:

@@ -55,6 +55,9 @@ SYSTEMD_RUN = body(TEMPLATES / "systemd-run.sh")
 # md_sha256 FILE: its sha256 by the fastest hasher the host has; a prelude for scripts that
 # verify what they downloaded or packed.
 SHA256 = body(TEMPLATES / "sha256.sh")
+# md_owner UNIT ADDRESS PORT: whether every listener there is the unit's own (MANAGER says how
+# the unit runs); a prelude for scripts that send an API key (bench, status).
+LISTENER_OWNER = body(TEMPLATES / "listener-owner.sh")
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODE = re.compile(r"[0-7]{3,4}")

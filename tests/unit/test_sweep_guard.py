@@ -213,31 +213,53 @@ def test_the_sweep_holds_every_host_lock_of_its_servers_throughout(tmp_path, mon
 
 # -- the API key goes only to the unit's own listener ---------------------------------------------
 
-def owner_lines(unit_cgroup: str, *held: tuple[str, str]) -> list[str]:
-    return [f"unit {unit_cgroup}"] + [f"held {local} {cgroup}" for local, cgroup in held]
+def _mine() -> str:
+    """This process's cgroup as md_owner reads it (the first 0:: or name=systemd line)."""
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    return next(line.split(":", 2)[2] for line in lines
+                if line.startswith("0::") or ":name=systemd:" in line)
 
 
-def test_a_listener_is_the_units_only_when_every_one_on_the_port_is_in_its_cgroup():
-    own = "/system.slice/meshdeploy-server-m.service"
-    check = server_api.foreign_listener
-    assert check(owner_lines(own, ("127.0.0.1:8080", own)), "u", "127.0.0.1", 8080) is None
-    assert check(owner_lines(own, ("0.0.0.0:8080", own), ("[::]:8080", own)), "u",
-                 "127.0.0.1", 8080) is None
-    # Someone else's: on the address, on the wildcard, with no process (?), or a cgroup whose
-    # path only ends like the unit's.
-    for local, cgroup in [("127.0.0.1:8080", "/system.slice/md-squatter.service"),
-                          ("*:8080", "/user.slice/user-1000.slice/session-3.scope"),
-                          ("[::ffff:127.0.0.1]:8080", "?"),
-                          ("127.0.0.1:8080", f"/user.slice/x{own}")]:
-        why = check(owner_lines(own, (local, cgroup)), "meshdeploy-server-m", "127.0.0.1", 8080)
-        assert why == (f"it is held by cgroup {cgroup}, not by meshdeploy-server-m ({own}): "
-                       "another process took the port"), local
-    assert check(owner_lines("", ("127.0.0.1:8080", "/system.slice/x.service")), "u",
-                 "127.0.0.1", 8080) == ("it is held by cgroup /system.slice/x.service, not by u "
-                                        "(which is not running): another process took the port")
-    assert check(owner_lines(own, ("10.0.0.1:8080", "/x")), "u", "127.0.0.1", 8080) == \
-        "nothing listens there"
-    assert check(["no-ss"], "u", "127.0.0.1", 8080) == \
+def owner_check(tmp_path, unit_cgroup: str, *held: str) -> str | None:
+    """md_owner run here with ss and systemctl stubbed: `held` are ss's listeners ("LOCAL" held
+    by this process, or "LOCAL -": no process named), the unit's cgroup is `unit_cgroup`."""
+    rows = "".join(f"LISTEN 0 128 {local.split()[0]} 0.0.0.0:* "
+                   + ("" if local.endswith(" -") else f'users:(("x",pid={os.getpid()},fd=3))')
+                   + "\n" for local in held)
+    stub(tmp_path, "ss", f"printf '{rows.replace('%', '%%')}'\n")
+    stub(tmp_path, "systemctl", f"echo '{unit_cgroup}'\n")
+    api = server_api.Api(_Shell(tmp_path), "127.0.0.1", 8080, "k", unit="meshdeploy-server-m")
+    try:
+        api.owned()
+    except server_api.BenchError as exc:
+        return str(exc).split("127.0.0.1:8080: ", 1)[1].split("; nothing with")[0]
+    return None
+
+
+def test_a_listener_is_the_units_only_when_every_one_on_the_port_is_in_its_cgroup(tmp_path):
+    own, unit = _mine(), "meshdeploy-server-m"
+    assert owner_check(tmp_path, own, "127.0.0.1:8080") is None
+    assert owner_check(tmp_path, own, "0.0.0.0:8080", "[::]:8080") is None
+    assert owner_check(tmp_path, own, "0.0.0.0%lo:8080", "[::ffff:127.0.0.1]:8080") is None
+    # Someone else's: another cgroup on the address or the wildcard, or a cgroup whose path
+    # only ends like the unit's.
+    for local in ["127.0.0.1:8080", "*:8080", "[::ffff:127.0.0.1]:8080"]:
+        for unit_cgroup in ["/system.slice/meshdeploy-server-m.service", f"/x{own}"]:
+            assert owner_check(tmp_path, unit_cgroup, local) == (
+                f"it is held by cgroup {own}, not by {unit} ({unit_cgroup}): another process "
+                "took the port"), local
+    # One of two listeners is enough; one whose process ss does not name is not the unit's.
+    assert owner_check(tmp_path, own, "127.0.0.1:8080", "[::]:8080 -") == (
+        f"it is held by cgroup ?, not by {unit} ({own}): another process took the port")
+    assert owner_check(tmp_path, "", "127.0.0.1:8080") == (
+        f"it is held by cgroup {own}, not by {unit} (which is not running): another process "
+        "took the port")
+    assert owner_check(tmp_path, own, "10.0.0.1:8080") == "nothing listens there"
+    assert owner_check(tmp_path, own) == "nothing listens there"
+
+
+def test_without_ss_nothing_is_sent():
+    assert server_api.foreign_listener(["unit /x", "no-ss"], "u") == \
         "the host has no ss (iproute2) to tell who holds it"
 
 
@@ -246,8 +268,7 @@ def test_the_owner_script_names_the_cgroup_of_the_process_that_listens(tmp_path)
     /proc/PID/cgroup the cgroup compared with the unit's (systemctl stubbed to say it)."""
     if shutil.which("ss") is None:
         pytest.skip("no ss (iproute2) on this machine")
-    mine = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().split(
-        "\n") if line.startswith("0::"))
+    mine = _mine()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -310,7 +331,7 @@ def squatter():
 
 def test_a_squatter_on_the_port_gets_health_checks_without_the_key_and_nothing_else(squatter):
     own = "/system.slice/meshdeploy-server-m.service"
-    held = "\n".join(owner_lines(own, (f"127.0.0.1:{squatter}", "/system.slice/squat.service")))
+    held = f"unit {own}\nforeign /system.slice/squat.service\n"  # md_owner's answer
     api = server_api.Api(_Dialer(held), "127.0.0.1", squatter, "secret-key",
                          unit="meshdeploy-server-m", sudo=True)
     with pytest.raises(server_api.BenchError, match="held by cgroup /system.slice/squat.service"):
@@ -319,7 +340,7 @@ def test_a_squatter_on_the_port_gets_health_checks_without_the_key_and_nothing_e
         api.call("POST", "/completion", {})
     assert _Recorder.seen == [("/health", None)]
     # The unit's own listener gets the key.
-    ours = "\n".join(owner_lines(own, (f"127.0.0.1:{squatter}", own)))
+    ours = f"unit {own}\nowned\n"
     api = server_api.Api(_Dialer(ours), "127.0.0.1", squatter, "secret-key",
                          unit="meshdeploy-server-m", sudo=True)
     api.wait_healthy(5)
