@@ -343,7 +343,12 @@ def test_without_a_terminal_and_auto_approve_the_sweep_is_refused_before_anythin
 ])
 def test_bad_sweep_options_are_one_clear_error(args, message):
     proc = meshdeploy("bench", "inventories/lab.yaml", *args)
-    assert proc.returncode == 1 and proc.stderr.startswith(message), proc.stderr
+    assert proc.returncode == 1
+    if "--json" in args:  # the error is the one JSON document on stdout
+        assert proc.stderr == ""
+        assert json.loads(proc.stdout)["diagnostics"][0]["summary"] == message
+        return
+    assert proc.stderr.startswith(message), proc.stderr
     assert "Traceback" not in proc.stderr and "stops llama-server" not in proc.stderr
 
 

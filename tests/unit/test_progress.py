@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import subprocess
 import threading
 import time
@@ -379,6 +380,8 @@ def test_apply_json_refuses_to_ask_for_confirmation(tmp_path):
     lab = Path(__file__).resolve().parents[2] / "inventories" / "lab.yaml"
     done = subprocess.run([sys.executable, "-m", "meshdeploy", "apply", str(lab), "--json"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 1 and done.stdout == ""
-    assert "apply --json cannot ask for confirmation" in done.stderr
-    assert "--auto-approve" in done.stderr
+    # The refusal is the one document on stdout: a JSON diagnostic, nothing on stderr.
+    assert done.returncode == 1 and done.stderr == ""
+    (error,) = json.loads(done.stdout)["diagnostics"]
+    assert error["summary"] == "apply --json cannot ask for confirmation"
+    assert "--auto-approve" in error["detail"]
