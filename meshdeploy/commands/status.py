@@ -124,27 +124,31 @@ def host_script(cluster, host, nonce: str = "", window: int = 0) -> str:
     llama-server's counters are read again that many seconds after the first reading."""
     p = llama_cpp_paths(host.layout.prefix)
     lines = [shell.script('printf \'proto %s\\n\' "$(sed -n \'s/^proto=//p\' "$CURRENT/manifest" '
-                          '2>/dev/null)"', CURRENT=p["current"]),
-             # md_owner (md_keycheck): how the host's units run.
-             shell.script(shell.LISTENER_OWNER, MANAGER=host.layout.manager,
-                          SVDIR_MD=host.layout.services)]
+                          '2>/dev/null)"', CURRENT=p["current"])]
+    servers = [s for s in cluster.servers if s.host == host.name]
     rpc_body, server_body = _RPC, _SERVER
     active = _ACTIVE.get(host.layout.manager)
+    keyed = any(s.api_key_file for s in servers)
+    if active or keyed:
+        # How the host's units run: md_active's, and md_owner's (md_keycheck) where a key is.
+        lines.append(shell.script(active or "", MANAGER=host.layout.manager,
+                                  SVDIR_MD=host.layout.services))
+    if keyed:
+        lines.append(shell.LISTENER_OWNER)
     if active:
-        lines.append(shell.script(active))
         rpc_body = _RPC.replace('systemctl is-active "$3" 2>/dev/null', 'md_active "$3"')
         server_body = _SERVER.replace('systemctl is-active "$2" 2>/dev/null', 'md_active "$2"')
     for rpc in host.rpc_servers:
         lines.append(shell.subshell(shell.script(rpc_body,
                                                  args=[rpc.bind, rpc.port, rpc.unit_name],
                                                  HELLO=HELLO)))
-    servers = [s for s in cluster.servers if s.host == host.name]
     for server in servers:
         lines.append(shell.subshell(shell.script(server_body, args=_server_args(server))))
     if servers and window:
         lines.append(shell.command("sleep", int(window)))
-        lines += [shell.subshell(shell.script(_MD_GET + _KEYCHECK + _METRICS, args=_server_args(s),
-                                              KIND=METRICS_AGAIN)) for s in servers]
+        lines += [shell.subshell(shell.script(_MD_GET + _KEYCHECK + _METRICS,
+                                              args=_server_args(s), KIND=METRICS_AGAIN))
+                  for s in servers]
     for name, probe in registry.status_probes(cluster, host):
         lines += [shell.command("printf", f"\\n{ROLE_MARK}%s %s\\n", nonce, name),
                   shell.subshell(probe.script)]
