@@ -26,7 +26,7 @@ from meshdeploy.commands.server_api import (
     connect,
     measure,
     read_key,
-    rootless_prefix,
+    rootless_layout,
 )
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import local_address
@@ -86,16 +86,19 @@ def bench_server(cluster, server, settings: SshSettings, runs: int, n_predict: i
     try:
         host = cluster.host(server.host)
         prefix = cluster.llama_cpp.prefix
+        layout = None
         if host.rootless:
             # Everything is the login user's own there (the key file too): never sudo.
-            prefix, sudo = rootless_prefix(conn, host), False
+            layout, sudo = rootless_layout(conn, host), False
+            prefix = layout.prefix
         else:
             # The key file, the process's argv and systemd-run need root.
             sudo = settings.sudo if settings.local else settings.user != "root"
         key = read_key(conn, server, sudo)
-        # The key goes only to the deployed unit's own listener (a user unit's is not checked).
-        api = Api(conn, local_address(server.bind), server.port, key,
-                  unit=None if host.rootless else server.unit_name, sudo=sudo)
+        # The key goes only to the deployed unit's own listener (a rootless host's: its user
+        # unit's cgroup, or its runit service's process tree).
+        api = Api(conn, local_address(server.bind), server.port, key, unit=server.unit_name,
+                  sudo=sudo, layout=layout)
         api.wait_healthy(0)
         build = build_of(conn, api, prefix)
         progress(f"llama-server {server.name} on {server.host}: {runs} runs")

@@ -102,13 +102,16 @@ def foreign_listener(lines, unit: str) -> str | None:
 
 class Api:
     """llama-server's HTTP API on (address, port) as the host sees it, over the SSH connection.
-    + unit: the systemd unit that must hold the port before the key is sent (run as root with
-      `sudo`); None sends it unchecked"""
+    + unit: the unit that must hold the port before the key is sent (a system unit's is
+      checked as root, with `sudo`); None sends it unchecked
+    + layout: a rootless host's (manager, services folder): the unit is the user manager's or
+      a runit service (listener-owner.sh's MANAGER)"""
     def __init__(self, conn, address: str, port: int, key: str | None, timeout: float = 600,
-                 unit: str | None = None, sudo: bool = False):
+                 unit: str | None = None, sudo: bool = False, layout=None):
         self.conn, self.address, self.port, self.key, self.timeout = \
             conn, address, port, key, timeout
         self.unit, self.sudo = unit, sudo
+        self.manager, self.services = (layout.manager, layout.services) if layout else ("", "")
 
     def owned(self) -> None:
         """BenchError unless every listener on the port is a process of self.unit."""
@@ -116,7 +119,8 @@ class Api:
             return
         out = run_remote(self.conn, shell.script(_OWNER, prelude=shell.LISTENER_OWNER,
                                                  UNIT=self.unit, ADDRESS=self.address,
-                                                 PORT=self.port, MANAGER=""), self.sudo)
+                                                 PORT=self.port, MANAGER=self.manager,
+                                                 SVDIR_MD=self.services), self.sudo)
         why = foreign_listener(out.splitlines(), self.unit)
         if why is not None:
             raise BenchError(f"{self.conn.original_host}: {self.address}:{self.port}: {why}; "
@@ -325,12 +329,13 @@ def read_key(conn, server, sudo: bool) -> str | None:
     return next((line.strip() for line in text.splitlines() if line.strip()), None)
 
 
-def rootless_prefix(conn, host) -> str:
-    """A rootless host's prefix (core.account, read over this connection)."""
+def rootless_layout(conn, host):
+    """A rootless host's layout: its prefix, manager and services folder (core.account, read
+    over this connection)."""
     from meshdeploy.core import account
 
     text = run_remote(conn, shell.command("sh", "-c", account.SCRIPT))
-    return account.layout(account.parse(host.name, text.splitlines())).prefix
+    return account.layout(account.parse(host.name, text.splitlines()))
 
 
 def build_of(conn, api: Api, prefix: str) -> dict:

@@ -287,6 +287,31 @@ def test_the_owner_script_names_the_cgroup_of_the_process_that_listens(tmp_path)
         listener.close()
 
 
+def test_a_rootless_runit_service_owns_the_port_only_through_its_process_tree(tmp_path):
+    """bench on a rootless runit host: the listener (this process) must be the service's pid
+    as `sv status` says it, or a descendant of it; another pid gets an error, no key."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    layout = SimpleNamespace(manager="runit", services=str(tmp_path / "sv"))
+    try:
+        for service_pid in [os.getpid(), os.getppid(), 1]:
+            stub(tmp_path, "sv", f'echo "run: $2: (pid {service_pid}) 9s; run: log: (pid '
+                                 f'{os.getpid()}) 9s"\n')
+            api = server_api.Api(_Shell(tmp_path), "127.0.0.1", port, "k",
+                                 unit="meshdeploy-server-m", layout=layout)
+            if service_pid != 1:  # this process, or its parent's child
+                api.owned()
+                continue
+            with pytest.raises(server_api.BenchError,
+                               match=f"held by process {os.getpid()}, not by "
+                                     r"meshdeploy-server-m \(pid 1\)"):
+                api.owned()
+    finally:
+        listener.close()
+
+
 class _Recorder(http.server.BaseHTTPRequestHandler):
     seen: list = []
 
