@@ -92,6 +92,8 @@ def foreign_listener(lines, unit: str) -> str | None:
         return "nothing listens there"
     if verdict == "no-ss":
         return "the host has no ss (iproute2) to tell who holds it"
+    if verdict == "ss-failed":
+        return "ss could not list the port's listeners (the sockets are not readable here)"
     if verdict.startswith("foreign "):
         who = verdict[8:].strip()
         who = f"process {who[4:]}" if who.startswith("pid ") else f"cgroup {who}"

@@ -256,6 +256,10 @@ def test_a_listener_is_the_units_only_when_every_one_on_the_port_is_in_its_cgrou
         "took the port")
     assert owner_check(tmp_path, own, "10.0.0.1:8080") == "nothing listens there"
     assert owner_check(tmp_path, own) == "nothing listens there"
+    stub(tmp_path, "ss", "echo 'Cannot open netlink socket: Permission denied' >&2; exit 1\n")
+    api = server_api.Api(_Shell(tmp_path), "127.0.0.1", 8080, "k", unit="meshdeploy-server-m")
+    with pytest.raises(server_api.BenchError, match="ss could not list the port's listeners"):
+        api.owned()
 
 
 def test_without_ss_nothing_is_sent():

@@ -6,7 +6,7 @@
 # folder "$SVDIR_MD/UNIT": the listener is its process or a descendant of it).
 # Prints two lines: "unit OWN" (the unit's cgroup, or "pid N" of a runit service; empty when it
 # does not run), then one verdict: "owned", "none" (nothing listens there), "no-ss" (no ss to
-# tell) or "foreign WHO": the first listener that is not the unit's, as its cgroup, "pid N"
+# tell), "ss-failed" (ss could not list the sockets) or "foreign WHO": the first listener that is not the unit's, as its cgroup, "pid N"
 # (runit) or "?" (ss names no process: another user's, unless run as root).
 
 # md_cgroup PID: its cgroup ("0::" is the cgroup v2 line, "name=systemd" its v1 counterpart).
@@ -49,7 +49,8 @@ md_owner() {
   esac
   command -v ss >/dev/null 2>&1 || { echo no-ss; return 0; }
   md_verdict=none
-  md_listeners=$(ss -Hltnp "sport = :$3")
+  # ss fails where it may not read the sockets (Android's SELinux denies apps sock_diag).
+  md_listeners=$(ss -Hltnp "sport = :$3" 2>/dev/null) || { echo ss-failed; return 0; }
   while read -r _ _ _ md_local _ md_users; do
     [ -n "$md_local" ] || continue
     # 127.0.0.1:8080, [::ffff:127.0.0.1]:8080, 0.0.0.0%lo:8080, *:8080: the address alone.
