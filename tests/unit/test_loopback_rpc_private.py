@@ -345,8 +345,7 @@ def test_a_root_worker_refuses_unix_socket_forwards_to_the_forwards_logins(tmp_p
     assert ssh_ops.sshd_dropin(cluster, cluster.host("node1"), "deploy") is None  # no forward
 
 
-@pytest.mark.skipif(shutil.which("sshd") is None,
-                    reason="no sshd (Debian: openssh-server; only sshd -T runs, no daemon)")
+@needs("sshd")  # only sshd -T runs, no daemon
 def test_sshd_applies_the_dropin_to_the_forwards_logins_only(tmp_path):
     """sshd -T on a config that includes the drop-in as Debian's does (Include at the top):
     the forward's login from the orchestrator gets no Unix-socket forwarding, the same user
