@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support.require import require
 from test_bench_sweep import (  # noqa: F401 (fakes: a fixture)
     BOTH,
     RUNNING,
@@ -270,8 +271,7 @@ def test_without_ss_nothing_is_sent():
 def test_the_owner_script_names_the_cgroup_of_the_process_that_listens(tmp_path):
     """_OWNER run here, against a real listener of this process: ss -p gives its pid, and its
     /proc/PID/cgroup the cgroup compared with the unit's (systemctl stubbed to say it)."""
-    if shutil.which("ss") is None:
-        pytest.skip("no ss (iproute2) on this machine")
+    require("ss")
     mine = _mine()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
