@@ -126,7 +126,8 @@ def test_the_allowlist_step_loads_the_chain_and_refuses_an_unknown_login_uid(tmp
     step = network.allowlist(rpc_context(cluster, "node2", facts))
     joined = "\n".join(step.commands)
     assert step.change.action == "create"
-    assert 'tcp dport 50052 oifname "lo" meta skuid != { 0, 1001 } counter drop' in joined
+    assert ('tcp dport 50052 oifname "lo" ct state new meta skuid != { 0, 1001 } counter drop'
+            in joined)
     facts["network.Allowlist"] = {"loopback/50052": ["uid 0", "uid 1001"]}
     assert network.allowlist(rpc_context(cluster, "node2", facts)).noop
     facts["network.SshLogin"] = {"user": "deploy", "uid": None}
@@ -175,11 +176,13 @@ def test_the_chain_drops_another_local_user_and_lets_root_and_the_login_user_thr
 
 
 def test_the_fact_reads_back_one_uid_and_lists_hand_made_rules_as_drift():
-    def table(right, extra=None):
+    def table(right, extra=None, stateless=False):
         rule = {"rule": {"family": "inet", "table": "meshdeploy", "chain": "output", "expr": [
             {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}},
                        "right": 50052}},
             {"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": "lo"}},
+            *([] if stateless else
+              [{"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}]),
             {"match": {"op": "!=", "left": {"meta": {"key": "skuid"}}, "right": right}},
             {"counter": {"packets": 0, "bytes": 0}}, {"drop": None}]}}
         chain = {"chain": {"family": "inet", "table": "meshdeploy", "name": "output",
@@ -194,6 +197,38 @@ def test_the_fact_reads_back_one_uid_and_lists_hand_made_rules_as_drift():
     hand = {"rule": {"family": "inet", "table": "meshdeploy", "chain": "output",
                      "expr": [{"accept": None}]}}
     assert nfacts.Allowlist().process([table(0, hand)])["other"]
+    # The rule of earlier releases (no `ct state new`) is drift: the plan replaces it.
+    assert "loopback/50052" not in nfacts.Allowlist().process([table(0, stateless=True)])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a network namespace, nft)")
+@needs("nft", "unshare", "setpriv")
+def test_the_chain_leaves_replies_from_the_port_alone(tmp_path):
+    """A client's ephemeral source port can be the rpc port (while its rpc-server is down):
+    the replies of the server it talks to, another user's socket, go to that port. Only new
+    connections are dropped; the same chain without `ct state new` dropped those replies."""
+    cluster = ssh_cluster(tmp_path, port=50052)
+    text = rules.nft_file(cluster, cluster.host("node2"), login_uid=1001)
+    assert "ct state new" in text
+    (tmp_path / "new.nft").write_text(text)
+    (tmp_path / "old.nft").write_text(text.replace("ct state new ", ""))
+    listener = ("import socket, time; s = socket.socket(); "
+                "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                "s.bind(('127.0.0.1', 40000)); s.listen(16); time.sleep(20)")
+    probe = ("import socket\nc = socket.socket()\nc.setsockopt(socket.SOL_SOCKET, "
+             "socket.SO_REUSEADDR, 1)\nc.bind(('127.0.0.1', 50052))\nc.settimeout(1.5)\n"
+             "try:\n    c.connect(('127.0.0.1', 40000)); print('open')\n"
+             "except OSError as e:\n    print('closed', e)")
+    results = {}
+    for name in ("old", "new"):
+        script = (f"ip link set lo up; nft -f {tmp_path / (name + '.nft')} || exit 3; "
+                  f"setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 -c "
+                  f'"{listener}" & sleep 1; python3 -c "$PROBE"; kill $! 2>/dev/null; true')
+        proc = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True,
+                              text=True, env={**os.environ, "PROBE": probe}, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        results[name] = proc.stdout.split()[0]
+    assert results == {"old": "closed", "new": "open"}, results
 
 
 # -- the readiness wait: the listener is the unit's own -----------------------------------------

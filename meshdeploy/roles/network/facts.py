@@ -30,6 +30,7 @@ _OURS = ("filter", "input", "accept")  # the chain's type, hook and policy as ru
 _OURS_OUT = ("filter", "output", "accept")  # the same of the output chain (rules.local_ports)
 _OIFNAME = {"meta": {"key": "oifname"}}
 _SKUID = {"meta": {"key": "skuid"}}
+_CT_STATE = {"ct": {"key": "state"}}
 
 
 class Allowlist(FactBase):
@@ -148,16 +149,18 @@ def _rule(expr: list) -> tuple[str, list[str] | None] | None:
 
 def _local_rule(expr: list) -> tuple[str, list[str]] | None:
     """("loopback/PORT", the uids it lets through) of an output-chain rule in the form
-    rules.nft_table writes (tcp dport, oifname lo, meta skuid != a set, drop); None otherwise."""
+    rules.nft_table writes (tcp dport, oifname lo, ct state new, meta skuid != a set, drop);
+    None otherwise (a rule of another form is replaced)."""
     matches = [e["match"] for e in expr if "match" in e]
     rest = [e for e in expr if "match" not in e and "counter" not in e]
-    if len(matches) != 3 or rest != [{"drop": None}] or not _is(matches[0], _DPORT["tcp"]) \
+    if len(matches) != 4 or rest != [{"drop": None}] or not _is(matches[0], _DPORT["tcp"]) \
             or not (_is(matches[1], _OIFNAME)
                     and matches[1]["right"] == d.network_loopback_ifaces["nft"]) \
-            or matches[2].get("op") != "!=" or matches[2].get("left") != _SKUID:
+            or not (_is(matches[2], _CT_STATE) and matches[2]["right"] in ("new", ["new"])) \
+            or matches[3].get("op") != "!=" or matches[3].get("left") != _SKUID:
         return None
     port = matches[0]["right"]
-    right = matches[2]["right"]
+    right = matches[3]["right"]
     elements = right["set"] if isinstance(right, dict) and "set" in right else [right]
     uids = []
     for e in elements:

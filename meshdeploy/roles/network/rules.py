@@ -253,8 +253,11 @@ def split_source(source: str) -> tuple[str, str]:
 
 def nft_table(port_list: list[Port], cluster_name: str, local: list[LocalPort] = ()) -> str:
     """`table inet meshdeploy { ... }`: per port, accept loopback and the sources, drop the rest;
-    per local port, an output chain drops what a local user but the allowed ones sends it. A
-    packet without a socket of a user (the kernel's own resets) matches no `meta skuid`."""
+    per local port, an output chain drops the connections a local user but the allowed ones
+    opens to it. Only a new connection's packets (`ct state new`): a reply sent from the port
+    (a client's ephemeral source port can equal it while its rpc-server is down) belongs to
+    whoever serves that client. A packet without a socket of a user (the kernel's own resets)
+    matches no `meta skuid`."""
     rules = []
     for p in port_list:
         match = f"{p.proto} dport {p.port}"
@@ -275,7 +278,7 @@ def nft_table(port_list: list[Port], cluster_name: str, local: list[LocalPort] =
     if local:
         lo = d.network_loopback_ifaces["nft"]
         out_rules = "".join(
-            f'\t\ttcp dport {p.port} oifname "{lo}" meta skuid != '
+            f'\t\ttcp dport {p.port} oifname "{lo}" ct state new meta skuid != '
             f'{{ {", ".join(u.split()[1] for u in p.uids)} }} counter drop '
             f'comment "{comment_text(p.what)}"\n' for p in local)
         output = (f"\tchain {d.network_nft_output_chain} {{\n"
