@@ -20,6 +20,7 @@ from meshdeploy.config import distribution
 from meshdeploy.config.document import Document
 from meshdeploy.config.model import (
     CPU_DEVICE,
+    PRIVATE_NETWORKS,
     WILDCARD,
     Cluster,
     HfSource,
@@ -57,12 +58,22 @@ def check_scrapers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     issues = []
     for i, value in enumerate(cluster.scrapers):
         try:
-            ipaddress.ip_network(value, strict=True)
+            net = ipaddress.ip_network(value, strict=True)
         except ValueError:
             issues.append(doc.issue(("monitoring", "scrapers", i),
                                     f"{value!r} is not an IP address or network",
                                     "write the address Prometheus scrapes from (10.0.0.5) or "
                                     "its network (10.0.0.0/24)"))
+            continue
+        # A scraper reaches the llama-servers' APIs and the rpc-servers' ports: beyond the
+        # private ranges only as a public bind is, with network.allow_public.
+        private = any(net.version == p.version and net.subnet_of(p) for p in PRIVATE_NETWORKS)
+        if not private and not cluster.network.allow_public:
+            issues.append(doc.issue(("monitoring", "scrapers", i),
+                                    f"{value!r} is not inside a private network: it would "
+                                    "reach the servers' ports from beyond the LAN",
+                                    "name the scraper's private address, or set "
+                                    "network.allow_public: true to accept the risk"))
     return issues
 
 

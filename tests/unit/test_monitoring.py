@@ -278,3 +278,31 @@ def test_prometheus_and_its_blackbox_exporter_in_a_namespace(tmp_path):
     assert seen["speed"]["value"] == {"node1": 8.0}
     assert seen["node3 down"]["value"] == {"node2": 1.0, "node3": 0.0}
     assert seen["workers up"]["value"] == {"": 1.0}
+
+
+def test_scrapers_reach_rpc_servers_only_as_single_addresses_and_stay_private(tmp_path):
+    """A scraper's probe could use a worker as an orchestrator does: an rpc-server port opens
+    to single scraper addresses alone (its allow-list and its unit's IPAddressAllow=); beyond
+    the private ranges a scraper is refused unless network.allow_public."""
+    from meshdeploy.config.load import load_cluster
+    from meshdeploy.errors import ConfigError
+    from meshdeploy.roles.network import rules
+    from meshdeploy.roles.services import unit_files
+
+    base = (ROOT / "inventories" / "lab.yaml").read_text()
+    path = tmp_path / "c.yaml"
+    path.write_text(base + "monitoring:\n  scrapers: [10.200.0.1, 10.200.0.0/24]\n")
+    cluster = load_cluster(path)
+    node2 = rules.allowlist(cluster, cluster.host("node2"))
+    assert "10.200.0.1" in node2["50052"] and "10.200.0.0/24" not in node2["50052"], node2
+    node2_host = cluster.host("node2")
+    unit = unit_files.rpc_unit(cluster, node2_host, node2_host.rpc_servers[0], "/opt/b",
+                               "ggml-rpc-server")
+    allowed = next(line for line in unit.splitlines() if line.startswith("IPAddressAllow="))
+    assert "10.200.0.1" in allowed and "10.200.0.0/24" not in allowed, allowed
+    path.write_text(base + "monitoring:\n  scrapers: [203.0.113.7]\n")
+    with pytest.raises(ConfigError, match="not inside a private network"):
+        load_cluster(path)
+    path.write_text(base.replace("allow_public: false", "allow_public: true")
+                    + "monitoring:\n  scrapers: [203.0.113.7]\n")
+    assert load_cluster(path).scrapers

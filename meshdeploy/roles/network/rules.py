@@ -4,7 +4,8 @@ Pure: the cluster model in, text and commands out; nothing here talks to a host.
 rpc-server port accepts TCP from loopback and from the hosts whose llama-servers name it in
 `--rpc` (their `address`, where the orchestrator dials from); each llama-server port from
 loopback and from what the file allows; both from the Prometheus scrapers of
-monitoring.scrapers; every other packet to those ports is dropped. Nothing
+monitoring.scrapers (an rpc-server port from single scraper addresses only, and only where a
+llama-server already reaches it); every other packet to those ports is dropped. Nothing
 else is filtered: the chain's policy is accept, and an accept in one nftables table never
 overrides a drop in another, so the host's own rules work exactly as before.
 
@@ -84,8 +85,11 @@ def ports(cluster, host, build_copiers=()) -> list[Port]:
             # Under WireGuard the orchestrator's tunnel address counts only on the tunnel: the
             # same source on the bridge is not authenticated.
             peers = [f"{p}{VIA}{tunnel.interface}" for p in peers]
-        elif not is_loopback(rpc.bind or ""):
-            peers += _scrapers(cluster)  # they reach it as its llama-server does
+        elif peers and not is_loopback(rpc.bind or ""):
+            # A scraper's probe reaches the port as its llama-server does, and so could use
+            # the worker as one: single addresses only, and only where a llama-server already
+            # has the port opened (an unused rpc-server stays loopback-only).
+            peers += [a for a in _scrapers(cluster) if _single(a)]
         _add(found, ("tcp", rpc.port), "rpc-server", peers)
     for server in (s for s in cluster.servers if s.host == host.name):
         allow = [_literal(a, f"servers.{server.name}.allow") for a in server.allow]
@@ -201,6 +205,12 @@ def _ip_of(peer, address: str, why: str) -> str:
             f"{why}, but hosts.{peer.name}.address is {peer.address!r}, a DNS name; nftables and "
             "pf rules hold IP addresses",
             hint=f"give hosts.{peer.name}.address as the IP address it connects from") from None
+
+
+def _single(address: str) -> bool:
+    """Whether `address` is one host (10.0.0.5, 10.0.0.5/32, fd00::5/128), not a network."""
+    net = ipaddress.ip_network(address, strict=False)
+    return net.num_addresses == 1
 
 
 def _scrapers(cluster) -> list[str]:

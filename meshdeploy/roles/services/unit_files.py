@@ -81,7 +81,9 @@ def _rpc_peers(cluster, host, rpc) -> list[str]:
     # Prometheus's probes (monitoring.scrapers) where they reach the port: as the network
     # role's allow-list lets them in (not loopback, not inside a WireGuard tunnel).
     reached = not (is_loopback(rpc.bind or "") or cluster.network.tunnel)
-    scrapers = list(cluster.scrapers) if reached else []
+    # Single addresses only: a network of scrapers could use the worker (network.rules).
+    scrapers = [a for a in cluster.scrapers if ipaddress.ip_network(a, strict=False)
+                .num_addresses == 1] if reached else []
     return peers + ([] if rpc.bind == "0.0.0.0" else [rpc.bind]) + scrapers
 
 
