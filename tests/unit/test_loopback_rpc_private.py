@@ -398,17 +398,23 @@ def test_sshd_applies_the_dropin_to_the_forwards_logins_only(tmp_path):
     key = tmp_path / "host_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     config = tmp_path / "sshd_config"
-    config.write_text(f"Include {drop}/*.conf\nHostKey {key}\nAllowStreamLocalForwarding yes\n")
+    # Settings after the Include that are not sshd's defaults: had the drop-in's Match block
+    # run on past its file, they would hold only for the matched login, or for nobody.
+    config.write_text(f"Include {drop}/*.conf\nHostKey {key}\nAllowStreamLocalForwarding yes\n"
+                      "X11Forwarding yes\nPasswordAuthentication no\n")
 
-    def effective(addr: str) -> str:
+    def effective(addr: str, user: str = "deploy") -> dict:
         out = subprocess.run([sshd, "-T", "-f", str(config), "-C",
-                              f"user=deploy,host={addr},addr={addr}"],
+                              f"user={user},host={addr},addr={addr}"],
                              capture_output=True, text=True, check=True).stdout
-        return next(line.split()[1] for line in out.splitlines()
-                    if line.startswith("allowstreamlocalforwarding "))
+        wanted = ("allowstreamlocalforwarding", "x11forwarding", "passwordauthentication")
+        return {k: v for k, _, v in (line.partition(" ") for line in out.splitlines())
+                if k in wanted}
 
-    assert effective("10.200.0.11") == "no"
-    assert effective("10.200.0.99") == "yes"
+    rest = {"x11forwarding": "yes", "passwordauthentication": "no"}
+    assert effective("10.200.0.11") == {"allowstreamlocalforwarding": "no", **rest}
+    assert effective("10.200.0.99") == {"allowstreamlocalforwarding": "yes", **rest}
+    assert effective("10.200.0.11", "other") == {"allowstreamlocalforwarding": "yes", **rest}
 
 
 # -- the HELLO reply ---------------------------------------------------------------------------------

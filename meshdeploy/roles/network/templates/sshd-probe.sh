@@ -9,7 +9,8 @@ if [ -f "$FILE" ] && [ ! -L "$FILE" ]; then
   head -c 4096 "$FILE" | sed 's/^/line=/'
   echo "file=yes"
 fi
-grep -Eiq '^[[:space:]]*Include[[:space:]]+/etc/ssh/sshd_config\.d/' /etc/ssh/sshd_config \
+# Absolute or relative (sshd reads a relative Include against /etc/ssh).
+grep -Eiq '^[[:space:]]*Include[[:space:]]+(/etc/ssh/)?sshd_config\.d/' /etc/ssh/sshd_config \
   2>/dev/null && echo include=yes
 if command -v sshd >/dev/null 2>&1; then
   echo "effective=$(sshd -T -C "user=$user,host=$ADDR,addr=$ADDR" 2>/dev/null |
