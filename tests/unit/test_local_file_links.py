@@ -99,10 +99,10 @@ def test_no_temporary_file_is_left_behind(kind, cluster):
     assert sorted(p.name for p in cluster.parent.iterdir()) == sorted([cluster.name, written.name])
 
 
-def test_the_temporary_file_swapped_for_a_link_before_its_mode_is_set(cluster, victim,
-                                                                      monkeypatch):
+def test_the_temporary_file_swapped_for_a_link_after_its_write(cluster, victim, monkeypatch):
     """The mode is set on the open file, not by name: a link swapped in at the temporary name
-    between the write and the chmod cannot make the operator's file world-readable."""
+    once the bytes are written (here at the fsync) cannot make the operator's file
+    world-readable through a chmod by name that came later."""
     real_fsync = os.fsync
 
     def swap(fd):
