@@ -612,6 +612,11 @@ def is_private(address: str) -> bool:
     return any(ip in net for net in PRIVATE_NETWORKS if net.version == ip.version)
 
 
+def is_single_address(value: str) -> bool:
+    """Whether an address or network literal names one host (10.0.0.5, 10.0.0.5/32, fd00::5/128)."""
+    return ipaddress.ip_network(value, strict=False).num_addresses == 1
+
+
 def tunnel_binds(cluster: Cluster) -> Cluster:
     """Under network.transport: wireguard, an rpc-server that another host's llama-server uses
     binds its host's tunnel address only; one that only its own host uses binds loopback (it

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshdeploy.config.model import is_loopback
+from meshdeploy.config.model import is_loopback, is_single_address
 from meshdeploy.config import distribution
 from meshdeploy.core import shell
 from meshdeploy.core.paths import model_share_port
@@ -89,7 +89,7 @@ def ports(cluster, host, build_copiers=()) -> list[Port]:
             # A scraper's probe reaches the port as its llama-server does, and so could use
             # the worker as one: single addresses only, and only where a llama-server already
             # has the port opened (an unused rpc-server stays loopback-only).
-            peers += [a for a in _scrapers(cluster) if _single(a)]
+            peers += [a for a in _scrapers(cluster) if is_single_address(a)]
         _add(found, ("tcp", rpc.port), "rpc-server", peers)
     for server in (s for s in cluster.servers if s.host == host.name):
         allow = [_literal(a, f"servers.{server.name}.allow") for a in server.allow]
@@ -205,12 +205,6 @@ def _ip_of(peer, address: str, why: str) -> str:
             f"{why}, but hosts.{peer.name}.address is {peer.address!r}, a DNS name; nftables and "
             "pf rules hold IP addresses",
             hint=f"give hosts.{peer.name}.address as the IP address it connects from") from None
-
-
-def _single(address: str) -> bool:
-    """Whether `address` is one host (10.0.0.5, 10.0.0.5/32, fd00::5/128), not a network."""
-    net = ipaddress.ip_network(address, strict=False)
-    return net.num_addresses == 1
 
 
 def _scrapers(cluster) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import replace as _replace
 from pathlib import Path
 
 from meshdeploy.config.checks import exposed_rpc_servers
-from meshdeploy.config.model import is_loopback
+from meshdeploy.config.model import is_loopback, is_single_address
 from meshdeploy.core.paths import model_path, rpc_server_cache
 from meshdeploy.core.units import (
     SystemdExpr,
@@ -82,8 +82,7 @@ def _rpc_peers(cluster, host, rpc) -> list[str]:
     # role's allow-list lets them in (not loopback, not inside a WireGuard tunnel).
     reached = not (is_loopback(rpc.bind or "") or cluster.network.tunnel)
     # Single addresses only: a network of scrapers could use the worker (network.rules).
-    scrapers = [a for a in cluster.scrapers if ipaddress.ip_network(a, strict=False)
-                .num_addresses == 1] if reached else []
+    scrapers = [a for a in cluster.scrapers if is_single_address(a)] if reached else []
     return peers + ([] if rpc.bind == "0.0.0.0" else [rpc.bind]) + scrapers
 
 
