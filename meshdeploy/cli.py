@@ -32,7 +32,9 @@ from meshdeploy.commands import (
     status,
     validate,
 )
+from meshdeploy.commands import options
 from meshdeploy.errors import MeshdeployError
+from meshdeploy.remote.ssh_settings import CONNECT_TIMEOUT_ENV
 from meshdeploy.views import diagnostics
 
 # In the order --help lists them.
@@ -65,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--debug", action="store_true", help="show tracebacks")
         p.add_argument("-no-color", "--no-color", dest="no_color", action="store_true",
                        help="no colour in the output (so does NO_COLOR set to anything)")
+        p.add_argument("--connect-timeout", type=options.connect_timeout, metavar="SECONDS",
+                       help="give up on a host whose SSH connection (TCP connect and SSH "
+                            "banner) takes longer, in every command (default: the host's "
+                            "ssh_config ConnectTimeout, else 10)")
         command.add_arguments(p)
         parser.commands[command.NAME] = p
     sub.add_parser("lab", help="manage the local systemd-nspawn lab", add_help=False)
@@ -114,6 +120,8 @@ def _main(argv: list[str] | None) -> int:
         parser.commands[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.no_color:  # https://no-color.org: what the views (and any child) read
         os.environ["NO_COLOR"] = "1"
+    if ns.connect_timeout is not None:  # what remote.ssh_settings reads for every host
+        os.environ[CONNECT_TIMEOUT_ENV] = f"{ns.connect_timeout:g}"
     command = _BY_NAME[ns.command]
     detailed = command is plan and ns.detailed_exitcode
     return guarded(lambda: command.run(command.Args.from_namespace(ns)), debug=ns.debug,

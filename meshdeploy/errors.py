@@ -18,6 +18,8 @@ APPLY = 5
 STALE_PLAN = 6
 ABORTED = 7
 LOCKED = 8  # another apply or destroy holds the cluster's lock
+DEGRADED = 9  # status: a host or a service is away, every llama-server answers
+DOWN = 10  # status: a llama-server does not answer (or its host cannot be reached)
 INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 EXIT_CODES = {
@@ -30,6 +32,8 @@ EXIT_CODES = {
     "STALE_PLAN": STALE_PLAN,
     "ABORTED": ABORTED,
     "LOCKED": LOCKED,
+    "DEGRADED": DEGRADED,
+    "DOWN": DOWN,
     "INTERRUPTED": INTERRUPTED,
 }
 

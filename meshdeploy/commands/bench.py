@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"cut off; each split must fit in it (default {sweep_guard.SECONDS})")
     options.auto_approve(p)
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    options.limit(p, "only the servers these hosts run (with --sweep: and every worker of "
+                     "theirs)")
     options.host_keys(p)
 
 
@@ -75,6 +77,7 @@ class Args(options.Arguments):
     restart_after: int | None
     auto_approve: bool
     json: bool
+    limit: list[str] | None
     accept_new_host_keys: bool
 
 
@@ -129,6 +132,14 @@ def run(args: Args) -> int:
         raise PlanError(f"--server {args.server!r} is not a server of {args.file}",
                         hint=f"servers in the file: {', '.join(names) or 'none'}")
     servers = [s for s in cluster.servers if not args.server or s.name == args.server]
+    if args.limit:
+        kept = set(common.limited(cluster, args.limit))
+        servers = [s for s in servers if s.host in kept and (
+            not args.sweep or set(sweep.hosts_of(cluster, [s])) <= kept)]
+        if not servers:
+            raise PlanError(f"--limit {','.join(args.limit)} leaves no server to bench",
+                            hint="name a server's host" + (" and every worker of it"
+                                                           if args.sweep else ""))
     if not servers:
         raise PlanError(f"{args.file} has no servers to bench",
                         hint="add a servers: entry and apply it")

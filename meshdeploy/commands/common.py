@@ -31,21 +31,32 @@ def patch_for_gevent() -> None:
         monkey.patch_all()
 
 
-def open_session(cluster, limit, accept_new_host_keys: bool, departed=()) -> Session:
-    """A connected Session to the file's hosts (only `limit`'s, when given) and the departed
-    hosts the state knows that `limit` does not leave out."""
+def limited(cluster, limit, departed=()) -> list[str]:
+    """The names of the file's hosts that --limit `limit` keeps (every host without one), in
+    file order; a name that is neither the file's nor a departed host's is one error."""
     if limit:
         known = {h.name for h in cluster.hosts} | {h.name for h in departed}
         unknown = [n for n in limit if n not in known]
         if unknown:
             raise PlanError(f"--limit names unknown host(s): {', '.join(unknown)}",
-                            hint="use host names from the cluster file")
+                            hint="hosts in the file: "
+                                 f"{', '.join(h.name for h in cluster.hosts)}")
+    return [h.name for h in cluster.hosts if not limit or h.name in limit]
+
+
+def open_session(cluster, limit, accept_new_host_keys: bool, departed=(),
+                 tolerate: bool = False) -> Session:
+    """A connected Session to the file's hosts (only `limit`'s, when given) and the departed
+    hosts the state knows that `limit` does not leave out. With `tolerate`, a host that cannot
+    be reached is named in `session.unreachable` instead of failing the whole run (a refused
+    host key still fails it)."""
+    limited(cluster, limit, departed)
     # A departed host is destroyed unless --limit leaves it out.
     departed = [h for h in departed if not limit or h.name in limit]
     session = Session(cluster, limit, accept_new_host_keys=accept_new_host_keys,
                       departed=departed)
     session.open()
-    session.connect()
+    session.connect(tolerate=tolerate)
     return session
 
 

@@ -60,13 +60,7 @@ def run(args: Args) -> int:
     from meshdeploy.remote import connections as remote
 
     cluster = load_cluster(args.file)
-    names = [h.name for h in cluster.hosts]
-    if args.limit:
-        unknown = [n for n in args.limit if n not in names]
-        if unknown:
-            raise errors.MeshdeployError(f"--limit names unknown host(s): {', '.join(unknown)}",
-                                         hint=f"hosts: {', '.join(names)}")
-        names = [n for n in names if n in args.limit]
+    names = common.limited(cluster, args.limit)
     text = command_text(args.argv)
     rootless = [n for n in names if cluster.host(n).rootless]
     if args.sudo and rootless:

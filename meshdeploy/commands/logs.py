@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                    "(YYYY-MM-DD [HH:MM[:SS]])")
     p.add_argument("-n", "--lines", type=int, metavar="N",
                    help="the last N lines of each service (default 10; all with --since)")
+    options.limit(p)
     options.host_keys(p)
     p.epilog = ("A host that cannot be reached is named on stderr and the others are shown; the "
                 "exit code is 4 only when no host could be read.")
@@ -58,6 +59,7 @@ class Args(options.Arguments):
     follow: bool
     since: str | None
     lines: int | None
+    limit: list[str] | None
     accept_new_host_keys: bool
 
 
@@ -67,8 +69,12 @@ def run(args: Args) -> int:
     cluster = load_cluster(args.file)
     host_names = [h.name for h in cluster.hosts]
     sources = select(registry.log_sources(cluster), host_names, args.targets)
-    by_host = {n: [s for s in sources if s.host == n] for n in host_names}
+    by_host = {n: [s for s in sources if s.host == n]
+               for n in common.limited(cluster, args.limit)}
     by_host = {n: s for n, s in by_host.items() if s}
+    if not by_host and args.limit:
+        raise errors.MeshdeployError(f"--limit {','.join(args.limit)} leaves none of the chosen "
+                                     "services", hint="name hosts that run them")
     since = since_value(args.since)
     lines = args.lines if args.lines is not None else (None if since else DEFAULT_LINES)
     hosts = common.open_hosts(cluster, list(by_host), args.accept_new_host_keys)

@@ -27,9 +27,19 @@ def host_list(value: str) -> list[str]:
     return hosts
 
 
-def limit(p: argparse.ArgumentParser) -> None:
+def limit(p: argparse.ArgumentParser, what: str = "only these hosts") -> None:
     p.add_argument("--limit", type=host_list, metavar="HOST,...",
-                   help="only these hosts").completer = completion.complete_hosts
+                   help=what).completer = completion.complete_hosts
+
+
+def connect_timeout(value: str) -> float:
+    """An argparse type: --connect-timeout's seconds (above 0, at most a day)."""
+    from meshdeploy.remote.ssh_settings import parse_seconds
+
+    seconds = parse_seconds(value)
+    if seconds is None:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {value!r}")
+    return seconds
 
 
 def auto_approve(p: argparse.ArgumentParser) -> None:

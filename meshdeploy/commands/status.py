@@ -27,7 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read each llama-server's counters twice, this far apart, for its recent "
                         "generation rate (0: only the mean since it started; default: "
                         "%(default)s)")
+    options.limit(p)
     options.host_keys(p)
+    p.epilog = ("Exit 0 when every service answers; 9 (degraded) when a host cannot be reached "
+                "or a service is away but every llama-server answers; 10 (down) when a "
+                "llama-server does not answer or its host cannot be reached.")
 
 
 WINDOW = 5  # seconds between the two samples of a llama-server's /metrics counters
@@ -38,35 +42,112 @@ class Args(options.Arguments):
     file: str
     json: bool
     window: int
+    limit: list[str] | None
     accept_new_host_keys: bool
 
 
 def run(args: Args) -> int:
     common.patch_for_gevent()
     cluster = load_cluster(args.file)
-    session = common.open_session(cluster, None, args.accept_new_host_keys)
+    # A host that cannot be reached is a row of its own; the others are still asked.
+    session = common.open_session(cluster, args.limit, args.accept_new_host_keys,
+                                  tolerate=True)
     try:
         rows = collect(session, args.window)
+        servers = [s.name for s in session.cluster.servers
+                   if s.host in {h.name for h in session.hosts()}]
     finally:
         session.close()
-    print(view.render_json(rows) if args.json else view.render_text(rows))
-    return errors.OK if all(r["healthy"] for r in rows) else errors.ERROR
+    state = verdict(rows, servers)
+    print(view.render_json(rows) if args.json else view.render_text(rows, state))
+    return EXIT[state]
 
 
-# rpc-server serves one client at a time: while llama-server holds the connection, a HELLO
-# waits in the backlog. A short timeout turns that into "busy" instead of a hang.
+HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
+EXIT = {HEALTHY: errors.OK, DEGRADED: errors.DEGRADED, DOWN: errors.DOWN}
+
+
+def server_service(name: str) -> str:
+    """The `service` of a llama-server's row."""
+    return f"llama-server {name}"
+
+
+def verdict(rows: list[dict], servers: list[str]) -> str:
+    """healthy, degraded or down, from the rows and the names of the servers whose hosts this
+    run covers: down when one of those servers has no healthy row of its own (it does not
+    answer, or its host could not be reached); degraded when every one answers but some row
+    is not healthy (a host that cannot be reached, an rpc-server, a forward, a role's row:
+    also one a server adds to say it runs without a worker); else healthy."""
+    answering = {r["service"] for r in rows if r["healthy"]}
+    if any(server_service(name) not in answering for name in servers):
+        return DOWN
+    return HEALTHY if all(r["healthy"] for r in rows) else DEGRADED
+
+
+def unreachable_row(host: str, why: str) -> dict:
+    """The one row of a host that could not be reached (its services are not known)."""
+    return {"host": host, "service": "-", "unit": "unknown", "answer": f"unreachable: {why}",
+            "protocol": None, "healthy": False, "reachable": False}
+
+
+# rpc-server serves one client at a time and listens with a backlog of 1 (ggml-rpc's
+# listen(sockfd, 1)): while a llama-server holds it, a connect completes in the kernel's accept
+# queue without rpc-server knowing, and a closed probe stays queued until rpc-server accepts
+# again; once the queue is full the kernel drops every further SYN, a reconnecting
+# llama-server's too. So the worker's socket table is read first (/proc/net/tcp: the
+# listener's queue, and the connections rpc-server accepted, which have a socket file), and
+# the HELLO connects only to an rpc-server that serves nobody and has nobody waiting. Where no
+# table can be read (macOS, Android's SELinux) it connects, and a timeout is "busy": the queue
+# is full, not the port closed. Prints one word (a protocol version, busy, queued, down,
+# no-hello), then `peers=A,B` and `queued=N` where the table was read.
 HELLO = rpc_hello.FUNCTIONS + r"""
+def table(port):
+    found, listening, queued, peers = False, False, 0, []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        found = True
+        for row in rows:
+            w = row.split()
+            if len(w) < 10 or int(w[1].rsplit(":", 1)[1], 16) != port:
+                continue
+            if w[3] == "0A":
+                listening = True
+                queued += int(w[4].split(":")[1], 16)
+            elif w[3] == "01" and w[9] != "0":
+                a = w[2].rsplit(":", 1)[0]
+                peers.append(socket.inet_ntoa(struct.pack("=I", int(a, 16))) if len(a) == 8
+                             else "ipv6")
+    return (listening, queued, peers) if found else None
+port = int(sys.argv[2])
+t = table(port)
+if t is not None:
+    listening, queued, peers = t
+    more = " peers=%s queued=%d" % (",".join(peers) or "-", queued)
+    if not listening:
+        print("down" + more); sys.exit()
+    if peers:
+        print("busy" + more); sys.exit()
+    if queued:
+        print("queued" + more); sys.exit()
+else:
+    more = ""
 try:
-    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2)
+    s = socket.create_connection((sys.argv[1], port), timeout=2)
+except socket.timeout:
+    print("busy" + more); sys.exit()
 except OSError:
-    print("down"); sys.exit()
+    print("down" + more); sys.exit()
 try:
     d = hello(s)
-    print("%d.%d.%d" % (d[0], d[1], d[2]))
+    print("%d.%d.%d" % (d[0], d[1], d[2]) + more)
 except socket.timeout:
-    print("busy")
+    print("busy" + more)
 except (OSError, EOFError):
-    print("no-hello")
+    print("no-hello" + more)
 """
 
 
@@ -227,6 +308,35 @@ def generation(body: str) -> dict:
             "generated": int(tokens)}
 
 
+_NOT_A_VERSION = ("busy", "queued", "down", "no-hello", "n/a")
+
+
+def rpc_row(host: str, rest: str, proto: str = "") -> dict:
+    """A status row from an rpc-server's line (`PORT STATE ANSWER [peers=A,B queued=N]`: the
+    unit's state and HELLO's answer). `busy` is healthy: a client (its llama-server) holds
+    rpc-server, which serves one at a time, or a connect timed out in its full backlog; only a
+    port nothing listens on is `not listening`."""
+    words = rest.split()
+    port, state, hello = (words + ["", "", ""])[:3]
+    seen = dict(w.split("=", 1) for w in words[3:] if "=" in w)
+    peers = [p for p in seen.get("peers", "-").split(",") if p and p != "-"]
+    queued = int(seen["queued"]) if seen.get("queued", "").isdigit() else 0
+    live = hello if hello not in _NOT_A_VERSION else None
+    if hello == "busy":
+        answer = (f"listening (in use by {', '.join(peers)})" if peers
+                  else "listening (busy: a client is connected)")
+    else:
+        answer = f"protocol {live}" if live else {
+            "down": "not listening",
+            "queued": f"listening, {queued} connection(s) queued and none accepted",
+            "no-hello": "listening, no HELLO reply"}.get(hello, hello)
+    if queued and hello != "queued":
+        answer += f"; {queued} connection(s) queued"
+    return {"host": host, "service": f"rpc-server :{port}", "unit": state, "answer": answer,
+            "protocol": live or proto or None,
+            "healthy": state == "active" and hello not in ("down", "no-hello", "queued")}
+
+
 def collect(session, window: int = 0) -> list[dict]:
     import gevent
 
@@ -254,17 +364,10 @@ def collect(session, window: int = 0) -> list[dict]:
             if kind == "proto":
                 proto = rest.strip()
             elif kind == "rpc":
-                port, state, hello = (rest.split() + ["", "", ""])[:3]
-                live = hello if hello not in ("busy", "down", "no-hello", "n/a") else None
-                rows.append({"host": host.name, "service": f"rpc-server :{port}", "unit": state,
-                             "answer": f"protocol {live}" if live else
-                             {"busy": "listening (a client is connected)", "down": "not listening",
-                              "no-hello": "listening, no HELLO reply"}.get(hello, hello),
-                             "protocol": live or proto or None,
-                             "healthy": state == "active" and hello not in ("down", "no-hello")})
+                rows.append(rpc_row(host.name, rest, proto))
             elif kind == "server":
                 name, state, code = (rest.split() + ["", "", ""])[:3]
-                rows.append({"host": host.name, "service": f"llama-server {name}", "unit": state,
+                rows.append({"host": host.name, "service": server_service(name), "unit": state,
                              "answer": {"200": "healthy", "503": "loading"}.get(
                                  code, f"HTTP {code or '-'}"),
                              "protocol": proto or None, "model": None,
@@ -308,7 +411,9 @@ def collect(session, window: int = 0) -> list[dict]:
             rows.append({"host": host.name, "service": "-", "unit": "unknown",
                          "answer": "status probe failed", "protocol": None, "healthy": False})
 
-    gevent.joinall([gevent.spawn(one, h) for h in session.hosts()])
+    away = getattr(session, "unreachable", {})  # {host: why} (Session.connect(tolerate=True))
+    gevent.joinall([gevent.spawn(one, h) for h in session.hosts() if h.name not in away])
+    rows += [unreachable_row(name, why) for name, why in away.items()]
     order = {h.name: i for i, h in enumerate(cluster.hosts)}
     rows.sort(key=lambda r: (order[r["host"]], r["service"]))
     return rows

@@ -34,12 +34,10 @@ from invoke.runners import Local
 from paramiko import MissingHostKeyPolicy, RejectPolicy, SSHConfig
 
 from meshdeploy.core import shell
+from meshdeploy.remote import reasons
 from meshdeploy.remote.host_keys import host_key_error
 from meshdeploy.remote.session import adjust_libraries
 from meshdeploy.remote.ssh_settings import NO, YES, SshSettings, parse_config
-
-CONNECT_TIMEOUT = 10  # seconds, unless the ssh_config sets ConnectTimeout
-
 
 class AcceptNew(MissingHostKeyPolicy):
     """OpenSSH's accept-new: an unknown key is appended to the first known_hosts file. A
@@ -161,11 +159,13 @@ def connection(settings: SshSettings) -> TimedConnection:
     # An explicit SSHConfig object stops fabric from reading /etc/ssh/ssh_config and
     # ~/.ssh/config on its own: the host's ssh.config (else ~/.ssh/config) only, as pyinfra.
     config = Config(ssh_config=parsed if parsed is not None else SSHConfig())
-    options = parsed.lookup(settings.target) if parsed is not None else {}
+    # The one connect timeout (ssh_settings: --connect-timeout, ConnectTimeout, 10 s), as
+    # pyinfra gets it: the TCP connect and the SSH banner.
+    kwargs = settings.paramiko_timeouts()
     conn = TimedConnection(
         settings.target, user=settings.user, port=settings.port, config=config,
-        connect_timeout=None if "connecttimeout" in options else CONNECT_TIMEOUT,
-        connect_kwargs={"key_filename": [settings.key]} if settings.key else {})
+        connect_timeout=kwargs.pop("timeout"),
+        connect_kwargs={**kwargs, **({"key_filename": [settings.key]} if settings.key else {})})
     conn.settings = settings
     if settings.host_key == NO:
         conn.client.set_missing_host_key_policy(AcceptAny())
@@ -191,16 +191,12 @@ def _offered_key(conn, exc):
         return None
 
 
-# paramiko's words when the transport closes before the SSH handshake: what the user can act on.
-_CLOSED_EARLY = ("No existing session", "Error reading SSH protocol banner")
-
-
-def reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    text = text.splitlines()[0] if text else type(exc).__name__
-    if text.startswith(_CLOSED_EARLY):
-        return f"the connection closed before SSH started: host down or ProxyCommand failed; {text}"
-    return text
+def reason(exc: BaseException, conn=None) -> str:
+    """Why a host could not be reached or a command on it failed (remote.reasons), with what
+    the ProxyCommand of `conn` printed."""
+    said = reasons.proxy_stderr(conn.client) if conn is not None and \
+        not isinstance(conn, LocalConnection) else ""
+    return reasons.reason(exc, said)
 
 
 @dataclass
@@ -229,7 +225,8 @@ def connect(settings: list[SshSettings]) -> Hosts:
         try:
             conns[name].open()
         except Exception as exc:  # paramiko, socket and proxy errors come in many classes
-            failures[name] = (conns[name].settings, _offered_key(conns[name], exc), reason(exc))
+            failures[name] = (conns[name].settings, _offered_key(conns[name], exc),
+                              reason(exc, conns[name]))
 
     with ThreadPoolExecutor(max_workers=max(1, len(conns))) as pool:
         list(pool.map(one, conns))

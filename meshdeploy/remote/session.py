@@ -12,7 +12,7 @@ from meshdeploy.config.model import Cluster
 from meshdeploy.core import account, shell
 from meshdeploy.core.progress import tap
 from meshdeploy.errors import ConnectError, PlanError
-from meshdeploy.remote import ssh_settings
+from meshdeploy.remote import reasons, ssh_settings
 from meshdeploy.remote.host_keys import host_key_error
 from meshdeploy.remote.ssh_settings import SshSettings
 
@@ -166,6 +166,8 @@ class Session:
     departed: list = field(default_factory=list)
     # (host name, marked output line) of apply's live progress (core/progress.py), or None.
     listener: object = None
+    # {host: why} of the hosts connect(tolerate=True) could not reach (remote.reasons' words).
+    unreachable: dict[str, str] = field(default_factory=dict)
 
     def hosts(self):
         """The file's hosts this run covers."""
@@ -242,7 +244,11 @@ class Session:
 
             host.run_shell_command = counted
 
-    def connect(self) -> None:
+    def connect(self, tolerate: bool = False) -> None:
+        """Connect to every host at once. A refused host key always raises (HostKeyError,
+        before anything runs anywhere); another failure raises ConnectError naming each host
+        and why, unless `tolerate`: then the host is left out and named in `unreachable`
+        (status reports the others)."""
         import gevent
         from pyinfra.api.state import StateStage
 
@@ -254,8 +260,9 @@ class Session:
             try:
                 host.connect(reason="meshdeploy", raise_exceptions=True)
             except Exception as exc:  # paramiko/socket errors come in many classes
-                errors[name] = str(exc).strip().splitlines()[0] if str(exc).strip() else \
-                    exc.__class__.__name__
+                client = getattr(host.connector, "client", None)
+                errors[name] = reasons.reason(exc, reasons.proxy_stderr(client)
+                                              if client is not None else "")
                 offered[name] = _offered_key(host)
 
         gevent.joinall([gevent.spawn(one, n, h) for n, h in self.pyhosts.items()])
@@ -268,20 +275,23 @@ class Session:
                                       for n, m in errors.items()})
             if refused is not None:
                 raise refused
-            lines = [f"{n}: {m}" for n, m in sorted(errors.items())]
-            raise ConnectError("cannot connect over SSH to " + "; ".join(lines),
-                               hint="check the host's address, ssh settings and that sshd runs "
-                                    "(or leave it out with --limit)")
-        self._read_accounts()
+            if not tolerate:
+                lines = [f"{n}: {m}" for n, m in sorted(errors.items())]
+                raise ConnectError("cannot connect over SSH to " + "; ".join(lines),
+                                   hint="check the host's address, ssh settings and that sshd "
+                                        "runs (or leave it out with --limit)")
+            self.unreachable.update(errors)
+        self._read_accounts(tolerate)
 
-    def _read_accounts(self) -> None:
+    def _read_accounts(self, tolerate: bool = False) -> None:
         """Each rootless host's folders and service manager (core.account), read once as its
         login user; the session's cluster (and departed hosts) then carry them, so every role
         plans with the host's own paths. A host without a usable service manager is refused
-        here, before anything is probed or changed."""
+        here, before anything is probed or changed (with `tolerate`, it joins `unreachable`)."""
         import gevent
 
-        rootless = [h for h in self.reached() if h.rootless and h.layout is None]
+        rootless = [h for h in self.reached() if h.rootless and h.layout is None
+                    and h.name not in self.unreachable]
         if not rootless:
             return
         found: dict = {}
@@ -291,12 +301,18 @@ class Session:
             try:
                 ok, output = self.run(h.name, account.SCRIPT, sudo=False)
             except Exception as exc:  # a dropped connection surfaces as paramiko/socket errors
-                errors.append(PlanError(f"host {h.name}: cannot read the login user's "
-                                        f"folders: {exc}"))
+                failed(h.name, PlanError(f"host {h.name}: cannot read the login user's folders: "
+                                         f"{reasons.reason(exc)}"))
                 return
             try:
                 found[h.name] = account.layout(account.parse(h.name, output.stdout_lines))
             except PlanError as exc:
+                failed(h.name, exc)
+
+        def failed(name: str, exc: PlanError) -> None:
+            if tolerate:
+                self.unreachable[name] = exc.message
+            else:
                 errors.append(exc)
 
         gevent.joinall([gevent.spawn(one, h) for h in rootless])

@@ -15,6 +15,13 @@ The host-key policy, most specific first:
 pyinfra's own default (accept-new, which also overrides the ssh_config) never applies: the
 policy is always passed explicitly.
 
+The connect timeout, one for both stacks and every command (OpenSSH's ConnectTimeout: the TCP
+connect and the SSH banner, also through a ProxyCommand), most specific first:
+1. `--connect-timeout SECONDS` (every command; the command line puts it in the environment as
+   MESHDEPLOY_CONNECT_TIMEOUT, which may also be set by hand);
+2. ConnectTimeout for the host in its ssh_config;
+3. 10 s (pyinfra's own default; paramiko's banner wait alone would be 15 s).
+
 A host with `connection: local` is the machine meshdeploy runs on: no SSH, so no target, user,
 key, ssh_config or host key; its settings say so (`local`, host_key LOCAL) and every client
 takes the local path (pyinfra's @local connector, invoke's local runner).
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshdeploy.config.model import Host
+from meshdeploy.errors import PlanError
 
 YES, ACCEPT_NEW, NO = "yes", "accept-new", "no"
 POLICIES = (YES, ACCEPT_NEW, NO)
@@ -34,6 +42,8 @@ LOCAL = "none: connection local"  # the host_key of a local host: there is no ke
 # What OpenSSH's StrictHostKeyChecking values mean to a tool that never prompts.
 _FROM_SSH_CONFIG = {"yes": YES, "ask": YES, "accept-new": ACCEPT_NEW, "no": NO, "off": NO}
 FLAG = "--accept-new-host-keys"
+CONNECT_TIMEOUT = 10  # seconds, unless the ssh_config or --connect-timeout says otherwise
+CONNECT_TIMEOUT_ENV = "MESHDEPLOY_CONNECT_TIMEOUT"  # what --connect-timeout sets
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class SshSettings:
     hostname: str  # what ssh_config's HostName makes of target: the name known_hosts holds
     proxy_command: str | None
     local: bool = False  # connection: local (no SSH at all)
+    connect_timeout: float = CONNECT_TIMEOUT  # seconds for the TCP connect and the SSH banner
+    connect_timeout_from: str = "the default"
 
     @property
     def known_hosts_name(self) -> str:
@@ -73,7 +85,15 @@ class SshSettings:
             data["ssh_key"] = self.key
         if self.config:
             data["ssh_config_file"] = self.config
+        # Applied after pyinfra's own fixed CONNECT_TIMEOUT and the ssh_config's: the one
+        # timeout fabric gets too (connections.connection).
+        data["ssh_paramiko_connect_kwargs"] = self.paramiko_timeouts()
         return data
+
+    def paramiko_timeouts(self) -> dict:
+        """paramiko's connect() arguments for the connect timeout: the TCP connect, and the SSH
+        banner (the whole wait where a ProxyCommand makes the connection)."""
+        return {"timeout": self.connect_timeout, "banner_timeout": self.connect_timeout}
 
 
 def resolve(host: Host, accept_new: bool = False, home: str | None = None) -> SshSettings:
@@ -89,13 +109,40 @@ def resolve(host: Host, accept_new: bool = False, home: str | None = None) -> Ss
         policy, source = ACCEPT_NEW, FLAG
     known = tuple(_expand(f, home) for f in options.get("userknownhostsfile", "").split()) \
         or (os.path.join(home, ".ssh", "known_hosts"),)
+    timeout, timeout_from = connect_timeout(options, config)
     # host.sudo, not ssh.sudo: a rootless host's ssh.sudo keeps its default (true), and pyinfra
     # runs every command whose step names no _sudo through sudo when its host data says so.
     return SshSettings(host=host.name, target=target, port=host.ssh.port, user=host.ssh.user,
                        key=host.ssh.key, config=config, sudo=host.sudo, host_key=policy,
                        host_key_from=source, known_hosts=known,
                        hostname=options.get("hostname", target),
-                       proxy_command=options.get("proxycommand"))
+                       proxy_command=options.get("proxycommand"),
+                       connect_timeout=timeout, connect_timeout_from=timeout_from)
+
+
+def connect_timeout(options: dict, config: str | None) -> tuple[float, str]:
+    """The connect timeout in seconds and where it came from: --connect-timeout (through the
+    environment), the ssh_config's ConnectTimeout, or the default."""
+    given = os.environ.get(CONNECT_TIMEOUT_ENV, "").strip()
+    if given:
+        seconds = parse_seconds(given)
+        if seconds is None:
+            raise PlanError(f"{CONNECT_TIMEOUT_ENV}={given!r} is not a number of seconds "
+                            "above 0", hint="e.g. --connect-timeout 5")
+        return seconds, "--connect-timeout"
+    seconds = parse_seconds(options.get("connecttimeout", ""))
+    if seconds is not None:
+        return seconds, f"ConnectTimeout in {config}"
+    return CONNECT_TIMEOUT, "the default"
+
+
+def parse_seconds(value: str) -> float | None:
+    """Seconds above 0 (at most a day), or None."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return seconds if 0 < seconds <= 86400 else None
 
 
 def local_settings(host: Host) -> SshSettings:

@@ -13,14 +13,30 @@ from tabulate import tabulate
 from meshdeploy.errors import terminal_text
 
 
-def render_text(rows: list[dict]) -> str:
-    """Every cell but `healthy` comes from a host's output: shown, never run by the terminal."""
+def render_text(rows: list[dict], state: str | None = None) -> str:
+    """Every cell but `healthy` comes from a host's output: shown, never run by the terminal.
+    With `state` (commands.status.verdict), a last line says it and what it rests on."""
     table = [[terminal_text(str(cell)) for cell in
               (r["host"], r["service"], r["unit"], r["answer"], r.get("protocol") or "",
                r.get("model") or "", _generation(r))] + ["yes" if r["healthy"] else "NO"]
              for r in rows]
-    return tabulate(table, headers=["host", "service", "unit", "answer", "protocol", "model",
+    text = tabulate(table, headers=["host", "service", "unit", "answer", "protocol", "model",
                                     "gen t/s", "healthy"], disable_numparse=True)
+    return text if state is None else f"{text}\n\n{summary(rows, state)}"
+
+
+_MEANING = {"healthy": "every service answers",
+            "degraded": "every llama-server answers, but not everything is there",
+            "down": "a llama-server does not answer"}
+
+
+def summary(rows: list[dict], state: str) -> str:
+    """`Status: degraded (every llama-server answers, ...); unreachable: node3`."""
+    away = [r["host"] for r in rows if r.get("reachable") is False]
+    line = f"Status: {state} ({_MEANING.get(state, state)})"
+    if away:
+        line += f"; unreachable: {', '.join(terminal_text(h) for h in away)}"
+    return line
 
 
 def _generation(r: dict) -> str:

@@ -63,7 +63,8 @@ def test_args_hold_every_option_of_the_parser(command):
     ns = parser.parse_args(minimal_argv(parser))
     args = command.Args.from_namespace(ns)
     fields = {f.name for f in dataclasses.fields(args)}
-    assert fields == set(vars(ns)) - {"verbose", "debug", "no_color"}  # cli.py takes these
+    # cli.py takes these
+    assert fields == set(vars(ns)) - {"verbose", "debug", "no_color", "connect_timeout"}
 
 
 PROBE = """

@@ -566,14 +566,23 @@ def test_status_rows_of_the_forwards_run_for_real(tmp_path, monkeypatch):
     try:
         out = subprocess.run(["sh", "-c", probe.script], env=env, capture_output=True,
                              text=True, timeout=30)
+        # The probe read the socket table and connected to nothing: a connect to ssh's
+        # listener would reach the worker's rpc-server through the forward and wait in its
+        # one-place backlog (nothing waits to be accepted here).
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
     finally:
         listener.close()
     assert out.returncode == 0, out.stderr
     rows = {r.service: r for r in probe.parse(out.stdout.splitlines())}
     assert rows["ssh-forward node2"].healthy and rows["ssh-forward node2"].unit == "active"
-    assert rows["ssh-forward node2"].answer == "1/1 loopback ports accepting"
+    assert rows["ssh-forward node2"].answer == "1/1 loopback ports listening"
     assert not rows["ssh-forward node3"].healthy
-    assert rows["ssh-forward node3"].answer == "0/1 loopback ports accepting"
+    assert rows["ssh-forward node3"].answer == "0/1 loopback ports listening"
+    # Where no socket table can be read the unit's state alone counts, and no connect is made.
+    (row,) = [r for r in probe.parse(["forward node2 active ?/1"]) if r.service.endswith("2")]
+    assert row.healthy and "not checked" in row.answer
     # A host's stray line names no forward of the file; a missing line is a row of its own.
     rows = probe.parse(["forward nodeX active 1/1", "forward node2 active 1/1"])
     assert [(r.service, r.healthy) for r in rows] == [("ssh-forward node2", True),

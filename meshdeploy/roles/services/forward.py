@@ -201,13 +201,15 @@ def _user_unknown(ctx, resource: str, unit: str, worker: str) -> Step:
 
 
 STATUS = TEMPLATES / "forward-status.sh"
-_STATUS_LINE = re.compile(r"forward (\S+) (\S+) (\d+)/(\d+)")
+_STATUS_LINE = re.compile(r"forward (\S+) (\S+) (\d+|\?)/(\d+)")
 
 
 def status(cluster, host) -> StatusProbe | None:
     """`meshdeploy status` rows of an orchestrator's forwards: each unit's state as its manager
-    says it, and how many of its loopback ports accept a connection (ssh's own listener: the
-    master is up with its forwards; the rpc-server behind it is the worker's own row)."""
+    says it, and how many of its loopback ports have ssh's listener (the master is up with its
+    forwards; the rpc-server behind it is the worker's own row), read from the socket table:
+    a connect there would reach the worker's rpc-server through the forward and wait in its
+    one-place backlog (templates/forward-status.sh)."""
     forwards = cluster.ssh_forwards(host)
     if not forwards:
         return None
@@ -224,10 +226,16 @@ def status(cluster, host) -> StatusProbe | None:
             if m is None or m[1] not in names or m[1] in seen:
                 continue
             seen.add(m[1])
-            state, accepting, total = m[2], int(m[3]), int(m[4])
+            state, total = m[2], int(m[4])
+            if m[3] == "?":  # no socket table to read: the unit's state alone
+                rows.append(StatusRow(f"ssh-forward {m[1]}", state, "loopback ports not "
+                                      "checked (no socket table readable here)",
+                                      state == "active"))
+                continue
+            listening = int(m[3])
             rows.append(StatusRow(f"ssh-forward {m[1]}", state,
-                                  f"{accepting}/{total} loopback ports accepting",
-                                  state == "active" and accepting == total > 0))
+                                  f"{listening}/{total} loopback ports listening",
+                                  state == "active" and listening == total > 0))
         rows += [StatusRow(f"ssh-forward {n}", "unknown", "no status line", False)
                  for n in sorted(names - seen)]
         return rows
