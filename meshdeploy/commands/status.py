@@ -13,6 +13,7 @@ from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, local_address
 from meshdeploy.core import registry, shell
 from meshdeploy.core.paths import llama_cpp_paths
+from meshdeploy.remote import reasons
 from meshdeploy.views import status as view
 
 NAME = "status"
@@ -347,7 +348,10 @@ def collect(session, window: int = 0) -> list[dict]:
         try:
             read(host)
         except Exception as exc:  # a host's odd output is its own row, never a lost host
-            rows.append({"host": host.name, "service": "-", "unit": "unknown",
+            lost = getattr(session, "connection_lost", lambda name: False)(host.name)
+            rows.append(unreachable_row(host.name, f"connection lost: {reasons.reason(exc)}")
+                        if lost else
+                        {"host": host.name, "service": "-", "unit": "unknown",
                          "answer": f"status output unreadable: {type(exc).__name__}: {exc}",
                          "protocol": None, "healthy": False})
 

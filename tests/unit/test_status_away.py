@@ -192,3 +192,34 @@ def test_an_unreachable_host_is_one_row_in_text_and_json():
 def test_exit_codes_are_named_and_distinct():
     assert (errors.EXIT_CODES["DEGRADED"], errors.EXIT_CODES["DOWN"]) == (9, 10)
     assert len(set(errors.EXIT_CODES.values())) == len(errors.EXIT_CODES)
+
+
+def test_a_host_lost_while_it_is_asked_is_unreachable():
+    """A connection that ends while the host's probe runs (the host went away) is said as
+    such, not as unreadable output; a host that could not be reached at all is a row too."""
+    from pathlib import Path
+
+    from meshdeploy.config.load import load_cluster
+
+    cluster = load_cluster(Path(__file__).resolve().parents[2] / "inventories" / "lab.yaml")
+
+    class Session:
+        unreachable = {"node3": "timed out"}
+
+        def __init__(self):
+            self.cluster = cluster
+
+        def hosts(self):
+            return cluster.hosts
+
+        def run(self, name, script, sudo=None):
+            raise EOFError()
+
+        def connection_lost(self, name):
+            return name == "node2"
+
+    rows = {r["host"]: r for r in status.collect(Session())}
+    assert rows["node2"]["answer"].startswith("unreachable: connection lost: ")
+    assert rows["node3"]["answer"] == "unreachable: timed out"
+    assert rows["node1"]["answer"].startswith("status output unreadable: EOFError")
+    assert status.verdict(list(rows.values()), ["main"]) == "down"
