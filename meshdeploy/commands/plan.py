@@ -54,7 +54,11 @@ def run(args: Args) -> int:
     state = states.load(cluster)
     state.same_access(cluster, args.limit)
     departed = state.departed(cluster, args.purge)
-    session = common.open_session(cluster, args.limit, args.accept_new_host_keys, departed)
+    # A host that cannot be reached is left out and named (its warning says what that means
+    # for the servers): the plan of the others is still shown, and exits CONNECT.
+    session = common.open_session(cluster, args.limit, args.accept_new_host_keys, departed,
+                                  tolerate=True)
+    session.leave_out_unreachable()
     try:
         planned = make_plan(session, args.replace or (), args.purge, args.target or ())
     finally:
@@ -66,6 +70,18 @@ def run(args: Args) -> int:
         print(view.render_json(p))
     else:
         print(view.render_text(p, color=common.color()))
+    if session.unreachable:
+        # Not saved: a plan to apply must be asked for with the hosts it covers named. The
+        # plan's warnings name each host and what it means; --json's document is the plan.
+        if args.json:
+            return errors.CONNECT
+        raise errors.ConnectError(
+            "cannot connect over SSH to " + "; ".join(
+                f"{n}: {why}" for n, why in sorted(session.unreachable.items()))
+            + ("; the plan above covers the other hosts" + (f" and was not saved to {args.out}"
+                                                          if args.out else "")),
+            hint="bring the host back, or plan and apply without it: --limit "
+                 + ",".join(h.name for h in session.hosts()))
     if args.out:
         save_plan(p, args.out)
         if not args.json:

@@ -194,9 +194,9 @@ def _offered_key(conn, exc):
 def reason(exc: BaseException, conn=None) -> str:
     """Why a host could not be reached or a command on it failed (remote.reasons), with what
     the ProxyCommand of `conn` printed."""
-    said = reasons.proxy_stderr(conn.client) if conn is not None and \
-        not isinstance(conn, LocalConnection) else ""
-    return reasons.reason(exc, said)
+    if conn is None or isinstance(conn, LocalConnection):
+        return reasons.reason(exc)
+    return reasons.of_client(exc, conn.client)
 
 
 @dataclass

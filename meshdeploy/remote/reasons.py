@@ -66,11 +66,32 @@ def from_proxy(said: str) -> str | None:
     return f"ProxyCommand: {said}"
 
 
-def reason(exc: BaseException, proxy_said: str = "") -> str:
-    """One line saying why a connection failed: the socket's error where there is one, else
-    what the ProxyCommand printed, else the library's first line (an early close said as
-    such)."""
-    for link in _chain(exc):
+def of_client(exc: BaseException, client) -> str:
+    """Why a paramiko `client`'s connect failed with `exc`: reason() with what its transport
+    thread saved and its ProxyCommand printed. (Where the SSH banner times out in the
+    transport's own thread, the caller sees only "No existing session"; the timeout is the
+    transport's saved exception.)"""
+    if client is None:
+        return reason(exc)
+    transport = client.get_transport()
+    saved = None
+    if transport is not None:
+        # paramiko's start_client stops waiting at the connect timeout, the same moment the
+        # banner's wait in the transport's thread ends: let that thread say why first.
+        try:
+            transport.join(2)
+        except RuntimeError:  # never started
+            pass
+        saved = getattr(transport, "saved_exception", None)
+    return reason(exc, proxy_stderr(client), saved)
+
+
+def reason(exc: BaseException, proxy_said: str = "", saved: BaseException | None = None) -> str:
+    """One line saying why a connection failed: the socket's error where there is one (in
+    `saved`, the transport thread's, first), else what the ProxyCommand printed, else the
+    library's first line (an early close said as such)."""
+    links = ([*_chain(saved)] if saved is not None else []) + [*_chain(exc)]
+    for link in links:
         if isinstance(link, (socket.timeout, TimeoutError)):
             return "timed out"
         if isinstance(link, socket.gaierror):
@@ -80,7 +101,7 @@ def reason(exc: BaseException, proxy_said: str = "") -> str:
     from_stderr = from_proxy(proxy_said)
     if from_stderr:
         return from_stderr
-    for link in _chain(exc):
+    for link in links:
         text = _first_line(str(link))
         if "timeout" in text.lower() or "timed out" in text.lower():
             return "timed out"
@@ -119,8 +140,8 @@ def proxy_stderr(client) -> str:
     except (OSError, ValueError):  # closed by paramiko's own close
         pass
     said = out.decode("utf-8", "replace").strip()
-    if said or process.returncode is None:
-        return said
+    if said or process.returncode is None or process.returncode < 0:
+        return said  # (a signal: paramiko's close ended it, it did not fail by itself)
     # OpenBSD's nc (the lab's `ip netns exec ... nc`) says nothing when its connect fails.
     command = " ".join(getattr(sock, "cmd", None) or ["the ProxyCommand"])
     return f"`{command}` exited with status {process.returncode} and said nothing"

@@ -153,6 +153,23 @@ def use_local_connectors(inventory, names: list[str]) -> None:
         inventory.get_host(name).connector_cls = get_execution_connector("local")
 
 
+def away_warning(cluster, name: str, why: str) -> str:
+    """What a plan says about host `name`, which could not be reached: left out as --limit
+    would leave it, and what that means for each server it serves or runs."""
+    parts = []
+    for server in cluster.servers:
+        workers = sorted({e.host.name for e in cluster.rpc_endpoints(server)})
+        if server.host == name:
+            parts.append(f"llama-server {server.name} runs there and is not planned")
+        elif name in workers:
+            parts.append(f"llama-server {server.name} on {server.host} uses its rpc-server: "
+                         f"while {name} is away {server.name} serves only on a placement "
+                         f"without {name}, if it has one, else it is down")
+    meaning = "; ".join(parts) or "no server uses it"
+    return (f"{name} could not be reached ({why}): this plan leaves it out, as --limit would, "
+            f"and changes nothing there; {meaning}")
+
+
 @dataclass
 class Session:
     cluster: Cluster
@@ -207,8 +224,24 @@ class Session:
                                  "file away and run `meshdeploy state rebuild FILE`")
 
     def warnings(self) -> list[str]:
-        """What the plan must say about how the hosts were reached."""
-        return ssh_settings.no_check_warnings(list(self.settings.values()))
+        """What the plan must say about how the hosts were reached: host keys not checked, and
+        each host connect(tolerate=True) could not reach, with what it means for the servers."""
+        return (ssh_settings.no_check_warnings(list(self.settings.values()))
+                + [away_warning(self.cluster, name, why)
+                   for name, why in sorted(self.unreachable.items())])
+
+    def leave_out_unreachable(self) -> None:
+        """Narrow the run to the hosts connect(tolerate=True) reached, as --limit would: the
+        others are neither probed nor changed (plan with a host away)."""
+        if not self.unreachable:
+            return
+        left = [h.name for h in self.hosts() if h.name not in self.unreachable]
+        if not left:  # nothing to plan: one error, as without tolerate
+            raise ConnectError("cannot connect over SSH to " + "; ".join(
+                f"{n}: {m}" for n, m in sorted(self.unreachable.items())),
+                hint="check the hosts' addresses, ssh settings and that sshd runs")
+        self.limit = left
+        self.departed = [h for h in self.departed if h.name not in self.unreachable]
 
     def read_remote(self, name: str, path: str, reader):
         """reader(file, "host:path") on `path` of host `name`, over SFTP on the open connection
@@ -260,9 +293,7 @@ class Session:
             try:
                 host.connect(reason="meshdeploy", raise_exceptions=True)
             except Exception as exc:  # paramiko/socket errors come in many classes
-                client = getattr(host.connector, "client", None)
-                errors[name] = reasons.reason(exc, reasons.proxy_stderr(client)
-                                              if client is not None else "")
+                errors[name] = reasons.of_client(exc, getattr(host.connector, "client", None))
                 offered[name] = _offered_key(host)
 
         gevent.joinall([gevent.spawn(one, n, h) for n, h in self.pyhosts.items()])

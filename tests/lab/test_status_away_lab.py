@@ -3,7 +3,7 @@ and node3 serve rpc-server) with a worker away: node3's SSH port silently droppe
 own network namespace (an nftables table of the test's, removed afterwards), as a host whose
 link went away looks. status still reports node1 and node2, one row says node3 is
 unreachable and why, and the exit code says degraded (the server answers); --limit leaves
-node3 out. And with every host up, status's probes take no place in the workers' one-place
+node3 out; plan shows the others' plan and names node3. And with every host up, status's probes take no place in the workers' one-place
 rpc-server backlog, which llama-server holds."""
 
 from __future__ import annotations
@@ -96,6 +96,18 @@ def test_a_worker_away_is_one_row_and_the_others_are_reported(lab):
         ran = meshdeploy("exec", path, "--limit", "node3", "--connect-timeout", "2", "--",
                          "true")
         assert ran.returncode == CONNECT and "timed out" in ran.stdout, ran.stdout
+
+        # plan shows the others' plan, names node3 and what its absence means, saves nothing.
+        plan = meshdeploy("plan", path, "--connect-timeout", "3", "-out", "away.plan",
+                          cwd=path.parent)
+        assert plan.returncode == CONNECT, plan.stdout + plan.stderr
+        assert "No changes." in plan.stdout, plan.stdout[-3000:]
+        said = " ".join(plan.stdout.split())
+        assert ("node3 could not be reached (timed out): this plan leaves it out, as --limit "
+                "would, and changes nothing there; llama-server main on node1 uses its "
+                "rpc-server") in said, plan.stdout[-3000:]
+        assert "--limit node1,node2" in plan.stderr and "was not saved" in plan.stderr
+        assert not (path.parent / "away.plan").exists()
     finally:
         _nft(info, "node3", f"delete table inet {TABLE}\n")
     assert meshdeploy("status", path, "--window", "0").returncode == OK

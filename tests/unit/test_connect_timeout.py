@@ -45,13 +45,19 @@ def ports():
     full.close()
 
 
-def cluster_file(tmp_path: Path, full: int, closed: int, timeout: str = "1") -> Path:
-    """inventories/lab.yaml with node1 dialled at the full port, node2 at the closed one, and
-    node3 through a ProxyCommand that cannot connect; ConnectTimeout `timeout` for all."""
+def cluster_file(tmp_path: Path, full: int, closed: int, timeout: str = "1",
+                 node1_by: str = "tcp") -> Path:
+    """inventories/lab.yaml with node1 dialled at the full port (`node1_by` "proxy": through a
+    ProxyCommand that hangs there, as the lab's into a namespace whose port 22 drops), node2 at
+    the closed one, and node3 through a ProxyCommand that cannot connect; ConnectTimeout
+    `timeout` for all."""
     if not Path("/usr/bin/nc").exists() and not Path("/bin/nc").exists():
         pytest.skip("needs nc (the lab's ProxyCommand)")
     config = tmp_path / "ssh_config"
-    config.write_text(f"Host node1 node2\n    HostName 127.0.0.1\n    ConnectTimeout {timeout}\n"
+    node1 = (f"    ProxyCommand nc 127.0.0.1 {full}\n" if node1_by == "proxy"
+             else "    HostName 127.0.0.1\n")
+    config.write_text(f"Host node1\n{node1}    ConnectTimeout {timeout}\n"
+                      f"Host node2\n    HostName 127.0.0.1\n    ConnectTimeout {timeout}\n"
                       f"Host node3\n    ProxyCommand nc -v 127.0.0.1 {closed}\n"
                       f"    ConnectTimeout {timeout}\n")
     text = (ROOT / "inventories" / "lab.yaml").read_text().replace(LAB_CONFIG, str(config))
@@ -102,12 +108,14 @@ def test_without_either_the_default_is_ten_seconds(tmp_path, monkeypatch):
     assert (s.connect_timeout, s.connect_timeout_from) == (10, "the default")
 
 
-def test_pyinfra_waits_the_ssh_configs_timeout_and_says_why(tmp_path, monkeypatch, ports):
+@pytest.mark.parametrize("node1_by", ["tcp", "proxy"])
+def test_pyinfra_waits_the_ssh_configs_timeout_and_says_why(tmp_path, monkeypatch, ports,
+                                                            node1_by):
     """plan, apply and status: pyinfra's connector used to wait its fixed 10 s whatever the
-    ssh_config said, and said "Could not connect ([Errno 111] ...)" or, behind a
-    ProxyCommand, paramiko's "No existing session"."""
+    ssh_config said, and said "Could not connect ([Errno None] Unable to connect to port ...)"
+    or, behind a ProxyCommand, "... returned nonzero exit status: Broken pipe"."""
     monkeypatch.delenv(CONNECT_TIMEOUT_ENV, raising=False)
-    session = Session(load_cluster(cluster_file(tmp_path, *ports)))
+    session = Session(load_cluster(cluster_file(tmp_path, *ports, node1_by=node1_by)))
     session.open()
     started = time.monotonic()
     try:
@@ -132,10 +140,13 @@ def test_without_tolerate_every_failure_is_one_error(tmp_path, monkeypatch, port
                      r"refused \(ProxyCommand: ", raised.value.message), raised.value.message
 
 
-def test_fabric_waits_the_same_and_says_the_same(tmp_path, monkeypatch, ports):
-    """logs, exec and bench (fabric) report in the same words, within the same timeout."""
+@pytest.mark.parametrize("node1_by", ["tcp", "proxy"])
+def test_fabric_waits_the_same_and_says_the_same(tmp_path, monkeypatch, ports, node1_by):
+    """logs, exec and bench (fabric) report in the same words, within the same timeout (a
+    banner that times out in paramiko's transport thread reached fabric as "No existing
+    session")."""
     monkeypatch.setenv(CONNECT_TIMEOUT_ENV, "1")  # over the file's 30 s, as the flag does
-    cluster = load_cluster(cluster_file(tmp_path, *ports, timeout="30"))
+    cluster = load_cluster(cluster_file(tmp_path, *ports, timeout="30", node1_by=node1_by))
     started = time.monotonic()
     hosts = connections.connect([resolve(h) for h in cluster.hosts])
     seconds = time.monotonic() - started
@@ -183,3 +194,27 @@ def test_a_reason_is_the_oss_words_also_when_a_library_wraps_them():
     assert reasons.reason(paramiko.SSHException("No existing session"),
                           "ssh: connect to host 10.0.0.5 port 22: No route to host\n") == \
         "no route to host (ProxyCommand: ssh: connect to host 10.0.0.5 port 22: No route to host)"
+
+
+def test_a_plan_names_a_host_away_and_what_it_means_for_the_servers():
+    from meshdeploy.remote.session import away_warning
+
+    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    assert away_warning(cluster, "node3", "timed out") == (
+        "node3 could not be reached (timed out): this plan leaves it out, as --limit would, and "
+        "changes nothing there; llama-server main on node1 uses its rpc-server: while node3 is "
+        "away main serves only on a placement without node3, if it has one, else it is down")
+    assert away_warning(cluster, "node1", "connection refused").endswith(
+        "; llama-server main runs there and is not planned")
+
+
+def test_a_plan_with_every_host_away_is_one_error(tmp_path, monkeypatch, ports):
+    """Nothing to plan: the old single error, not an empty plan of every host."""
+    monkeypatch.setenv(CONNECT_TIMEOUT_ENV, "1")
+    done = subprocess.run([sys.executable, "-m", "meshdeploy", "plan",
+                           str(cluster_file(tmp_path, *ports))], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == errors.CONNECT, done.stdout + done.stderr
+    assert done.stderr.startswith("cannot connect over SSH to node1: timed out; node2: "
+                                  "connection refused; node3: connection refused"), done.stderr
+    assert "Traceback" not in done.stderr
