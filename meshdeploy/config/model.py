@@ -47,6 +47,9 @@ class Build:
     cmake_flags: tuple[str, ...]
     serial: bool
     copy: bool  # hosts of one build key copy one compile (roles/llama_cpp/keys.py)
+    # GPU code the build compiles for where the host's driver cannot say (roles/llama_cpp/keys.py)
+    cuda_architectures: tuple[str, ...] = ()
+    amdgpu_targets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,8 @@ PATTERN_MEANING = {
                      "spaces or ~^:?*[\\, no leading '-', no trailing '/', '.' or '.lock')",
     "models.*.huggingface.revision": "is not a git branch, tag or commit",
     "cmake_flags": "is not a cmake -DNAME=VALUE flag",
+    "cuda_architectures": "is not a CUDA architecture like 86, 89-real or 90-virtual",
+    "amdgpu_targets": "is not an AMD GPU target like gfx1030 or gfx90a:xnack-",
     "prefix": PATH_MEANING,
     "ccache_dir": PATH_MEANING,
     "store": PATH_MEANING,

@@ -26,10 +26,10 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "plan"
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 
 
-def platform(machine="x86_64", libc="glibc 2.36"):
+def platform(machine="x86_64", libc="glibc 2.36", cpu=None):
     return {"toolchain.Platform": {"kernel": "Linux", "machine": machine, "distro": "debian",
                                    "version": "12", "tools": ["cmake", "git"], "termux": False},
-            "llama_cpp.Libc": libc}
+            "llama_cpp.Libc": libc, **({"llama_cpp.CpuFlags": cpu} if cpu else {})}
 
 
 SCENARIOS = {
@@ -38,6 +38,11 @@ SCENARIOS = {
     "node3-aarch64": {"node1": platform(), "node2": platform(), "node3": platform("aarch64")},
     # Hosts with nothing installed: no git to resolve the ref at plan time.
     "one-platform-unresolved-ref": {h: platform() for h in ("node1", "node2", "node3")},
+    # The lab: every host reports the same CPU flags, so the shared build stays -march=native.
+    "one-cpu": {h: platform(cpu="6c1f0c4b2a9d8e7f") for h in ("node1", "node2", "node3")},
+    # One host's CPU differs: runtime CPU dispatch.
+    "two-cpus": {"node1": platform(cpu="6c1f0c4b2a9d8e7f"), "node2": platform(cpu="6c1f0c4b2a9d8e7f"),
+                 "node3": platform(cpu="0d2e4f6a8b1c3e5f")},
 }
 
 

@@ -102,7 +102,8 @@ def test_the_files_ggml_native_wins_over_the_portable_default():
 def test_without_the_other_hosts_facts_a_host_keeps_the_key_it_runs():
     cluster = lab()
     host = cluster.host("node2")
-    portable = keys.build_key(cluster, host, COMMIT, False, keys.platform(host_facts()), True)
+    portable = keys.build_key(cluster, host, COMMIT, False, keys.platform(host_facts()), True,
+                              host_facts())
     facts = host_facts(current=portable)
     ctx = HostContext(cluster, host, facts, Resolved(commit=COMMIT))  # no cluster_facts
     assert keys.decide(ctx).key == portable

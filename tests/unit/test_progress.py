@@ -17,6 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from support.gittree import commit_all
+
 from meshdeploy.core import progress, shell
 from meshdeploy.core.progress import MARKER, Event, Meter, Reporter, parse, parse_ninja
 from meshdeploy.lab import hfmirror
@@ -72,12 +74,7 @@ def _tiny_tree(root: Path) -> str:
         "add_executable(ggml-rpc-server main.c)\n"
         "set_target_properties(llama-server ggml-rpc-server PROPERTIES "
         "RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n")
-    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(git[:3] + ["init", "-q"], check=True)
-    subprocess.run(git + ["add", "."], check=True)
-    subprocess.run(git + ["commit", "-qm", "tiny"], check=True)
-    return subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return commit_all(root)
 
 
 def test_build_script_reports_ninja_progress_while_it_builds(tmp_path):

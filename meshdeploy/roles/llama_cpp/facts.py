@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from pyinfra.api import FactBase
@@ -190,3 +191,92 @@ class Stored(probe.Stored):
     {"/opt/meshdeploy/builds": 41943040, "/opt/meshdeploy/src/llama.cpp": 104857600}
     ```
     """
+
+
+# --- GPUs and CPU, as far as a build's code depends on them ----------------------------------------
+# Each says None where the host has no such tool, so a host that only compiles for others needs
+# no GPU: its build's GPU code then comes from the cluster file (keys.gpu_code).
+
+_CAP = re.compile(r"([1-9][0-9]?)\.([0-9])")
+_GFX = re.compile(r"gfx[0-9a-f]{3,4}")
+
+
+class CudaCompute(FactBase):
+    """The compute capabilities of the host's NVIDIA GPUs, as CMAKE_CUDA_ARCHITECTURES spells
+    them, each once in the driver's order.
+
+    ```python
+    ["86", "89"]
+    ```
+    None: no nvidia-smi, or it lists no GPU (no driver loaded, no device).
+    """
+
+    def command(self):
+        return ("command -v nvidia-smi >/dev/null 2>&1 && "
+                "nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null || true")
+
+    def process(self, output):
+        caps = [f"{m[1]}{m[2]}" for m in (_CAP.fullmatch(line.strip()) for line in output) if m]
+        return list(dict.fromkeys(caps)) or None
+
+
+class Hip(FactBase):
+    """The HIP (ROCm) toolchain: its version (hipconfig --version), or where there is none yet
+    the version apt would install (Debian's hipcc package follows ROCm's numbering), and the
+    host's AMD GPU targets (rocm_agent_enumerator, the CPU agent gfx000 left out).
+
+    ```python
+    {"version": [5, 7] or None, "candidate": [5, 7] or None, "targets": ["gfx1030"]}
+    ```
+    None: no hipconfig and nothing apt would install.
+    """
+
+    def command(self):
+        return ("if command -v hipconfig >/dev/null 2>&1; then "
+                "echo \"version $(hipconfig --version 2>/dev/null)\"; "
+                "rocm_agent_enumerator 2>/dev/null | sed 's/^/target /'; "
+                "elif command -v apt-cache >/dev/null 2>&1; then "
+                "apt-cache policy hipcc 2>/dev/null | sed -n 's/^ *Candidate: */candidate /p'; "
+                "fi; true")
+
+    def process(self, output):
+        found = {"version": None, "candidate": None, "targets": []}
+        seen = False
+        for line in output:
+            word, _, rest = line.strip().partition(" ")
+            rest = rest.strip()
+            if word in ("version", "candidate"):
+                seen = seen or word == "version"
+                found[word] = _major_minor(rest.split(":")[-1])
+            elif word == "target" and _GFX.fullmatch(rest) and rest != "gfx000":
+                found["targets"].append(rest)
+        if not seen and found["candidate"] is None:
+            return None
+        found["targets"] = list(dict.fromkeys(found["targets"]))
+        return found
+
+
+def _major_minor(text: str) -> list[int] | None:
+    numbers = [probe.uint(p) for p in re.split(r"[.~+-]", text)[:2]]
+    return numbers if len(numbers) == 2 and None not in numbers else None
+
+
+class CpuFlags(FactBase):
+    """The CPU's instruction-set flags (/proc/cpuinfo's flags, or Features on ARM), as the first
+    16 hex of the sha256 of their sorted set: hosts that report the same run the same
+    -march=native code.
+
+    None: no /proc/cpuinfo (macOS) or no flags line.
+    """
+
+    def command(self):
+        return "grep -m 1 -E '^(flags|Features)[[:space:]]*:' /proc/cpuinfo 2>/dev/null || true"
+
+    def process(self, output):
+        line = next((o for o in output if ":" in o), None)
+        if line is None:
+            return None
+        flags = sorted(set(line.split(":", 1)[1].split()))
+        if not flags:
+            return None
+        return hashlib.sha256(" ".join(flags).encode("utf-8", "surrogateescape")).hexdigest()[:16]

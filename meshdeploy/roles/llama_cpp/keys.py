@@ -3,8 +3,9 @@
 A build key names one installed build (`builds/<key>/`): `<commit12>-<backend>-<hash>`, the hash
 over what decides whether a binary built on one host runs on another:
 
-- the backend and every cmake flag the build gets (the common ones, the backend's, Termux's
-  GGML_NATIVE=OFF, the portable flag below, ccache, the file's cmake_flags): what is compiled;
+- the backend and every cmake flag the build gets (the common ones, the backend's and the GPU
+  code it compiles for (gpu_code), Termux's GGML_NATIVE=OFF, the portable flags below, ccache,
+  the file's cmake_flags): what is compiled;
 - the platform: the kernel, the CPU architecture (`uname -m`), the distribution and its release
   (toolchain.Platform) and the C library and its version (facts.Libc). The binaries are static
   only in llama.cpp's own libraries; they still link the system's C library, libstdc++ and
@@ -87,16 +88,60 @@ def _names_native(cluster) -> bool:
     return any(_NATIVE.match(f) for f in cluster.llama_cpp.build.cmake_flags)
 
 
-def cmake_flags(cluster, host, termux: bool = False, portable: bool = False) -> list[str]:
+def kernel(host, facts: dict | None) -> str:
+    """The host's kernel as the probe saw it (toolchain.Platform); without facts what its backend
+    implies (Metal: macOS)."""
+    seen = ((facts or {}).get("toolchain.Platform") or {}).get("kernel")
+    return seen or ("Darwin" if host.backend == "metal" else "Linux")
+
+
+def gpu_code(cluster, host, facts: dict | None) -> tuple[str, ...] | None:
+    """The GPU code a cuda or rocm build compiles for: the file's list
+    (llama_cpp.build.cuda_architectures / amdgpu_targets: one list for every host, so hosts
+    with other GPUs can share a build), else what the host's driver reports (facts.py); None
+    where neither says (llama_cpp's preflight refuses), () for the other backends."""
+    b, facts = cluster.llama_cpp.build, facts or {}
+    if host.backend == "cuda":
+        return b.cuda_architectures or tuple(facts.get("llama_cpp.CudaCompute") or ()) or None
+    if host.backend == "rocm":
+        hip = facts.get("llama_cpp.Hip") or {}
+        return b.amdgpu_targets or tuple(hip.get("targets") or ()) or None
+    return ()
+
+
+def gpu_flags(cluster, host, facts: dict | None) -> tuple[str, ...]:
+    code = gpu_code(cluster, host, facts)
+    name = d.llama_cpp_gpu_code_flags.get(host.backend)
+    return (f"-D{name}={';'.join(code)}",) if name and code else ()
+
+
+def machine(facts: dict | None) -> str | None:
+    return ((facts or {}).get("toolchain.Platform") or {}).get("machine")
+
+
+def one_cpu(ctx, members) -> bool:
+    """Whether every host of `members` reports the same CPU flags (facts.CpuFlags): then
+    -march=native on the builder is right for all of them, and their shared build stays native
+    (no dispatch build, which takes about twice as long to compile)."""
+    seen = {(_facts_of(ctx, m) or {}).get("llama_cpp.CpuFlags") for m in members}
+    return len(seen) == 1 and None not in seen
+
+
+def cmake_flags(cluster, host, termux: bool = False, portable: bool = False,
+                facts: dict | None = None) -> list[str]:
     """The build's cmake flags; `termux`: the host is Termux (toolchain.Platform), `portable`: its
     build is copied to other hosts; either gets -DGGML_NATIVE=OFF unless
-    llama_cpp.build.cmake_flags set GGML_NATIVE."""
+    llama_cpp.build.cmake_flags set GGML_NATIVE. `facts`: the host's (its kernel)."""
     b = cluster.llama_cpp.build
     host_flags = d.llama_cpp_termux_cmake_flags if termux and not _names_native(cluster) else ()
     if portable and not host_flags and not _names_native(cluster):
         host_flags = d.llama_cpp_portable_cmake_flags
+        if machine(facts) in d.llama_cpp_dispatch_machines:
+            host_flags = d.llama_cpp_dispatch_cmake_flags
     return ([f"-DCMAKE_BUILD_TYPE={b.type}", *d.llama_cpp_common_cmake_flags,
-             *d.llama_cpp_backend_cmake_flags[host.backend], *host_flags,
+             *d.llama_cpp_openmp_cmake_flags.get(kernel(host, facts), ()),
+             *d.llama_cpp_backend_cmake_flags[host.backend], *gpu_flags(cluster, host, facts),
+             *host_flags,
              f"-DGGML_CCACHE={'ON' if b.ccache else 'OFF'}", *b.cmake_flags])
 
 
@@ -112,16 +157,17 @@ def platform(facts: dict) -> str | None:
 
 
 def flavour(cluster, host, termux: bool = False, where: str | None = None,
-            portable: bool = False) -> str:
+            portable: bool = False, facts: dict | None = None) -> str:
     """Hash of everything but the commit that decides whether two hosts can run one build."""
-    blob = "\n".join([host.backend, *cmake_flags(cluster, host, termux, portable),
+    blob = "\n".join([host.backend, *cmake_flags(cluster, host, termux, portable, facts),
                       f"platform={where or 'unknown'}"])
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
 def build_key(cluster, host, commit: str, termux: bool = False, where: str | None = None,
-              portable: bool = False) -> str:
-    return f"{commit[:12]}-{host.backend}-{flavour(cluster, host, termux, where, portable)}"
+              portable: bool = False, facts: dict | None = None) -> str:
+    return (f"{commit[:12]}-{host.backend}-"
+            f"{flavour(cluster, host, termux, where, portable, facts)}")
 
 
 def on_termux(facts: dict) -> bool:
@@ -147,6 +193,7 @@ class Decision:
     targets: tuple[str, ...]  # what this host compiles (builders), or needs (copiers)
     why: str  # why that host compiles, as the plan says it
     portable: bool = False  # built with llama_cpp_portable_cmake_flags
+    code: str = ""  # the CPU code a shared build compiles, and why (the plan says it)
 
     def copies(self, host_name: str) -> bool:
         return self.builder != host_name
@@ -194,7 +241,8 @@ def group(ctx) -> list[str] | None:
             if (h.name == host.name or h.name in ctx.cluster_facts)
             and h.backend == host.backend and targets(cluster, h)
             and platform(_facts_of(ctx, h.name)) == mine
-            and on_termux(_facts_of(ctx, h.name)) == termux]
+            and on_termux(_facts_of(ctx, h.name)) == termux
+            and gpu_code(cluster, h, _facts_of(ctx, h.name)) == gpu_code(cluster, host, ctx.facts)]
     if not cluster.network.tunnel:
         return same
     # The hosts with root first: a star's first host builds for it (module docstring).
@@ -254,13 +302,21 @@ def decide(ctx) -> Decision:
     members = group(ctx)
     if members is None:  # alone here: keep the key of the build it runs now, portable or not
         current = (ctx.fact("llama_cpp.Builds") or {}).get("current")
-        portable = current == build_key(cluster, host, commit, termux, where, True)
-        key = build_key(cluster, host, commit, termux, where, portable)
+        portable = current == build_key(cluster, host, commit, termux, where, True, ctx.facts)
+        key = build_key(cluster, host, commit, termux, where, portable, ctx.facts)
         return Decision(key, host.name, (host.name,), tuple(own), "", portable)
-    portable = len(members) > 1
-    key = build_key(cluster, host, commit, termux, where, portable)
+    portable = len(members) > 1 and not one_cpu(ctx, members)
+    key = build_key(cluster, host, commit, termux, where, portable, ctx.facts)
     if len(members) == 1:
         return Decision(key, host.name, (host.name,), tuple(own), "")
+    cpus = ("their CPUs differ" if all(_facts_of(ctx, m).get("llama_cpp.CpuFlags")
+                                       for m in members) else "not every CPU reported its flags")
+    if not portable:
+        code = "-march=native: every host of it reports the same CPU flags"
+    elif machine(ctx.facts) in d.llama_cpp_dispatch_machines and not termux:
+        code = f"runtime CPU dispatch: {cpus}"
+    else:
+        code = f"portable code: {cpus}"
     replaced = [m for m in members if ctx.replacing(RESOURCE, m)]
     trusted = may_build_for(cluster, members)
     # Other -replace'd hosts compile alone; under a tunnel every one but the star's first host
@@ -290,4 +346,4 @@ def decide(ctx) -> Decision:
     else:
         builder, why = sharing[0], "the first host of the key in file order"
     wanted = need if builder == host.name else own
-    return Decision(key, builder, tuple(sharing), tuple(wanted), why, portable)
+    return Decision(key, builder, tuple(sharing), tuple(wanted), why, portable, code)

@@ -17,6 +17,9 @@ from meshdeploy.roles.llama_cpp.facts import (
     GIT_SAFE,
     Builds,
     CcacheWritable,
+    CpuFlags,
+    CudaCompute,
+    Hip,
     Libc,
     RemoteRef,
     Source,
@@ -45,6 +48,12 @@ def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
     if first:
         out.append(Section("llama_cpp.RemoteRef", RemoteRef,
                            {"repo": cluster.llama_cpp.repo, "ref": cluster.llama_cpp.ref}))
+    if targets(cluster, host):  # shared builds stay native where every CPU is the same
+        out.append(Section("llama_cpp.CpuFlags", CpuFlags))
+    if host.backend == "cuda":
+        out.append(Section("llama_cpp.CudaCompute", CudaCompute))
+    if host.backend == "rocm":
+        out.append(Section("llama_cpp.Hip", Hip))
     b = cluster.llama_cpp.build
     if host.rootless and b.ccache and b.ccache_dir and targets(cluster, host):
         out.append(Section("llama_cpp.CcacheWritable", CcacheWritable, {"path": b.ccache_dir}))
@@ -53,13 +62,44 @@ def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
 
 def preflight(ctx: HostContext) -> None:
     """A rootless host builds as its login user: a ccache_dir the file sets must be one that
-    user can write (a system path usually is root's), else every compile would fail."""
+    user can write (a system path usually is root's), else every compile would fail. A GPU
+    build needs to know the GPU code it compiles for, and a ROCm one a HIP the tree accepts."""
+    if targets(ctx.cluster, ctx.host):
+        refuse_gpu(ctx)
     if ctx.fact("llama_cpp.CcacheWritable") is False:
         path = ctx.cluster.llama_cpp.build.ccache_dir
         raise PlanError(f"host {ctx.host.name} is rootless and cannot write "
                         f"llama_cpp.build.ccache_dir {path}",
                         hint="remove ccache_dir (a rootless host then keeps its ccache in its "
                              "user's cache folder), or make the folder writable by that user")
+
+
+_GPU_SETTING = {"cuda": ("llama_cpp.build.cuda_architectures", "no NVIDIA driver answers "
+                         "(nvidia-smi)", "[86] for an RTX 30xx; nvidia-smi "
+                         "--query-gpu=compute_cap on the GPU host tells"),
+                "rocm": ("llama_cpp.build.amdgpu_targets", "ROCm reports no AMD GPU "
+                         "(rocm_agent_enumerator)", "[gfx1030]; rocminfo on the GPU host tells")}
+
+
+def refuse_gpu(ctx: HostContext) -> None:
+    """PlanError where a cuda or rocm build cannot be made as the file says on this host."""
+    host, backend = ctx.host, ctx.host.backend
+    if backend == "rocm":
+        hip = ctx.fact("llama_cpp.Hip") or {}
+        have = hip.get("version") or hip.get("candidate")
+        need = d.llama_cpp_hip_min
+        if have and tuple(have) < need:
+            how = "has" if hip.get("version") else "would install from apt"
+            raise PlanError(f"llama.cpp {ctx.cluster.llama_cpp.ref} needs ROCm/HIP >= "
+                            f"{need[0]}.{need[1]}; host {host.name} {how} HIP "
+                            f"{have[0]}.{have[1]}",
+                            hint="install ROCm >= 6.1 from AMD's repositories on it, or set "
+                                 f"hosts.{host.name}.backend to vulkan (Mesa's RADV runs AMD GPUs)")
+    if backend in _GPU_SETTING and keys.gpu_code(ctx.cluster, host, ctx.facts) is None:
+        setting, why, example = _GPU_SETTING[backend]
+        raise PlanError(f"host {host.name} builds llama.cpp for {backend} but the GPU code to "
+                        f"compile is unknown: {why} and {setting} is empty",
+                        hint=f"set {setting} (e.g. {example})")
 
 
 def archives_dir(prefix: str) -> str:
@@ -152,9 +192,10 @@ def build_script(ctx: HostContext, key: str, decision: keys.Decision | None = No
     termux = on_termux(ctx)
     portable = decision.portable
     return shell.template(
-        TEMPLATES / "build.sh", args=cmake_flags(cluster, host, termux, portable),
+        TEMPLATES / "build.sh", args=cmake_flags(cluster, host, termux, portable, ctx.facts),
         prelude=progress.SHELL, SRC=p["src"],
-        TREE=f"{p['build']}/{host.backend}-{flavour(cluster, host, termux, None, portable)}",
+        TREE=f"{p['build']}/{host.backend}-"
+             f"{flavour(cluster, host, termux, None, portable, ctx.facts)}",
         OUT=installed_build(ctx.prefix, key), COMMIT=checked_commit(ctx.resolved.commit),
         NUMBER="" if number is None else int(number), JOBS=int(b.jobs) if b.jobs else "",
         CCACHE=ccache_dir(cluster, host),
@@ -191,8 +232,8 @@ def build(ctx: HostContext) -> Step:
                                f"{decision.builder} compiles {key if commit else 'its build'} "
                                f"({decision.why}); llama_cpp.copy copies it here"))
     copiers = decision.copiers() if decision.builder == host.name else []
-    once = (f"; compiled once for {', '.join([host.name, *copiers])} ({decision.why})"
-            if copiers else "")
+    why = "; ".join(w for w in (decision.why, decision.code) if w)
+    once = f"; compiled once for {', '.join([host.name, *copiers])} ({why})" if copiers else ""
     if commit is None:
         return Step(ctx.change(ROLE, "build", "replace" if current else "create",
                                f"ref not resolved yet{once}",

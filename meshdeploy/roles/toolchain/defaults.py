@@ -9,6 +9,39 @@ toolchain_brew_packages = ("cmake", "git", "ninja")
 toolchain_nss_systemd_package = "libnss-systemd"
 toolchain_ccache_package = "ccache"
 
+# --- what a GPU backend adds, per package manager (building and running) -------------------------
+# Vulkan: the loader and its headers, glslc (shaders are compiled at build time), SPIRV-Headers
+# (llama.cpp's docs/build.md: not always pulled in by the loader's dev package), Mesa's drivers
+# (lavapipe on a CPU, RADV, ANV) and vulkaninfo. Debian/Ubuntu as the docs name them; Fedora's
+# names (spirv-headers-devel per the same docs); Termux's from termux-packages (vulkan-loader-
+# android wraps the phone's own libvulkan, glslc comes with shaderc).
+# CUDA: Debian's and Ubuntu's toolkit (Debian: non-free, Ubuntu: multiverse); elsewhere the
+# toolkit comes from NVIDIA and must be there (toolchain's preflight). ROCm: Debian's HIP
+# compiler and BLAS libraries and rocminfo (rocm_agent_enumerator); llama.cpp's preflight
+# refuses a HIP older than the pinned tree needs.
+toolchain_backend_packages = {
+    "apt": {"vulkan": ("libvulkan-dev", "glslc", "mesa-vulkan-drivers", "vulkan-tools",
+                       "spirv-headers"),
+            "cuda": ("nvidia-cuda-toolkit",),
+            "rocm": ("hipcc", "libhipblas-dev", "librocblas-dev", "rocminfo")},
+    "dnf": {"vulkan": ("vulkan-loader-devel", "glslc", "mesa-vulkan-drivers", "vulkan-tools",
+                       "spirv-headers-devel")},
+}
+# Termux and dnf (no package database fact): the backend's packages count as present when its
+# tool is on PATH (glslc); else Termux installs these (pkg install is idempotent).
+toolchain_termux_backend = {"vulkan": ("shaderc", "vulkan-headers", "vulkan-loader-android",
+                                       "vulkan-tools", "spirv-headers")}
+toolchain_backend_tool = {"vulkan": "glslc"}
+# What a host that copies a GPU build needs to run it (apt): the Vulkan loader and Mesa's
+# drivers; CUDA's and ROCm's runtime libraries come with the toolkit packages above.
+toolchain_apt_copier_backend = {"vulkan": ("libvulkan1", "mesa-vulkan-drivers"),
+                                "cuda": ("nvidia-cuda-toolkit",),
+                                "rocm": ("hipcc", "libhipblas-dev", "librocblas-dev")}
+# The apt component each distribution keeps its CUDA toolkit in (Debian's wiki, Ubuntu's archive).
+toolchain_cuda_component = {"debian": "non-free", "ubuntu": "multiverse"}
+# A toolkit already on PATH (NVIDIA's or AMD's own installer) stands for the distribution's.
+toolchain_toolkit_tools = {"nvidia-cuda-toolkit": "nvcc", "hipcc": "hipcc"}
+
 # --- a copier on apt (Resolved.build_copiers: it copies its llama.cpp build, compiles none) ----
 # What running and copying the build needs there, from what runs on such a host:
 # curl: llama_cpp's copy.sh fetches the tarball from the builder's md-share (tar, gzip and
@@ -40,7 +73,9 @@ toolchain_termux_python = {"python3": "python"}
 toolchain_package_tools = {"cmake": "cmake", "g++": "c++", "gcc-c++": "c++", "git": "git",
                            "curl": "curl", "ca-certificates": None, "ninja-build": "ninja",
                            "ccache": "ccache", "python3": "python3", "libgomp1": None,
-                           "gcc": "cc", "libc6-dev": None}
+                           "gcc": "cc", "libc6-dev": None, "glslc": "glslc",
+                           "vulkan-tools": "vulkaninfo", "nvidia-cuda-toolkit": "nvcc",
+                           "hipcc": "hipcc", "rocminfo": "rocminfo"}
 
 # --- preflight ----------------------------------------------------------------------------------
 # llama.cpp's top-level CMakeLists.txt: cmake_minimum_required(VERSION 3.14)

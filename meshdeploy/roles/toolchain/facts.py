@@ -9,7 +9,7 @@ from meshdeploy.roles.toolchain import defaults as d
 
 _TOOLS = ("cmake", "cc", "c++", "g++", "git", "curl", "ninja", "ccache", "nvcc", "nvidia-smi",
           "apt-get", "dnf", "brew", "systemctl", "launchctl", "sha256sum", "shasum", "python3",
-          "pkg", "getconf", "flock", "setsid")
+          "pkg", "getconf", "flock", "setsid", "glslc", "vulkaninfo", "hipcc")
 
 # Termux: its `pkg` on PATH, and that `pkg` or $PREFIX inside the app's folder (com.termux), or
 # TERMUX_VERSION set. `pkg` alone is also FreeBSD's and Solaris's tool, and PREFIX an ordinary
@@ -89,3 +89,31 @@ class AptProxy(FactBase):
 
     def process(self, output):
         return "\n".join(output) + "\n"
+
+
+class AptComponents(FactBase):
+    """The archive components the host's apt sources enable (one-line `deb` entries and deb822
+    `Components:` fields), each once: ["main", "non-free"]. [] where there are none."""
+
+    def command(self):
+        return ("grep -hsE '^[[:space:]]*(deb[[:space:]]|Components:)' /etc/apt/sources.list "
+                "/etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources || true")
+
+    def process(self, output):
+        found = []
+        for line in output:
+            words = line.split()
+            if words and words[0] == "Components:":
+                found += words[1:]
+            elif words and words[0] == "deb":
+                rest = words[1:]
+                if rest and rest[0].startswith("["):  # options: [arch=amd64 signed-by=...]
+                    while rest and not rest[0].endswith("]"):
+                        rest = rest[1:]
+                    rest = rest[1:]
+                found += rest[2:]  # URI, suite, then the components
+        return list(dict.fromkeys(found))
+
+    @staticmethod
+    def default():
+        return []

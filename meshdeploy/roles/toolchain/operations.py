@@ -12,7 +12,7 @@ from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.toolchain import defaults as d
-from meshdeploy.roles.toolchain.facts import AptProxy, DebPackages, Platform
+from meshdeploy.roles.toolchain.facts import AptComponents, AptProxy, DebPackages, Platform
 
 ROLE = "toolchain"
 
@@ -51,11 +51,13 @@ def wanted_packages(cluster, manager: str, host, copier: bool = False,
             base = base + (d.toolchain_apt_git_package,)
         if distribution.seeds(cluster, host):
             base = base + d.toolchain_apt_seed_packages
+        base = base + d.toolchain_apt_copier_backend.get(host.backend, ())
     else:
         base = {"apt": d.toolchain_apt_packages, "dnf": d.toolchain_dnf_packages,
                 "brew": d.toolchain_brew_packages}[manager]
         if cluster.llama_cpp.build.ccache:
             base = base + (d.toolchain_ccache_package,)
+        base = base + d.toolchain_backend_packages.get(manager, {}).get(host.backend, ())
     if distribution.share_clients(cluster, host) and manager != "brew":  # macOS ships python3 with its CLT
         base = base + (d.toolchain_python_package,)  # md-share serves the host's model copy
     if manager == "apt" and not host.rootless and cluster.ssh_forwards(host):
@@ -84,6 +86,8 @@ def sections(cluster, host) -> list[Section]:
     ]
     if not host.rootless:  # apt's configuration is root's: a rootless host has no proxy file
         out.append(Section("toolchain.AptProxy", AptProxy))
+    if host.backend == "cuda":  # Debian's CUDA toolkit is in non-free (Ubuntu's in multiverse)
+        out.append(Section("toolchain.AptComponents", AptComponents))
     return out
 
 
@@ -109,21 +113,21 @@ def preflight(ctx: HostContext) -> None:
         raise PlanError(f"llama.cpp Metal builds need macOS; host {host} reports {kernel}",
                         hint=f"set hosts.{host}.backend to cpu or vulkan")
     if backend == "cuda" and "nvcc" not in tools:
-        raise PlanError(f"host {host} has backend cuda but no nvcc on PATH",
-                        hint="install the CUDA toolkit (and the NVIDIA driver) on it, "
-                             "or choose another backend")
-    if backend == "cuda" and "nvidia-smi" not in tools:
-        raise PlanError(f"host {host} has backend cuda but no NVIDIA driver (nvidia-smi missing)",
-                        hint="install the NVIDIA driver on it")
+        refuse_cuda_toolkit(ctx, platform)
+    # No NVIDIA driver is no refusal here: a host may compile for GPUs it does not have
+    # (llama_cpp's preflight wants llama_cpp.build.cuda_architectures then).
     if platform.get("termux") and not ctx.host.rootless:
         raise PlanError(f"host {host} runs Termux, where nothing has root",
                         hint=f"set hosts.{host}.rootless: true")
     if ctx.host.rootless:
         refuse_missing(ctx, platform)
     elif package_manager(platform) is None:
+        extra = d.toolchain_backend_packages["apt"].get(backend)
         raise PlanError(f"host {host}: no supported package manager (apt, dnf, Homebrew) found",
-                        hint="install cmake, a C++ compiler, git, curl and ninja by hand "
-                             "or use a Debian, Ubuntu, Fedora/RHEL or macOS host")
+                        hint="install cmake, a C++ compiler, git, curl and ninja"
+                             + (f" and what {backend} builds need (Debian's names: "
+                                f"{' '.join(extra)})" if extra else "")
+                             + " by hand or use a Debian, Ubuntu, Fedora/RHEL or macOS host")
     have = platform.get("cmake_version")
     if (have and tuple(have) < d.toolchain_cmake_min and package_manager(platform) != "brew"
             and not copies_from(ctx)):  # a copier runs no cmake
@@ -131,6 +135,26 @@ def preflight(ctx: HostContext) -> None:
         raise PlanError(f"host {host} has cmake {'.'.join(map(str, have))}; llama.cpp needs "
                         f">= {need}",
                         hint="install a newer cmake (e.g. from backports or pip install cmake)")
+
+
+def refuse_cuda_toolkit(ctx: HostContext, platform: dict) -> None:
+    """PlanError where a cuda host lacks nvcc and its package manager cannot bring it: apt
+    installs Debian's or Ubuntu's nvidia-cuda-toolkit once the component that holds it is
+    enabled, as a user of that distribution enables it; anywhere else the toolkit comes from
+    NVIDIA."""
+    host = ctx.host.name
+    component = d.toolchain_cuda_component.get(platform.get("distro") or "")
+    if package_manager(platform) != "apt" or ctx.host.rootless or component is None:
+        raise PlanError(f"host {host} has backend cuda but no nvcc on PATH",
+                        hint="install the CUDA toolkit (and the NVIDIA driver) on it, "
+                             "or choose another backend")
+    if component not in (ctx.fact("toolchain.AptComponents") or []):
+        raise PlanError(f"host {host} has backend cuda and no nvcc; its distribution's "
+                        f"nvidia-cuda-toolkit is in the {component} component, which its apt "
+                        "sources do not enable",
+                        hint=f"add {component} to the Components: line of "
+                             "/etc/apt/sources.list.d/*.sources (or to the deb lines of "
+                             "/etc/apt/sources.list) on it, then plan again")
 
 
 def apt_proxy(ctx: HostContext) -> Step:
@@ -197,7 +221,9 @@ def packages(ctx: HostContext) -> Step:
         wanted = wanted + (d.toolchain_python_package,)
     if manager == "apt":
         installed = ctx.fact("toolchain.DebPackages") or {}
-        missing = [p for p in wanted if not installed.get(p)]
+        tools = platform.get("tools", [])
+        missing = [p for p in wanted if not installed.get(p)
+                   and d.toolchain_toolkit_tools.get(p, "-") not in tools]
         command = ("export DEBIAN_FRONTEND=noninteractive; "
                    + shell.command("apt-get", "update", "-qq", shell.AND, "apt-get", "install",
                                    "-y", "-qq", "--no-install-recommends", *missing))
@@ -210,6 +236,9 @@ def packages(ctx: HostContext) -> Step:
                    and p not in ("ca-certificates", "gcc-c++")]
         if manager == "dnf" and "c++" not in tools:
             missing.append("gcc-c++")
+        if d.toolchain_backend_tool.get(ctx.host.backend, "-") in tools:
+            backend = d.toolchain_backend_packages.get(manager, {}).get(ctx.host.backend, ())
+            missing = [p for p in missing if p not in backend]
         if manager == "brew":
             # Homebrew refuses to run as root: never sudo for brew.
             command = shell.command("brew", "install", *missing)
@@ -236,7 +265,10 @@ def termux_missing(cluster, host, platform: dict) -> list[str]:
     if distribution.share_clients(cluster, host):
         want.update(d.toolchain_termux_python)  # md-share serves the host's model copy
     tools = set(platform.get("tools", []))
-    return list(dict.fromkeys(pkg for tool, pkg in want.items() if tool not in tools))
+    missing = [pkg for tool, pkg in want.items() if tool not in tools]
+    if d.toolchain_backend_tool.get(host.backend, "-") not in tools:
+        missing += d.toolchain_termux_backend.get(host.backend, ())
+    return list(dict.fromkeys(missing))
 
 
 def rootless_missing(ctx: HostContext, platform: dict) -> tuple[str | None, list[str]]:

@@ -23,8 +23,13 @@ if [ "$FORCE" != 1 ] && [ -f "$OUT/manifest" ] && grep -qx "commit=$COMMIT" "$OU
 mkdir -p "$TREE" "${OUT%/*}"
 [ "$(git -C "$SRC" rev-parse HEAD)" = "$COMMIT" ] || { echo "source is not at $COMMIT" >&2; exit 1; }
 SHORT=$(printf '%.7s' "$COMMIT")
+# HIP: the compiler and its ROCm as llama.cpp's docs/build.md says (HIPCXX from hipconfig).
+if [ "$BACKEND" = rocm ] && [ -z "${HIPCXX-}" ]; then HIPCXX=$(hipconfig -l); HIPCXX=${HIPCXX%/}/clang; HIP_PATH=$(hipconfig -R); export HIPCXX HIP_PATH; fi
 md_progress phase configure
 cmake -S "$SRC" -B "$TREE" -G Ninja "$@" "-DLLAMA_BUILD_NUMBER=$NUMBER" "-DLLAMA_BUILD_COMMIT=$SHORT" > "$TREE.configure.log" 2>&1 || { tail -n 30 "$TREE.configure.log" >&2; exit 1; }
+# GGML_OPENMP=ON falls back to ggml's own threads where cmake finds no OpenMP: a build that
+# would differ from the same key's build elsewhere stops here instead.
+if grep -qx 'GGML_OPENMP:BOOL=ON' "$TREE/CMakeCache.txt" && grep -qx 'GGML_OPENMP_ENABLED:INTERNAL=OFF' "$TREE/CMakeCache.txt"; then echo "GGML_OPENMP=ON but cmake found no OpenMP for this compiler (install its OpenMP runtime, e.g. libgomp with g++)" >&2; exit 1; fi
 # Live progress: ninja's last "[done/total]" line of the log, every 2 s (core/progress.py).
 build_progress() { L=$(tail -n 200 "$TREE.build.log" 2>/dev/null | grep -a '^\[[0-9]*/[0-9]*\]' | tail -n 1); [ -z "$L" ] || md_progress build "$L"; }
 export NINJA_STATUS='[%f/%t] '
@@ -35,6 +40,14 @@ md_unwatch; [ "$C" = 0 ] || { tail -n 40 "$TREE.build.log" >&2; exit 1; }
 md_progress phase install
 rm -rf "$OUT.tmp"; mkdir -p "$OUT.tmp/bin"
 for t in $TARGETS; do cp "$TREE/bin/$t" "$OUT.tmp/bin/"; done
+# A shared build (runtime CPU dispatch): its libraries, libggml-cpu-<variant>.so among them, go
+# beside the binaries, which must find them there ($ORIGIN) and nowhere in this build tree.
+for f in "$TREE/bin/"*.so "$TREE/bin/"*.so.*; do if [ -e "$f" ]; then cp -P "$f" "$OUT.tmp/bin/"; fi; done
+for f in "$OUT.tmp/bin/"*; do
+  P=$(readelf -d "$f" 2>/dev/null | sed -n 's/.*(R\(UN\)\{0,1\}PATH).*\[\(.*\)\]$/\2/p')
+  # shellcheck disable=SC2016 # $ORIGIN: the loader's word, matched as it is written
+  case "$P" in ''|'$ORIGIN') ;; *) echo "$f: RPATH $P is not \$ORIGIN: the copy would not find its libraries" >&2; exit 1 ;; esac
+done
 # Binaries must run before they can become current.
 if [ -x "$OUT.tmp/bin/llama-server" ]; then "$OUT.tmp/bin/llama-server" --help > "$OUT.tmp/llama-server.help" 2>&1; fi
 if [ -n "$RPC" ] && [ -x "$OUT.tmp/bin/$RPC" ]; then "$OUT.tmp/bin/$RPC" --help > "$OUT.tmp/rpc-server.help" 2>&1; fi

@@ -1,0 +1,188 @@
+"""Build switches (roles/llama_cpp/defaults.py, keys.cmake_flags): every switch the pinned tree
+would set by what the building host has installed is set, so a build key is one build wherever
+it compiles; build.sh stops where cmake could not honour one (OpenMP).
+
+The scripts run for real on tiny CMake trees shaped as llama.cpp's where build.sh reads them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from support.gittree import commit_all
+
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import progress, shell
+from meshdeploy.roles.llama_cpp import keys
+from meshdeploy.roles.llama_cpp.operations import TEMPLATES
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def platform(kernel="Linux", machine="x86_64"):
+    return {"toolchain.Platform": {"kernel": kernel, "machine": machine, "distro": "debian",
+                                   "version": "12", "tools": [], "termux": False}}
+
+
+def flags_of(inventory: Path, host: str, facts=None, **kw) -> list[str]:
+    cluster = load_cluster(inventory)
+    return keys.cmake_flags(cluster, cluster.host(host), facts=facts, **kw)
+
+
+@pytest.mark.parametrize("backend_host", [("lab.yaml", "node1"), ("two-cuda-11-16.yaml", "box16")])
+def test_rdma_and_openmp_are_set_whatever_the_host_has_installed(backend_host):
+    inventory, host = backend_host
+    flags = flags_of(ROOT / "inventories" / inventory, host, platform())
+    assert "-DGGML_RPC_RDMA=OFF" in flags  # ggml-rpc turns RDMA on where libibverbs is found
+    assert "-DGGML_OPENMP=ON" in flags
+    for switch in ("LLAMA_OPENSSL", "LLAMA_CURL", "LLAMA_BUILD_UI", "LLAMA_USE_PREBUILT_UI"):
+        assert f"-D{switch}=OFF" in flags
+
+
+def test_macos_builds_turn_openmp_off_rather_than_find_a_homebrew_libomp():
+    flags = flags_of(ROOT / "inventories" / "one-mac-mtl0-cpu.yaml", "mac", platform("Darwin"))
+    assert "-DGGML_OPENMP=OFF" in flags and "-DGGML_OPENMP=ON" not in flags
+    # Without facts (a key computed for a Metal host): macOS all the same.
+    assert "-DGGML_OPENMP=OFF" in flags_of(ROOT / "inventories" / "one-mac-mtl0-cpu.yaml", "mac")
+
+
+def test_cuda_builds_do_not_link_nccl_where_it_happens_to_be_installed():
+    flags = flags_of(ROOT / "inventories" / "two-cuda-11-16.yaml", "box16", platform())
+    assert "-DGGML_CUDA_NCCL=OFF" in flags
+
+
+def test_the_switches_are_part_of_the_key():
+    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    host = cluster.host("node1")
+    linux = keys.build_key(cluster, host, "0" * 40, facts=platform())
+    darwin = keys.build_key(cluster, host, "0" * 40, facts=platform("Darwin"))
+    assert linux != darwin
+
+
+def tiny_tree(root: Path, cmakelists: str) -> str:
+    """A git tree shaped like llama.cpp's where build.sh reads it, with `cmakelists`."""
+    (root / "tools" / "rpc").mkdir(parents=True)
+    (root / "ggml" / "include").mkdir(parents=True)
+    (root / "tools" / "rpc" / "CMakeLists.txt").write_text("set(TARGET ggml-rpc-server)\n")
+    (root / "ggml" / "include" / "ggml-rpc.h").write_text("#define RPC_PROTO_MAJOR_VERSION 7\n")
+    (root / "main.c").write_text('#include <stdio.h>\nint main(void) { puts("usage"); return 0; }\n')
+    (root / "CMakeLists.txt").write_text(cmakelists)
+    return commit_all(root)
+
+
+def run_build(tmp_path: Path, commit: str, args: list[str]) -> subprocess.CompletedProcess:
+    script = shell.template(
+        TEMPLATES / "build.sh", prelude=progress.SHELL, args=args,
+        SRC=tmp_path / "src", TREE=tmp_path / "tree", OUT=tmp_path / "builds" / "k",
+        COMMIT=commit, NUMBER=1, JOBS=2, CCACHE="", WANT_SERVER=1, WANT_RPC=1,
+        RPC_TARGETS="ggml-rpc-server", KEY="k", BACKEND="cpu", FORCE=0)
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=300)
+
+
+# ggml/src/CMakeLists.txt's OpenMP fallback, reduced: the option, find_package, the INTERNAL flag.
+OPENMP_TREE = """cmake_minimum_required(VERSION 3.16)
+project(tiny C)
+option(GGML_OPENMP "use OpenMP" ON)
+if (GGML_OPENMP)
+    find_package(OpenMP)
+    if (OpenMP_FOUND AND NOT PRETEND_NO_OPENMP)
+        set(GGML_OPENMP_ENABLED "ON" CACHE INTERNAL "")
+    else()
+        set(GGML_OPENMP_ENABLED "OFF" CACHE INTERNAL "")
+        message(WARNING "OpenMP not found")
+    endif()
+else()
+    set(GGML_OPENMP_ENABLED "OFF" CACHE INTERNAL "")
+endif()
+add_executable(llama-server main.c)
+add_executable(ggml-rpc-server main.c)
+set_target_properties(llama-server ggml-rpc-server PROPERTIES
+    RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+"""
+
+
+def test_build_stops_where_openmp_is_asked_for_and_cmake_found_none(tmp_path):
+    commit = tiny_tree(tmp_path / "src", OPENMP_TREE)
+    done = run_build(tmp_path, commit, ["-DGGML_OPENMP=ON", "-DPRETEND_NO_OPENMP=ON"])
+    assert done.returncode == 1
+    assert "GGML_OPENMP=ON but cmake found no OpenMP" in done.stderr
+    assert not (tmp_path / "builds" / "k").exists()
+
+
+def test_build_goes_on_where_openmp_is_found_or_off(tmp_path):
+    commit = tiny_tree(tmp_path / "src", OPENMP_TREE)
+    done = run_build(tmp_path, commit, ["-DGGML_OPENMP=OFF", "-DPRETEND_NO_OPENMP=ON"])
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "builds" / "k" / "bin" / "llama-server").exists()
+
+
+# A shared build as runtime CPU dispatch makes it: a library beside the binaries in bin/.
+SHARED_TREE = """cmake_minimum_required(VERSION 3.16)
+project(tiny C)
+set(CMAKE_LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_library(ggml-cpu-x64 SHARED part.c)
+add_executable(llama-server main.c)
+target_link_libraries(llama-server ggml-cpu-x64)
+add_executable(ggml-rpc-server main.c)
+"""
+
+
+def test_a_shared_build_carries_its_libraries_and_finds_them_beside_itself(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "part.c").write_text("int part(void) { return 1; }\n")
+    commit = tiny_tree(tmp_path / "src", SHARED_TREE)
+    done = run_build(tmp_path, commit, ["-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON"])
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "builds" / "k" / "bin"
+    assert (out / "libggml-cpu-x64.so").exists()
+    subprocess.run(["rm", "-rf", str(tmp_path / "tree")], check=True)  # as on a copying host
+    ran = subprocess.run([str(out / "llama-server")], capture_output=True, text=True)
+    assert ran.returncode == 0 and ran.stdout == "usage\n", ran.stderr
+
+
+def test_a_shared_build_whose_rpath_points_into_the_build_tree_is_not_installed(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "part.c").write_text("int part(void) { return 1; }\n")
+    commit = tiny_tree(tmp_path / "src", SHARED_TREE)
+    done = run_build(tmp_path, commit, [])  # cmake's default: the tree's absolute path
+    assert done.returncode == 1 and "is not $ORIGIN" in done.stderr
+    assert not (tmp_path / "builds" / "k").exists()
+
+
+def dispatch_facts(cpu: str, machine="x86_64"):
+    return {**platform(machine=machine), "llama_cpp.Libc": "glibc 2.36", "llama_cpp.CpuFlags": cpu,
+            "llama_cpp.Builds": {"current": None, "builds": {}}}
+
+
+def decide_all(cluster, facts):
+    from meshdeploy.core.context import HostContext, Resolved
+    resolved = Resolved(commit="0c1e57098bba43ac29e6e3b677cdceebdd22334f", build_number=1)
+    return {h.name: keys.decide(HostContext(cluster, h, facts[h.name], resolved,
+                                            cluster_facts=facts)) for h in cluster.hosts}
+
+
+def test_hosts_of_one_cpu_share_a_native_build_and_others_a_dispatched_one():
+    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    same = {h.name: dispatch_facts("a" * 16) for h in cluster.hosts}
+    got = decide_all(cluster, same)
+    assert not got["node1"].portable and "-march=native" in got["node1"].code
+    flags = keys.cmake_flags(cluster, cluster.host("node1"), False, False, same["node1"])
+    assert "-DGGML_NATIVE=OFF" not in flags and "-DGGML_BACKEND_DL=ON" not in flags
+    mixed = {**same, "node3": dispatch_facts("b" * 16)}
+    got = decide_all(cluster, mixed)
+    assert got["node1"].portable and "runtime CPU dispatch" in got["node1"].code
+    assert len({d.key for d in got.values()}) == 1
+    flags = keys.cmake_flags(cluster, cluster.host("node1"), False, True, mixed["node1"])
+    for flag in ("-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON",
+                 "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON"):
+        assert flag in flags
+    assert flags.index("-DBUILD_SHARED_LIBS=ON") > flags.index("-DBUILD_SHARED_LIBS=OFF")
+    # arm64 has no dispatch build here: portable code as before.
+    arm = keys.cmake_flags(cluster, cluster.host("node1"), False, True,
+                           dispatch_facts("c" * 16, "aarch64"))
+    assert "-DGGML_NATIVE=OFF" in arm and "-DGGML_BACKEND_DL=ON" not in arm
