@@ -2,8 +2,10 @@
 installed: no toolchain, no git, so the first plan cannot resolve the ref).
 
 The lab's hosts share one kernel, CPU, Debian release and glibc, so they share a build key:
-node1 (first in file order; the lab builds serially) compiles once, portable, and node2 and
-node3 copy its build from node1's md-share. The first plan already says so and opens md-share's
+node1 (first in file order; the lab builds serially) compiles once, and node2 and node3 copy
+its build from node1's md-share. Every host reports the same CPU flags, so the shared build
+stays -march=native (right for all of them; a dispatch build would take twice as long) and the
+plan says so. The first plan already says so and opens md-share's
 port on node1 to node2 and node3, and the plan after apply says "No changes". Counted from the
 hosts themselves: only node1 has a clone and a ninja log. Then node3 loses its build twice:
 node1's tarball corrupted where its time stamp does not show it is refused with one message and
@@ -98,7 +100,7 @@ def test_the_plan_after_apply_says_no_changes(applied):
 
 
 def test_node1_compiles_once_and_the_others_copy_its_build(applied):
-    info, _, _, output, took = applied
+    info, _, plan, output, took = applied
     current = {h: sh(info, h, f"readlink {PREFIX}/current") for h in NODES}
     assert len(set(current.values())) == 1, current
     key, tarball = tarball_of(info)
@@ -116,7 +118,8 @@ def test_node1_compiles_once_and_the_others_copy_its_build(applied):
     sums = {h: sh(info, h, f"sha256sum {binary} | cut -c1-64") for h in NODES}
     assert len(set(sums.values())) == 1, sums
     cache = sh(info, "node1", f"grep -h '^GGML_NATIVE:' {PREFIX}/build/cpu-*/CMakeCache.txt")
-    assert cache == "GGML_NATIVE:BOOL=OFF"  # portable: node2 and node3 run it on their CPUs
+    assert cache == "GGML_NATIVE:BOOL=ON"  # one CPU flags everywhere: native is right for all
+    assert "-march=native: every host of it reports the same CPU flags" in plan, plan
     # md-share's port on node1 opens to the copiers alone.
     table = sh(info, "node1", "nft list table inet meshdeploy")
     assert "29180" in table and "10.200.0.12/31" in table, table  # node2 and node3
