@@ -24,6 +24,7 @@ from meshdeploy.config.model import (
     SSH,
     Build,
     Cluster,
+    Failover,
     Health,
     HfSource,
     Host,
@@ -196,7 +197,9 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                api_key_file=unset(s["api_key_file"]), allow=tuple(s["allow"]),
                extra_args=tuple(s["extra_args"]),
                health=Health(s["health"]["retries"], float(s["health"]["interval"])),
-               allow_unauthenticated=s["allow_unauthenticated"])
+               allow_unauthenticated=s["allow_unauthenticated"],
+               failover=Failover(tolerate=s["failover"]["tolerate"],
+                                 seed=s["failover"]["seed"]))
         for name, s in data["servers"].items())
     wg = net["wireguard"]
     cluster = Cluster(

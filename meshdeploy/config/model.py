@@ -384,6 +384,15 @@ class Health:
 
 
 @dataclass(frozen=True)
+class Failover:
+    """servers.NAME.failover: how many worker hosts may be away at once, and whether their
+    caches hold every placement's tensors (roles/services/README.md, "Failover")."""
+
+    tolerate: int = 1
+    seed: bool = True
+
+
+@dataclass(frozen=True)
 class Server:
     name: str
     host: str  # host name (the orchestrator)
@@ -409,6 +418,7 @@ class Server:
     health: Health
     # A non-loopback bind without api_key_file is refused unless this is set (config.checks).
     allow_unauthenticated: bool = False
+    failover: Failover = Failover()
 
     @property
     def unit_name(self) -> str:
@@ -558,6 +568,18 @@ class Cluster:
                 if e.host.name != server.host and host.name in (e.host.name, server.host):
                     names.add(e.host.name if server.host == host.name else server.host)
         return [h for h in self.hosts if h.name in names]
+
+    def worker_hosts(self, server: Server) -> list[str]:
+        """Hosts other than the orchestrator whose rpc-servers `server` dials, in --rpc order."""
+        out = []
+        for e in self.rpc_endpoints(server):
+            if e.host.name != server.host and e.host.name not in out:
+                out.append(e.host.name)
+        return out
+
+    def supervised(self, server: Server) -> bool:
+        """Whether md-failover runs `server` (it has workers it may lose: failover.tolerate)."""
+        return server.failover.tolerate > 0 and bool(self.worker_hosts(server))
 
     def server_devices(self, server: Server) -> list[ServerDevice]:
         """Every device `server` splits across, in llama-server's -ts order: RPC devices

@@ -36,6 +36,10 @@ class Resolved:
     # writes them into llama-server's argv); absent where the split stays llama.cpp's or the
     # file's.
     splits: dict = field(default_factory=dict)
+    # roles.rpc_cache: server name -> its layout.Run tuple: the full placement (workers without
+    # layers left off --rpc), then one per set of workers it may lose (servers.NAME.failover);
+    # the services role starts md-failover with them.
+    failover: dict = field(default_factory=dict)
     # roles.llama_cpp: host name -> the hosts that copy the llama.cpp build it compiles (file
     # order); network opens md-share's port on it to them.
     build_copiers: dict = field(default_factory=dict)

@@ -107,6 +107,17 @@ class Speed:
 
 
 @dataclass
+class FailoverRow:
+    """The placement md-failover starts while some workers are away (roles.rpc_cache.layout.Run)."""
+
+    lost: list[str]  # the worker hosts away
+    rpc: list[str]  # the rpc-servers llama-server then dials ("host:port")
+    placement: str | None  # "node2:50052/CPU: layers 0-17 + output"; None: it cannot serve
+    gen_tps: float | None  # predicted generation tokens/s; None: no current measurement
+    refusal: str | None = None  # why it cannot serve ("... does not fit ...")
+
+
+@dataclass
 class Placement:
     """Where one llama-server's layers land, as llama.cpp splits them."""
 
@@ -122,6 +133,13 @@ class Placement:
     # "speed" (placement: auto, from measured device speeds).
     split_by: str = "memory"
     speed: Speed | None = None  # None: no current measurement of these devices, build and model
+    # The rpc-servers the full placement leaves off --rpc: they would hold no layer.
+    idle: list[str] = field(default_factory=list)
+    tolerate: int = 0  # servers.NAME.failover.tolerate where md-failover runs it, else 0
+    failover: list[FailoverRow] = field(default_factory=list)
+    # "host:port" -> hashed bytes the failover placements add to that rpc-server's cache
+    # (servers.NAME.failover.seed); empty where they add none or are not seeded.
+    failover_seed_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -110,6 +110,9 @@ def boot(lab: str, state_dir: Path, host: str, ccache: Path, marker: str) -> int
             "--link-journal=no",
             "--console=read-only",
             *NET_ADMIN_FLAGS,
+            # nspawn's own seccomp filter refuses pidfd_getfd, which md-failover takes
+            # llama-server's connections with (a host that is a machine of its own allows it).
+            "--system-call-filter=pidfd_getfd",
         ]
     )
     stop = shlex.quote(str(d / "stop"))

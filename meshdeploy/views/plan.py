@@ -199,8 +199,33 @@ def render_placement(placements: list[Placement]) -> str:
         how = _SPLIT_BY.get(p.split_by, "as llama.cpp splits it")
         blocks.append(f"Placement of {p.model} for llama-server {p.server} ({how}; KV at "
                       f"{tokens}, {p.slots} slots, {p.cache_type_k}/{p.cache_type_v}):\n{text}"
-                      + _speed_line(p))
+                      + _speed_line(p) + _failover_lines(p))
     return "\n\n".join(blocks)
+
+
+def _failover_lines(p: Placement) -> str:
+    """Workers left off --rpc, and what md-failover starts while workers are away."""
+    out = []
+    if p.idle:
+        out.append(f"Left off --rpc (no layers): {', '.join(p.idle)}")
+    if p.tolerate:
+        noun = "worker host" if p.tolerate == 1 else "worker hosts"
+        out.append(f"Failover (up to {p.tolerate} {noun} away; md-failover switches "
+                   "by itself):")
+        for f in p.failover:
+            head = f"  without {' and '.join(f.lost)}: "
+            if f.placement is None:
+                out.append(head + f"the server is down while {' and '.join(f.lost)} "
+                           f"{'is' if len(f.lost) == 1 else 'are'} away ({f.refusal})")
+                continue
+            speed = "" if f.gen_tps is None else f"; ~{f.gen_tps:.2f} tok/s predicted"
+            out.append(head + (f.placement or "every layer on the orchestrator") + speed)
+        if p.failover_seed_bytes:
+            out.append("  cached for them beforehand: " + ", ".join(
+                f"{k} +{_gb(n)} GB" for k, n in p.failover_seed_bytes.items())
+                + " (servers." + p.server + ".failover.seed: false ships them at the switch "
+                "instead)")
+    return "".join("\n" + line for line in out)
 
 
 _SPLIT_BY = {"memory": "as llama.cpp splits it", "tensor_split": "as tensor_split sets it",

@@ -52,9 +52,11 @@ def plan_placement(path: Path, facts: dict) -> tuple[seeding.SeedPlan, list[str]
     return planned, list(planned.notes)
 
 
-def table(resolved: seeding.SeedPlan) -> str:
-    """The placement section as the text plan prints it."""
-    return render_placement(layout.sections(resolved.layouts))
+def table(resolved: seeding.SeedPlan, cluster=None) -> str:
+    """The placement section as the text plan prints it (with its failover placements where
+    the cluster is given)."""
+    return render_placement(layout.sections(resolved.layouts, cluster, resolved.runs,
+                                            resolved.extra))
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -62,7 +64,7 @@ def test_placement_table_golden(name, headers):
     resolved, notes = plan_placement(ROOT / "inventories" / f"{name}.yaml", SCENARIOS[name])
     assert [lay.server for lay in resolved.layouts] == ["main"]
     assert notes == []
-    text = table(resolved) + "\n"
+    text = table(resolved, load_cluster(ROOT / "inventories" / f"{name}.yaml")) + "\n"
     golden = GOLDEN / f"placement-{name}.txt"
     if os.environ.get("MESHDEPLOY_UPDATE_GOLDEN") == "1":
         golden.write_text(text)
@@ -128,8 +130,8 @@ def test_a_worker_given_no_layers_is_named(tmp_path, headers):
     path = edited(tmp_path, "android-cpu-mesh", "tensor_split: [0.5, 0.5]",
                   "tensor_split: [1, 0]")
     _, notes = plan_placement(path, SCENARIOS["android-cpu-mesh"])
-    assert notes == ["servers.main: the tensor split gives worker2:60000/CPU no layers; "
-                     "llama-server still connects to it, but it holds nothing"]
+    assert notes == ["servers.main: the tensor split gives worker2:60000/CPU no layers; it is "
+                     "left off llama-server's --rpc, so its loss cannot take the server down"]
 
 
 def test_unknown_memory_is_said_not_guessed(headers):
@@ -174,3 +176,36 @@ def test_an_unset_context_cannot_save_weights_that_do_not_fit(headers):
     with pytest.raises(PlanError, match=r"glm does not fit at ctx_size 4096: macmini:50052/MTL0: "
                                         r"layers 0-8 need 3\.\d\d GB"):
         plan_placement(ROOT / "inventories/two-macs-config-a.yaml", facts)
+
+
+def test_a_server_that_may_lose_a_worker_runs_md_failover_golden(headers):
+    """The lab's server unit with the plan's placements: md-failover in llama-server's place,
+    one --placement per set of workers away, and what md-failover needs of the unit."""
+    from meshdeploy.roles.services.operations import failover_script
+    from meshdeploy.roles.services.unit_files import server_unit
+
+    path = ROOT / "inventories" / "lab.yaml"
+    planned, _ = plan_placement(path, SCENARIOS["lab"])
+    cluster = load_cluster(path)
+    server = cluster.server("main")
+    runs = planned.runs["main"]
+    assert [r.lost for r in runs] == [(), ("node2",), ("node3",)]
+    text = server_unit(cluster, cluster.host("node1"), server, "/opt/meshdeploy/builds/B",
+                       None, None, runs, failover_script("/opt/meshdeploy"))
+    assert "SystemCallFilter=pidfd_getfd\nRuntimeDirectory=meshdeploy-server-main\n" in text
+    golden = GOLDEN / "failover-unit-lab.txt"
+    if os.environ.get("MESHDEPLOY_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert text == golden.read_text()
+    # tolerate 0: llama-server itself, as before.
+    plain = server_unit(cluster, cluster.host("node1"), server, "/opt/meshdeploy/builds/B",
+                        None, None)
+    assert "md-failover" not in plain and "--rpc 10.200.0.12:50052,10.200.0.13:50052" in plain
+
+
+def test_a_worker_without_layers_is_left_off_rpc(tmp_path, headers):
+    path = edited(tmp_path, "android-cpu-mesh", "tensor_split: [0.5, 0.5]",
+                  "tensor_split: [1, 0]")
+    planned, _ = plan_placement(path, SCENARIOS["android-cpu-mesh"])
+    full = planned.runs["main"][0]
+    assert full.rpc == ("worker1:60000",) and full.split == (1.0,)

@@ -18,8 +18,11 @@ def _prepare(p: Prepare) -> Prepared:
                               read_remote=read if p.read_remote is not None else None,
                               speeds=p.speeds)
     return Prepared(values={"seeds": planned.seeds, "layouts": planned.layouts,
-                            "shared": planned.shared, "splits": planned.splits},
-                    warnings=planned.notes, placement=layout.sections(planned.layouts))
+                            "shared": planned.shared, "splits": planned.splits,
+                            "failover": planned.runs},
+                    warnings=planned.notes,
+                    placement=layout.sections(planned.layouts, p.cluster, planned.runs,
+                                              planned.extra))
 
 
 ROLE = Role(

@@ -194,6 +194,10 @@ class SeedPlan:
     notes: tuple[str, ...]
     shared: dict  # model name -> ((offset, size), ...) of its hashed tensors, for digest lists
     splits: dict = field(default_factory=dict)  # server name -> placement: auto's -ts values
+    # server name -> (the full layout.Run, then one per set of workers it may lose)
+    runs: dict = field(default_factory=dict)
+    # server name -> {"host:port": hashed bytes the other runs add to that cache}
+    extra: dict = field(default_factory=dict)
 
 
 def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
@@ -214,6 +218,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
     notes: list[str] = []
     layouts = []
     shared: dict[str, tuple] = {}
+    runs: dict[str, tuple] = {}
+    extra: dict[str, dict] = {s.name: {} for s in cluster.servers}
     fetches = {(f.model, f.worker): f.source for f in distribution.tensor_fetches(cluster)}
     for server in cluster.servers:
         endpoints = cluster.rpc_endpoints(server)
@@ -246,28 +252,48 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
                            speeds.get(server.name), resolved.commit)
         layouts.append(lay)
         notes += layout.warnings(lay)
+        runs[server.name] = (layout.run_of(cluster, server, lay),) + tuple(layout.degraded(
+            cluster, server, tensors, model_shape(header), facts, speeds.get(server.name),
+            resolved.commit))
         if any(m == model.name for m, _ in fetches):
             shared[model.name] = tuple(sorted((t.offset, t.size) for t in tensors if t.hashed))
-        for row in lay.rows:
-            if not row["cached"] or row["host"] not in names or row["host"] not in content:
-                continue
-            key = rpc_ref(row["host"], row["port"])
-            source = fetches.get((model.name, row["host"]))
-            seed = ops.SeedModel("" if source else model_path(cluster, model.name,
-                                                                cluster.host(row["host"])),
-                                 content[row["host"]], tuple(row["tensors"]), model.name, source)
-            merged = seeds.setdefault(key, [])
-            # One rpc-server may expose several devices: one entry per model, tensors united.
-            for i, have in enumerate(merged):
-                if have.model_sha == seed.model_sha:
-                    union = {t.offset: t for t in have.tensors + seed.tensors}
-                    merged[i] = replace(have, tensors=tuple(sorted(union.values(),
-                                                                   key=lambda t: t.offset)))
-                    break
-            else:
-                merged.append(seed)
+        seeded = [lay] + ([r.layout for r in runs[server.name][1:] if r.layout is not None]
+                          if server.failover.seed else [])
+        for i, each in enumerate(seeded):
+            for row in each.rows:
+                if not row["cached"] or row["host"] not in names or row["host"] not in content:
+                    continue
+                key = rpc_ref(row["host"], row["port"])
+                source = fetches.get((model.name, row["host"]))
+                seed = ops.SeedModel("" if source else model_path(cluster, model.name,
+                                                                    cluster.host(row["host"])),
+                                     content[row["host"]], tuple(row["tensors"]), model.name,
+                                     source)
+                before = _held(seeds.get(key, []))
+                _merge(seeds.setdefault(key, []), seed)
+                if i:  # what the placements without other workers add to this cache
+                    extra[server.name][key] = extra[server.name].get(key, 0) + \
+                        _held(seeds[key]) - before
     return SeedPlan({k: tuple(v) for k, v in seeds.items()}, tuple(layouts), tuple(notes),
-                    shared, {lay.server: lay.split for lay in layouts if lay.split})
+                    shared, {lay.server: lay.split for lay in layouts if lay.split}, runs,
+                    {s: {k: n for k, n in e.items() if n} for s, e in extra.items()})
+
+
+def _held(models: list) -> int:
+    """Bytes of hashed tensors the seeds of one rpc-server hold."""
+    return sum(t.size for m in models for t in m.tensors if t.hashed)
+
+
+def _merge(merged: list, seed) -> None:
+    """Adds `seed` to one rpc-server's seeds: one entry per model, its tensors united (an
+    rpc-server may expose several devices, and serve several placements)."""
+    for i, have in enumerate(merged):
+        if have.model_sha == seed.model_sha:
+            union = {t.offset: t for t in have.tensors + seed.tensors}
+            merged[i] = replace(have, tensors=tuple(sorted(union.values(),
+                                                           key=lambda t: t.offset)))
+            return
+    merged.append(seed)
 
 
 def seed(ctx: HostContext, port: int) -> Step:

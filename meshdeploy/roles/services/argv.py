@@ -6,6 +6,8 @@ without a host, and so flags that moved between llama.cpp versions are decided i
 
 from __future__ import annotations
 
+from dataclasses import replace as _replace
+
 from meshdeploy.config.model import Cluster, Host, RpcServer, Server
 from meshdeploy.errors import PlanError
 
@@ -102,3 +104,42 @@ def load_mode_args(server: Server, known: frozenset[str], binary: str) -> list[s
         f"llama-server at {binary} supports neither -lm/--load-mode nor the older flags for "
         f"load_mode '{mode}' (server {server.name})",
         "remove servers.{0}.load_mode or build a llama.cpp that supports it".format(server.name))
+
+
+def failover_argv(python: str, script: str, binary: str, cluster: Cluster, server: Server,
+                  model_path: str, runs, flags: frozenset[str] | None = None,
+                  state: str | None = None) -> list[str]:
+    """argv of md-failover (templates/md-failover.py) running `server` with its placements.
+
+    + runs: roles.rpc_cache.layout.Run tuple: the full placement first, then one per set of
+      workers it may lose; runs that cannot serve are left out (md-failover is then down
+      while that set is away)
+    + state: where md-failover says which placement runs; None: $RUNTIME_DIRECTORY's
+    Example: ["python3", ".../md-failover-1a2b3c4d5e6f.py", "--worker",
+              "node2=10.200.0.12:50052", "--placement", "-", "10.200.0.12:50052,...", "-",
+              ..., "--", "/opt/.../llama-server", "-m", ...]
+    """
+    known = UPSTREAM_FLAGS if flags is None else flags
+    base = llama_server_argv(binary, cluster, _replace(server, rpc=None, tensor_split="auto"),
+                             model_path, flags)
+    target = {e.ref: e.target for e in cluster.rpc_endpoints(server)}
+    argv = [python, script]
+    if state is not None:
+        argv += ["--state", state]
+    rpc_flag = next((f for f in ("--rpc",) if f in known), None)
+    ts_flag = next((f for f in ("-ts", "--tensor-split") if f in known), None)
+    if rpc_flag is None or ts_flag is None:
+        raise PlanError(f"llama-server at {binary} has no --rpc or -ts option "
+                        f"(server {server.name})", "build a llama.cpp that has both")
+    # One word each: a value that starts with "-" would read as an option of its own.
+    argv += [f"--rpc-flag={rpc_flag}", f"--ts-flag={ts_flag}"]
+    for name in cluster.worker_hosts(server):
+        targets = [e.target for e in cluster.rpc_endpoints(server) if e.host.name == name]
+        argv += ["--worker", f"{name}={','.join(targets)}"]
+    for run in runs:
+        if run.layout is None:
+            continue
+        argv += ["--placement", ",".join(run.lost) or "-",
+                 ",".join(target[r] for r in run.rpc) or "-",
+                 "-" if run.split is None else ",".join(f"{v:g}" for v in run.split)]
+    return argv + ["--"] + base

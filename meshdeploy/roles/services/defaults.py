@@ -37,3 +37,9 @@ services_runit_wait_seconds = 15      # runsvdir picks a new service folder up w
 services_rpc_probe_seconds = 30       # rpc-server must accept TCP within this after a (re)start
 services_journal_lines = 20           # journal lines shown when a service fails
 services_health_exits = 5             # llama-server exits that end the /health wait early
+
+# --- failover (md-failover runs a llama-server that may lose workers) -----------------------------
+services_failover_script = "md-failover"     # {llama_cpp.prefix}/tools/md-failover-<sha12>.py
+services_failover_python = "/usr/bin/python3"  # systemd units name their program by absolute path
+services_failover_launchd_python = "/usr/bin/python3"  # macOS: the Command Line Tools' python3
+services_failover_syscall = "pidfd_getfd"    # how it takes llama-server's connections to watch

@@ -281,17 +281,18 @@ class RunitTools(FactBase):
     /bin), and `log/run` names svlogd.
 
     ```python
-    {"sh": "/data/data/com.termux/files/usr/bin/sh", "svlogd": "/data/.../usr/bin/svlogd"}
+    {"sh": "/data/data/com.termux/files/usr/bin/sh", "svlogd": "/data/.../usr/bin/svlogd",
+     "python3": "/data/.../usr/bin/python3"}   # python3: md-failover's, where a server runs
     ```
     A value is None when the tool is missing or its path is not a plain absolute path.
     """
 
     def command(self):
-        return ('printf \'sh=%s\\nsvlogd=%s\\n\' "$(command -v sh)" '
-                '"$(command -v svlogd)"')
+        return ('printf \'sh=%s\\nsvlogd=%s\\npython3=%s\\n\' "$(command -v sh)" '
+                '"$(command -v svlogd)" "$(command -v python3)"')
 
     def process(self, output):
-        out = {"sh": None, "svlogd": None}
+        out = {"sh": None, "svlogd": None, "python3": None}
         for line in output:
             key, sep, value = line.partition("=")
             if sep and key in out and _PLAIN_PATH.fullmatch(value):
@@ -300,7 +301,7 @@ class RunitTools(FactBase):
 
     @staticmethod
     def default():
-        return {"sh": None, "svlogd": None}
+        return {"sh": None, "svlogd": None, "python3": None}
 
 
 class UserNamespaces(FactBase):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
 from dataclasses import replace as _replace
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from meshdeploy.roles.services.managers import (  # noqa: F401 - Systemd/Launchd
 )
 from meshdeploy.roles.services.unit_files import (
     after_forwards,
+    failover_lines,
     exposed,
     launchd_plist,
     rpc_unit,
@@ -42,6 +44,28 @@ from meshdeploy.roles.services.unit_files import (
 
 ROLE = "services"
 TEMPLATES = Path(__file__).with_name("templates")
+FAILOVER = TEMPLATES / "md-failover.py"
+
+
+def failover_script(prefix: str) -> str:
+    """Where md-failover lives on a host: named by its content, so a unit that runs another
+    version of it reads as changed."""
+    sha = hashlib.sha256(FAILOVER.read_bytes()).hexdigest()[:12]
+    return f"{prefix}/tools/{d.services_failover_script}-{sha}.py"
+
+
+def _python(ctx, mgr) -> str:
+    """The python3 md-failover runs under, by absolute path (systemd, launchd and runit's run
+    scripts all name their program so): on runit the RunitTools fact's, else beside its sh."""
+    if isinstance(mgr, Launchd):
+        return d.services_failover_launchd_python
+    if isinstance(mgr, Runit):
+        tools = ctx.fact("services.RunitTools") or {}
+        if tools.get("python3"):
+            return tools["python3"]
+        sh = tools.get("sh") or "/bin/sh"
+        return sh.rsplit("/", 1)[0] + "/python3"
+    return d.services_failover_python
 
 
 def sections(cluster, host) -> list[Section]:
@@ -316,8 +340,16 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     server = next((s for s in ctx.servers() if s.name == name), None)
     if server is None:
         return Step(ctx.change(ROLE, resource, "no-op", "not served from this host"))
+    runs = ctx.resolved.failover.get(name) or ()
+    # md-failover runs a server that may lose workers, where the plan knows its placements.
+    script = failover_script(ctx.prefix) if runs and ctx.cluster.supervised(server) else None
+    supervised_as = server
     split = ctx.resolved.splits.get(name)
-    if split is not None:  # placement: auto's split (roles.rpc_cache), written as -ts
+    if runs:  # the full placement: placement: auto's or the file's -ts, idle workers left off
+        full = runs[0]
+        server = _replace(server, rpc=full.rpc,
+                          tensor_split="auto" if full.split is None else full.split)
+    elif split is not None:  # placement: auto's split (roles.rpc_cache), written as -ts
         server = _replace(server, tensor_split=tuple(float(v) for v in split))
     endpoints = ctx.cluster.rpc_endpoints(server)
     moved = [e.target for e in endpoints if e.ref in ctx.steps.restarted()]
@@ -337,9 +369,18 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     sha = model_sha(ctx, server.model)
     if isinstance(mgr, (Launchd, SystemdUser, Runit)):
         flags = manifest.get("flags")
-        argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", ctx.cluster, server,
-                                       model_path(ctx.cluster, server.model, ctx.host),
-                                       frozenset(flags) if flags else None)
+        if script is not None:
+            argv = argvs.failover_argv(
+                _python(ctx, mgr), script, f"{build_dir}/bin/llama-server", ctx.cluster,
+                supervised_as, model_path(ctx.cluster, server.model, ctx.host), runs,
+                frozenset(flags) if flags else None,
+                # macOS has no /run: a launchd job keeps no state file.
+                state=None if isinstance(mgr, Launchd) else
+                f"{ctx.host.layout.run}/{server.unit_name}.failover.json")
+        else:
+            argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", ctx.cluster, server,
+                                           model_path(ctx.cluster, server.model, ctx.host),
+                                           frozenset(flags) if flags else None)
         env = {"MESHDEPLOY_MODEL_SHA256": sha} if sha else {}
     if isinstance(mgr, Launchd):
         want = launchd_plist(unit, argv, env, d.services_launchd_log_dir)
@@ -350,19 +391,26 @@ def llama_server(ctx: HostContext, name: str) -> Step:
                               "(meshdeploy)", "llama-server.user.service",
                               name=unit_name(server.name, where), bind=server.bind,
                               port=int(server.port),
-                              after=after_forwards(ctx.cluster, ctx.host))
+                              after=after_forwards(ctx.cluster, ctx.host),
+                              failover=failover_lines("" if script else None),
+                              writable=(ctx.host.layout.run,) if script else ())
     else:
-        want = server_unit(ctx.cluster, ctx.host, server, build_dir, manifest.get("flags"), sha)
+        want = server_unit(ctx.cluster, ctx.host, supervised_as if script else server,
+                           build_dir, manifest.get("flags"), sha, runs, script)
     step, restarted = _unit_step(ctx, resource, unit, want, reason)
+    if script is not None and step.commands:
+        # The unit names the script by its content: written before the unit that runs it.
+        step.commands = [shell.write_file(script, FAILOVER.read_text())] + step.commands
     if restarted:
         # Stopped first: its RPC connections close, so each worker accepts the check at once.
         # e.port: the port it dials (the forward's loopback port under network.transport: ssh).
+        # md-failover starts without a worker that is away: only the others are waited for.
         checks = [tcp_wait(e.address, e.port, 10, None, f"{ctx.host.name} -> {e.target}")
-                  for e in endpoints]
+                  for e in endpoints if not (script and e.host.name in ctx.failed_hosts)]
         step.commands = ([mgr.stop(unit)] if checks else []) + checks + step.commands + [
             health_wait(server, mgr.journal(unit), rootless.restarts_shim(mgr))]
         lost = sorted({e.host.name for e in endpoints} & ctx.failed_hosts)
-        if lost:
+        if lost and script is None:
             # Restarting now would stop a llama-server that still serves and start one that
             # aborts on the missing worker: it stays as it is until the worker is back.
             step.commands = [shell.command(

@@ -66,7 +66,8 @@ def _path_value(path: str, where: str) -> str:
 
 
 def user_unit(template: str, cluster, host, argv: list, env: dict, where: str,
-              exposed: bool = False, writable=(), userns: bool = False, **values) -> str:
+              exposed: bool = False, writable=(), userns: bool = False, failover: str = "",
+              **values) -> str:
     """A systemd --user unit from `template` (rpc-server.user.service or
     llama-server.user.service)."""
     warning = f'ExecStartPre=/bin/echo "{EXPOSED}"\n' if exposed else ""
@@ -77,7 +78,7 @@ def user_unit(template: str, cluster, host, argv: list, env: dict, where: str,
                   exec_start=exec_line(argv, f"{where} (ExecStart)"),
                   environment="".join(env_line(k, v, f"{where} (Environment)")
                                       for k, v in sorted(env.items())),
-                  warning=warning, sandbox=sandbox, **values)
+                  warning=warning, sandbox=sandbox, failover=failover, **values)
 
 
 def runit_run(cluster, argv: list, env: dict, description: str, sh: str | None,
@@ -129,7 +130,7 @@ def check_key_file(ctx, server, fact: dict) -> None:
 
 def want(ctx, mgr, where: str, argv: list, env: dict, description: str,
                    template: str, exposed: bool = False, after: str | None = None,
-                   writable=(), **values) -> str:
+                   writable=(), failover: str = "", **values) -> str:
     """A rootless host's definition: a systemd --user unit, or a runit `run` script.
 
     + after: whole lines a unit template takes as ${after} (ordered_after's; runit has no
@@ -144,7 +145,8 @@ def want(ctx, mgr, where: str, argv: list, env: dict, description: str,
     if after is not None:
         quoted["after"] = after
     return user_unit(template, ctx.cluster, ctx.host, argv, env, where, exposed,
-                     writable=writable, userns=bool(ctx.fact(USERNS)), **quoted)
+                     writable=writable, userns=bool(ctx.fact(USERNS)), failover=failover,
+                     **quoted)
 
 
 # health.sh reads the unit's restart count with `systemctl show -p NRestarts`: on a rootless

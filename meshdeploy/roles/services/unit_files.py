@@ -146,7 +146,10 @@ def after_forwards(cluster, host) -> str:
                    for f in cluster.ssh_forwards(host))
 
 
-def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | None) -> str:
+def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | None,
+                runs=(), script: str | None = None) -> str:
+    """llama-server's systemd unit; with runs and script (the md-failover it runs), md-failover
+    in its place (roles/services/README.md, "Failover")."""
     where = f"servers.{server.name}"
     api_key = server.api_key_file
     credentials = ""
@@ -154,11 +157,19 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
         # The service user cannot read the operator's file; systemd hands it a private copy.
         credentials = f"LoadCredential=api-key:{line_value(api_key, f'{where}.api_key_file')}\n"
         server = _with_key_path(server, SystemdExpr("${CREDENTIALS_DIRECTORY}/api-key"))
-    argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", cluster, server,
-                                   model_path(cluster, server.model, host),
+    if script is not None:
+        argv = argvs.failover_argv(d.services_failover_python, script,
+                                   f"{build_dir}/bin/llama-server", cluster, server,
+                                   model_path(cluster, server.model, host), runs,
                                    frozenset(flags) if flags else None)
+    else:
+        argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", cluster, server,
+                                       model_path(cluster, server.model, host),
+                                       frozenset(flags) if flags else None)
     env = {"MESHDEPLOY_MODEL_SHA256": model_sha} if model_sha else {}
-    return _render("llama-server.service", cluster=comment_value(cluster.name, "cluster"),
+    return _render("llama-server.service",
+                   failover=failover_lines(None if script is None else server.unit_name),
+                   cluster=comment_value(cluster.name, "cluster"),
                    name=line_value(unit_name(server.name, where), where),
                    bind=line_value(server.bind, f"{where}.bind"), port=int(server.port),
                    exec_start=exec_line(argv, f"{where} (ExecStart)"),
@@ -172,7 +183,10 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
 
 # [Service] settings of llama-server's unit that a copy of it does not take: its command, its
 # environment and its restart policy (a copy runs once, for a measurement).
-_NOT_SANDBOX = frozenset({"Type", "ExecStart", "Environment", "Restart", "RestartSec"})
+# Nor md-failover's runtime folder (named after the unit: a copy that ended would remove the
+# running server's state file with it).
+_NOT_SANDBOX = frozenset({"Type", "ExecStart", "Environment", "Restart", "RestartSec",
+                          "RuntimeDirectory"})
 
 
 def server_sandbox(cluster, host, server) -> list[str]:
@@ -204,6 +218,16 @@ def launchd_plist(label: str, argv: list[str], env: dict, log_dir: str) -> str:
     if env:
         doc["EnvironmentVariables"] = dict(sorted(env.items()))
     return plist(doc, label)
+
+
+def failover_lines(runtime: str | None) -> str:
+    """What md-failover needs of a unit beyond llama-server's: pidfd_getfd (to watch
+    llama-server's connections; not in @system-service) and, for a system unit, its state file's
+    folder (RuntimeDirectory=, named after the unit)."""
+    if runtime is None:
+        return ""
+    return (f"SystemCallFilter={d.services_failover_syscall}\n"
+            + (f"RuntimeDirectory={runtime}\n" if runtime else ""))
 
 
 def _with_key_path(server, path):

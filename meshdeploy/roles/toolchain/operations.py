@@ -58,8 +58,10 @@ def wanted_packages(cluster, manager: str, host, copier: bool = False,
         if cluster.llama_cpp.build.ccache:
             base = base + (d.toolchain_ccache_package,)
         base = base + d.toolchain_backend_packages.get(manager, {}).get(host.backend, ())
-    if distribution.share_clients(cluster, host) and manager != "brew":  # macOS ships python3 with its CLT
-        base = base + (d.toolchain_python_package,)  # md-share serves the host's model copy
+    if (distribution.share_clients(cluster, host) or _supervises(cluster, host)) \
+            and manager != "brew":  # macOS ships python3 with its CLT
+        # md-share serves the host's model copy; md-failover runs its llama-servers.
+        base = base + (d.toolchain_python_package,)
     if manager == "apt" and not host.rootless and cluster.ssh_forwards(host):
         # The forwards run as a DynamicUser, and ssh exits when it cannot look its own user up:
         # nss-systemd names those users (Debian's package adds it to nsswitch.conf; Fedora has
@@ -198,6 +200,11 @@ def apt_proxy_conf(url: str) -> str:
     return f'Acquire::http::Proxy "{url}";\nAcquire::https::Proxy "{url}";\n'
 
 
+def _supervises(cluster, host) -> bool:
+    """Whether md-failover (Python) runs a llama-server on `host`."""
+    return any(s.host == host.name and cluster.supervised(s) for s in cluster.servers)
+
+
 def packages(ctx: HostContext) -> Step:
     """toolchain.packages: cmake, compiler, git, curl, ninja (and ccache when asked); on an apt
     host that copies its llama.cpp build (copies_from), what the copy and the binaries need.
@@ -262,8 +269,8 @@ def termux_missing(cluster, host, platform: dict) -> list[str]:
     want = dict(d.toolchain_termux_packages)
     if cluster.llama_cpp.build.ccache:
         want.update(d.toolchain_termux_ccache)
-    if distribution.share_clients(cluster, host):
-        want.update(d.toolchain_termux_python)  # md-share serves the host's model copy
+    if distribution.share_clients(cluster, host) or _supervises(cluster, host):
+        want.update(d.toolchain_termux_python)  # md-share, md-failover
     tools = set(platform.get("tools", []))
     missing = [pkg for tool, pkg in want.items() if tool not in tools]
     if d.toolchain_backend_tool.get(host.backend, "-") not in tools:

@@ -1,0 +1,154 @@
+"""Failover on the converged lab (conftest's converged_lab: node1 orchestrates gemma, node2 and
+node3 serve rpc-server; servers.main.failover.tolerate is 1 by default): md-failover runs
+llama-server on the full placement, notices a worker whose link drops silently (an nftables
+drop inside node3's namespace, both ways, no RST) or whose rpc-server stops, switches to the
+plan's placement without it while completions keep being asked, and goes back to the full
+placement once the worker answers again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import pytest
+from support.cli import meshdeploy
+
+from meshdeploy.lab import net
+
+pytestmark = [pytest.mark.lab, pytest.mark.build]
+
+TABLE = "mdtest_failover"
+STATE = "/run/meshdeploy-server-main/failover.json"
+
+
+@pytest.fixture(scope="module")
+def lab(converged_lab):
+    info, _, path = converged_lab
+    return info, path
+
+
+def state(info) -> dict:
+    done = info.run("node1", f"sudo -n cat {STATE}")
+    return json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else {}
+
+
+def wait_state(info, predicate, timeout: float) -> tuple[dict, float]:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        s = state(info)
+        if s and predicate(s):
+            return s, time.monotonic() - started
+        time.sleep(0.5)
+    return state(info), time.monotonic() - started
+
+
+def complete(info) -> bool:
+    """One short completion on node1's llama-server, asked inside node1's namespace."""
+    body = json.dumps({"prompt": "The capital of France is", "n_predict": 4,
+                       "temperature": 0})
+    done = subprocess.run(["ip", "netns", "exec", net.host_netns(info.name, "node1"), "curl",
+                           "-sf", "-m", "30", "-H", "Content-Type: application/json",
+                           "-d", body, "http://127.0.0.1:8080/completion"],
+                          capture_output=True, text=True, timeout=40)
+    return done.returncode == 0 and '"content"' in done.stdout
+
+
+class Loop:
+    """Completions one after another, each recorded as (start time, ok)."""
+
+    def __init__(self, info):
+        self.info, self.results, self.running = info, [], True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while self.running:
+            t = time.monotonic()
+            self.results.append((t, complete(self.info)))
+            time.sleep(0.3)
+
+    def stop(self):
+        self.running = False
+        self.thread.join(60)
+
+
+def _nft(info, host: str, rules: str) -> None:
+    subprocess.run(["ip", "netns", "exec", net.host_netns(info.name, host), "nft", "-f", "-"],
+                   input=rules, text=True, check=True, capture_output=True, timeout=30)
+
+
+def test_the_plan_shows_the_placements_and_md_failover_runs_the_full_one(lab):
+    info, path = lab
+    done = meshdeploy("plan", path)
+    assert done.returncode == 0, done.stderr
+    assert "Failover (up to 1 worker host away; md-failover switches by itself):" in done.stdout
+    assert "without node3: node2:50052/CPU: layers 0-17 + output" in done.stdout
+    assert "No changes" in done.stdout
+    unit = info.run("node1", "systemctl cat meshdeploy-server-main").stdout
+    assert "md-failover-" in unit and "SystemCallFilter=pidfd_getfd" in unit
+    s, _ = wait_state(info, lambda s: s.get("state") == "serving", 60)
+    assert s["state"] == "serving" and s["lost"] == [], s
+    assert complete(info)
+
+
+def test_a_silent_link_loss_switches_and_the_return_restores_the_full_placement(lab):
+    info, _ = lab
+    node1 = info.host("node1").address
+    assert wait_state(info, lambda s: s.get("state") == "serving" and not s["lost"], 60)[0]
+    loop = Loop(info)
+    try:
+        time.sleep(3)
+        cut = time.monotonic()
+        _nft(info, "node3", f"table inet {TABLE} {{\n"
+                            "  chain input { type filter hook input priority -10; policy accept;\n"
+                            f"    ip saddr {node1} drop\n  }}\n"
+                            "  chain output { type filter hook output priority -10; "
+                            "policy accept;\n"
+                            f"    ip daddr {node1} drop\n  }}\n}}\n")
+        try:
+            s, waited = wait_state(info, lambda s: s["lost"] == ["node3"]
+                                   and s["state"] == "serving", 90)
+            assert s["lost"] == ["node3"] and s["rpc"] == f"{info.host('node2').address}:50052", s
+            switched = time.monotonic()
+            deadline = switched + 60
+            while time.monotonic() < deadline and not any(
+                    ok for t, ok in loop.results if t > switched):
+                time.sleep(0.5)
+            served = [t for t, ok in loop.results if ok and t > cut]
+            assert served, "no completion answered on the placement without node3"
+            print(f"silent loss -> switched in {switched - cut:.1f} s (state seen after "
+                  f"{waited:.1f} s); first completion {served[0] - cut:.1f} s after the cut")
+        finally:
+            _nft(info, "node3", f"delete table inet {TABLE}\n")
+        back = time.monotonic()
+        s, _ = wait_state(info, lambda s: s["lost"] == [] and s["state"] == "serving", 90)
+        assert s["lost"] == [] and s["state"] == "serving", s
+        returned = time.monotonic()
+        time.sleep(5)
+        print(f"link back -> full placement in {returned - back:.1f} s")
+    finally:
+        loop.stop()
+    after = [ok for t, ok in loop.results if t > returned]
+    assert after and all(after), loop.results[-10:]
+
+
+def test_a_stopped_worker_switches_at_once_and_its_return_is_seen(lab):
+    info, _ = lab
+    assert wait_state(info, lambda s: s.get("state") == "serving" and not s["lost"], 60)[0]
+    stopped = time.monotonic()
+    info.run("node2", "systemctl stop meshdeploy-rpc-50052")
+    try:
+        s, _ = wait_state(info, lambda s: s["lost"] == ["node2"] and s["state"] == "serving", 60)
+        assert s["lost"] == ["node2"], s
+        switched = time.monotonic() - stopped
+        assert complete(info)
+        print(f"rpc-server stopped -> serving without node2 in {switched:.1f} s")
+    finally:
+        info.run("node2", "systemctl start meshdeploy-rpc-50052")
+    s, _ = wait_state(info, lambda s: s["lost"] == [] and s["state"] == "serving", 90)
+    assert s["lost"] == [], s
+    assert complete(info)
+    done = meshdeploy("plan", lab[1])
+    assert "No changes" in done.stdout, done.stdout

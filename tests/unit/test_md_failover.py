@@ -1,0 +1,231 @@
+"""md-failover (roles/services/templates/md-failover.py) against real processes on loopback:
+stand-in rpc-servers that answer HELLO and serve one client at a time, as rpc-server does, and
+a stand-in llama-server that dials every --rpc endpoint, holds the connections and serves
+/metrics. The lab test (tests/lab/test_failover_lab.py) runs the real binaries."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "meshdeploy" / "roles" / "services" / "templates" / "md-failover.py"
+
+# The stand-in llama-server: dials each --rpc endpoint (HELLO), holds the connections, writes
+# its argv to $FAKE_LOG, answers /metrics, and exits 134 when a worker closes its end (as
+# llama-server aborts on "Remote RPC server crashed").
+FAKE = r'''
+import http.server, json, os, socket, struct, sys, threading
+args = sys.argv[1:]
+rpc = args[args.index("--rpc") + 1].split(",") if "--rpc" in args else []
+port = int(args[args.index("--port") + 1])
+conns = []
+for t in rpc:
+    a, _, p = t.rpartition(":")
+    s = socket.create_connection((a, int(p)), timeout=5)
+    s.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
+    s.recv(64)
+    s.settimeout(None)
+    conns.append(s)
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps(args) + "\n")
+def watch(s):
+    if not s.recv(1):
+        os._exit(134)
+for s in conns:
+    threading.Thread(target=watch, args=(s,), daemon=True).start()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"llamacpp:requests_processing 0\n"
+        self.send_response(200); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+class FakeRpc:
+    """Answers HELLO like rpc-server, one client at a time; stop() closes the listener and
+    the client it serves (the client sees the worker close its end)."""
+
+    def __init__(self, port: int = 0):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(1)
+        self.port = self.sock.getsockname()[1]
+        self.client = None
+        self.running = True
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while self.running:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.client = c
+            self._one(c)
+
+    @staticmethod
+    def _one(c):
+        """HELLO answered, then the client held until it closes."""
+        try:
+            data = c.recv(33)
+            if data and data[0] == 14:
+                c.sendall(struct.pack("<Q", 3) + bytes([3, 0, 0]))
+            while c.recv(4096):
+                pass
+        except OSError:
+            pass
+        c.close()
+
+    def stop(self):
+        self.running = False
+        try:  # wakes the accept() of the serving thread, which holds the listener open
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self.client is not None:
+            try:  # a close() alone sends nothing while another thread is in recv() on it
+                self.client.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.client.close()
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def wait_for(predicate, timeout=20.0, step=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    return predicate()
+
+
+@pytest.fixture
+def setup(tmp_path):
+    fake = tmp_path / "fake-llama-server.py"
+    fake.write_text(FAKE)
+    log = tmp_path / "argv.log"
+    log.touch()
+    procs = []
+
+    def start(workers: dict, placements: list, port: int):
+        argv = [sys.executable, str(SCRIPT), "--state", str(tmp_path / "state.json"),
+                "--interval", "0.5"]
+        for name, rpc in workers.items():
+            argv += ["--worker", f"{name}=127.0.0.1:{rpc.port}"]
+        for p in placements:
+            argv += ["--placement", *p]
+        argv += ["--", sys.executable, str(fake), "--host", "127.0.0.1", "--port", str(port)]
+        proc = subprocess.Popen(argv, env=dict(os.environ, FAKE_LOG=str(log)),
+                                stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        return proc
+
+    def starts():
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    yield start, starts, tmp_path
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def rpc_of(argv: list) -> str | None:
+    return argv[argv.index("--rpc") + 1] if "--rpc" in argv else None
+
+
+def test_it_switches_to_the_placement_without_a_lost_worker_and_back(setup):
+    start, starts, tmp = setup
+    a, b = FakeRpc(), FakeRpc()
+    both, only_a, only_b = (f"127.0.0.1:{a.port},127.0.0.1:{b.port}", f"127.0.0.1:{a.port}",
+                            f"127.0.0.1:{b.port}")
+    proc = start({"na": a, "nb": b}, [["-", both, "9,10"], ["nb", only_a, "-"],
+                                      ["na", only_b, "-"]], free_port())
+    assert wait_for(lambda: len(starts()) == 1), proc.stderr
+    assert rpc_of(starts()[0]) == both and starts()[0][-2:] == ["-ts", "9,10"]
+    state = json.loads((tmp / "state.json").read_text())
+    assert state["state"] == "serving" and state["lost"] == []
+
+    b.stop()  # the worker closes its end: llama-server aborts, md-failover restarts it without nb
+    assert wait_for(lambda: len(starts()) == 2)
+    assert rpc_of(starts()[1]) == only_a and "-ts" not in starts()[1]
+    assert wait_for(lambda: json.loads((tmp / "state.json").read_text())["lost"] == ["nb"])
+
+    b2 = FakeRpc(b.port)  # nb back on its old port
+    assert wait_for(lambda: len(starts()) == 3)
+    assert rpc_of(starts()[2]) == both
+    assert proc.poll() is None
+    a.stop()
+    b2.stop()
+
+
+def test_a_set_without_a_placement_is_down_not_a_restart_loop(setup):
+    start, starts, tmp = setup
+    a, b = FakeRpc(), FakeRpc()
+    b.stop()
+    proc = start({"na": a, "nb": b},
+                 [["-", f"127.0.0.1:{a.port},127.0.0.1:{b.port}", "-"]], free_port())
+    assert wait_for(lambda: (tmp / "state.json").exists()
+                    and json.loads((tmp / "state.json").read_text())["state"] == "down")
+    time.sleep(1.5)
+    assert starts() == [] and proc.poll() is None
+    proc.terminate()
+    _, err = proc.communicate(timeout=10)
+    assert "down while nb is away" in err
+    a.stop()
+
+
+def test_no_probe_connects_to_a_worker_llama_server_is_using(setup):
+    """rpc-server serves one client at a time: a probe would wait in the backlog the next
+    llama-server needs. While llama-server holds both workers, nothing else connects."""
+    start, starts, _ = setup
+    accepted = []
+
+    class Counting(FakeRpc):
+        """Accepts every connection at once (a thread each), so a probe that connected to a
+        worker in use would be counted, not left waiting in the backlog."""
+
+        def _serve(self):
+            while self.running:
+                try:
+                    c, _ = self.sock.accept()
+                except OSError:
+                    return
+                accepted.append(self.port)
+                self.client = c
+                threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    a, b = Counting(), Counting()
+    start({"na": a, "nb": b}, [["-", f"127.0.0.1:{a.port},127.0.0.1:{b.port}", "-"],
+                               ["nb", f"127.0.0.1:{a.port}", "-"]], free_port())
+    assert wait_for(lambda: len(starts()) == 1)
+    before = len(accepted)  # the start's HELLO probes and llama-server's own connections
+    time.sleep(3)  # six intervals
+    assert len(accepted) == before == 4
+    a.stop()
+    b.stop()
