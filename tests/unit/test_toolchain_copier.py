@@ -86,8 +86,9 @@ def test_a_replaced_host_compiles_with_the_whole_toolchain_and_the_first_copier_
                     replace=("node2/llama_cpp.build",))
     assert ctxs["node2"].resolved.build_copiers == {"node2": ("node1", "node3")}
     assert installs(ctxs["node2"]) == [*FULL, "python3"]
-    # node1 copies now, and is the first host of the run: it resolves the ref (git ls-remote).
-    assert installs(ctxs["node1"]) == ["curl", "ca-certificates", "libgomp1", "git"]
+    # node1 copies now, and is the first host of the run: it resolves the ref (git ls-remote);
+    # it orchestrates a server that may lose a worker: md-failover needs python3.
+    assert installs(ctxs["node1"]) == ["curl", "ca-certificates", "libgomp1", "git", "python3"]
     assert installs(ctxs["node3"]) == ["curl", "ca-certificates", "libgomp1"]
 
 

@@ -29,7 +29,8 @@ TERMUX_USER = ["home=/data/data/com.termux/files/home", "user=u0_a123", "uid=101
 
 ALL_TOOLS = ["apt-get", "c++", "cc", "cmake", "curl", "g++", "git", "ninja", "python3",
              "sha256sum", "flock", "setsid", "getconf"]
-ALL_DEBS = {p: True for p in ("cmake", "g++", "git", "curl", "ca-certificates", "ninja-build")}
+ALL_DEBS = {p: True for p in ("cmake", "g++", "git", "curl", "ca-certificates", "ninja-build",
+                             "python3")}  # python3: node1's md-failover
 
 
 def cluster_file(tmp_path: Path, build: str = "", proxy: str = "") -> Path:
