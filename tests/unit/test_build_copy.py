@@ -33,7 +33,10 @@ DEBIAN = {"kernel": "Linux", "machine": "x86_64", "distro": "debian", "version":
 
 
 def lab():
-    return load_cluster(ROOT / "inventories" / "lab.yaml")
+    """The lab's cluster without its file's GGML_NATIVE: the CPU code is meshdeploy's to choose."""
+    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    build = replace(cluster.llama_cpp.build, cmake_flags=())
+    return replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=build))
 
 
 def host_facts(machine="x86_64", libc="glibc 2.36", builds=None, current=None):

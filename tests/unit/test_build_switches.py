@@ -8,6 +8,7 @@ The scripts run for real on tiny CMake trees shaped as llama.cpp's where build.s
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -167,7 +168,10 @@ def decide_all(cluster, facts):
 
 
 def test_hosts_of_one_cpu_share_a_native_build_and_others_a_dispatched_one():
-    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    lab = load_cluster(ROOT / "inventories" / "lab.yaml")
+    # Without the lab file's own GGML_NATIVE: the CPU code is meshdeploy's to choose.
+    cluster = replace(lab, llama_cpp=replace(lab.llama_cpp, build=replace(
+        lab.llama_cpp.build, cmake_flags=())))
     same = {h.name: dispatch_facts("a" * 16) for h in cluster.hosts}
     got = decide_all(cluster, same)
     assert not got["node1"].portable and "-march=native" in got["node1"].code
@@ -186,3 +190,12 @@ def test_hosts_of_one_cpu_share_a_native_build_and_others_a_dispatched_one():
     arm = keys.cmake_flags(cluster, cluster.host("node1"), False, True,
                            dispatch_facts("c" * 16, "aarch64"))
     assert "-DGGML_NATIVE=OFF" in arm and "-DGGML_BACKEND_DL=ON" not in arm
+
+
+def test_the_files_ggml_native_decides_and_the_plan_says_so():
+    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")  # cmake_flags: [-DGGML_NATIVE=OFF]
+    mixed = {h.name: dispatch_facts(c * 16) for h, c in zip(cluster.hosts, "abc")}
+    got = decide_all(cluster, mixed)
+    assert got["node1"].code == "GGML_NATIVE as llama_cpp.build.cmake_flags sets it"
+    flags = keys.cmake_flags(cluster, cluster.host("node1"), False, True, mixed["node1"])
+    assert "-DGGML_BACKEND_DL=ON" not in flags and flags[-1] == "-DGGML_NATIVE=OFF"

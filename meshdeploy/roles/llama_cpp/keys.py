@@ -311,7 +311,9 @@ def decide(ctx) -> Decision:
         return Decision(key, host.name, (host.name,), tuple(own), "")
     cpus = ("their CPUs differ" if all(_facts_of(ctx, m).get("llama_cpp.CpuFlags")
                                        for m in members) else "not every CPU reported its flags")
-    if not portable:
+    if _names_native(cluster):
+        code = "GGML_NATIVE as llama_cpp.build.cmake_flags sets it"
+    elif not portable:
         code = "-march=native: every host of it reports the same CPU flags"
     elif machine(ctx.facts) in d.llama_cpp_dispatch_machines and not termux:
         code = f"runtime CPU dispatch: {cpus}"
