@@ -78,7 +78,8 @@ def bench(binary: Path, model: Path, threads: int) -> tuple[float, float]:
 def completion(binary: Path, model: Path, qemu: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([*qemu, str(binary), "-m", str(model), "-p", "The capital of France is",
                            "-n", "8", "--temp", "0", "-t", "2", "-no-cnv"],
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=1800,
+                          stdin=subprocess.DEVNULL)
 
 
 def main() -> None:

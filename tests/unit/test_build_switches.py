@@ -127,8 +127,10 @@ project(tiny C)
 set(CMAKE_LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
 set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
 add_library(ggml-cpu-x64 SHARED part.c)
+add_library(llama SHARED part.c)
+set_target_properties(llama PROPERTIES VERSION 0.0.11312 SOVERSION 0)
 add_executable(llama-server main.c)
-target_link_libraries(llama-server ggml-cpu-x64)
+target_link_libraries(llama-server ggml-cpu-x64 llama)
 add_executable(ggml-rpc-server main.c)
 """
 
@@ -141,6 +143,11 @@ def test_a_shared_build_carries_its_libraries_and_finds_them_beside_itself(tmp_p
     assert done.returncode == 0, done.stderr
     out = tmp_path / "builds" / "k" / "bin"
     assert (out / "libggml-cpu-x64.so").exists()
+    # libllama under its soname, as a plain file: a copy refuses links (copy.sh); not the
+    # linker's libllama.so nor libllama.so.0.0.11312.
+    assert sorted(f.name for f in out.iterdir() if f.name.startswith("libllama")) == [
+        "libllama.so.0"]
+    assert not [f for f in out.iterdir() if f.is_symlink()]
     subprocess.run(["rm", "-rf", str(tmp_path / "tree")], check=True)  # as on a copying host
     ran = subprocess.run([str(out / "llama-server")], capture_output=True, text=True)
     assert ran.returncode == 0 and ran.stdout == "usage\n", ran.stderr

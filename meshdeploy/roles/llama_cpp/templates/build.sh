@@ -41,8 +41,19 @@ md_progress phase install
 rm -rf "$OUT.tmp"; mkdir -p "$OUT.tmp/bin"
 for t in $TARGETS; do cp "$TREE/bin/$t" "$OUT.tmp/bin/"; done
 # A shared build (runtime CPU dispatch): its libraries, libggml-cpu-<variant>.so among them, go
-# beside the binaries, which must find them there ($ORIGIN) and nowhere in this build tree.
-for f in "$TREE/bin/"*.so "$TREE/bin/"*.so.*; do if [ -e "$f" ]; then cp -P "$f" "$OUT.tmp/bin/"; fi; done
+# beside the binaries, which must find them there ($ORIGIN) and nowhere in this build tree. As
+# plain files (a copy refuses links): each library under the name the binaries load, its soname
+# (libllama.so.0) or its only name (a module such as libggml-cpu-haswell.so); not the linker's
+# libllama.so link, nor the versioned file behind the soname.
+for f in "$TREE/bin/"*.so "$TREE/bin/"*.so.*; do
+  [ -e "$f" ] || continue
+  case "${f##*/}" in
+    *.so) if [ -L "$f" ]; then continue; fi ;;
+    *.so.[0-9]|*.so.[0-9][0-9]) ;;
+    *) continue ;;
+  esac
+  cp -L "$f" "$OUT.tmp/bin/"
+done
 for f in "$OUT.tmp/bin/"*; do
   P=$(readelf -d "$f" 2>/dev/null | sed -n 's/.*(R\(UN\)\{0,1\}PATH).*\[\(.*\)\]$/\2/p')
   # shellcheck disable=SC2016 # $ORIGIN: the loader's word, matched as it is written
