@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +43,10 @@ FACTS = {"toolchain.Platform": {"kernel": "Linux", "machine": "x86_64"}}
 
 
 def flags(dispatch: bool) -> list[str]:
-    cluster = load_cluster(REPO / "inventories" / "lab.yaml")
+    lab = load_cluster(REPO / "inventories" / "lab.yaml")
+    # Without the lab file's own GGML_NATIVE: the CPU code meshdeploy chooses.
+    cluster = replace(lab, llama_cpp=replace(lab.llama_cpp, build=replace(
+        lab.llama_cpp.build, cmake_flags=())))
     got = keys.cmake_flags(cluster, cluster.host("node1"), portable=dispatch, facts=FACTS)
     return [f for f in got if not f.startswith("-DGGML_CCACHE")] + ["-DGGML_CCACHE=OFF"]
 
@@ -53,7 +57,7 @@ def build(work: Path, name: str, src: Path, commit: str, args: list[str], jobs: 
     script = shell.template(
         TEMPLATES / "build.sh", prelude=progress.SHELL, args=args, SRC=src, TREE=tree, OUT=out,
         COMMIT=commit, NUMBER="", JOBS=jobs, CCACHE="", WANT_SERVER=1, WANT_RPC=1,
-        RPC_TARGETS="ggml-rpc-server rpc-server", KEY=name, BACKEND="cpu", FORCE=1)
+        RPC_TARGETS="ggml-rpc-server rpc-server", KEY=name, BACKEND="cpu", FORCE=0)
     start = time.monotonic()
     done = subprocess.run(["sh", "-c", script], capture_output=True, text=True)
     if done.returncode:
@@ -99,8 +103,14 @@ def main() -> None:
                         "-q", a.ref], check=True)
     commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,
                             text=True, check=True).stdout.strip()
+    # An installed build of this commit is kept (build.sh: "already built"); its times then
+    # are those of the check, not of a compile.
     builds = {"native": build(a.work, "native", src, commit, flags(False), a.jobs),
               "dispatch": build(a.work, "dispatch", src, commit, flags(True), a.jobs)}
+    for name, b in builds.items():
+        got = (b["tree"] / "CMakeCache.txt").read_text()
+        print(f"{name}: " + " ".join(line for line in got.splitlines() if line.split(":")[0] in (
+            "GGML_NATIVE", "GGML_BACKEND_DL", "GGML_CPU_ALL_VARIANTS", "BUILD_SHARED_LIBS")))
     for name, b in builds.items():
         print(f"{name}: llama-server + ggml-rpc-server {b['server_s']:.0f} s, "
               f"with llama-bench and llama-completion {b['total_s']:.0f} s")
