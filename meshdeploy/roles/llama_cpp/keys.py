@@ -18,12 +18,17 @@ run). An installed build is used only where it holds the binaries its host needs
 
 Portable builds. Upstream's GGML_NATIVE (on by default) compiles for the CPU that builds
 (-march=native): such binaries can die with "Illegal instruction" on another CPU of the same
-architecture. So when two or more hosts share a key their build gets -DGGML_NATIVE=OFF, unless
-llama_cpp.build.cmake_flags names GGML_NATIVE (the file wins, as on Termux). A host alone with
-its key keeps the default flags: its build, its cmake invocation and its ccache entries stay
-what they were. Whether hosts share is decided on the hosts the run probes (a `--limit` run sees
-only its own); a plan without the other hosts' facts (a pyinfra deploy calling one operation)
-keeps whichever of the two keys its host runs now.
+architecture. So when two or more hosts share a key and their CPUs differ (facts.CpuFlags: the
+sha256 of /proc/cpuinfo's flags; a host that does not say counts as different), their build is
+portable: on x86-64 llama.cpp's runtime CPU dispatch (every x86 level as a loadable
+libggml-cpu-<variant>.so, the best one chosen at start: nothing lost on a newer CPU, nothing
+that an older one cannot run), elsewhere -DGGML_NATIVE=OFF. Where they all report the same
+flags -march=native is right for every one of them and stays (a dispatch build compiles about
+twice as long). llama_cpp.build.cmake_flags naming GGML_NATIVE wins over both, as on Termux. A
+host alone with its key keeps the default flags: its build, its cmake invocation and its ccache
+entries stay what they were. Whether hosts share is decided on the hosts the run probes (a
+`--limit` run sees only its own); a plan without the other hosts' facts (a pyinfra deploy
+calling one operation) keeps whichever of the two keys its host runs now.
 
 Who compiles. Per key one builder; the others copy its installed build (llama_cpp.copy), so a
 key costs one compile. The builder packs it (a tarball and its sha256); apply reads that sha256
