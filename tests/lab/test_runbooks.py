@@ -125,8 +125,9 @@ def test_rpc_server_killed_recovery_time(converged, rb_lab):
         print(f"run {run + 1}: next successful completion {took:.2f} s after SIGKILL; "
               f"{failed} failed requests; rpc-server restarts +{after[0] - before[0]}, "
               f"llama-server restarts +{after[1] - before[1]}")
-        # systemd brought both back: the worker, and the orchestrator its death aborted.
-        assert after[0] == before[0] + 1 and after[1] >= before[1] + 1, (before, after)
+        # systemd brought the worker back; md-failover restarted llama-server inside its unit
+        # (or, where llama-server aborted and every worker answered by then, systemd did).
+        assert after[0] == before[0] + 1, (before, after)
         seconds.append(took)
     print(f"rpc-server SIGKILL -> next completion: median {statistics.median(seconds):.2f} s "
           f"of {', '.join(f'{s:.2f}' for s in seconds)}")

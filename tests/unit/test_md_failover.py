@@ -24,10 +24,19 @@ SCRIPT = ROOT / "meshdeploy" / "roles" / "services" / "templates" / "md-failover
 # its argv to $FAKE_LOG, answers /metrics, and exits 134 when a worker closes its end (as
 # llama-server aborts on "Remote RPC server crashed").
 FAKE = r'''
-import http.server, json, os, socket, struct, sys, threading
+import http.server, json, os, socket, struct, sys, threading, time
 args = sys.argv[1:]
 rpc = args[args.index("--rpc") + 1].split(",") if "--rpc" in args else []
 port = int(args[args.index("--port") + 1])
+# ggml-rpc asks each worker once at start (device memory), closes, and connects again to load:
+# a copy of the first connection kept open elsewhere would leave the second waiting for ever.
+for t in rpc:
+    a, _, p = t.rpartition(":")
+    s = socket.create_connection((a, int(p)), timeout=5)
+    s.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
+    s.recv(64)
+    time.sleep(1.5)
+    s.close()
 conns = []
 for t in rpc:
     a, _, p = t.rpartition(":")
@@ -155,6 +164,24 @@ def setup(tmp_path):
             p.kill()
 
 
+def held(pid: int) -> set[tuple[int, int]]:
+    """(local port, remote port) of every TCP connection process `pid` holds a descriptor of."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        w = line.split()
+        if w[9] in inodes and w[3] == "01":
+            out.add((int(w[1].rsplit(":", 1)[1], 16), int(w[2].rsplit(":", 1)[1], 16)))
+    return out
+
+
 def rpc_of(argv: list) -> str | None:
     return argv[argv.index("--rpc") + 1] if "--rpc" in argv else None
 
@@ -180,6 +207,12 @@ def test_it_switches_to_the_placement_without_a_lost_worker_and_back(setup):
     assert wait_for(lambda: len(starts()) == 3)
     assert rpc_of(starts()[2]) == both
     assert proc.poll() is None
+    # md-failover keeps no copy of llama-server's connections open: a copy would keep a
+    # connection llama-server closed open, its worker's rpc-server serving a dead client, and
+    # the next llama-server waiting behind it for ever.
+    child = wait_for(lambda: json.loads((tmp / "state.json").read_text()).get("pid"))
+    assert wait_for(lambda: len(held(child)) == 2), held(child)
+    assert held(proc.pid) == set()
     a.stop()
     b2.stop()
 
@@ -226,6 +259,31 @@ def test_no_probe_connects_to_a_worker_llama_server_is_using(setup):
     assert wait_for(lambda: len(starts()) == 1)
     before = len(accepted)  # the start's HELLO probes and llama-server's own connections
     time.sleep(3)  # six intervals
-    assert len(accepted) == before == 4
+    assert len(accepted) == before == 6  # two HELLOs, then llama-server: twice each
     a.stop()
     b.stop()
+
+
+def test_status_says_which_placement_runs():
+    """`meshdeploy status` rows from md-failover's state file (roles/services/failover.py)."""
+    from meshdeploy.config.load import load_cluster
+    from meshdeploy.roles.services import failover
+
+    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    probe = failover.status(cluster, cluster.host("node1"), {"main"})
+    assert "/run/meshdeploy-server-main/failover.json" in probe.script
+    assert failover.status(cluster, cluster.host("node2"), {"main"}) is None
+    full = json.dumps({"state": "serving", "lost": [], "since": "2026-11-29T14:02:00Z"})
+    less = json.dumps({"state": "serving", "lost": ["node3"], "rpc": "10.200.0.12:50052",
+                       "since": "2026-11-29T14:02:00Z"})
+    down = json.dumps({"state": "down", "lost": ["node2", "node3"], "since": "x"})
+    rows = [probe.parse([f"failover main {text}"])[0] for text in (full, less, down, "{bad")]
+    assert [(r.unit, r.answer, r.healthy) for r in rows] == [
+        ("serving", "full placement since 2026-11-29T14:02:00Z", True),
+        ("serving", "without node3 since 2026-11-29T14:02:00Z (--rpc 10.200.0.12:50052)",
+         False),
+        ("down", "down while node2, node3 are away (since x): no placement without them",
+         False),
+        ("unknown", "state file unreadable", False)]
+    # A line for another server, or none: the row says so rather than inventing one.
+    assert [r.answer for r in probe.parse(["failover other {}"])] == ["no status line"]

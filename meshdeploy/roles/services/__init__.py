@@ -2,8 +2,9 @@
 
 from meshdeploy.config.checks import warnings_for
 from meshdeploy.config.model import LAUNCHD, RUNIT, SYSTEMD, SYSTEMD_USER
-from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
-from meshdeploy.roles.services import forward
+from meshdeploy.core import shell
+from meshdeploy.core.registry import Prepare, Prepared, Resource, Role, StatusProbe
+from meshdeploy.roles.services import failover, forward
 from meshdeploy.roles.services import operations as ops
 from meshdeploy.roles.services.logs import log_sources
 from meshdeploy.roles.services.rtt import network
@@ -17,6 +18,17 @@ def _manager_name(host, facts: dict) -> str:
         return _ROOTLESS_MANAGERS.get(host.layout.manager, host.layout.manager)
     darwin = (facts.get(host.name, {}).get("toolchain.Platform") or {}).get("kernel") == "Darwin"
     return LAUNCHD if darwin else SYSTEMD
+
+
+def _status(cluster, host) -> StatusProbe | None:
+    """The forwards' rows and md-failover's: one probe, each line read by its own parser."""
+    supervised = {s.name for s in cluster.servers if cluster.supervised(s)}
+    probes = [p for p in (forward.status(cluster, host),
+                          failover.status(cluster, host, supervised)) if p is not None]
+    if len(probes) < 2:
+        return probes[0] if probes else None
+    return StatusProbe("\n".join(shell.subshell(p.script) for p in probes),
+                       lambda lines: [row for p in probes for row in p.parse(lines)])
 
 
 def _preflight(ctx) -> None:
@@ -39,7 +51,7 @@ ROLE = Role(
     name="services",
     doc=__doc__,
     facts=lambda req: ops.sections(req.cluster, req.host),
-    status=forward.status,
+    status=_status,
     volatile=("services.Rtt", "services.RpcClients"),
     prepare=_prepare,
     logs=log_sources,

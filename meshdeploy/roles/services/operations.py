@@ -17,7 +17,7 @@ from meshdeploy.core.units import unit_name
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
-from meshdeploy.roles.services import rootless
+from meshdeploy.roles.services import failover, rootless
 from meshdeploy.roles.services.facts import (
     KeyFile,
     RpcClients,
@@ -376,7 +376,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
                 frozenset(flags) if flags else None,
                 # macOS has no /run: a launchd job keeps no state file.
                 state=None if isinstance(mgr, Launchd) else
-                f"{ctx.host.layout.run}/{server.unit_name}.failover.json")
+                failover.state_path(ctx.host, server))
         else:
             argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", ctx.cluster, server,
                                            model_path(ctx.cluster, server.model, ctx.host),

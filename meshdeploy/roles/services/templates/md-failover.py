@@ -17,9 +17,13 @@ value for it ("-": none); TS: the -ts value ("-": llama.cpp's own split by free 
   in its log and state file, and asks again every interval.
 - While it serves, llama-server's own connections to its workers are watched: they are taken
   out of the process (pidfd_getfd, Linux 5.6+) and given TCP keepalive and a user timeout, so a
-  link that drops silently fails them within seconds, and a worker that closes its end is seen
+  link that drops silently fails them within about 4 s, and a worker that closes its end is seen
   at once. No probe ever connects to a worker llama-server is using: rpc-server serves one
   client at a time, and a probe would wait in the backlog the next llama-server needs.
+- A link that dropped silently leaves the worker's rpc-server waiting on the dead connection
+  (it sets no keepalive), and a waiting rpc-server accepts nobody: before each HELLO to a lost
+  worker, a connect from the dead connection's own local address makes the worker's kernel
+  reset it (see nudge()).
 - Where a worker is away, it is asked for HELLO every interval; once it answers `settle` times
   in a row, md-failover waits for the requests in flight to finish (/metrics'
   requests_processing, at most DRAIN seconds) and restarts llama-server on the placement for
@@ -31,9 +35,9 @@ value for it ("-": none); TS: the -ts value ("-": llama.cpp's own split by free 
 import argparse
 import concurrent.futures
 import ctypes
+import errno
 import json
 import os
-import select
 import signal
 import socket
 import struct
@@ -42,10 +46,10 @@ import sys
 import time
 import urllib.request
 
-HELLO_TIMEOUT = 2.0  # seconds a worker has to accept and answer HELLO
+HELLO_TIMEOUT = 1.0  # seconds a worker has to accept and answer HELLO (a LAN; a forward)
 REPLY_MAX = 64  # a HELLO reply is a few bytes: a longer one is not rpc-server's
-KEEPIDLE, KEEPINTVL, KEEPCNT = 2, 1, 3  # seconds idle, between probes, probes: a silent loss
-USER_TIMEOUT_MS = 5000  # ... fails the connection in about 5 s, idle or sending
+KEEPIDLE, KEEPINTVL, KEEPCNT = 2, 1, 2  # seconds idle, between probes, probes: a silent loss
+USER_TIMEOUT_MS = 4000  # ... fails the connection in about 4 s, idle or sending
 DRAIN = 120  # seconds to wait for requests in flight before switching back
 STOP_WAIT = 15  # seconds llama-server has to exit after SIGTERM
 SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
@@ -83,6 +87,25 @@ def _recv(s, n):
     return data
 
 
+def nudge(local, target):
+    """A connect from the local end of a connection that died silently: the worker's rpc-server
+    may still wait on its end (it never heard of the loss, and sets no keepalive), holding its
+    one client place. The SYN on that same address pair makes the worker's kernel answer with
+    an ACK for the old connection, which this kernel answers with a reset, which ends it
+    there: rpc-server accepts again. Whatever the connect does is of no further interest."""
+    addr, _, port = target.rpartition(":")
+    s = socket.socket(socket.AF_INET6 if ":" in local[0] else socket.AF_INET)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(local[:2])
+        s.settimeout(1.5)
+        s.connect((addr, int(port)))
+    except (OSError, ValueError):
+        pass
+    finally:
+        s.close()
+
+
 class Placement:
     def __init__(self, lost, rpc, ts):
         self.lost = frozenset(x for x in lost.split(",") if x) if lost != "-" else frozenset()
@@ -108,12 +131,20 @@ class Supervisor:
         self.stopping = False
         self.adoption = sys.platform.startswith("linux")
         self.seen = set()
-        self.adopted = {}  # fd we hold -> (socket, worker name)
+        self.armed = {}  # socket inode of llama-server's -> the worker at its other end
+        # worker -> {((addr, port), target)}: the local ends of llama-server's connections to
+        # it, and (once it is lost) of those whose other end may still wait on the worker
+        self.local = {}
+        self.stale = {}
         self.last_state = None
+        self.just_lost = set()
 
     # --- what answers -------------------------------------------------------------------------
     def answering(self, names):
         """The workers among `names` whose every rpc-server answers HELLO (asked at once)."""
+        for name in names:
+            for local, target in self.stale.get(name, ()):
+                nudge(local, target)
         targets = [t for n in names for t in self.workers[n]]
         if not targets:
             return set()
@@ -143,6 +174,7 @@ class Supervisor:
             tmp = f"{path}.tmp"
             with open(tmp, "w") as f:
                 json.dump(record, f)
+            os.chmod(tmp, 0o644)  # `meshdeploy status` reads it as the login user
             os.replace(tmp, path)
         except OSError as exc:
             log(f"cannot write {path}: {exc}")
@@ -158,6 +190,7 @@ class Supervisor:
 
     def start(self, placement):
         self.seen.clear()
+        self.local = {}
         self.child = subprocess.Popen(self.argv(placement), stdin=subprocess.DEVNULL)
         log(f"llama-server started on {placement.describe()} (pid {self.child.pid}"
             + (f", --rpc {placement.rpc}" if placement.rpc else ", no rpc-server") + ")")
@@ -179,14 +212,15 @@ class Supervisor:
         return code
 
     def release(self):
-        """Closes our copies of llama-server's connections: while one is open, its worker's
-        rpc-server still counts that client, and would not accept the next llama-server."""
-        for s, _ in self.adopted.values():
-            s.close()
-        self.adopted.clear()
+        """Forgets the connections of a llama-server that ended."""
+        self.armed.clear()
 
     # --- watching the connections in use -----------------------------------------------------
     def adopt(self):
+        """Arms every new connection of llama-server to a worker: keepalive and a user timeout
+        set on it through a copy taken with pidfd_getfd, the copy closed at once (a copy kept
+        open would keep the connection open after llama-server closes it, and the worker's
+        rpc-server, which serves one client at a time, would wait on it for ever)."""
         if not self.adoption or self.child is None:
             return
         pid = self.child.pid
@@ -201,52 +235,70 @@ class Supervisor:
                     link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 except OSError:
                     continue
-                if not link.startswith("socket:") or link in self.seen:
-                    continue
-                self.seen.add(link)
-                self._adopt_one(pidfd, int(fd))
+                if link.startswith("socket:[") and link not in self.seen:
+                    self._arm(pidfd, int(fd), link[8:-1])
         finally:
             os.close(pidfd)
 
-    def _adopt_one(self, pidfd, fd):
+    def _arm(self, pidfd, fd, inode):
         libc = ctypes.CDLL(None, use_errno=True)
         dup = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
         if dup < 0:
             err = ctypes.get_errno()
-            self.adoption = False
-            log(f"cannot watch llama-server's connections ({os.strerror(err)}): a worker that "
-                "goes away silently is noticed at the next request instead")
+            if err in (errno.EPERM, errno.ENOSYS, errno.EACCES):
+                self.adoption = False
+                log(f"cannot watch llama-server's connections ({os.strerror(err)}): a worker "
+                    "that goes away silently is noticed at the next request instead")
             return
         s = socket.socket(fileno=dup)
         try:
-            peer = s.getpeername()
+            try:
+                peer = s.getpeername()
+            except OSError as exc:
+                if exc.errno != errno.ENOTCONN or s.getsockopt(socket.SOL_SOCKET,
+                                                               socket.SO_ACCEPTCONN):
+                    self.seen.add(f"socket:[{inode}]")  # a listener, or no TCP at all
+                return  # still connecting: armed at a later look
+            self.seen.add(f"socket:[{inode}]")
             name = self.owner.get(f"{peer[0]}:{peer[1]}") if isinstance(peer, tuple) else None
-        except OSError:
-            name = None
-        if name is None:
+            if name is None:
+                return
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for opt, value in (("TCP_KEEPIDLE", KEEPIDLE), ("TCP_KEEPINTVL", KEEPINTVL),
+                               ("TCP_KEEPCNT", KEEPCNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+                if hasattr(socket, opt):
+                    s.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+            self.armed[inode] = name
+            self.local.setdefault(name, set()).add((s.getsockname(), f"{peer[0]}:{peer[1]}"))
+        finally:
             s.close()
-            return
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for opt, value in (("TCP_KEEPIDLE", KEEPIDLE), ("TCP_KEEPINTVL", KEEPINTVL),
-                           ("TCP_KEEPCNT", KEEPCNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
-            if hasattr(socket, opt):
-                s.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
-        self.adopted[s.fileno()] = (s, name)
 
     def hung_up(self, timeout):
-        """Workers whose connection from llama-server failed or was closed by their end,
-        waiting at most `timeout` seconds."""
-        if not self.adopted:
-            time.sleep(timeout)
+        """Workers whose connection from llama-server failed (a timeout or a reset takes it
+        out of the kernel's table) or was closed by their end (CLOSE_WAIT), after `timeout`
+        seconds. The table is read before llama-server's descriptors, so a connection that
+        llama-server closes itself meanwhile is not taken for a loss."""
+        time.sleep(timeout)
+        if not self.armed or self.child is None:
             return set()
-        poller = select.poll()
-        for fd in self.adopted:
-            poller.register(fd, getattr(select, "POLLRDHUP", 0x2000))
+        states = {}
+        for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(name) as f:
+                    for row in f.read().splitlines()[1:]:
+                        w = row.split()
+                        if len(w) > 9:
+                            states[w[9]] = w[3]
+            except OSError:
+                continue
         try:
-            events = poller.poll(timeout * 1000)
-        except InterruptedError:
+            mine = {os.readlink(f"/proc/{self.child.pid}/fd/{fd}")[8:-1]
+                    for fd in os.listdir(f"/proc/{self.child.pid}/fd")}
+        except OSError:
             return set()
-        return {self.adopted[fd][1] for fd, _ in events if fd in self.adopted}
+        for inode in [i for i in self.armed if i not in mine]:
+            del self.armed[inode]  # closed by llama-server itself
+        return {name for inode, name in self.armed.items() if states.get(inode) != "01"}
 
     # --- in flight ----------------------------------------------------------------------------
     def _server_url_and_key(self):
@@ -324,7 +376,12 @@ class Supervisor:
     def run(self):
         lost_before = None
         while not self.stopping:
-            lost = set(self.workers) - self.answering(list(self.workers))
+            # A worker just lost is not asked again: its HELLO would only time out.
+            others = [n for n in self.workers if n not in self.just_lost]
+            lost = set(self.just_lost) | (set(others) - self.answering(others))
+            self.just_lost = set()
+            for name in set(self.stale) - lost:
+                del self.stale[name]  # it answered: nothing of the old connection is left
             placement = self.placement_for(lost)
             if placement is None:
                 if lost != lost_before:
@@ -338,6 +395,9 @@ class Supervisor:
             lost_before = lost
             what, detail = self.serve(placement, lost)
             if what == "lost":
+                self.just_lost = set(detail)
+                for name in detail:
+                    self.stale[name] = self.local.get(name, set())
                 log(f"lost {', '.join(sorted(detail))}: its connection from llama-server failed")
                 self.stop_child(f"{', '.join(sorted(detail))} away")
             elif what == "back":
@@ -348,11 +408,17 @@ class Supervisor:
                 log(f"llama-server exited with status {detail}")
                 self.child = None
                 used = [n for n in self.workers if n not in lost]
-                if not self.stopping and set(used) <= self.answering(used):
+                if self.stopping:
+                    continue
+                gone = set(used) - self.answering(used)
+                if not gone:
                     # Not a worker's loss: the service manager restarts md-failover, as it would
                     # a llama-server that exits.
                     self.state("exited", placement, lost)
                     return detail if detail else 1
+                self.just_lost = gone  # llama-server aborted on them before they were seen
+                for name in gone:
+                    self.stale[name] = self.local.get(name, set())
         self.stop_child("stopping")
         self.state("stopped")
         return 0
