@@ -3,7 +3,7 @@ from its own `timings`, optionally against the same build and model on the orche
 (--compare-local), or at several layer splits to fit each device's speed (--sweep:
 meshdeploy.commands.sweep).
 
-How the server is reached and measured: meshdeploy.commands.server_api. Statistics, views and
+How the server is reached and measured: meshdeploy.engine.server_api. Statistics, views and
 the kept result: meshdeploy.views.bench.
 """
 
@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from meshdeploy import errors
-from meshdeploy.commands import common, options, sweep, sweep_guard
-from meshdeploy.commands.server_api import (
+from meshdeploy.commands import common, options, sweep
+from meshdeploy.config.load import load_cluster
+from meshdeploy.config.model import local_address
+from meshdeploy.engine import sweep_guard
+from meshdeploy.engine.server_api import (
     N_PREDICT,
     SEED,
     WARMUP,
@@ -28,8 +31,6 @@ from meshdeploy.commands.server_api import (
     read_key,
     rootless_layout,
 )
-from meshdeploy.config.load import load_cluster
-from meshdeploy.config.model import local_address
 from meshdeploy.errors import PlanError
 from meshdeploy.remote import ssh_settings
 from meshdeploy.remote.ssh_settings import SshSettings

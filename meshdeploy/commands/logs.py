@@ -1,5 +1,5 @@
-"""meshdeploy logs: the services' logs from every host, merged by time (log_lines.py reads and
-merges them). fabric runs each host in a real thread: nothing here patches for gevent, and
+"""meshdeploy logs: the services' logs from every host, merged by time (views/log_lines.py reads
+and merges them). fabric runs each host in a real thread: nothing here patches for gevent, and
 remote.connections (fabric) is imported where it is used, not when the parser is built."""
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 from meshdeploy import errors
 from meshdeploy.commands import common, options
-from meshdeploy.commands.log_lines import (
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import registry
+from meshdeploy.errors import terminal_text
+from meshdeploy.views import completion
+from meshdeploy.views.log_lines import (
     DEFAULT_LINES,
     FOLLOW,
     HostStream,
@@ -24,10 +28,6 @@ from meshdeploy.commands.log_lines import (
     since_cutoff,
     since_value,
 )
-from meshdeploy.config.load import load_cluster
-from meshdeploy.core import registry
-from meshdeploy.errors import terminal_text
-from meshdeploy.views import completion
 from meshdeploy.views.logs import render, width
 
 NAME = "logs"

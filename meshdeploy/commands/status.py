@@ -8,11 +8,12 @@ import secrets
 from dataclasses import asdict, dataclass
 
 from meshdeploy import errors
-from meshdeploy.commands import common, options, rpc_hello, server_api
+from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, local_address
-from meshdeploy.core import registry, shell
+from meshdeploy.core import registry, rpc_hello, shell
 from meshdeploy.core.paths import llama_cpp_paths
+from meshdeploy.engine import server_api
 from meshdeploy.remote import reasons
 from meshdeploy.views import status as view
 

@@ -9,7 +9,7 @@ the fit is kept by engine.speeds for placement: auto. Views: meshdeploy.views.sw
 
 The sweep holds the host locks of the server's hosts throughout (engine.locks, as apply does),
 so no apply changes the cluster under it. What brings the deployed server back when the sweep
-cannot (a dead-man timer on the orchestrator; SIGTERM and SIGHUP): commands.sweep_guard. The
+cannot (a dead-man timer on the orchestrator; SIGTERM and SIGHUP): engine.sweep_guard. The
 copies run in the deployed unit's sandbox, from the argv the plan renders
 (server_api.planned_argv), and the API key goes only to a listener of the unit meant.
 
@@ -24,9 +24,10 @@ import sys
 from datetime import datetime, timezone
 
 from meshdeploy import errors
-from meshdeploy.commands import common, rpc_hello, server_api, sweep_guard
+from meshdeploy.commands import common
 from meshdeploy.config.model import local_address
-from meshdeploy.core import shell
+from meshdeploy.core import rpc_hello, shell
+from meshdeploy.engine import server_api, sweep_guard
 from meshdeploy.errors import AbortedError, PlanError
 from meshdeploy.remote import ssh_settings
 from meshdeploy.views import sweep as view

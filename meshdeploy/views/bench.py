@@ -1,6 +1,6 @@
-"""What `meshdeploy bench` measured, as one structure: statistics over llama-server's own
-`timings`, the ratio to a local run, the change since the last bench, and the two views (text,
-JSON) of it. Pure: the measuring is meshdeploy.commands.bench.
+"""What `meshdeploy bench` measured, as one structure: the ratio to a local run, the change since
+the last bench, and the two views (text, JSON) of it. Pure: the measuring and the statistics over
+llama-server's own `timings` are meshdeploy.engine.server_api's.
 
 The last result of each server is kept in `<cluster-file-stem>.bench.json` beside the cluster
 file (and its lock file), until a state file next to the lock takes it over.
@@ -9,58 +9,16 @@ file (and its lock file), until a state file next to the lock takes it over.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from tabulate import tabulate
 
 from meshdeploy.core.files import write_atomic
+from meshdeploy.engine.server_api import METRICS
 from meshdeploy.errors import terminal_text
 
 FORMAT_VERSION = 1
 STATE_SUFFIX = ".bench.json"
-# The two figures every view shows: prompt processing and generation, tokens per second.
-METRICS = (("pp", "prompt_n", "prompt_ms"), ("tg", "predicted_n", "predicted_ms"))
-TIMING_KEYS = ("prompt_n", "prompt_ms", "prompt_per_second",
-               "predicted_n", "predicted_ms", "predicted_per_second")
-
-
-def spread(values: list[float]) -> dict:
-    """{"min", "median", "max"} of `values` (rounded to 0.01 tokens/s)."""
-    if not values:
-        raise ValueError("no values")
-    return {"min": round(min(values), 2), "median": round(statistics.median(values), 2),
-            "max": round(max(values), 2)}
-
-
-def rate(tokens: float, ms: float) -> float:
-    return tokens * 1000.0 / ms if ms > 0 else 0.0
-
-
-def summarize(runs: list[list[dict]], prompts: list[str]) -> dict:
-    """Per prompt and over all prompts, min/median/max tokens/s of each metric.
-
-    + runs: one list per run, one `timings` dict per prompt (llama-server's own fields)
-    + prompts: the prompts' names, in the order every run sent them
-    The "all" row of a run is its tokens over its milliseconds across every prompt, so a long
-    prompt weighs as much as the time it took.
-    """
-    rows = []
-    for i, name in enumerate(prompts):
-        samples = [run[i] for run in runs]
-        row = {"prompt": name, "prompt_n": samples[0]["prompt_n"],
-               "predicted_n": samples[0]["predicted_n"]}
-        for metric, n, ms in METRICS:
-            row[metric] = spread([rate(s[n], s[ms]) for s in samples])
-        rows.append(row)
-    overall = {"prompt_n": sum(r["prompt_n"] for r in rows),
-               "predicted_n": sum(r["predicted_n"] for r in rows)}
-    for metric, n, ms in METRICS:
-        overall[metric] = spread([rate(sum(s[n] for s in run), sum(s[ms] for s in run))
-                                  for run in runs])
-    return {"prompts": rows, "overall": overall,
-            "samples": [[{k: s[k] for k in TIMING_KEYS if k in s} for s in run]
-                        for run in runs]}
 
 
 def ratio(numerator: dict, denominator: dict) -> dict:

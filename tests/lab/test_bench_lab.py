@@ -62,7 +62,7 @@ def by_hand(info, prompt: str, n_predict: int) -> dict:
 
 
 def test_figures_are_llama_servers_own(first, bn_lab, cluster_file):
-    from meshdeploy.commands.server_api import PROMPTS
+    from meshdeploy.engine.server_api import PROMPTS
 
     info, _ = bn_lab
     assert first["format_version"] == 1 and first["cluster"] == "lab"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.commands import server_api
+from meshdeploy.engine import server_api
 from meshdeploy.views import bench as report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,11 +38,11 @@ def result(pp_scale=1.0, tg_scale=1.0, name="main"):
             "build": {"commit": "f" * 40, "info": "b11312-fffffff"},
             "params": {"runs": 3, "warmup": 1, "n_predict": 64, "seed": 42, "temperature": 0,
                        "cache_prompt": False},
-            **report.summarize(runs, ["short", "long"])}
+            **server_api.summarize(runs, ["short", "long"])}
 
 
 def test_summarize_gives_min_median_max_of_each_prompt():
-    s = report.summarize(RUNS, ["short", "long"])
+    s = server_api.summarize(RUNS, ["short", "long"])
     short, long = s["prompts"]
     assert short["prompt"] == "short" and short["prompt_n"] == 10 and short["predicted_n"] == 64
     assert short["pp"] == {"min": 50.0, "median": 100.0, "max": 200.0}
@@ -52,7 +52,7 @@ def test_summarize_gives_min_median_max_of_each_prompt():
 
 
 def test_overall_is_each_runs_tokens_over_its_time():
-    s = report.summarize(RUNS, ["short", "long"])
+    s = server_api.summarize(RUNS, ["short", "long"])
     # pp per run: 510/1.1 s, 510/1.3 s, 510/2.2 s
     assert s["overall"]["pp"] == {"min": 231.82, "median": 392.31, "max": 463.64}
     assert s["overall"]["prompt_n"] == 510 and s["overall"]["predicted_n"] == 128
@@ -60,9 +60,9 @@ def test_overall_is_each_runs_tokens_over_its_time():
 
 
 def test_a_rate_of_zero_time_is_zero_not_an_error():
-    assert report.rate(5, 0) == 0.0
+    assert server_api.rate(5, 0) == 0.0
     with pytest.raises(ValueError):
-        report.spread([])
+        server_api.spread([])
 
 
 def test_ratio_and_change_against_the_kept_result():
@@ -101,7 +101,7 @@ def test_an_unreadable_or_foreign_state_counts_as_none(tmp_path, content):
 
 def test_text_view_shows_the_tables_the_local_ratio_and_the_change():
     r = result()
-    r["local"] = {**report.summarize(RUNS, ["short", "long"]), "port": 40001,
+    r["local"] = {**server_api.summarize(RUNS, ["short", "long"]), "port": 40001,
                   "fits": "model 0.24 GiB + 512 MiB margin, 20.00 GiB available"}
     r["ratio_to_local"] = {"pp": 0.97, "tg": 0.5}
     r["change"] = report.change(result(tg_scale=2), report.kept(result()))

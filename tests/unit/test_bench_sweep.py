@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.commands import server_api, sweep
+from meshdeploy.commands import sweep
 from meshdeploy.config.model import Health
+from meshdeploy.engine import server_api
 from meshdeploy.roles.rpc_cache import speed
 from meshdeploy.views import sweep as view
 
@@ -123,7 +124,7 @@ def test_held_out_is_none_where_the_other_points_cannot_be_fitted():
 
 
 def summary(gen: float, prompt: float) -> dict:
-    """The part of bench's summary (views.bench.summarize) the sweep reads."""
+    """The part of bench's summary (engine.server_api.summarize) the sweep reads."""
     return {"overall": {"tg": {"median": gen}, "pp": {"median": prompt}}}
 
 

@@ -17,7 +17,11 @@ import pytest
 from meshdeploy import errors
 from meshdeploy.cli import build_parser, main
 from meshdeploy.commands.exec_ import command_text, exit_code
-from meshdeploy.commands.log_lines import (
+from meshdeploy.config.load import load_cluster
+from meshdeploy.core import registry
+from meshdeploy.remote import connections as remote
+from meshdeploy.remote.ssh_settings import resolve
+from meshdeploy.views.log_lines import (
     FOLLOW,
     HostStream,
     SelectionError,
@@ -27,10 +31,6 @@ from meshdeploy.commands.log_lines import (
     select,
     since_value,
 )
-from meshdeploy.config.load import load_cluster
-from meshdeploy.core import registry
-from meshdeploy.remote import connections as remote
-from meshdeploy.remote.ssh_settings import resolve
 from meshdeploy.views.logs import Line, render
 
 REPO = Path(__file__).resolve().parents[2]

@@ -31,10 +31,9 @@ from support import accounts, systemd_parse
 from support.require import needs
 from support.steps import decided
 
-from meshdeploy.commands import rpc_hello
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER
-from meshdeploy.core import account
+from meshdeploy.core import account, rpc_hello
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.network import facts as nfacts

@@ -527,7 +527,7 @@ def test_status_of_a_host_with_root_is_unchanged():
 
 
 def test_logs_of_runit_tail_svlogd_files_and_read_their_times(tmp_path):
-    from meshdeploy.commands.log_lines import HostStream, host_script, parse
+    from meshdeploy.views.log_lines import HostStream, host_script, parse
     from meshdeploy.core import registry
 
     cluster = rootless_lab(RUNIT)
@@ -548,7 +548,7 @@ def test_logs_of_runit_tail_svlogd_files_and_read_their_times(tmp_path):
 
 
 def test_logs_of_systemd_user_read_the_users_journal(tmp_path):
-    from meshdeploy.commands.log_lines import host_script
+    from meshdeploy.views.log_lines import host_script
     from meshdeploy.core import registry
 
     cluster = rootless_lab(SYSTEMD_USER)
@@ -622,7 +622,7 @@ def test_logs_since_on_runit_keeps_svlogd_lines_from_then_on(tmp_path):
     only those from the cutoff on are kept, by the time each line carries."""
     from datetime import datetime, timezone
 
-    from meshdeploy.commands.log_lines import HostStream, host_script, parse, since_cutoff
+    from meshdeploy.views.log_lines import HostStream, host_script, parse, since_cutoff
     from meshdeploy.core import registry
 
     cluster = rootless_lab(RUNIT)

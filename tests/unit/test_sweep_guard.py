@@ -31,9 +31,9 @@ from test_bench_sweep import (  # noqa: F401 (fakes: a fixture)
     summary,
 )
 
-from meshdeploy.commands import common, server_api, sweep, sweep_guard
+from meshdeploy.commands import common, sweep
 from meshdeploy.config.load import load_cluster
-from meshdeploy.engine import speeds
+from meshdeploy.engine import server_api, speeds, sweep_guard
 from meshdeploy.errors import terminal_text
 from meshdeploy.roles.rpc_cache import layout
 from meshdeploy.roles.services import unit_files

@@ -14,10 +14,10 @@ import pytest
 
 from meshdeploy.cli import main
 from meshdeploy.commands import logs
-from meshdeploy.commands.log_lines import HostStream, parse
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.errors import terminal_text
+from meshdeploy.views.log_lines import HostStream, parse
 from meshdeploy.views.logs import render
 
 REPO = Path(__file__).resolve().parents[2]

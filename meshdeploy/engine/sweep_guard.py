@@ -20,7 +20,7 @@ from __future__ import annotations
 import signal
 from contextlib import contextmanager
 
-from meshdeploy.commands import server_api
+from meshdeploy.engine import server_api
 from meshdeploy.core import shell
 
 TIMER = "meshdeploy-sweep-restart-{name}-{k}"

@@ -1,6 +1,7 @@
 """A deployed llama-server as `meshdeploy bench` reaches it: the SSH connection to its host, its
 HTTP API through that connection, the fixed measurement, its running argv, and copies of it as
-transient systemd units (bench --compare-local, bench --sweep).
+transient systemd units (bench --compare-local, bench --sweep), and the statistics over the
+server's own `timings` that bench's views show.
 
 The server usually listens on the orchestrator's loopback: requests travel through the SSH
 connection as direct-tcpip channels (no port is opened on the control machine). The API key,
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import time
 
 from meshdeploy.core import shell
 from meshdeploy.core.paths import llama_cpp_paths
 from meshdeploy.errors import ConnectError, MeshdeployError
 from meshdeploy.remote.ssh_settings import SshSettings
-from meshdeploy.views import bench as report
 
 # Fixed prompts of different lengths: prompt processing is measured on each, generation after
 # each. The long one stays well inside a 2048-token context with N_PREDICT added.
@@ -42,6 +43,50 @@ _SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 WORKERS = frozenset({"--rpc", "-ts", "--tensor-split"})
 _FREE_PORT = ("python3 -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0)); "
               "print(s.getsockname()[1])'")
+
+
+# The two figures every view shows: prompt processing and generation, tokens per second.
+METRICS = (("pp", "prompt_n", "prompt_ms"), ("tg", "predicted_n", "predicted_ms"))
+TIMING_KEYS = ("prompt_n", "prompt_ms", "prompt_per_second",
+               "predicted_n", "predicted_ms", "predicted_per_second")
+
+
+def spread(values: list[float]) -> dict:
+    """{"min", "median", "max"} of `values` (rounded to 0.01 tokens/s)."""
+    if not values:
+        raise ValueError("no values")
+    return {"min": round(min(values), 2), "median": round(statistics.median(values), 2),
+            "max": round(max(values), 2)}
+
+
+def rate(tokens: float, ms: float) -> float:
+    return tokens * 1000.0 / ms if ms > 0 else 0.0
+
+
+def summarize(runs: list[list[dict]], prompts: list[str]) -> dict:
+    """Per prompt and over all prompts, min/median/max tokens/s of each metric.
+
+    + runs: one list per run, one `timings` dict per prompt (llama-server's own fields)
+    + prompts: the prompts' names, in the order every run sent them
+    The "all" row of a run is its tokens over its milliseconds across every prompt, so a long
+    prompt weighs as much as the time it took.
+    """
+    rows = []
+    for i, name in enumerate(prompts):
+        samples = [run[i] for run in runs]
+        row = {"prompt": name, "prompt_n": samples[0]["prompt_n"],
+               "predicted_n": samples[0]["predicted_n"]}
+        for metric, n, ms in METRICS:
+            row[metric] = spread([rate(s[n], s[ms]) for s in samples])
+        rows.append(row)
+    overall = {"prompt_n": sum(r["prompt_n"] for r in rows),
+               "predicted_n": sum(r["predicted_n"] for r in rows)}
+    for metric, n, ms in METRICS:
+        overall[metric] = spread([rate(sum(s[n] for s in run), sum(s[ms] for s in run))
+                                  for run in runs])
+    return {"prompts": rows, "overall": overall,
+            "samples": [[{k: s[k] for k in TIMING_KEYS if k in s} for s in run]
+                        for run in runs]}
 
 
 class BenchError(MeshdeployError):
@@ -197,14 +242,14 @@ def request_body(prompt: str, n_predict: int) -> dict:
 
 
 def measure(api: Api, runs: int, n_predict: int, progress) -> dict:
-    """One warm-up request, then `runs` passes over every prompt; report.summarize of them."""
+    """One warm-up request, then `runs` passes over every prompt; their summary (summarize)."""
     for _ in range(WARMUP):
         api.completion(PROMPTS[0][1], 8)
     passes = []
     for i in range(runs):
         progress(f"  run {i + 1}/{runs}")
         passes.append([api.completion(text, n_predict) for _, text in PROMPTS])
-    return report.summarize(passes, [name for name, _ in PROMPTS])
+    return summarize(passes, [name for name, _ in PROMPTS])
 
 
 # -- the running server and copies of it ---------------------------------------------------------
