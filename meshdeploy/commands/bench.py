@@ -1,7 +1,7 @@
 """meshdeploy bench: tokens/s of a deployed llama-server, measured through its HTTP API and read
 from its own `timings`, optionally against the same build and model on the orchestrator alone
 (--compare-local), or at several layer splits to fit each device's speed (--sweep:
-meshdeploy.commands.sweep).
+run_sweep here, meshdeploy.engine.sweep's machinery).
 
 How the server is reached and measured: meshdeploy.engine.server_api. Statistics, views and
 the kept result: meshdeploy.views.bench.
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from meshdeploy import errors
-from meshdeploy.commands import common, options, sweep
+from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import local_address
-from meshdeploy.engine import sweep_guard
+from meshdeploy.engine import sweep, sweep_guard
 from meshdeploy.engine.server_api import (
     N_PREDICT,
     SEED,
@@ -31,10 +31,11 @@ from meshdeploy.engine.server_api import (
     read_key,
     rootless_layout,
 )
-from meshdeploy.errors import PlanError
+from meshdeploy.errors import AbortedError, PlanError
 from meshdeploy.remote import ssh_settings
 from meshdeploy.remote.ssh_settings import SshSettings
 from meshdeploy.views import bench as report
+from meshdeploy.views import sweep as sweep_view
 
 NAME = "bench"
 HELP = "tokens/s of the deployed llama-servers, from their own timings"
@@ -162,7 +163,7 @@ def run(args: Args) -> int:
         print(line, file=sys.stderr, flush=True)
 
     if args.sweep:
-        return sweep.run(args, cluster, servers, progress)
+        return run_sweep(args, cluster, servers, progress)
 
     previous = report.read_state(cluster.path)
     results = []
@@ -179,3 +180,55 @@ def run(args: Args) -> int:
     else:
         print(report.render_text(results, kept=str(state)))
     return errors.OK
+
+
+def run_sweep(args: Args, cluster, servers, progress) -> int:
+    """bench --sweep of `servers` (engine.sweep); run checked the file, --server and --runs."""
+    from meshdeploy.engine import speeds
+
+    points = sweep.POINTS if args.points is None else args.points
+    if points < 2:
+        raise PlanError("--points must be at least 2")
+    restart_after = sweep_guard.SECONDS if args.restart_after is None else args.restart_after
+    if restart_after < sweep.MIN_RESTART_AFTER:
+        raise PlanError(f"--restart-after must be at least {sweep.MIN_RESTART_AFTER} seconds",
+                        hint="it is how long one split (loading included) may take before "
+                             "the orchestrator starts the deployed server by itself")
+    if args.json and not args.auto_approve:
+        raise PlanError("bench --sweep --json cannot ask for confirmation",
+                        hint="add --auto-approve")
+    skipped = {s.name: why for s in servers if (why := sweep.skip(cluster, s)) is not None}
+    swept = [s for s in servers if s.name not in skipped]
+    for server in swept:
+        n = len(cluster.server_devices(server))
+        if points < n + 1:
+            raise PlanError(f"--points {points} is too few for server {server.name}'s {n} "
+                            f"devices", hint=f"give at least {n + 1}: {n} to fit the devices' "
+                            "speeds, and one more so each split is predicted from the others")
+    results = [{"server": s.name, "host": s.host, "skipped": skipped[s.name]}
+               for s in servers if s.name in skipped]
+    print(sweep_view.render_notice(swept, results), file=sys.stderr)
+    if swept and not args.auto_approve and not common.confirm("bench --sweep"):
+        raise AbortedError("bench --sweep cancelled: nothing was stopped")
+    with common.Locked(cluster, "bench --sweep") as lock:
+        session = common.open_session(cluster, sweep.hosts_of(cluster, swept),
+                                      args.accept_new_host_keys) if swept else None
+        try:
+            if session is not None:
+                lock.hosts(session)  # no apply changes these hosts during the sweep
+            for server in swept:
+                settings = ssh_settings.resolve(cluster.host(server.host),
+                                                accept_new=args.accept_new_host_keys)
+                results.append(sweep.sweep_server(cluster, server, settings, args.runs, points,
+                                                  not args.no_local, progress, restart_after))
+        finally:
+            lock.release_hosts()
+            if session is not None:
+                session.close()
+    order = [s.name for s in servers]
+    results.sort(key=lambda r: order.index(r["server"]))
+    kept = str(speeds.path(cluster.path))
+    print(sweep_view.render_json(cluster.name, results, kept) if args.json
+          else sweep_view.render_text(results))
+    # A server that could not be swept said why; one whose splits could not be fitted failed.
+    return errors.ERROR if any("fit_error" in r for r in results) else errors.OK

@@ -1,6 +1,6 @@
 """What `meshdeploy bench --sweep` says: the notice before it stops anything, and its result
 per server, as text and as JSON of the same structure. Pure: the measuring is
-meshdeploy.commands.sweep.
+meshdeploy.engine.sweep.
 
 A server's result: {"server", "host", "model", "build", "devices", "params", "time",
 "splits": [{"ts", "layers", "placement", "held_bytes", "loaded", "error" | "measured",

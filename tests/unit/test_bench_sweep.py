@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.commands import sweep
 from meshdeploy.config.model import Health
-from meshdeploy.engine import server_api
+from meshdeploy.engine import server_api, sweep
 from meshdeploy.roles.rpc_cache import speed
 from meshdeploy.views import sweep as view
 

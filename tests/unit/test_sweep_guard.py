@@ -31,9 +31,9 @@ from test_bench_sweep import (  # noqa: F401 (fakes: a fixture)
     summary,
 )
 
-from meshdeploy.commands import common, sweep
+from meshdeploy.commands import bench, common
 from meshdeploy.config.load import load_cluster
-from meshdeploy.engine import server_api, speeds, sweep_guard
+from meshdeploy.engine import server_api, speeds, sweep, sweep_guard
 from meshdeploy.errors import terminal_text
 from meshdeploy.roles.rpc_cache import layout
 from meshdeploy.roles.services import unit_files
@@ -206,7 +206,7 @@ def test_the_sweep_holds_every_host_lock_of_its_servers_throughout(tmp_path, mon
     monkeypatch.setattr(sweep, "sweep_server", sweep_server)
     args = SimpleNamespace(points=3, json=False, auto_approve=True, restart_after=120,
                            accept_new_host_keys=False, runs=1, no_local=True)
-    sweep.run(args, cluster, cluster.servers, lambda line: None)
+    bench.run_sweep(args, cluster, cluster.servers, lambda line: None)
     assert events == [("session", ("node1", "node2", "node3")), "hosts locked",
                       ("sweep", "main", 120), "hosts released", "session closed",
                       "hosts released"]  # again by Locked on leaving: a no-op by then

@@ -1,4 +1,5 @@
-"""meshdeploy bench --sweep: each device's speed, fitted to measured layer splits.
+"""bench --sweep's machinery: each device's speed, fitted to measured layer splits (the command's
+part, its checks, confirmation, locks and views, is meshdeploy.commands.bench's run_sweep).
 
 The deployed llama-server is stopped (an rpc-server serves one client at a time), and copies of
 it with other -ts values run one after the other as a transient unit on a free loopback port of
@@ -14,23 +15,18 @@ copies run in the deployed unit's sandbox, from the argv the plan renders
 (server_api.planned_argv), and the API key goes only to a listener of the unit meant.
 
 The rpc_cache role's modules (numpy, gguf, and through the role's package pyinfra and ssl) and
-engine.speeds are imported where they are used: the command line imports this module to build
-its parser, before gevent's patch, and its other commands need none of them.
+engine.speeds are imported where they are used: the command line imports this module (through
+commands.bench) to build its parser, before gevent's patch, and its other commands need none of
+them.
 """
 
 from __future__ import annotations
 
-import sys
 from datetime import datetime, timezone
 
-from meshdeploy import errors
-from meshdeploy.commands import common
 from meshdeploy.config.model import local_address
 from meshdeploy.core import rpc_hello, shell
 from meshdeploy.engine import server_api, sweep_guard
-from meshdeploy.errors import AbortedError, PlanError
-from meshdeploy.remote import ssh_settings
-from meshdeploy.views import sweep as view
 
 POINTS = 7
 MIN_RESTART_AFTER = 30
@@ -414,60 +410,6 @@ def sweep_server(cluster, server, settings, runs: int, count: int, local: bool,
         return result
     finally:
         conn.close()
-
-
-# -- the command ----------------------------------------------------------------------------------
-
-def run(args, cluster, servers, progress) -> int:
-    """bench --sweep of `servers`; bench.run checked the file, --server and --runs."""
-    from meshdeploy.engine import speeds
-
-    points = POINTS if args.points is None else args.points
-    if points < 2:
-        raise PlanError("--points must be at least 2")
-    restart_after = sweep_guard.SECONDS if args.restart_after is None else args.restart_after
-    if restart_after < MIN_RESTART_AFTER:
-        raise PlanError(f"--restart-after must be at least {MIN_RESTART_AFTER} seconds",
-                        hint="it is how long one split (loading included) may take before "
-                             "the orchestrator starts the deployed server by itself")
-    if args.json and not args.auto_approve:
-        raise PlanError("bench --sweep --json cannot ask for confirmation",
-                        hint="add --auto-approve")
-    skipped = {s.name: why for s in servers if (why := skip(cluster, s)) is not None}
-    swept = [s for s in servers if s.name not in skipped]
-    for server in swept:
-        n = len(cluster.server_devices(server))
-        if points < n + 1:
-            raise PlanError(f"--points {points} is too few for server {server.name}'s {n} "
-                            f"devices", hint=f"give at least {n + 1}: {n} to fit the devices' "
-                            "speeds, and one more so each split is predicted from the others")
-    results = [{"server": s.name, "host": s.host, "skipped": skipped[s.name]}
-               for s in servers if s.name in skipped]
-    print(view.render_notice(swept, results), file=sys.stderr)
-    if swept and not args.auto_approve and not common.confirm("bench --sweep"):
-        raise AbortedError("bench --sweep cancelled: nothing was stopped")
-    with common.Locked(cluster, "bench --sweep") as lock:
-        session = common.open_session(cluster, hosts_of(cluster, swept),
-                                      args.accept_new_host_keys) if swept else None
-        try:
-            if session is not None:
-                lock.hosts(session)  # no apply changes these hosts during the sweep
-            for server in swept:
-                settings = ssh_settings.resolve(cluster.host(server.host),
-                                                accept_new=args.accept_new_host_keys)
-                results.append(sweep_server(cluster, server, settings, args.runs, points,
-                                            not args.no_local, progress, restart_after))
-        finally:
-            lock.release_hosts()
-            if session is not None:
-                session.close()
-    order = [s.name for s in servers]
-    results.sort(key=lambda r: order.index(r["server"]))
-    kept = str(speeds.path(cluster.path))
-    print(view.render_json(cluster.name, results, kept) if args.json
-          else view.render_text(results))
-    # A server that could not be swept said why; one whose splits could not be fitted failed.
-    return errors.ERROR if any("fit_error" in r for r in results) else errors.OK
 
 
 def hosts_of(cluster, servers) -> list[str]:
