@@ -32,7 +32,7 @@ port = int(args[args.index("--port") + 1])
 # a copy of the first connection kept open elsewhere would leave the second waiting for ever.
 for t in rpc:
     a, _, p = t.rpartition(":")
-    s = socket.create_connection((a, int(p)), timeout=5)
+    s = socket.create_connection((a, int(p)), timeout=float(os.environ.get("FAKE_CONNECT", "5")))
     s.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
     s.recv(64)
     time.sleep(1.5)
@@ -139,7 +139,7 @@ def setup(tmp_path):
     log.touch()
     procs = []
 
-    def start(workers: dict, placements: list, port: int):
+    def start(workers: dict, placements: list, port: int, env: dict | None = None):
         argv = [sys.executable, str(SCRIPT), "--state", str(tmp_path / "state.json"),
                 "--interval", "0.5"]
         for name, rpc in workers.items():
@@ -147,7 +147,7 @@ def setup(tmp_path):
         for p in placements:
             argv += ["--placement", *p]
         argv += ["--", sys.executable, str(fake), "--host", "127.0.0.1", "--port", str(port)]
-        proc = subprocess.Popen(argv, env=dict(os.environ, FAKE_LOG=str(log)),
+        proc = subprocess.Popen(argv, env=dict(os.environ, FAKE_LOG=str(log), **(env or {})),
                                 stderr=subprocess.PIPE, text=True)
         procs.append(proc)
         return proc
@@ -287,3 +287,40 @@ def test_status_says_which_placement_runs():
         ("unknown", "state file unreadable", False)]
     # A line for another server, or none: the row says so rather than inventing one.
     assert [r.answer for r in probe.parse(["failover other {}"])] == ["no status line"]
+
+
+def test_a_worker_that_stops_answering_while_llama_server_connects_is_lost(setup):
+    """A worker gone while llama-server starts: its connect stays unanswered (SYN_SENT), and
+    llama-server would keep loading for minutes. After the user timeout md-failover takes the
+    worker for lost and starts the placement without it."""
+    start, starts, tmp = setup
+    a = FakeRpc()
+    b = socket.socket()  # nb: answers md-failover's HELLO, then takes no connection at all
+    b.bind(("127.0.0.1", 0))
+    b.listen(0)
+    port_b = b.getsockname()[1]
+    fill = []
+
+    def answer_once_then_fill():
+        c, _ = b.accept()
+        if c.recv(33)[:1] == bytes([14]):
+            c.sendall(struct.pack("<Q", 3) + bytes([3, 0, 0]))
+        c.close()
+        for _ in range(2):  # the accept queue full: the kernel drops every further SYN
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port_b))
+            fill.append(s)
+
+    threading.Thread(target=answer_once_then_fill, daemon=True).start()
+    both = f"127.0.0.1:{port_b},127.0.0.1:{a.port}"
+    proc = start({"nb": type("W", (), {"port": port_b})(), "na": a},
+                 [["-", both, "-"], ["nb", f"127.0.0.1:{a.port}", "-"]], free_port(),
+                 env={"FAKE_CONNECT": "120"})
+    assert wait_for(lambda: (tmp / "state.json").exists()
+                    and json.loads((tmp / "state.json").read_text())["lost"] == ["nb"], 30), \
+        proc.stderr
+    assert wait_for(lambda: len(starts()) == 1)
+    assert rpc_of(starts()[0]) == f"127.0.0.1:{a.port}"
+    a.stop()
+    b.close()

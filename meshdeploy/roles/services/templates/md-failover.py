@@ -106,6 +106,17 @@ def nudge(local, target):
         s.close()
 
 
+def _address(hexed):
+    """"0C00C80A:C350" (/proc/net/tcp's remote end, IPv4) -> "10.200.0.12:50052"."""
+    addr, _, port = hexed.partition(":")
+    if len(addr) != 8:
+        return None
+    try:
+        return f"{socket.inet_ntoa(struct.pack('=I', int(addr, 16)))}:{int(port, 16)}"
+    except ValueError:
+        return None
+
+
 class Placement:
     def __init__(self, lost, rpc, ts):
         self.lost = frozenset(x for x in lost.split(",") if x) if lost != "-" else frozenset()
@@ -132,6 +143,7 @@ class Supervisor:
         self.adoption = sys.platform.startswith("linux")
         self.seen = set()
         self.armed = {}  # socket inode of llama-server's -> the worker at its other end
+        self.connecting = {}  # socket inode of llama-server's in SYN_SENT -> since when
         # worker -> {((addr, port), target)}: the local ends of llama-server's connections to
         # it, and (once it is lost) of those whose other end may still wait on the worker
         self.local = {}
@@ -214,6 +226,7 @@ class Supervisor:
     def release(self):
         """Forgets the connections of a llama-server that ended."""
         self.armed.clear()
+        self.connecting.clear()
 
     # --- watching the connections in use -----------------------------------------------------
     def adopt(self):
@@ -275,20 +288,22 @@ class Supervisor:
 
     def hung_up(self, timeout):
         """Workers whose connection from llama-server failed (a timeout or a reset takes it
-        out of the kernel's table) or was closed by their end (CLOSE_WAIT), after `timeout`
+        out of the kernel's table) or was closed by their end (CLOSE_WAIT), or that llama-server
+        has been trying to reach for longer than the user timeout (SYN_SENT: a worker gone
+        while llama-server loads would otherwise keep it loading for minutes), after `timeout`
         seconds. The table is read before llama-server's descriptors, so a connection that
         llama-server closes itself meanwhile is not taken for a loss."""
         time.sleep(timeout)
-        if not self.armed or self.child is None:
+        if self.child is None:
             return set()
-        states = {}
+        table = {}
         for name in ("/proc/net/tcp", "/proc/net/tcp6"):
             try:
                 with open(name) as f:
                     for row in f.read().splitlines()[1:]:
                         w = row.split()
                         if len(w) > 9:
-                            states[w[9]] = w[3]
+                            table[w[9]] = (w[3], w[2])
             except OSError:
                 continue
         try:
@@ -298,7 +313,20 @@ class Supervisor:
             return set()
         for inode in [i for i in self.armed if i not in mine]:
             del self.armed[inode]  # closed by llama-server itself
-        return {name for inode, name in self.armed.items() if states.get(inode) != "01"}
+        gone = {name for inode, name in self.armed.items() if table.get(inode, ("",))[0] != "01"}
+        now = time.monotonic()
+        for inode in [i for i in self.connecting if i not in mine or
+                      table.get(i, ("",))[0] != "02"]:
+            del self.connecting[inode]
+        for inode in mine - set(self.armed):
+            state, remote = table.get(inode, ("", ""))
+            name = self.owner.get(_address(remote)) if state == "02" else None
+            if name is None:
+                continue
+            since = self.connecting.setdefault(inode, now)
+            if now - since > USER_TIMEOUT_MS / 1000:
+                gone.add(name)
+        return gone
 
     # --- in flight ----------------------------------------------------------------------------
     def _server_url_and_key(self):
