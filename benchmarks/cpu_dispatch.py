@@ -86,6 +86,13 @@ def completion(binary: Path, model: Path, qemu: list[str]) -> subprocess.Complet
                           stdin=subprocess.DEVNULL)
 
 
+def variant(binary: Path, qemu: list[str]) -> list[str]:
+    """The CPU variant ggml loads (its load_backend line, which --list-devices prints)."""
+    done = subprocess.run([*qemu, str(binary), "--list-devices"], capture_output=True, text=True,
+                          timeout=600, stdin=subprocess.DEVNULL)
+    return re.findall(r"loaded CPU backend from \S*?(libggml-cpu-\S+\.so)", done.stderr)[:1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/md-dispatch"))
@@ -119,8 +126,9 @@ def main() -> None:
     copied = a.work / "copied" / "dispatch"
     shutil.rmtree(copied, ignore_errors=True)
     shutil.copytree(d["out"], copied, symlinks=True)
-    for tool in ("llama-bench", "llama-completion"):
-        shutil.copy2(d["tree"] / "bin" / tool, copied / "bin" / tool)
+    for tool in ("llama-bench", "llama-completion"):  # and the part each keeps in a library
+        for name in (tool, f"lib{tool}-impl.so"):
+            shutil.copy2(d["tree"] / "bin" / name, copied / "bin" / name)
     hidden = d["tree"].with_name("dispatch.hidden")
     d["tree"].rename(hidden)
     try:
@@ -140,14 +148,13 @@ def main() -> None:
             print(f"{k}: prompt {pp:.1f} tok/s, generation {tg:.1f} tok/s")
         print(f"dispatch/native: prompt {med['dispatch'][0] / med['native'][0]:.3f}, "
               f"generation {med['dispatch'][1] / med['native'][1]:.3f}")
+        bench_bin = copied / "bin" / "llama-bench"
         here = completion(copied / "bin" / "llama-completion", a.model, [])
-        chosen = re.findall(r"loaded CPU backend from \S*?(libggml-cpu-\S+\.so)", here.stderr)
-        print(f"this CPU: variant {chosen[:1]}, rc {here.returncode}")
+        print(f"this CPU: variant {variant(bench_bin, [])}, rc {here.returncode}")
         qemu = ["qemu-x86_64-static", "-cpu", a.qemu_cpu]
         old = completion(copied / "bin" / "llama-completion", a.model, qemu)
-        chosen = re.findall(r"loaded CPU backend from \S*?(libggml-cpu-\S+\.so)", old.stderr)
-        print(f"-cpu {a.qemu_cpu}: dispatch copy rc {old.returncode}, variant {chosen[:1]}, "
-              f"text {old.stdout.strip()[-80:]!r}")
+        print(f"-cpu {a.qemu_cpu}: dispatch copy rc {old.returncode}, variant "
+              f"{variant(bench_bin, qemu)}, text {old.stdout.strip()[-80:]!r}")
         nat = completion(builds["native"]["tree"] / "bin" / "llama-completion", a.model, qemu)
         print(f"-cpu {a.qemu_cpu}: native build rc {nat.returncode} "
               f"({'SIGILL' if nat.returncode in (-4, 132) else nat.stderr.strip()[-120:]})")
