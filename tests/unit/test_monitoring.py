@@ -86,8 +86,10 @@ def test_a_scraper_that_is_no_address_is_one_error_at_its_position(tmp_path):
                                    "[10.0.0.1, prometheus.example]\nhosts:\n"})
     done = meshdeploy("validate", path)
     assert done.returncode == 3 and "Traceback" not in done.stderr  # 3: a configuration error
-    assert (f"{path}:24:24: monitoring.scrapers[1]: 'prometheus.example' is not an IP address "
-            "or network") in done.stderr, done.stderr
+    line = Path(path).read_text().splitlines().index(
+        "  scrapers: [10.0.0.1, prometheus.example]") + 1  # the line the edit added
+    assert (f"{path}:{line}:24: monitoring.scrapers[1]: 'prometheus.example' is not an IP "
+            "address or network") in done.stderr, done.stderr
 
 
 def test_the_units_let_the_scrapers_in_where_they_filter(tmp_path):
@@ -108,7 +110,8 @@ def test_an_unknown_key_of_monitoring_is_an_error_at_its_line(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_cluster(path)
     text = str(caught.value) + " ".join(str(i) for i in getattr(caught.value, "issues", []))
-    assert "scraper" in text and ":24:" in text, text
+    line = Path(path).read_text().splitlines().index("  scraper: [10.0.0.1]") + 1
+    assert "scraper" in text and f":{line}:" in text, text
 
 
 # -- the files -----------------------------------------------------------------------------------
