@@ -479,6 +479,12 @@ def destroy(ctx: HostContext, purge: bool) -> Teardown:
         have = units[unit]
         # A llama-server whose workers stop first ends "failed": reset, so systemd forgets it.
         cmds = [mgr.remove(unit)] + mgr.forget(unit)
+        if _unit_resource(unit).startswith("llama_server["):
+            # md-failover, the program a server's unit may run, goes with the unit (the folder
+            # arrives as $0, the name's pattern is fixed text).
+            cmds.append(shell.command("sh", "-c",
+                                      f'rm -f -- "$0"/{d.services_failover_script}-*.py',
+                                      f"{ctx.prefix}/tools"))
         steps.append(Step(ctx.change(ROLE, _unit_resource(unit), "delete",
                                      "leaves the cluster: stopped, disabled, removed",
                                      [AttrDiff("unit", unit, None),
