@@ -415,11 +415,11 @@ def sections(layouts: list[Layout], cluster=None, runs: dict | None = None,
                 free_bytes=r["free"], free_estimated=r["estimated"],
                 headroom_bytes=r["headroom"],
             ) for r in lay.rows],
-            idle=[] if full is None else [f"{r['host']}:{r['port']}" for r in lay.rows
-                                          if r["port"] is not None and
-                                          f"{r['host']}:{r['port']}" not in full.rpc],
-            tolerate=server.failover.tolerate if server is not None and
-            cluster.supervised(server) else 0,
+            idle=[] if full is None else list(dict.fromkeys(
+                f"{r['host']}:{r['port']}" for r in lay.rows
+                if r["port"] is not None and f"{r['host']}:{r['port']}" not in full.rpc)),
+            tolerate=min(server.failover.tolerate, len(cluster.worker_hosts(server)))
+            if server is not None and cluster.supervised(server) else 0,
             failover=[FailoverRow(
                 lost=list(r.lost), rpc=list(r.rpc),
                 placement=None if r.layout is None else

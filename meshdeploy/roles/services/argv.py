@@ -123,7 +123,8 @@ def failover_argv(python: str, script: str, binary: str, cluster: Cluster, serve
     base = llama_server_argv(binary, cluster, _replace(server, rpc=None, tensor_split="auto"),
                              model_path, flags)
     target = {e.ref: e.target for e in cluster.rpc_endpoints(server)}
-    argv = [python, script]
+    # -I: neither the script's folder nor PYTHON* variables nor user site-packages count.
+    argv = [python, "-I", script, f"--url={server.local_url}"]
     if state is not None:
         argv += ["--state", state]
     rpc_flag = next((f for f in ("--rpc",) if f in known), None)

@@ -404,9 +404,11 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     if restarted:
         # Stopped first: its RPC connections close, so each worker accepts the check at once.
         # e.port: the port it dials (the forward's loopback port under network.transport: ssh).
-        # md-failover starts without a worker that is away: only the others are waited for.
-        checks = [tcp_wait(e.address, e.port, 10, None, f"{ctx.host.name} -> {e.target}")
-                  for e in endpoints if not (script and e.host.name in ctx.failed_hosts)]
+        # md-failover asks the workers itself and starts without one that is away: no check
+        # (a failed one would leave the unit stopped).
+        checks = [] if script else [
+            tcp_wait(e.address, e.port, 10, None, f"{ctx.host.name} -> {e.target}")
+            for e in endpoints]
         step.commands = ([mgr.stop(unit)] if checks else []) + checks + step.commands + [
             health_wait(server, mgr.journal(unit), rootless.restarts_shim(mgr))]
         lost = sorted({e.host.name for e in endpoints} & ctx.failed_hosts)

@@ -2,34 +2,42 @@
 switched when a worker goes away or comes back. Python's standard library only.
 
 meshdeploy writes it beside its other tools and starts it in llama-server's place (the server's
-unit, runit run script or launchd job); the plan computes every placement it may start:
+unit, runit run script or launchd job), with python3 -I; the plan computes every placement:
 
-  md-failover.py [--state FILE] [--interval S] [--settle N] [--rpc-flag F] [--ts-flag F]
-                 --worker NAME=ADDR:PORT[,ADDR:PORT...] ...
+  md-failover.py [--state FILE] [--url URL] [--interval S] [--settle N] [--rpc-flag=F]
+                 [--ts-flag=F] --worker NAME=ADDR:PORT[,ADDR:PORT...] ...
                  --placement LOST RPC TS ...  -- LLAMA-SERVER ARGV...
 
 LOST: the worker names away, comma-separated ("-": none, the full placement); RPC: the --rpc
-value for it ("-": none); TS: the -ts value ("-": llama.cpp's own split by free memory).
+value for it ("-": none); TS: the -ts value ("-": llama.cpp's own split by free memory). The
+placements come in the plan's order: the full one first, then fewer workers. URL: where the
+server answers on its own host (for /metrics).
 
 - Before llama-server starts, every worker is asked for rpc-server's HELLO (a connect, one
-  request, a short timeout), and the placement for the set that does not answer is started.
-  With no placement for that set, the server is down until a worker comes back: it says so
-  in its log and state file, and asks again every interval.
-- While it serves, llama-server's own connections to its workers are watched: they are taken
-  out of the process (pidfd_getfd, Linux 5.6+) and given TCP keepalive and a user timeout, so a
-  link that drops silently fails them within about 4 s, and a worker that closes its end is seen
-  at once. No probe ever connects to a worker llama-server is using: rpc-server serves one
-  client at a time, and a probe would wait in the backlog the next llama-server needs.
+  request, a short deadline), and the first placement that dials only workers that answer is
+  started. A worker no placement dials (one given no layers) never matters. With no placement
+  for what answers, the server is down until a worker comes back: it says so in its log and
+  state file, and asks again every interval.
+- While it serves, llama-server's own connections to its workers are watched: each is taken
+  out of the process for a moment (pidfd_getfd, Linux 5.6+) and given TCP keepalive and a user
+  timeout, and the copy closed; the kernel's table (/proc/net/tcp) then says when one fails
+  (a link that drops silently: within about 4 s), is closed by the worker, or stays unanswered
+  while llama-server connects. No probe ever connects to a worker llama-server is using:
+  rpc-server serves one client at a time, and a probe would wait in the backlog the next
+  llama-server needs.
 - A link that dropped silently leaves the worker's rpc-server waiting on the dead connection
   (it sets no keepalive), and a waiting rpc-server accepts nobody: before each HELLO to a lost
   worker, a connect from the dead connection's own local address makes the worker's kernel
   reset it (see nudge()).
-- Where a worker is away, it is asked for HELLO every interval; once it answers `settle` times
-  in a row, md-failover waits for the requests in flight to finish (/metrics'
-  requests_processing, at most DRAIN seconds) and restarts llama-server on the placement for
-  the workers still away.
-- A llama-server that exits while every worker it uses still answers ends md-failover with its
-  exit status: the service manager restarts it, as it would llama-server itself.
+- A worker the running placement does not dial is asked for HELLO every interval; once it
+  answers `settle` times in a row and an earlier (fuller) placement can run, md-failover waits
+  for the requests in flight to finish (/metrics' requests_processing, at most DRAIN seconds;
+  HOLD seconds where /metrics cannot say) and restarts llama-server on it. A worker lost again
+  soon after it came back must answer twice as long the next time (up to MAX_SETTLE).
+- A llama-server that exits while every worker it dials still answers ends md-failover with its
+  exit status: the service manager restarts it, as it would llama-server itself. md-failover
+  stops llama-server whenever it ends itself (and llama-server gets SIGTERM should md-failover
+  die without that).
 """
 
 import argparse
@@ -44,42 +52,54 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 
-HELLO_TIMEOUT = 1.0  # seconds a worker has to accept and answer HELLO (a LAN; a forward)
+HELLO_TIMEOUT = 1.0  # seconds a worker has to accept and answer HELLO, all of it (a LAN)
+HELLO_TRIES = 3  # a worker llama-server just used may still be finishing its last graph
 REPLY_MAX = 64  # a HELLO reply is a few bytes: a longer one is not rpc-server's
 KEEPIDLE, KEEPINTVL, KEEPCNT = 2, 1, 2  # seconds idle, between probes, probes: a silent loss
 USER_TIMEOUT_MS = 4000  # ... fails the connection in about 4 s, idle or sending
 DRAIN = 120  # seconds to wait for requests in flight before switching back
+HOLD = 5  # seconds to wait instead where /metrics cannot say what is in flight
 STOP_WAIT = 15  # seconds llama-server has to exit after SIGTERM
+FLAP = 120  # seconds: a worker lost again this soon after it came back is flapping
+MAX_SETTLE = 64  # the most answers in a row a flapping worker must give to count as back
 SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
+PR_SET_PDEATHSIG = 1
 
 
 def log(message):
     print(f"md-failover: {message}", file=sys.stderr, flush=True)
 
 
-def hello(target):
-    """Whether rpc-server answers HELLO at "addr:port" (a forward whose worker is gone accepts
-    the connect and then closes it: only the reply counts)."""
+def hello(target, deadline=HELLO_TIMEOUT):
+    """Whether rpc-server answers HELLO at "addr:port" within `deadline` seconds in all (a
+    forward whose worker is gone accepts the connect and then closes it: only the reply
+    counts; a listener that dribbles its reply out does not hold the caller longer)."""
     addr, _, port = target.rpartition(":")
+    end = time.monotonic() + deadline
     try:
-        s = socket.create_connection((addr, int(port)), timeout=HELLO_TIMEOUT)
+        s = socket.create_connection((addr, int(port)), timeout=deadline)
     except (OSError, ValueError):
         return False
     try:
         s.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
-        size = struct.unpack("<Q", _recv(s, 8))[0]
-        return size <= REPLY_MAX and len(_recv(s, size)) == size
+        size = struct.unpack("<Q", _recv(s, 8, end))[0]
+        return size <= REPLY_MAX and len(_recv(s, size, end)) == size
     except (OSError, EOFError, struct.error):
         return False
     finally:
         s.close()
 
 
-def _recv(s, n):
+def _recv(s, n, end):
     data = b""
     while len(data) < n:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise EOFError
+        s.settimeout(left)
         chunk = s.recv(n - len(data))
         if not chunk:
             raise EOFError
@@ -98,7 +118,7 @@ def nudge(local, target):
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(local[:2])
-        s.settimeout(1.5)
+        s.settimeout(0.5)
         s.connect((addr, int(port)))
     except (OSError, ValueError):
         pass
@@ -107,7 +127,7 @@ def nudge(local, target):
 
 
 def _address(hexed):
-    """"0C00C80A:C350" (/proc/net/tcp's remote end, IPv4) -> "10.200.0.12:50052"."""
+    """"0C00C80A:C350" (/proc/net/tcp's remote end, IPv4) -> "10.200.0.12:50000"."""
     addr, _, port = hexed.partition(":")
     if len(addr) != 8:
         return None
@@ -117,11 +137,21 @@ def _address(hexed):
         return None
 
 
+def _parent_death_signal():
+    """In llama-server, before exec: SIGTERM when md-failover dies (Linux), so a killed
+    md-failover never leaves it holding the port and every worker's one client place."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 class Placement:
     def __init__(self, lost, rpc, ts):
         self.lost = frozenset(x for x in lost.split(",") if x) if lost != "-" else frozenset()
         self.rpc = None if rpc == "-" else rpc
         self.ts = None if ts == "-" else ts
+        self.targets = [t for t in (self.rpc or "").split(",") if t]
 
     def describe(self):
         return "the full placement" if not self.lost else \
@@ -140,7 +170,7 @@ class Supervisor:
         self.base = opts.argv
         self.child = None
         self.stopping = False
-        self.adoption = sys.platform.startswith("linux")
+        self.watching = sys.platform.startswith("linux")
         self.seen = set()
         self.armed = {}  # socket inode of llama-server's -> the worker at its other end
         self.connecting = {}  # socket inode of llama-server's in SYN_SENT -> since when
@@ -149,23 +179,55 @@ class Supervisor:
         self.local = {}
         self.stale = {}
         self.last_state = None
-        self.just_lost = set()
+        self.settle = {n: opts.settle for n in self.workers}  # answers in a row to be back
+        self.back_at = {}  # worker -> when it last came back
+
+    def dials(self, placement):
+        """The workers `placement` dials."""
+        return {self.owner[t] for t in placement.targets if t in self.owner}
+
+    def resolve(self):
+        """Maps each target's addresses too: a worker named by DNS is seen by its address in
+        the kernel's table and in getpeername()."""
+        for name, targets in self.workers.items():
+            for t in targets:
+                addr, _, port = t.rpartition(":")
+                try:
+                    infos = socket.getaddrinfo(addr, int(port), proto=socket.IPPROTO_TCP)
+                except (OSError, ValueError):
+                    continue
+                for info in infos:
+                    self.owner.setdefault(f"{info[4][0]}:{info[4][1]}", name)
 
     # --- what answers -------------------------------------------------------------------------
-    def answering(self, names):
-        """The workers among `names` whose every rpc-server answers HELLO (asked at once)."""
-        for name in names:
-            for local, target in self.stale.get(name, ()):
-                nudge(local, target)
+    def answering(self, names, tries=1):
+        """The workers among `names` whose every rpc-server answers HELLO, asked at once (a
+        lost worker's dead connections nudged first); `tries` asks a silent one again."""
+        names = list(names)
         targets = [t for n in names for t in self.workers[n]]
         if not targets:
             return set()
+
+        def ask(target):
+            name = self.owner.get(target)
+            for local, t in self.stale.get(name, ()):
+                if t == target:
+                    nudge(local, t)
+            for i in range(tries):
+                if hello(target):
+                    return True
+                if i + 1 < tries:
+                    time.sleep(0.5)
+            return False
+
         with concurrent.futures.ThreadPoolExecutor(len(targets)) as pool:
-            ok = dict(zip(targets, pool.map(hello, targets)))
+            ok = dict(zip(targets, pool.map(ask, targets)))
         return {n for n in names if all(ok[t] for t in self.workers[n])}
 
-    def placement_for(self, lost):
-        return next((p for p in self.placements if p.lost == frozenset(lost)), None)
+    def placement_for(self, answering):
+        """The first placement (the plan's order: the fullest first) that dials only workers
+        that answer."""
+        return next((p for p in self.placements if self.dials(p) <= set(answering)), None)
 
     # --- state --------------------------------------------------------------------------------
     def state(self, what, placement=None, lost=()):
@@ -203,7 +265,8 @@ class Supervisor:
     def start(self, placement):
         self.seen.clear()
         self.local = {}
-        self.child = subprocess.Popen(self.argv(placement), stdin=subprocess.DEVNULL)
+        self.child = subprocess.Popen(self.argv(placement), stdin=subprocess.DEVNULL,
+                                      preexec_fn=_parent_death_signal)
         log(f"llama-server started on {placement.describe()} (pid {self.child.pid}"
             + (f", --rpc {placement.rpc}" if placement.rpc else ", no rpc-server") + ")")
 
@@ -228,30 +291,47 @@ class Supervisor:
         self.armed.clear()
         self.connecting.clear()
 
+    def unwatch(self, why):
+        self.watching = False
+        log(f"cannot watch llama-server's connections ({why}): a worker that goes away "
+            "silently is noticed when llama-server aborts at its next request instead")
+
     # --- watching the connections in use -----------------------------------------------------
     def adopt(self):
         """Arms every new connection of llama-server to a worker: keepalive and a user timeout
         set on it through a copy taken with pidfd_getfd, the copy closed at once (a copy kept
         open would keep the connection open after llama-server closes it, and the worker's
         rpc-server, which serves one client at a time, would wait on it for ever)."""
-        if not self.adoption or self.child is None:
+        if not self.watching or self.child is None:
             return
         pid = self.child.pid
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            return  # it is ending
+        try:
             pidfd = os.pidfd_open(pid)
-        except (OSError, AttributeError):
-            return
+        except AttributeError:
+            return self.unwatch("this Python has no os.pidfd_open")
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                return
+            return self.unwatch(os.strerror(exc.errno or 0))
+        current = set()
         try:
             for fd in fds:
                 try:
                     link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 except OSError:
                     continue
-                if link.startswith("socket:[") and link not in self.seen:
+                if not link.startswith("socket:["):
+                    continue
+                current.add(link)
+                if link not in self.seen and self.watching:
                     self._arm(pidfd, int(fd), link[8:-1])
         finally:
             os.close(pidfd)
+        self.seen &= current  # a socket llama-server closed (an HTTP client's) is forgotten
 
     def _arm(self, pidfd, fd, inode):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -259,23 +339,26 @@ class Supervisor:
         if dup < 0:
             err = ctypes.get_errno()
             if err in (errno.EPERM, errno.ENOSYS, errno.EACCES):
-                self.adoption = False
-                log(f"cannot watch llama-server's connections ({os.strerror(err)}): a worker "
-                    "that goes away silently is noticed at the next request instead")
+                self.unwatch(os.strerror(err))
             return
-        s = socket.socket(fileno=dup)
+        try:
+            s = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
+            self.seen.add(f"socket:[{inode}]")  # not a socket Python knows: not TCP
+            return
         try:
             try:
                 peer = s.getpeername()
             except OSError as exc:
-                if exc.errno != errno.ENOTCONN or s.getsockopt(socket.SOL_SOCKET,
-                                                               socket.SO_ACCEPTCONN):
+                if exc.errno != errno.ENOTCONN or \
+                        s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     self.seen.add(f"socket:[{inode}]")  # a listener, or no TCP at all
                 return  # still connecting: armed at a later look
             self.seen.add(f"socket:[{inode}]")
             name = self.owner.get(f"{peer[0]}:{peer[1]}") if isinstance(peer, tuple) else None
             if name is None:
-                return
+                return  # a client of the server's, or anything but a worker
             s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             for opt, value in (("TCP_KEEPIDLE", KEEPIDLE), ("TCP_KEEPINTVL", KEEPINTVL),
                                ("TCP_KEEPCNT", KEEPCNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
@@ -283,6 +366,8 @@ class Supervisor:
                     s.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
             self.armed[inode] = name
             self.local.setdefault(name, set()).add((s.getsockname(), f"{peer[0]}:{peer[1]}"))
+        except OSError:
+            pass  # it closed meanwhile
         finally:
             s.close()
 
@@ -294,23 +379,32 @@ class Supervisor:
         seconds. The table is read before llama-server's descriptors, so a connection that
         llama-server closes itself meanwhile is not taken for a loss."""
         time.sleep(timeout)
-        if self.child is None:
+        if self.child is None or not self.watching:
             return set()
-        table = {}
+        table, read = {}, False
         for name in ("/proc/net/tcp", "/proc/net/tcp6"):
             try:
                 with open(name) as f:
-                    for row in f.read().splitlines()[1:]:
-                        w = row.split()
-                        if len(w) > 9:
-                            table[w[9]] = (w[3], w[2])
+                    rows = f.read().splitlines()[1:]
             except OSError:
                 continue
-        try:
-            mine = {os.readlink(f"/proc/{self.child.pid}/fd/{fd}")[8:-1]
-                    for fd in os.listdir(f"/proc/{self.child.pid}/fd")}
-        except OSError:
+            read = True
+            for row in rows:
+                w = row.split()
+                if len(w) > 9:
+                    table[w[9]] = (w[3], w[2])
+        if not read:
+            # Without the table every connection would look gone (Android keeps it from apps).
+            self.unwatch("the kernel's connection table cannot be read")
             return set()
+        try:
+            mine = set()
+            for fd in os.listdir(f"/proc/{self.child.pid}/fd"):
+                link = os.readlink(f"/proc/{self.child.pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    mine.add(link[8:-1])
+        except OSError:
+            return set()  # it is ending: its exit says the rest
         for inode in [i for i in self.armed if i not in mine]:
             del self.armed[inode]  # closed by llama-server itself
         gone = {name for inode, name in self.armed.items() if table.get(inode, ("",))[0] != "01"}
@@ -329,32 +423,29 @@ class Supervisor:
         return gone
 
     # --- in flight ----------------------------------------------------------------------------
-    def _server_url_and_key(self):
+    def _key(self):
         args = self.base
-        value = {}
         for i, a in enumerate(args[:-1]):
-            value.setdefault(a, args[i + 1])
-        host = value.get("--host", "127.0.0.1")
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        key = None
-        path = value.get("--api-key-file")
-        if path:
-            try:
-                with open(path) as f:
-                    key = f.readline().strip()
-            except OSError:
-                key = None
-        return f"http://{host}:{value.get('--port', '8080')}", key
+            if a == "--api-key-file":
+                try:
+                    with open(args[i + 1]) as f:
+                        return f.readline().strip()
+                except OSError:
+                    return None
+        return None
 
     def requests_processing(self):
-        url, key = self._server_url_and_key()
-        req = urllib.request.Request(url + "/metrics")
+        """What /metrics says is in flight; None where it cannot say (no --metrics, an error)."""
+        if not self.opts.url:
+            return None
+        req = urllib.request.Request(self.opts.url.rstrip("/") + "/metrics")
+        key = self._key()
         if key:
             req.add_header("Authorization", f"Bearer {key}")
         try:
             with urllib.request.urlopen(req, timeout=2) as r:
                 text = r.read(1 << 20).decode("utf-8", "replace")
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - whatever the server did, it cannot say
             return None
         for line in text.splitlines():
             if line.startswith("llamacpp:requests_processing"):
@@ -365,22 +456,28 @@ class Supervisor:
         return None
 
     def drain(self):
-        """Waits (at most DRAIN seconds) until llama-server processes no request."""
+        """Waits (at most DRAIN seconds) until llama-server processes no request; HOLD seconds
+        where /metrics cannot say."""
         deadline = time.monotonic() + DRAIN
         while time.monotonic() < deadline and not self.stopping:
             busy = self.requests_processing()
-            if busy is None or busy == 0:
-                return busy is not None
+            if busy is None:
+                time.sleep(HOLD)
+                return False
+            if busy == 0:
+                return True
             time.sleep(0.5)
         return False
 
     # --- the loop -----------------------------------------------------------------------------
     def serve(self, placement, lost):
-        """Runs llama-server on `placement` until it exits, a worker it uses is lost, or a
-        lost worker is back. Returns ("exited", code), ("lost", names) or ("back", names)."""
+        """Runs llama-server on `placement` until it exits, a worker it dials is lost, or a
+        fuller placement can run. Returns ("exited", code), ("lost", names) or
+        ("back", (names, placement))."""
         self.start(placement)
         self.state("serving", placement, lost)
-        back_count = {n: 0 for n in lost}
+        idle = [n for n in self.workers if n not in self.dials(placement)]
+        count = {n: 0 for n in idle}
         next_probe = time.monotonic() + self.opts.interval
         while not self.stopping:
             code = self.child.poll()
@@ -391,64 +488,88 @@ class Supervisor:
             gone = self.hung_up(min(1.0, self.opts.interval))
             if gone:
                 return "lost", gone
-            if lost and time.monotonic() >= next_probe:
+            if idle and time.monotonic() >= next_probe:
                 next_probe = time.monotonic() + self.opts.interval
-                ok = self.answering(lost)
-                for n in lost:
-                    back_count[n] = back_count[n] + 1 if n in ok else 0
-                back = {n for n, c in back_count.items() if c >= self.opts.settle}
-                if back and self.placement_for(set(lost) - back) is not None:
-                    return "back", back
+                ok = self.answering(idle)
+                for n in idle:
+                    count[n] = count[n] + 1 if n in ok else 0
+                settled = {n for n in idle if count[n] >= self.settle[n]}
+                better = self.placement_for(self.dials(placement) | settled)
+                if better is not None and self.placements.index(better) < \
+                        self.placements.index(placement):
+                    return "back", (settled & self.dials(better), better)
         return "stop", None
 
+    def lose(self, names):
+        """Remembers what a loss leaves behind: the dead connections to nudge, and a worker
+        that flaps (lost again soon after it came back) must answer longer next time."""
+        now = time.monotonic()
+        for name in names:
+            self.stale[name] = set(self.local.get(name, set()))
+            if now - self.back_at.get(name, -FLAP) < FLAP:
+                self.settle[name] = min(self.settle[name] * 2, MAX_SETTLE)
+                log(f"{name} was lost again {now - self.back_at[name]:.0f} s after it came "
+                    f"back: it must answer {self.settle[name]} times in a row next time")
+
     def run(self):
-        lost_before = None
+        just_lost, down_before, placement = set(), None, None
+        self.resolve()
         while not self.stopping:
-            # A worker just lost is not asked again: its HELLO would only time out.
-            others = [n for n in self.workers if n not in self.just_lost]
-            lost = set(self.just_lost) | (set(others) - self.answering(others))
-            self.just_lost = set()
-            for name in set(self.stale) - lost:
+            # Right after a loss, the workers the placement dialed besides the lost ones are
+            # taken as they were (their connections were sound until llama-server stopped; a
+            # HELLO now could find one still finishing its last graph); the others are asked.
+            if just_lost:
+                answering = set(self.dials(placement)) - just_lost
+                answering |= self.answering(
+                    [n for n in self.workers if n not in answering | just_lost])
+            else:
+                answering = self.answering(list(self.workers))
+            for name in set(self.stale) & answering:
                 del self.stale[name]  # it answered: nothing of the old connection is left
-            placement = self.placement_for(lost)
+            just_lost = set()
+            placement = self.placement_for(answering)
+            away = set(self.workers) - answering
             if placement is None:
-                if lost != lost_before:
-                    log(f"down while {', '.join(sorted(lost))} "
-                        f"{'is' if len(lost) == 1 else 'are'} away: no placement without "
+                if away != down_before:
+                    log(f"down while {', '.join(sorted(away))} "
+                        f"{'is' if len(away) == 1 else 'are'} away: no placement without "
                         "them (see the plan's Failover lines)")
-                lost_before = lost
-                self.state("down", None, lost)
+                down_before = away
+                self.state("down", None, away)
                 time.sleep(self.opts.interval)
                 continue
-            lost_before = lost
-            what, detail = self.serve(placement, lost)
+            down_before = None
+            if self.stopping:
+                break
+            what, detail = self.serve(placement, placement.lost)
             if what == "lost":
-                self.just_lost = set(detail)
-                for name in detail:
-                    self.stale[name] = self.local.get(name, set())
+                just_lost = set(detail)
+                self.lose(detail)
                 log(f"lost {', '.join(sorted(detail))}: its connection from llama-server failed")
                 self.stop_child(f"{', '.join(sorted(detail))} away")
             elif what == "back":
-                log(f"{', '.join(sorted(detail))} answers again: waiting for requests in flight")
+                names, better = detail
+                now = time.monotonic()
+                for name in names:
+                    self.back_at[name] = now
+                log(f"{', '.join(sorted(names))} answers again: waiting for requests in flight "
+                    f"before {better.describe()}")
                 self.drain()
-                self.stop_child(f"{', '.join(sorted(detail))} back")
+                self.stop_child(f"{', '.join(sorted(names))} back")
             elif what == "exited":
                 log(f"llama-server exited with status {detail}")
                 self.child = None
-                used = [n for n in self.workers if n not in lost]
                 if self.stopping:
                     continue
-                gone = set(used) - self.answering(used)
+                used = self.dials(placement)
+                gone = used - self.answering(used, tries=HELLO_TRIES)
                 if not gone:
                     # Not a worker's loss: the service manager restarts md-failover, as it would
                     # a llama-server that exits.
-                    self.state("exited", placement, lost)
+                    self.state("exited", placement, placement.lost)
                     return detail if detail else 1
-                self.just_lost = gone  # llama-server aborted on them before they were seen
-                for name in gone:
-                    self.stale[name] = self.local.get(name, set())
-        self.stop_child("stopping")
-        self.state("stopped")
+                just_lost = gone  # llama-server aborted on them before they were seen lost
+                self.lose(gone)
         return 0
 
 
@@ -456,6 +577,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="md-failover.py")
     p.add_argument("--state", help="JSON file that says which placement runs (default: "
                    "$RUNTIME_DIRECTORY/failover.json where the service manager gives one)")
+    p.add_argument("--url", help="where llama-server answers on this host, for /metrics")
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--settle", type=int, default=2)
     p.add_argument("--rpc-flag", default="--rpc")
@@ -465,6 +587,8 @@ def main(argv=None):
                    metavar=("LOST", "RPC", "TS"))
     p.add_argument("argv", nargs="+")
     opts = p.parse_args(argv)
+    if opts.url and urllib.parse.urlsplit(opts.url).scheme != "http":
+        p.error("--url must be http://HOST:PORT")
     sup = Supervisor(opts)
 
     def stop(signum, frame):
@@ -474,7 +598,13 @@ def main(argv=None):
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
-    return sup.run()
+    try:
+        return sup.run()
+    finally:
+        # Whatever ends md-failover ends its llama-server: never one left holding the port and
+        # the workers' one client place.
+        sup.stop_child("stopping")
+        sup.state("stopped")
 
 
 if __name__ == "__main__":
