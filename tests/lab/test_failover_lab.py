@@ -25,8 +25,19 @@ STATE = "/run/meshdeploy-server-main/failover.json"
 
 
 @pytest.fixture(scope="module")
-def lab(converged_lab):
-    info, _, path = converged_lab
+def lab(converged_lab, tmp_path_factory):
+    """The converged cluster file, copied with its lock file into a folder of its own: device
+    speeds a sweep kept beside the original (test_bench_lab's) would move the split. Applied,
+    so llama-server runs its split by memory (node2 layers 0-9, node3 10-17 and the output)."""
+    info, _, original = converged_lab
+    folder = tmp_path_factory.mktemp("failover")
+    path = folder / original.name
+    path.write_text(original.read_text())
+    lock = original.with_name(original.stem + ".lock.json")
+    if lock.exists():
+        (folder / lock.name).write_text(lock.read_text())
+    applied = meshdeploy("apply", path, "--auto-approve")
+    assert applied.returncode == 0, applied.stdout[-3000:] + applied.stderr
     return info, path
 
 

@@ -338,8 +338,11 @@ def test_each_killed_run_is_taken_over(killed_runs):
 
 
 def unit_process(info, host: str, unit: str) -> tuple[str, list[str]]:
-    """(the executable, argv) of the unit's running main process."""
-    pid = sh(info, host, f"systemctl show -p MainPID --value {unit}").stdout.strip()
+    """(the executable, argv) of the unit's running program: its main process, or the
+    llama-server md-failover (the main process of a server that may lose a worker) runs."""
+    pid = sh(info, host, f"p=$(systemctl show -p MainPID --value {unit}); "
+                         "set -- $(cat /proc/$p/task/$p/children 2>/dev/null); "
+                         'echo "${1:-$p}"').stdout.strip()
     assert pid.isdigit() and pid != "0", f"{host}/{unit} is not running"
     exe = sh(info, host, f"readlink /proc/{pid}/exe").stdout.strip()
     argv = sh(info, host, f"tr '\\0' '\\n' < /proc/{pid}/cmdline").stdout.splitlines()

@@ -172,7 +172,8 @@ def test_the_cluster_serves_a_chat_completion_through_the_worker(applied):
     answer = json.loads(proc.stdout)
     assert answer["usage"]["completion_tokens"] > 0
     assert answer["choices"][0]["message"]["content"].strip()
-    argv = applied.run("node1", "systemctl show -p ExecStart --value meshdeploy-server-main")
+    # llama-server's own argv (md-failover, the unit's main process, starts it).
+    argv = applied.run("node1", "ps -ww -o args= -C llama-server")
     assert "--rpc 10.200.0.12:50052" in argv.stdout, argv.stdout
     # node2's rpc-server holds the connection of node1's llama-server.
     peers = applied.run("node2", "ss -Htn state established '( sport = :50052 )'").stdout

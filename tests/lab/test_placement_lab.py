@@ -92,8 +92,8 @@ def test_auto_gives_the_faster_worker_more_layers(converged_lab, tmp_path):
 
         applied = meshdeploy("apply", hetero, "--auto-approve")
         assert applied.returncode == 0, applied.stderr
-        pid = info.run("node1", "systemctl show -p MainPID --value meshdeploy-server-main")
-        argv = info.run("node1", f"cat /proc/{pid.stdout.strip()}/cmdline",
+        # llama-server runs under md-failover (the unit's main process): its own argv.
+        argv = info.run("node1", "cat /proc/$(pgrep -x llama-server | head -n 1)/cmdline",
                         root=True).stdout.split("\0")
         assert "-ts" in argv, argv
         again = meshdeploy("plan", hetero, "--detailed-exitcode")
