@@ -144,7 +144,9 @@ def main() -> int:
                                    "layers24.gguf", model)
         text = wire.cluster_yaml(info, served["repo"], served["file"], served["sha256"], False,
                                  tensor_split="auto", ctx=4096)
-        text = text.replace("  build:\n", "  build:\n    cmake_flags: [-DGGML_NATIVE=OFF]\n", 1)
+        if "GGML_NATIVE=OFF" not in text:  # inventories/lab.yaml names it itself now
+            text = text.replace("  build:\n", "  build:\n    cmake_flags: [-DGGML_NATIVE=OFF]\n",
+                                1)
         text = with_threads(text, 1, 1).replace(
             "    model: synthetic\n", "    model: synthetic\n    placement: memory\n", 1)
         # Each cluster is reported as soon as it is measured: a run cut short keeps the first.

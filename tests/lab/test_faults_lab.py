@@ -414,8 +414,10 @@ def host_stopped(killed_runs, ft_lab, cluster_file):
     restart); node2 powered off while its build runs (frozen there, so it is surely in flight)."""
     info, _ = ft_lab
     text = cluster_file.read_text()
+    flags = "    cmake_flags: [-DGGML_NATIVE=OFF]"  # inventories/lab.yaml's own
+    assert flags in text
     cluster_file.write_text(text.replace(
-        "    serial: true", "    cmake_flags: [-DMESHDEPLOY_LAB_FLAVOUR=2]\n    serial: true", 1))
+        flags, "    cmake_flags: [-DGGML_NATIVE=OFF, -DMESHDEPLOY_LAB_FLAVOUR=2]", 1))
     run = Apply(cluster_file, "host-stopped")
     freeze_when_running(info, "node2", "ninja")
     stop_host(ft_lab, "node2")

@@ -53,8 +53,10 @@ def cluster_file(pg_lab, tmp_path_factory):
     for host in ("node1", "node2"):
         made = info.run(host, f"echo 'typedef int meshdeploy_progress_{salt}_{host};' > {header}")
         assert made.returncode == 0, made.stderr
-    text = text.replace("    serial: true", f"    serial: true\n    jobs: 1\n"
-                        f"    cmake_flags: ['-DCMAKE_C_FLAGS=-include {header}']", 1)
+    flags = "    cmake_flags: [-DGGML_NATIVE=OFF]"  # inventories/lab.yaml's own
+    assert flags in text
+    text = text.replace("    serial: true", "    serial: true\n    jobs: 1", 1).replace(
+        flags, f"    cmake_flags: [-DGGML_NATIVE=OFF, '-DCMAKE_C_FLAGS=-include {header}']", 1)
     assert salt in text
     path = tmp_path_factory.mktemp("progress") / "lab.yaml"
     path.write_text(text)
