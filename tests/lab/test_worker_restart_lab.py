@@ -43,8 +43,27 @@ def healthy(info, seconds: float = 90) -> None:
         time.sleep(1)
 
 
-def test_a_worker_restarted_after_its_server_gets_the_server_restarted(converged_lab):
-    info, _, cluster = converged_lab
+def test_a_worker_restarted_after_its_server_gets_the_server_restarted(converged_lab, tmp_path):
+    """The plan's restart rule, for a server without failover (failover.tolerate: 0): there
+    llama-server itself holds the workers' connections, and nothing reconnects them but a
+    restart. (With failover, md-failover sees the worker close the connection and reconnects:
+    tests/lab/test_failover_lab.py.)"""
+    info, _, converged = converged_lab
+    text = converged.read_text()
+    assert "    ctx_size: 2048\n" in text
+    cluster = tmp_path / "lab.yaml"
+    cluster.write_text(text.replace("    ctx_size: 2048\n",
+                                    "    ctx_size: 2048\n    failover: {tolerate: 0}\n", 1))
+    lock = converged.with_name(converged.stem + ".lock.json")
+    if lock.exists():
+        (tmp_path / lock.name).write_text(lock.read_text())
+    try:
+        _restart_rule(info, cluster)
+    finally:
+        assert meshdeploy("apply", converged, "--auto-approve").returncode == OK
+
+
+def _restart_rule(info, cluster):
     # Other modules restart the shared lab's workers by hand (logs): converge first.
     assert meshdeploy("apply", cluster, "--auto-approve").returncode == OK
     plan = meshdeploy("plan", cluster).stdout
