@@ -83,7 +83,11 @@ class FakeRpc:
             except OSError:
                 return
             self.client = c
-            self._one(c)
+            self._handle(c)
+
+    def _handle(self, c):
+        """One client at a time, as rpc-server serves them."""
+        self._one(c)
 
     @staticmethod
     def _one(c):
@@ -243,15 +247,9 @@ def test_no_probe_connects_to_a_worker_llama_server_is_using(setup):
         """Accepts every connection at once (a thread each), so a probe that connected to a
         worker in use would be counted, not left waiting in the backlog."""
 
-        def _serve(self):
-            while self.running:
-                try:
-                    c, _ = self.sock.accept()
-                except OSError:
-                    return
-                accepted.append(self.port)
-                self.client = c
-                threading.Thread(target=self._one, args=(c,), daemon=True).start()
+        def _handle(self, c):
+            accepted.append(self.port)
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
 
     a, b = Counting(), Counting()
     start({"na": a, "nb": b}, [["-", f"127.0.0.1:{a.port},127.0.0.1:{b.port}", "-"],
