@@ -204,9 +204,13 @@ def test_status_of_the_local_orchestrator(applied):
     proc = md(applied, "status", "lab.yaml", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = {(r["host"], r["service"]): r for r in json.loads(proc.stdout)}
-    assert set(rows) == {("node1", "llama-server main"), ("node2", "rpc-server :50052")}
+    # md-failover supervises llama-server (failover.tolerate 1 by default): its own row says
+    # which placement serves.
+    assert set(rows) == {("node1", "failover main"), ("node1", "llama-server main"),
+                         ("node2", "rpc-server :50052")}
     assert all(r["healthy"] for r in rows.values()), rows
     assert rows[("node1", "llama-server main")]["model"]
+    assert rows[("node1", "failover main")]["answer"].startswith("full placement since "), rows
 
 
 def test_logs_and_exec_work_for_the_local_host(applied):

@@ -66,8 +66,10 @@ def test_logs_merges_all_services_in_time_order(fab, cluster):
     # -n is per service
     for service in SERVICES:
         assert sum((h, s) == service for h, s, _, _ in lines) == 5
-    assert any("llama_server" in text or "model" in text for h, _, _, text in lines
-               if h == "node1")
+    # node1's are its server unit's: llama-server's own (its --log-prefix/--log-timestamps
+    # form) or md-failover's, which supervises it in that unit.
+    own = re.compile(r"\d+\.\d\d\.\d{3}\.\d{3} [IWEDT] |md-failover: ")
+    assert any(own.match(text) for h, _, _, text in lines if h == "node1"), lines
 
 
 def test_logs_of_one_host_and_of_a_kind(fab, cluster):

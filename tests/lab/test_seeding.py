@@ -54,6 +54,7 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
             cluster = folder / "synthetic.yaml"
             cluster.write_text(wire.cluster_yaml(lab, served["repo"], served["file"],
                                                  served["sha256"], cache))
+            extra = _failover_seed(cluster) if cache else {}
             received = {h: wire.tx_bytes(lab.name, h) for h in per_worker}
             applied = meshdeploy("apply", cluster, "--auto-approve")
             assert applied.returncode == 0, applied.stderr
@@ -61,7 +62,7 @@ def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
             if cache:
                 assert "Placement of synthetic for llama-server main" in applied.stdout
                 _check_distribution(lab, per_worker, received, model.stat().st_size,
-                                    share_mark, served["sha256"])
+                                    share_mark, served["sha256"], extra)
             before = {h: wire.tx_bytes(lab.name, h) for h in per_worker}
             seconds = wire.restart_server(lab)
             sent = {h: wire.tx_bytes(lab.name, h) - before[h] for h in per_worker}
@@ -138,10 +139,26 @@ def _share_log(lab) -> list[str]:
                             "true").stdout.splitlines()
 
 
+def _failover_seed(cluster) -> dict:
+    """host -> the hashed bytes failover.seed (on by default, tolerate 1) adds to its cache: the
+    tensors it holds only while the other worker is away, which the plan counts apart."""
+    import json
+
+    plan = meshdeploy("plan", cluster, "--json")
+    assert plan.returncode in (0, 2), plan.stderr
+    (server,) = json.loads(plan.stdout)["placement"]
+    assert server["tolerate"] == 1, server
+    extra = {key.partition(":")[0]: n for key, n in server["failover_seed_bytes"].items()}
+    # Either worker alone takes layers the full placement gives the other: each caches more.
+    assert set(extra) == {"node2", "node3"} and all(n > 0 for n in extra.values()), extra
+    return extra
+
+
 def _check_distribution(lab, per_worker: dict, received: dict, model_size: int,
-                        mark: int, sha256: str) -> None:
+                        mark: int, sha256: str, extra: dict) -> None:
     """Cached workers keep no GGUF, only their cache entries, fetched from node1's copy by
-    md-share: each received about its share of the weights, not the model."""
+    md-share: each received about its share of the weights (its full placement's tensors, which
+    this test computes, and what failover adds), not the model."""
     served = {}  # this test's tensor fetches: ranged (206) GETs of /models/synthetic
     for line in _share_log(lab)[mark:]:
         words = line.split()
@@ -153,6 +170,7 @@ def _check_distribution(lab, per_worker: dict, received: dict, model_size: int,
     print(f"md-share served {served}; workers received {received} during the apply")
     for i, (host, mine) in enumerate(per_worker.items()):
         hashed, small = wire_bytes(mine)
+        hashed += extra[host]
         ggufs = lab.run(host, "sudo find /opt/meshdeploy/models -name '*.gguf*' 2>/dev/null; "
                               "true").stdout.split()
         assert ggufs == [], (host, ggufs)

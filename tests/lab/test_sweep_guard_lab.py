@@ -60,10 +60,12 @@ def cluster_file(converged_lab):
 
 
 @pytest.fixture(autouse=True)
-def server_back(lab):
+def server_back(lab, cluster_file):
     """After each test the deployed server runs again, whatever the test (or the code it
-    tests) left: no copy, no timer."""
+    tests) left: no copy, no timer, and no kept speeds beside the shared cluster file (they
+    move later modules' placement)."""
     yield
+    cluster_file.with_name(cluster_file.stem + ".speed.json").unlink(missing_ok=True)
     lab.run("node1", f"systemctl stop {COPY} 'meshdeploy-sweep-restart-*.timer'; "
                      "systemctl start meshdeploy-server-main", root=True)
     assert wait_healthy(lab, 120) is not None
