@@ -216,8 +216,11 @@ def test_a_model_not_yet_on_the_worker_waits_for_the_next_plan(tmp_path):
     planned = seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
                             read_remote=lambda h, p: pytest.fail("nothing to read"))
     assert planned.seeds == {} and planned.layouts == ()
-    assert list(planned.notes) == ["servers.main: gemma27 is not on the probed hosts yet; its placement and "
-                     "seeding are computed by the plan after it is"]
+    assert list(planned.notes) == [
+        "servers.main: gemma27 is not on the probed hosts yet; its placement and seeding are "
+        "computed by the plan after it is",
+        "servers.main: no failover until a plan computes its placements: llama-server runs "
+        "unsupervised, and a lost worker stops it"]
 
 
 def test_an_unreadable_header_on_a_host_is_one_error(tmp_path):

@@ -274,6 +274,13 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
                 if i:  # what the placements without other workers add to this cache
                     extra[server.name][key] = extra[server.name].get(key, 0) + \
                         _held(seeds[key]) - before
+    for server in cluster.servers:
+        involved = {server.host} | {e.host.name for e in cluster.rpc_endpoints(server)}
+        if server.name not in runs and cluster.supervised(server) and involved & names:
+            # services then writes the plain llama-server unit: say what that leaves out.
+            notes.append(f"servers.{server.name}: no failover until a plan computes its "
+                         "placements: llama-server runs unsupervised, and a lost worker stops "
+                         "it")
     return SeedPlan({k: tuple(v) for k, v in seeds.items()}, tuple(layouts), tuple(notes),
                     shared, {lay.server: lay.split for lay in layouts if lay.split}, runs,
                     {s: {k: n for k, n in e.items() if n} for s, e in extra.items()})
