@@ -56,7 +56,6 @@ def wait_state(info, predicate, timeout: float) -> tuple[dict, float]:
     return state(info), time.monotonic() - started
 
 
-CUT = (52, 56)  # curl: an empty reply, a connection reset: the server ended mid-request
 
 
 def complete(info) -> bool:
@@ -181,11 +180,15 @@ def test_a_silent_link_loss_switches_and_the_return_restores_the_full_placement(
               f"{ready - back:.1f} s after the link came back")
     finally:
         loop.stop()
-    # md-failover waited for the requests in flight before it restarted llama-server: none was
-    # cut off mid-request by the return. Those asked while it loaded were refused (no front
-    # keeps them waiting: docs/cluster-file.md says so).
+    # md-failover waited for the requests in flight before it restarted llama-server, and its
+    # front kept those asked during the restart waiting for the new one: the return failed
+    # no request, cut off or refused.
     since_back = [rc for (a, _, _), rc in zip(loop.results, loop.codes) if a > back]
-    assert not [rc for rc in since_back if rc in CUT], since_back
+    lost = [rc for (a, _, _), rc in zip(loop.results, loop.codes) if cut < a <= back]
+    print(f"{len(since_back)} completions asked after the link came back, "
+          f"{sum(rc != 0 for rc in since_back)} failed; while it was away "
+          f"{sum(rc != 0 for rc in lost)} of {len(lost)} failed")
+    assert since_back and all(rc == 0 for rc in since_back), since_back
     after = [ok for a, _, ok in loop.results if a > ready]
     assert after and all(after), loop.results[-10:]
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,10 +28,11 @@ SCRIPT = ROOT / "meshdeploy" / "roles" / "services" / "templates" / "md-failover
 # its argv to $FAKE_LOG, answers /metrics, and exits 134 when a worker closes its end (as
 # llama-server aborts on "Remote RPC server crashed").
 FAKE = r'''
-import http.server, json, os, socket, struct, sys, threading, time
+import http.server, json, os, socket, socketserver, struct, sys, threading, time
 args = sys.argv[1:]
 rpc = args[args.index("--rpc") + 1].split(",") if "--rpc" in args else []
 port = int(args[args.index("--port") + 1])
+host = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--host"][-1]  # the last wins
 # ggml-rpc asks each worker once at start (device memory), closes, and connects again to load:
 # a copy of the first connection kept open elsewhere would leave the second waiting for ever.
 for t in rpc:
@@ -54,11 +59,23 @@ for s in conns:
     threading.Thread(target=watch, args=(s,), daemon=True).start()
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        body = b"llamacpp:requests_processing 0\n"
+        body = b'{"status":"ok"}' if self.path == "/health" else \
+            b"llamacpp:requests_processing 0\n"
         self.send_response(200); self.end_headers(); self.wfile.write(body)
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = json.dumps({"rpc": rpc}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
     def log_message(self, *a):
         pass
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+if host.endswith(".sock"):  # behind md-failover's front, as llama-server listens there
+    class Unix(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+    Unix(host, H).serve_forever()
+http.server.ThreadingHTTPServer((host, port), H).serve_forever()
 '''
 
 
@@ -138,14 +155,20 @@ def wait_for(predicate, timeout=20.0, step=0.1):
 @pytest.fixture
 def setup(tmp_path):
     fake = tmp_path / "fake-llama-server.py"
+    # The state file's folder also holds llama-server's Unix socket behind the front: a short
+    # path (sockaddr_un), not pytest's.
+    short = Path(tempfile.mkdtemp(prefix="mdf-"))
     fake.write_text(FAKE)
     log = tmp_path / "argv.log"
     log.touch()
     procs = []
 
-    def start(workers: dict, placements: list, port: int, env: dict | None = None):
-        argv = [sys.executable, str(SCRIPT), "--state", str(tmp_path / "state.json"),
+    def start(workers: dict, placements: list, port: int, env: dict | None = None,
+              front: bool = False):
+        argv = [sys.executable, str(SCRIPT), "--state", str(short / "state.json"),
                 "--interval", "0.5"]
+        if front:
+            argv += ["--front", f"127.0.0.1:{port}"]
         for name, rpc in workers.items():
             argv += ["--worker", f"{name}=127.0.0.1:{rpc.port}"]
         for p in placements:
@@ -159,13 +182,14 @@ def setup(tmp_path):
     def starts():
         return [json.loads(line) for line in log.read_text().splitlines()]
 
-    yield start, starts, tmp_path
+    yield start, starts, short
     for p in procs:
         p.terminate()
         try:
             p.wait(10)
         except subprocess.TimeoutExpired:
             p.kill()
+    shutil.rmtree(short, ignore_errors=True)
 
 
 def held(pid: int) -> set[tuple[int, int]]:
@@ -322,3 +346,73 @@ def test_a_worker_that_stops_answering_while_llama_server_connects_is_lost(setup
     assert rpc_of(starts()[0]) == f"127.0.0.1:{a.port}"
     a.stop()
     b.close()
+
+
+def _loop(port: int, stop: threading.Event, results: list) -> None:
+    """Requests one after the other, as a client keeps sending them: (when sent, outcome)."""
+    while not stop.is_set():
+        sent = time.monotonic()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/completion", data=b"{}",
+                                        timeout=60) as r:
+                results.append((sent, r.status))
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the test shows it
+            results.append((sent, repr(exc)))
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("front", [True, False])
+def test_requests_wait_at_the_front_while_llama_server_switches_back(setup, front):
+    """Without the front, requests sent while llama-server restarts on the full placement are
+    refused (its port is closed for the restart and the load); with it, each waits and is
+    answered by the new llama-server."""
+    start, starts, _ = setup
+    a, b = FakeRpc(), FakeRpc()
+    port = free_port()
+    both, only_a = f"127.0.0.1:{a.port},127.0.0.1:{b.port}", f"127.0.0.1:{a.port}"
+    proc = start({"na": a, "nb": b}, [["-", both, "-"], ["nb", only_a, "-"]], port,
+                 front=front)
+    assert wait_for(lambda: len(starts()) == 1)
+    b.stop()
+    assert wait_for(lambda: len(starts()) == 2)
+    stop, results = threading.Event(), []
+    client = threading.Thread(target=_loop, args=(port, stop, results), daemon=True)
+    client.start()
+    assert wait_for(lambda: any(r == 200 for _, r in results)), results
+    back = time.monotonic()
+    b2 = FakeRpc(b.port)
+    assert wait_for(lambda: len(starts()) == 3)
+    assert rpc_of(starts()[2]) == both
+    served = len(results)
+    assert wait_for(lambda: len(results) > served + 5)
+    stop.set()
+    client.join(70)
+    during = [r for t, r in results if t >= back]
+    failed = [r for r in during if r != 200]
+    if front:
+        assert failed == [] and len(during) > 5, during
+    else:
+        assert failed, during  # what the front is for: refused while it restarts
+    a.stop()
+    b2.stop()
+
+
+def test_a_health_probe_is_answered_at_once_while_no_placement_runs(setup):
+    """While no llama-server can run, the front says so to /health at once (503, as
+    llama-server says while it loads) and to any other request after it was read."""
+    start, _, tmp = setup
+    a, b = FakeRpc(), FakeRpc()
+    b.stop()
+    port = free_port()
+    start({"na": a, "nb": b}, [["-", f"127.0.0.1:{a.port},127.0.0.1:{b.port}", "-"]], port,
+          front=True)
+    assert wait_for(lambda: (tmp / "state.json").exists()
+                    and json.loads((tmp / "state.json").read_text())["state"] == "down")
+    for path, data in (("/health", None), ("/completion", b"{}")):
+        began = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", data=data, timeout=10)
+        assert err.value.code == 503
+        assert json.loads(err.value.read())["error"]["message"] == "down while nb is away"
+        assert time.monotonic() - began < 2
+    a.stop()

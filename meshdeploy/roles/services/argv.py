@@ -114,7 +114,9 @@ def failover_argv(python: str, script: str, binary: str, cluster: Cluster, serve
     + runs: roles.rpc_cache.layout.Run tuple: the full placement first, then one per set of
       workers it may lose; runs that cannot serve are left out (md-failover is then down
       while that set is away)
-    + state: where md-failover says which placement runs; None: $RUNTIME_DIRECTORY's
+    + state: where md-failover says which placement runs, and beside it, the Unix socket
+      llama-server listens on behind md-failover's front; None: $RUNTIME_DIRECTORY's (where
+      there is none, as under launchd, llama-server holds its address itself)
     Example: ["python3", ".../md-failover-1a2b3c4d5e6f.py", "--worker",
               "node2=10.200.0.12:50052", "--placement", "-", "10.200.0.12:50052,...", "-",
               ..., "--", "/opt/.../llama-server", "-m", ...]
@@ -124,7 +126,10 @@ def failover_argv(python: str, script: str, binary: str, cluster: Cluster, serve
                              model_path, flags)
     target = {e.ref: e.target for e in cluster.rpc_endpoints(server)}
     # -I: neither the script's folder nor PYTHON* variables nor user site-packages count.
-    argv = [python, "-I", script, f"--url={server.local_url}"]
+    # md-failover holds the server's address, llama-server behind it on a Unix socket beside
+    # the state file: requests wait there while it switches placements.
+    bind = f"[{server.bind}]" if ":" in server.bind else server.bind
+    argv = [python, "-I", script, f"--url={server.local_url}", f"--front={bind}:{server.port}"]
     if state is not None:
         argv += ["--state", state]
     rpc_flag = next((f for f in ("--rpc",) if f in known), None)

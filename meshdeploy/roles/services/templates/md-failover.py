@@ -4,8 +4,8 @@ switched when a worker goes away or comes back. Python's standard library only.
 meshdeploy writes it beside its other tools and starts it in llama-server's place (the server's
 unit, runit run script or launchd job), with python3 -I; the plan computes every placement:
 
-  md-failover.py [--state FILE] [--url URL] [--interval S] [--settle N] [--rpc-flag=F]
-                 [--ts-flag=F] --worker NAME=ADDR:PORT[,ADDR:PORT...] ...
+  md-failover.py [--state FILE] [--url URL] [--front ADDR:PORT] [--interval S] [--settle N]
+                 [--rpc-flag=F] [--ts-flag=F] --worker NAME=ADDR:PORT[,ADDR:PORT...] ...
                  --placement LOST RPC TS ...  -- LLAMA-SERVER ARGV...
 
 LOST: the worker names away, comma-separated ("-": none, the full placement); RPC: the --rpc
@@ -34,6 +34,12 @@ server answers on its own host (for /metrics).
   for the requests in flight to finish (/metrics' requests_processing, at most DRAIN seconds;
   HOLD seconds where /metrics cannot say) and restarts llama-server on it. A worker lost again
   soon after it came back must answer twice as long the next time (up to MAX_SETTLE).
+- With --front ADDR:PORT, md-failover holds the server's own address and llama-server listens
+  on a Unix socket beside the state file (--host PATH.sock, llama-server's own option): a
+  request that arrives while llama-server (re)starts on another placement waits (HOLD_MAX)
+  and is then relayed, instead of being refused; a health probe (GET /health) is told 503 at
+  once, as llama-server answers while it loads. Before a switch back the front takes no new
+  request to llama-server, and the switch waits until the relayed connections are quiet.
 - A llama-server that exits while every worker it dials still answers ends md-failover with its
   exit status: the service manager restarts it, as it would llama-server itself. md-failover
   stops llama-server whenever it ends itself (and llama-server gets SIGTERM should md-failover
@@ -44,16 +50,18 @@ import argparse
 import concurrent.futures
 import ctypes
 import errno
+import http.client
 import json
 import os
 import signal
 import socket
 import struct
+import selectors
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
-import urllib.request
 
 HELLO_TIMEOUT = 1.0  # seconds a worker has to accept and answer HELLO, all of it (a LAN)
 HELLO_TRIES = 3  # a worker llama-server just used may still be finishing its last graph
@@ -65,6 +73,10 @@ HOLD = 5  # seconds to wait instead where /metrics cannot say what is in flight
 STOP_WAIT = 15  # seconds llama-server has to exit after SIGTERM
 FLAP = 120  # seconds: a worker lost again this soon after it came back is flapping
 MAX_SETTLE = 64  # the most answers in a row a flapping worker must give to count as back
+HOLD_MAX = 120  # seconds a request waits at the front while llama-server (re)starts
+QUIET = 1.0  # seconds without a byte on any relayed connection before a switch back
+PEEK = 2.0  # seconds a new client has to send its request line, for a health probe's answer
+SUN_PATH_MAX = 100  # a Unix socket's path must fit sockaddr_un (108 bytes on Linux)
 SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
 PR_SET_PDEATHSIG = 1
 
@@ -146,6 +158,150 @@ def _parent_death_signal():
         pass
 
 
+class UnixHTTP(http.client.HTTPConnection):
+    """HTTP to llama-server's Unix socket."""
+
+    def __init__(self, path, timeout):
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(self.timeout)
+        s.connect(self.unix_path)
+        self.sock = s
+
+
+def _unavailable(c, why):
+    """Answers 503 as llama-server does while it loads, after reading what the client sent
+    (a close with unread data would reset the connection before the client reads the answer)."""
+    body = json.dumps({"error": {"code": 503, "message": why,
+                                 "type": "unavailable_error"}}).encode()
+    try:
+        c.settimeout(1.0)
+        c.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        c.shutdown(socket.SHUT_WR)
+        while c.recv(65536):
+            pass
+    except OSError:
+        pass
+
+
+class Front:
+    """The server's address, held by md-failover; llama-server behind it on a Unix socket. A
+    client waits here while llama-server is not ready, and is relayed once it is."""
+
+    def __init__(self, listen, backend):
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]")
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, int(port)))
+        self.sock.listen(128)
+        self.backend = backend
+        self.ready = threading.Event()
+        self.down = None  # why no llama-server runs, while none can
+        self.closing = False
+        self.lock = threading.Lock()
+        self.active = {}  # relayed connection -> when its last byte passed
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self):
+        self.closing = True
+        self.ready.clear()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def quiet(self):
+        """Whether no relayed connection has passed a byte for QUIET seconds."""
+        now = time.monotonic()
+        with self.lock:
+            return all(now - t >= QUIET for t in self.active.values())
+
+    def _accept(self):
+        while not self.closing:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                if self.closing:
+                    return
+                time.sleep(0.1)
+                continue
+            threading.Thread(target=self._client, args=(c,), daemon=True).start()
+
+    def _health_probe(self, c):
+        """Whether the client's request is GET /health (it waits at most PEEK for it)."""
+        end = time.monotonic() + PEEK
+        data = b""
+        while len(data) < 12 and time.monotonic() < end:
+            try:
+                c.settimeout(max(0.01, end - time.monotonic()))
+                data = c.recv(12, socket.MSG_PEEK)
+            except OSError:
+                return False
+            if not data:
+                return False
+            if len(data) < 12:
+                time.sleep(0.05)
+        return data.startswith(b"GET /health")
+
+    def _client(self, c):
+        try:
+            if not self.ready.is_set():
+                if self._health_probe(c):
+                    return _unavailable(c, self.down or "Loading model")
+                deadline = time.monotonic() + HOLD_MAX
+                while not self.ready.wait(0.2):
+                    if self.closing or self.down or time.monotonic() > deadline:
+                        return _unavailable(c, self.down or "llama-server is not ready")
+            c.settimeout(None)
+            b = socket.socket(socket.AF_UNIX)
+            try:
+                b.connect(self.backend)
+            except OSError:
+                b.close()
+                return _unavailable(c, "llama-server does not answer")
+            self._relay(c, b)
+        finally:
+            c.close()
+
+    def _relay(self, c, b):
+        other = {c: b, b: c}
+        sel = selectors.DefaultSelector()
+        for s in other:
+            sel.register(s, selectors.EVENT_READ)
+        key = object()
+        with self.lock:
+            self.active[key] = time.monotonic()
+        try:
+            open_ = 2
+            while open_:
+                for k, _ in sel.select():
+                    s = k.fileobj
+                    data = s.recv(65536)
+                    with self.lock:
+                        self.active[key] = time.monotonic()
+                    if data:
+                        other[s].sendall(data)
+                        continue
+                    sel.unregister(s)
+                    open_ -= 1
+                    if s is b:  # llama-server ended the connection: nothing more comes
+                        return
+                    other[s].shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            with self.lock:
+                del self.active[key]
+            sel.close()
+            b.close()
+
+
 class Placement:
     def __init__(self, lost, rpc, ts):
         self.lost = frozenset(x for x in lost.split(",") if x) if lost != "-" else frozenset()
@@ -181,6 +337,10 @@ class Supervisor:
         self.last_state = None
         self.settle = {n: opts.settle for n in self.workers}  # answers in a row to be back
         self.back_at = {}  # worker -> when it last came back
+        self.state_file = opts.state or (
+            os.path.join(os.environ["RUNTIME_DIRECTORY"], "failover.json")
+            if os.environ.get("RUNTIME_DIRECTORY") else None)
+        self.front = None  # Front, where md-failover holds the server's address
 
     def dials(self, placement):
         """The workers `placement` dials."""
@@ -239,9 +399,7 @@ class Supervisor:
             return
         self.last_state = dict(record)
         record["since"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        path = self.opts.state or (os.path.join(os.environ["RUNTIME_DIRECTORY"],
-                                                "failover.json")
-                                   if os.environ.get("RUNTIME_DIRECTORY") else None)
+        path = self.state_file
         if not path:
             return
         try:
@@ -260,17 +418,69 @@ class Supervisor:
             out += [self.opts.rpc_flag, placement.rpc]
         if placement.ts:
             out += [self.opts.ts_flag, placement.ts]
+        if self.front is not None:  # the last --host wins: the front holds the address
+            out += ["--host", self.front.backend]
         return out
+
+    def backend(self):
+        """Where llama-server listens behind the front: beside the state file; None where
+        there is no such folder, or its path is too long for a Unix socket."""
+        if not self.state_file:
+            return None
+        head = self.state_file[:-len("failover.json")] \
+            if self.state_file.endswith("failover.json") else self.state_file + "."
+        path = head + "llama.sock"
+        return path if len(path.encode()) <= SUN_PATH_MAX else None
 
     def start(self, placement):
         self.seen.clear()
         self.local = {}
+        if self.front is not None:
+            self.front.down = None
+            try:
+                os.unlink(self.front.backend)  # a socket file left by the last one
+            except FileNotFoundError:
+                pass
         self.child = subprocess.Popen(self.argv(placement), stdin=subprocess.DEVNULL,
                                       preexec_fn=_parent_death_signal)
         log(f"llama-server started on {placement.describe()} (pid {self.child.pid}"
             + (f", --rpc {placement.rpc}" if placement.rpc else ", no rpc-server") + ")")
+        if self.front is not None:
+            threading.Thread(target=self._await_health, args=(self.child,), daemon=True).start()
+
+    def _get(self, path, timeout):
+        """(status, body) of a GET to llama-server: through its Unix socket behind the front,
+        else at --url; None when it does not answer."""
+        if self.front is not None:
+            conn = UnixHTTP(self.front.backend, timeout)
+        elif self.opts.url:
+            u = urllib.parse.urlsplit(self.opts.url)
+            conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+        else:
+            return None
+        key = self._key()
+        try:
+            conn.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
+            r = conn.getresponse()
+            return r.status, r.read(1 << 20).decode("utf-8", "replace")
+        except (OSError, http.client.HTTPException):
+            return None
+        finally:
+            conn.close()
+
+    def _await_health(self, child):
+        """Opens the front once `child` answers /health with 200."""
+        while self.child is child and child.poll() is None and not self.stopping:
+            answer = self._get("/health", 1.0)
+            if answer is not None and answer[0] == 200:
+                if self.child is child:
+                    self.front.ready.set()
+                return
+            time.sleep(0.25)
 
     def stop_child(self, why):
+        if self.front is not None:
+            self.front.ready.clear()  # new requests wait for the next llama-server
         if self.child is None:
             return None
         if self.child.poll() is None:
@@ -436,18 +646,10 @@ class Supervisor:
 
     def requests_processing(self):
         """What /metrics says is in flight; None where it cannot say (no --metrics, an error)."""
-        if not self.opts.url:
+        answer = self._get("/metrics", 2.0)
+        if answer is None or answer[0] != 200:
             return None
-        req = urllib.request.Request(self.opts.url.rstrip("/") + "/metrics")
-        key = self._key()
-        if key:
-            req.add_header("Authorization", f"Bearer {key}")
-        try:
-            with urllib.request.urlopen(req, timeout=2) as r:
-                text = r.read(1 << 20).decode("utf-8", "replace")
-        except Exception:  # noqa: BLE001 - whatever the server did, it cannot say
-            return None
-        for line in text.splitlines():
+        for line in answer[1].splitlines():
             if line.startswith("llamacpp:requests_processing"):
                 try:
                     return float(line.split()[-1])
@@ -464,7 +666,9 @@ class Supervisor:
             if busy is None:
                 time.sleep(HOLD)
                 return False
-            if busy == 0:
+            # Behind the front, a relayed connection may carry a request /metrics does not
+            # count yet: the switch also waits until none passed a byte for QUIET seconds.
+            if busy == 0 and (self.front is None or self.front.quiet()):
                 return True
             time.sleep(0.5)
         return False
@@ -535,6 +739,9 @@ class Supervisor:
                         f"{'is' if len(away) == 1 else 'are'} away: no placement without "
                         "them (see the plan's Failover lines)")
                 down_before = away
+                if self.front is not None:
+                    self.front.down = (f"down while {', '.join(sorted(away))} "
+                                       f"{'is' if len(away) == 1 else 'are'} away")
                 self.state("down", None, away)
                 time.sleep(self.opts.interval)
                 continue
@@ -554,6 +761,8 @@ class Supervisor:
                     self.back_at[name] = now
                 log(f"{', '.join(sorted(names))} answers again: waiting for requests in flight "
                     f"before {better.describe()}")
+                if self.front is not None:
+                    self.front.ready.clear()  # from now on requests wait for the next one
                 self.drain()
                 self.stop_child(f"{', '.join(sorted(names))} back")
             elif what == "exited":
@@ -578,6 +787,8 @@ def main(argv=None):
     p.add_argument("--state", help="JSON file that says which placement runs (default: "
                    "$RUNTIME_DIRECTORY/failover.json where the service manager gives one)")
     p.add_argument("--url", help="where llama-server answers on this host, for /metrics")
+    p.add_argument("--front", metavar="ADDR:PORT", help="hold the server's address here, "
+                   "llama-server behind it on a Unix socket beside the state file")
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--settle", type=int, default=2)
     p.add_argument("--rpc-flag", default="--rpc")
@@ -590,6 +801,18 @@ def main(argv=None):
     if opts.url and urllib.parse.urlsplit(opts.url).scheme != "http":
         p.error("--url must be http://HOST:PORT")
     sup = Supervisor(opts)
+    if opts.front:
+        backend = sup.backend()
+        if backend is None:
+            log("no front: no state folder for llama-server's Unix socket (or its path is too "
+                "long): llama-server holds the address itself, and refuses requests while it "
+                "restarts")
+        else:
+            try:
+                sup.front = Front(opts.front, backend)
+            except (OSError, ValueError) as exc:
+                log(f"cannot listen on {opts.front}: {exc}")
+                return 1
 
     def stop(signum, frame):
         sup.stopping = True
@@ -605,6 +828,8 @@ def main(argv=None):
         # the workers' one client place.
         sup.stop_child("stopping")
         sup.state("stopped")
+        if sup.front is not None:
+            sup.front.close()
 
 
 if __name__ == "__main__":
