@@ -251,20 +251,23 @@ class Front:
 
     def _client(self, c):
         try:
-            if not self.ready.is_set():
-                if self._health_probe(c):
-                    return _unavailable(c, self.down or "Loading model")
-                deadline = time.monotonic() + HOLD_MAX
+            if not self.ready.is_set() and self._health_probe(c):
+                return _unavailable(c, self.down or "Loading model")
+            deadline = time.monotonic() + HOLD_MAX
+            while True:
                 while not self.ready.wait(0.2):
                     if self.closing or self.down or time.monotonic() > deadline:
                         return _unavailable(c, self.down or "llama-server is not ready")
+                b = socket.socket(socket.AF_UNIX)
+                try:
+                    b.connect(self.backend)
+                    break
+                except OSError:  # it ended before md-failover saw it: wait for the next one
+                    b.close()
+                    if time.monotonic() > deadline:
+                        return _unavailable(c, "llama-server does not answer")
+                    time.sleep(0.2)
             c.settimeout(None)
-            b = socket.socket(socket.AF_UNIX)
-            try:
-                b.connect(self.backend)
-            except OSError:
-                b.close()
-                return _unavailable(c, "llama-server does not answer")
             self._relay(c, b)
         finally:
             c.close()
@@ -686,6 +689,8 @@ class Supervisor:
         while not self.stopping:
             code = self.child.poll()
             if code is not None:
+                if self.front is not None:
+                    self.front.ready.clear()  # requests wait for the next one
                 self.release()
                 return "exited", code
             self.adopt()
