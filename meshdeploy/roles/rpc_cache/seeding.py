@@ -219,6 +219,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
     layouts = []
     shared: dict[str, tuple] = {}
     runs: dict[str, tuple] = {}
+    planned: list = []  # the servers inside --limit
     extra: dict[str, dict] = {s.name: {} for s in cluster.servers}
     fetches = {(f.model, f.worker): f.source for f in distribution.tensor_fetches(cluster)}
     for server in cluster.servers:
@@ -226,6 +227,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         involved = {server.host} | {e.host.name for e in endpoints}
         if not involved & names:
             continue  # outside --limit
+        planned.append(server)
         cached = any(e.rpc.cache for e in endpoints)
         model = cluster.models[server.model]
         if server.tensor_split == "auto" and not cached:
@@ -274,9 +276,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
                 if i:  # what the placements without other workers add to this cache
                     extra[server.name][key] = extra[server.name].get(key, 0) + \
                         _held(seeds[key]) - before
-    for server in cluster.servers:
-        involved = {server.host} | {e.host.name for e in cluster.rpc_endpoints(server)}
-        if server.name not in runs and cluster.supervised(server) and involved & names:
+    for server in planned:
+        if server.name not in runs and cluster.supervised(server):
             # services then writes the plain llama-server unit: say what that leaves out.
             notes.append(f"servers.{server.name}: no failover until a plan computes its "
                          "placements: llama-server runs unsupervised, and a lost worker stops "

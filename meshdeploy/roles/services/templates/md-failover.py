@@ -344,6 +344,7 @@ class Supervisor:
             os.path.join(os.environ["RUNTIME_DIRECTORY"], "failover.json")
             if os.environ.get("RUNTIME_DIRECTORY") else None)
         self.front = None  # Front, where md-failover holds the server's address
+        self.key = self._key()  # the API key, read once: /health is asked every 0.25 s
 
     def dials(self, placement):
         """The workers `placement` dials."""
@@ -461,9 +462,9 @@ class Supervisor:
             conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
         else:
             return None
-        key = self._key()
         try:
-            conn.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
+            conn.request("GET", path,
+                         headers={"Authorization": f"Bearer {self.key}"} if self.key else {})
             r = conn.getresponse()
             return r.status, r.read(1 << 20).decode("utf-8", "replace")
         except (OSError, http.client.HTTPException):
