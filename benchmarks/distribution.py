@@ -35,8 +35,8 @@ from pathlib import Path
 from meshdeploy.core.paths import model_dir, rpc_cache_dir, rpc_unit_name
 from meshdeploy.core.share import LOG as rpc_cache_share_log
 from meshdeploy.lab import Lab, LabInfo, base, hfmirror, net, procs, services
-from meshdeploy.roles.rpc_cache.placement import device_tensors, place, wire_bytes
-from meshdeploy.roles.rpc_cache.tensors import weight_tensors
+from meshdeploy.placement.layers import device_tensors, place, wire_bytes
+from meshdeploy.placement.tensors import weight_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support import wire  # noqa: E402

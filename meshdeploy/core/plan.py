@@ -92,7 +92,7 @@ class PlacementRow:
 
 @dataclass
 class Speed:
-    """Tokens per second predicted for a placement (roles.rpc_cache.speed), from device speeds
+    """Tokens per second predicted for a placement (placement.speed), from device speeds
     `meshdeploy bench --sweep` measured at `measured_at`."""
 
     gen_tps: float  # generation, the split this plan applies
@@ -108,7 +108,7 @@ class Speed:
 
 @dataclass
 class FailoverRow:
-    """The placement md-failover starts while some workers are away (roles.rpc_cache.layout.Run)."""
+    """The placement md-failover starts while some workers are away (placement.layout.Run)."""
 
     lost: list[str]  # the worker hosts away
     rpc: list[str]  # the rpc-servers llama-server then dials ("host:port")

@@ -1,7 +1,7 @@
 """Measured device speeds, kept between runs: `<cluster-file-stem>.speed.json` beside the
 cluster file (and its bench and lock files).
 
-`meshdeploy bench --sweep` writes a server's entry (roles.rpc_cache.speed.Calibration.to_json(),
+`meshdeploy bench --sweep` writes a server's entry (placement.speed.Calibration.to_json(),
 with the splits it measured and when); the planner reads every entry and hands them to the
 roles (registry.Prepare.speeds), where `placement: auto` uses one only while it still matches
 the server's devices, build and model. A plan never measures: without a current entry it

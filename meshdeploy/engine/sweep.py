@@ -5,7 +5,7 @@ The deployed llama-server is stopped (an rpc-server serves one client at a time)
 it with other -ts values run one after the other as a transient unit on a free loopback port of
 the orchestrator (server_api.Copy, as --compare-local runs its copy); each is measured as bench
 measures, stopped, and the deployed server is started again in every case. Every split's
-weight bytes per device and its seconds per token are the points roles.rpc_cache.speed fits;
+weight bytes per device and its seconds per token are the points placement.speed fits;
 the fit is kept by engine.speeds for placement: auto. Views: meshdeploy.views.sweep.
 
 The sweep holds the host locks of the server's hosts throughout (engine.locks, as apply does),
@@ -14,10 +14,9 @@ cannot (a dead-man timer on the orchestrator; SIGTERM and SIGHUP): engine.sweep_
 copies run in the deployed unit's sandbox, from the argv the plan renders
 (server_api.planned_argv), and the API key goes only to a listener of the unit meant.
 
-The rpc_cache role's modules (numpy, gguf, and through the role's package pyinfra and ssl) and
-engine.speeds are imported where they are used: the command line imports this module (through
-commands.bench) to build its parser, before gevent's patch, and its other commands need none of
-them.
+The placement's model reader (placement.tensors: urllib, so ssl) and engine.speeds are imported
+where they are used: the command line imports this module (through commands.bench) to build its
+parser, before gevent's patch, and its other commands need neither.
 """
 
 from __future__ import annotations
@@ -27,6 +26,8 @@ from datetime import datetime, timezone
 from meshdeploy.config.model import local_address
 from meshdeploy.core import rpc_hello, shell
 from meshdeploy.engine import server_api, sweep_guard
+from meshdeploy.placement import speed
+from meshdeploy.placement.layers import place
 
 POINTS = 7
 MIN_RESTART_AFTER = 30
@@ -67,8 +68,6 @@ def candidates(n_layers: int, labels: list[str], count: int,
     With at least one more split than devices, the byte counts the splits give are linearly
     independent (their sum is the model's, so distinct splits never lie on one line through
     zero), which speed.fit's rank check needs."""
-    from meshdeploy.roles.rpc_cache.placement import place
-
     slots, n = n_layers + 1, len(labels)
     even = [slots / n] * n
     weights = [even]
@@ -129,8 +128,6 @@ def _rate(fit, held, rtt: tuple[float, ...] = ()) -> float | None:
 def held_out(devices, points: list, rtt: tuple[float, ...] = ()) -> list[dict]:
     """Each point's tokens/s predicted by a fit of the other points only ({"gen", "prompt"};
     None where the others cannot be fitted), so no prediction has seen what it predicts."""
-    from meshdeploy.roles.rpc_cache import speed
-
     out = []
     for i, point in enumerate(points):
         try:
@@ -152,7 +149,7 @@ def read_model(conn, path: str) -> tuple[dict, list]:
     only, read over the bench's connection (SFTP; a local host's file directly), as a plan
     reads a model that is only on a host."""
     from meshdeploy.core.gguf import GgufHeaderError, parse_header
-    from meshdeploy.roles.rpc_cache.tensors import header_bytes, model_shape, weight_tensors
+    from meshdeploy.placement.tensors import header_bytes, model_shape, weight_tensors
 
     where = f"{conn.settings.host}:{path}"
     try:
@@ -312,8 +309,6 @@ def _fit(labels, build: dict, tensors, shape: dict, splits, measured,
          rtt: tuple[float, ...] = ()) -> tuple[dict, list, list]:
     """(kept entry or {"error": why not}, the rows of every split, the loaded points).
     + rtt: seconds of one RPC round trip to each device (0 for a local one), or () unmeasured"""
-    from meshdeploy.roles.rpc_cache import speed
-
     rows, points = [], []
     for (ts, placement), result in zip(splits, measured):
         row = {"ts": ts, "layers": [len(placement.layers_of(i)) for i in range(len(labels))],

@@ -6,7 +6,7 @@ A server's result: {"server", "host", "model", "build", "devices", "params", "ti
 "splits": [{"ts", "layers", "placement", "held_bytes", "loaded", "error" | "measured",
 "predicted"}], "calibration" | "fit_error" | "skipped", "kept"}. "measured" and "predicted"
 are tokens per second, {"gen": ..., "prompt": ...}; a prediction comes from a fit of the other
-splits only. "calibration" is roles.rpc_cache.speed.Calibration.to_json(): seconds per byte.
+splits only. "calibration" is placement.speed.Calibration.to_json(): seconds per byte.
 """
 
 from __future__ import annotations

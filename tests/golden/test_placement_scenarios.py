@@ -19,7 +19,8 @@ from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import Resolved
 from meshdeploy.errors import ConfigError, PlanError
-from meshdeploy.roles.rpc_cache import layout, seeding
+from meshdeploy.placement import layout
+from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.views.plan import render_placement
 
 ROOT = Path(__file__).resolve().parents[2]

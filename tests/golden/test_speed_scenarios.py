@@ -19,8 +19,9 @@ from test_placement_scenarios import GOLDEN, ROOT, SCENARIOS, table
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import Resolved
-from meshdeploy.roles.rpc_cache import seeding, speed
-from meshdeploy.roles.rpc_cache.tensors import weight_tensors
+from meshdeploy.placement import speed
+from meshdeploy.placement.tensors import weight_tensors
+from meshdeploy.roles.rpc_cache import seeding
 
 # GB/s each device reads weights at during generation, by "host/DEVICE" (an assumption).
 READ_GBPS = {

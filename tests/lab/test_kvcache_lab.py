@@ -15,8 +15,8 @@ import pytest
 from support.cli import meshdeploy
 from support.labfile import write_lab_file
 
-from meshdeploy.roles.rpc_cache import kvcache
-from meshdeploy.roles.rpc_cache.tensors import model_shape
+from meshdeploy.placement import kvcache
+from meshdeploy.placement.tensors import model_shape
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 

@@ -335,7 +335,7 @@ def window(applied, gemma):
     placement = json.loads(plan.stdout)["placement"]
     [row] = [r for p in placement for r in p["rows"] if r["host"] == "node2"]
     layers = range(row["first_layer"], row["last_layer"] + 1)
-    from meshdeploy.roles.rpc_cache.tensors import weight_tensors
+    from meshdeploy.placement.tensors import weight_tensors
 
     candidates = sorted((t for t in weight_tensors(gemma) if t.layer in layers),
                         key=lambda t: -t.size)
@@ -378,7 +378,7 @@ def captured(info, folder: Path, data: bytes):
 def seeded_window(gemma) -> bytes:
     """64 bytes of the biggest weight tensor (the token embedding, which is the output tensor
     too): node3 holds the output, and it is the tensor rpc-server's cache keeps."""
-    from meshdeploy.roles.rpc_cache.tensors import weight_tensors
+    from meshdeploy.placement.tensors import weight_tensors
 
     biggest = max(weight_tensors(gemma), key=lambda t: t.size)
     with open(gemma, "rb") as f:

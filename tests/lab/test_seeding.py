@@ -20,8 +20,8 @@ from support import wire
 from support.synthetic import SMALL, write_llama
 from support.cli import meshdeploy
 from support.labfile import write_lab_file
-from meshdeploy.roles.rpc_cache.placement import device_tensors, place, wire_bytes
-from meshdeploy.roles.rpc_cache.tensors import weight_tensors
+from meshdeploy.placement.layers import device_tensors, place, wire_bytes
+from meshdeploy.placement.tensors import weight_tensors
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 

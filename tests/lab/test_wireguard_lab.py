@@ -33,7 +33,7 @@ from support.cli import meshdeploy
 
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import shell
-from meshdeploy.roles.rpc_cache.tensors import weight_tensors
+from meshdeploy.placement.tensors import weight_tensors
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 

@@ -8,7 +8,7 @@ files, not copies: tests built on them check meshdeploy's arithmetic, not the fi
 
 from __future__ import annotations
 
-from meshdeploy.roles.rpc_cache.tensors import Header
+from meshdeploy.placement.tensors import Header
 
 MB = 1_000_000
 

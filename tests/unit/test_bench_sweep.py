@@ -14,7 +14,7 @@ import pytest
 
 from meshdeploy.config.model import Health
 from meshdeploy.engine import server_api, sweep
-from meshdeploy.roles.rpc_cache import speed
+from meshdeploy.placement import speed
 from meshdeploy.views import sweep as view
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,7 +135,7 @@ def fitted(measured, labels=("node2:50052/CPU", "node3:50052/CPU"), n_layers=18)
 
 
 def speed_tensor(name, i):
-    from meshdeploy.roles.rpc_cache.tensors import Tensor
+    from meshdeploy.placement.tensors import Tensor
 
     return Tensor(name, 1000 + i * 10 * MB, 10 * MB, i)
 

@@ -14,7 +14,7 @@ import pytest
 from support.require import needs
 
 from meshdeploy.roles.rpc_cache.facts import DeviceMemory
-from meshdeploy.roles.rpc_cache.memory import (GiB, MiB, DeviceFree, device_free,
+from meshdeploy.placement.memory import (GiB, MiB, DeviceFree, device_free,
                                                metal_working_set, vulkan_devices)
 
 LINUX = {"cpu": {"total": 64 * GiB, "available": 50 * GiB, "source": "/proc/meminfo"},

@@ -32,9 +32,9 @@ from gguf import GGUFWriter
 from meshdeploy.config.load import load_cluster
 from meshdeploy.errors import PlanError
 from meshdeploy.lab import hfmirror
+from meshdeploy.placement import tensors
 from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as models
-from meshdeploy.roles.rpc_cache import tensors
 
 LAB = Path(__file__).resolve().parents[2] / "inventories" / "lab.yaml"
 TOKEN = "hf_SECRETsecretSECRET123"

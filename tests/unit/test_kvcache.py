@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshdeploy.roles.rpc_cache import kvcache as K
+from meshdeploy.placement import kvcache as K
 
 
 def gemma3_270m_shape():

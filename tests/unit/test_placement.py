@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshdeploy.roles.rpc_cache import placement as P
-from meshdeploy.roles.rpc_cache.tensors import Tensor
+from meshdeploy.placement import layers as P
+from meshdeploy.placement.tensors import Tensor
 
 GB = 10**9
 

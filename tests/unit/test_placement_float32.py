@@ -8,8 +8,8 @@ import random
 
 import numpy as np
 
-from meshdeploy.roles.rpc_cache import placement
-from meshdeploy.roles.rpc_cache.placement import CPU, place
+from meshdeploy.placement import layers as placement
+from meshdeploy.placement.layers import CPU, place
 
 
 def numpy_place(n_layers: int, values: list[float], ngl: int | None = None):

@@ -22,7 +22,8 @@ from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import Resolved
 from meshdeploy.core.plan import AttrDiff, Change, Plan, TransferRow, load_plan, save_plan
 from meshdeploy.errors import PlanError
-from meshdeploy.roles.rpc_cache import layout, seeding
+from meshdeploy.placement import layout
+from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.roles.services.rtt import network as rtt_network
 from meshdeploy.views.plan import render_json, render_text
 

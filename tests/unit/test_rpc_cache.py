@@ -19,9 +19,10 @@ from meshdeploy.config.model import system_layout
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.core.probe import compose, decode, marker, split
 from meshdeploy.errors import PlanError
+from meshdeploy.placement import defaults as placement_defaults
+from meshdeploy.placement import tensors as T
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
-from meshdeploy.roles.rpc_cache import tensors as T
 from meshdeploy.roles.rpc_cache.facts import CacheDir, SeedTool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +170,7 @@ def test_weight_tensors_match_reader_and_bytes(synthetic):
     assert by_name["blk.2.attn_k.weight"].layer == 2
     assert by_name["output.weight"].layer is None
     # Exactly 10 MiB is not above the threshold: rpc-server sends it whole.
-    assert by_name["output.weight"].size == d.rpc_cache_hash_threshold
+    assert by_name["output.weight"].size == placement_defaults.placement_hash_threshold
     assert not by_name["output.weight"].hashed
 
 

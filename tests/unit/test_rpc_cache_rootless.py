@@ -35,11 +35,11 @@ from meshdeploy.core.context import HostContext, Resolved, Steps
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.engine import planner as engine
+from meshdeploy.placement import tensors as T
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import seeding
-from meshdeploy.roles.rpc_cache import tensors as T
 from meshdeploy.roles.rpc_cache.facts import CacheDir
 from meshdeploy.views.plan import render_transfers
 

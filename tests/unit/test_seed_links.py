@@ -23,9 +23,9 @@ from support.require import needs
 from test_rpc_cache import SHA, ctx_for, fnv1a, synthetic  # noqa: F401 (fixture)
 
 from meshdeploy.core import transient
+from meshdeploy.placement import tensors as T
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.roles.rpc_cache import operations as ops
-from meshdeploy.roles.rpc_cache import tensors as T
 from meshdeploy.roles.rpc_cache.facts import CacheDir
 
 

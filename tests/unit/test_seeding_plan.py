@@ -16,14 +16,14 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from support.model_headers import gemma27_header
 
+from meshdeploy.config import distribution
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
-from meshdeploy.config import distribution
 from meshdeploy.core.context import Resolved
 from meshdeploy.errors import PlanError
+from meshdeploy.placement.tensors import Header, weight_tensors
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import seeding
-from meshdeploy.roles.rpc_cache.tensors import Header, weight_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 SHA = "ab" * 32

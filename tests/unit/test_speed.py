@@ -1,4 +1,4 @@
-"""The speed model (roles.rpc_cache.speed): fitting measured splits, the fastest split within
+"""The speed model (placement.speed): fitting measured splits, the fastest split within
 memory, and placement: auto in the plan (layout, -ts in llama-server's unit)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from support.device_facts import cpu
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import Resolved
-from meshdeploy.roles.rpc_cache import layout, seeding, speed
-from meshdeploy.roles.rpc_cache.placement import place
+from meshdeploy.placement import layout, speed
+from meshdeploy.placement.layers import place
+from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.views.plan import render_placement
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -35,7 +35,7 @@ from meshdeploy.commands import bench, common
 from meshdeploy.config.load import load_cluster
 from meshdeploy.engine import server_api, speeds, sweep, sweep_guard
 from meshdeploy.errors import terminal_text
-from meshdeploy.roles.rpc_cache import layout
+from meshdeploy.placement import layout
 from meshdeploy.roles.services import unit_files
 from meshdeploy.roles.services.argv import llama_server_argv
 from meshdeploy.views import sweep as view

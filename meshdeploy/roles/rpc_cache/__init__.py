@@ -1,10 +1,10 @@
-"""rpc_cache: device memory and placement, and rpc-server caches seeded from the worker's GGUF."""
+"""rpc_cache: rpc-server caches seeded with what each worker's placement holds."""
 
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
-from meshdeploy.roles.rpc_cache import layout
+from meshdeploy.placement import layout
+from meshdeploy.placement.tensors import GgufHeaderError, header_bytes
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import seeding, sharing
-from meshdeploy.roles.rpc_cache.tensors import GgufHeaderError, header_bytes
 
 
 def _prepare(p: Prepare) -> Prepared:
@@ -31,7 +31,7 @@ ROLE = Role(
     facts=lambda req: ops.sections(req.cluster, req.host)
     + (ops.destroy_sections(req.cluster, req.host) if req.destroying else []),
     destroy=ops.destroy,
-    volatile=("rpc_cache.DeviceMemory", "rpc_cache.CacheFree"),
+    volatile=(ops.DEVICE_MEMORY, "rpc_cache.CacheFree"),
     prepare=_prepare,
     after=("models",),
     resources=(

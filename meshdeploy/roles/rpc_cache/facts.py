@@ -7,8 +7,8 @@ import re
 from pyinfra.api import FactBase
 
 from meshdeploy.core import probe, shell
+from meshdeploy.placement.memory import metal_working_set, vulkan_devices
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache.memory import metal_working_set, vulkan_devices
 
 HEX16 = re.compile(r"\A[0-9a-f]{16}\Z")
 # What an interrupted md-rpc-seed or seeding script leaves (operations.seed removes these).

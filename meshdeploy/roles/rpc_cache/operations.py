@@ -32,10 +32,11 @@ from meshdeploy.roles.rpc_cache.facts import (
     SeedTool,
     Stored,
 )
-from meshdeploy.roles.rpc_cache.placement import wire_bytes
-from meshdeploy.roles.rpc_cache.tensors import Tensor
+from meshdeploy.placement.layers import wire_bytes
+from meshdeploy.placement.tensors import Tensor
 
 ROLE = "rpc_cache"
+DEVICE_MEMORY = f"{ROLE}.DeviceMemory"  # the fact the placement weighs (seeding.prepare)
 TEMPLATES = Path(__file__).with_name("templates")
 SOURCE = TEMPLATES / "md-rpc-seed.c"
 _HEX16_GLOB = "[0-9a-f]" * 16
@@ -87,7 +88,7 @@ def digests_path(cluster, model: str, host) -> str:
 def sections(cluster, host) -> list[Section]:
     """Probe sections: device memory (for the split), the tool, each cached cache dir, the
     digest lists of the models this host shares."""
-    out = [Section("rpc_cache.DeviceMemory", DeviceMemory,
+    out = [Section(DEVICE_MEMORY, DeviceMemory,
                    privileged=host.backend in _PRIVILEGED_MEMORY)] \
         if _in_server(cluster, host) else []
     if distribution.seeds(cluster, host):

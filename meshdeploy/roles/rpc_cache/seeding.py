@@ -22,9 +22,9 @@ from meshdeploy.core.context import HostContext, Step
 from meshdeploy.core.paths import model_path, ollama_blob
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache import layout
+from meshdeploy.placement import layout
 from meshdeploy.roles.rpc_cache import operations as ops
-from meshdeploy.roles.rpc_cache.tensors import (
+from meshdeploy.placement.tensors import (
     GgufHeaderError,
     header_from_http,
     model_shape,
@@ -222,6 +222,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
     planned: list = []  # the servers inside --limit
     extra: dict[str, dict] = {s.name: {} for s in cluster.servers}
     fetches = {(f.model, f.worker): f.source for f in distribution.tensor_fetches(cluster)}
+    # What the placement weighs of the facts: each host's device memory.
+    device_memory = {name: (f or {}).get(ops.DEVICE_MEMORY) for name, f in facts.items()}
     for server in cluster.servers:
         endpoints = cluster.rpc_endpoints(server)
         involved = {server.host} | {e.host.name for e in endpoints}
@@ -231,7 +233,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         cached = any(e.rpc.cache for e in endpoints)
         model = cluster.models[server.model]
         if server.tensor_split == "auto" and not cached:
-            unknown = layout.unknown_memory(cluster, server, facts)
+            unknown = layout.unknown_memory(cluster, server, device_memory)
             if unknown:
                 notes.append(f"servers.{server.name}: free memory of {', '.join(unknown)} is "
                              "unknown, so llama.cpp's auto split cannot be predicted; placement "
@@ -250,12 +252,12 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         if header is None:
             continue
         tensors = weight_tensors(header)
-        lay = layout.build(cluster, server, tensors, model_shape(header), facts,
+        lay = layout.build(cluster, server, tensors, model_shape(header), device_memory,
                            speeds.get(server.name), resolved.commit)
         layouts.append(lay)
         notes += layout.warnings(lay)
         runs[server.name] = (layout.run_of(cluster, server, lay),) + tuple(layout.degraded(
-            cluster, server, tensors, model_shape(header), facts, speeds.get(server.name),
+            cluster, server, tensors, model_shape(header), device_memory, speeds.get(server.name),
             resolved.commit))
         if any(m == model.name for m, _ in fetches):
             shared[model.name] = tuple(sorted((t.offset, t.size) for t in tensors if t.hashed))

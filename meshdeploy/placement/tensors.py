@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 
 from meshdeploy.core.gguf import GgufHeaderError, Header, from_reader, header_end, parse_header
-from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache.kvcache import swa_layers
+from meshdeploy.placement import defaults as d
+from meshdeploy.placement.kvcache import swa_layers
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # llama-arch.cpp: tensors of LLM_TENSOR_LAYER_INPUT; llama.cpp keeps the input layer on the CPU
@@ -37,7 +37,7 @@ class Tensor:
     @property
     def hashed(self) -> bool:
         """rpc-server caches (and the orchestrator hashes) only weights above the threshold."""
-        return self.size > d.rpc_cache_hash_threshold
+        return self.size > d.placement_hash_threshold
 
     @property
     def is_input(self) -> bool:
@@ -55,7 +55,7 @@ def read_header(source) -> Header:
         with open(path, "rb") as f:
             # A local read costs little: start where most headers end, so that the header is
             # parsed once (each try parses all it has; a vocabulary of 262k tokens is 6 MB).
-            return _read(f, str(path), d.rpc_cache_header_local_first)[1]
+            return _read(f, str(path), d.placement_header_local_first)[1]
     except OSError as exc:
         raise GgufHeaderError(f"{path}: {exc.strerror}") from None
 
@@ -63,7 +63,7 @@ def read_header(source) -> Header:
 def header_bytes(f, name: str) -> bytes:
     """The header of an open binary file (local, or an SFTP file on a host), read only as far
     as the tensor infos go: 1 MiB, then four times more until they are complete."""
-    return _read(f, name, d.rpc_cache_header_first_fetch)[0]
+    return _read(f, name, d.placement_header_first_fetch)[0]
 
 
 def _read(f, name: str, first: int) -> tuple[bytes, Header]:
@@ -79,7 +79,7 @@ def _read(f, name: str, first: int) -> tuple[bytes, Header]:
         header = parse_header(buf)
         if header is not None:
             return buf[:header.data_offset], header
-        if len(buf) < want or want >= d.rpc_cache_header_max:
+        if len(buf) < want or want >= d.placement_header_max:
             raise GgufHeaderError(f"{name}: no complete GGUF header in its first "
                                   f"{len(buf)} bytes")
         want *= 4
@@ -208,7 +208,7 @@ class _DropAuthOffOrigin(urllib.request.HTTPRedirectHandler):
 def _fetch(opener, url: str, start: int, end: int, headers: dict) -> bytes:
     req = urllib.request.Request(url, headers={**headers, "Range": f"bytes={start}-{end}"})
     try:
-        with opener.open(req, timeout=d.rpc_cache_http_timeout) as resp:
+        with opener.open(req, timeout=d.placement_http_timeout) as resp:
             if resp.status != 206 and start > 0:
                 raise GgufHeaderError(f"{url}: the server ignored the Range request "
                                       f"(HTTP {resp.status}); a header-only read needs Range")
@@ -238,7 +238,7 @@ def header_from_http(url: str, size: int, token: str | None = None,
         hdrs["Authorization"] = f"Bearer {token}"
     opener = urllib.request.build_opener(_DropAuthOffOrigin)
     buf = b""
-    want = d.rpc_cache_header_first_fetch
+    want = d.placement_header_first_fetch
     while True:
         end = min(want, size) - 1
         if end >= len(buf):
@@ -246,7 +246,7 @@ def header_from_http(url: str, size: int, token: str | None = None,
         data_start = header_end(buf)
         if data_start is not None:
             break
-        if len(buf) >= size or want >= d.rpc_cache_header_max:
+        if len(buf) >= size or want >= d.placement_header_max:
             raise GgufHeaderError(f"{url}: no complete GGUF header in the first {len(buf)} bytes"
                                   + (" (the whole given size: is the size right?)"
                                      if len(buf) >= size else ""))

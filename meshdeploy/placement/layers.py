@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshdeploy.config.model import MAX_TENSOR_SPLIT
-from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache.tensors import Tensor
+from meshdeploy.placement import defaults as d
+
+if TYPE_CHECKING:  # annotations only: the header reader (urllib, ssl) is not loaded with it
+    from meshdeploy.placement.tensors import Tensor
 
 CPU = -1
 _FLOAT32 = struct.Struct("<f")
@@ -166,7 +169,7 @@ class DeviceFit:
 
 
 def fits(placement: Placement, shape: dict, kv_layer: list[int], free_bytes,
-         headroom: int = d.rpc_cache_compute_headroom_bytes) -> list[DeviceFit]:
+         headroom: int = d.placement_compute_headroom_bytes) -> list[DeviceFit]:
     """Per device: what the placement puts there against what it has free.
 
     + shape: tensors.model_shape(); kv_layer: KV bytes per layer (kvcache.layer_bytes)
@@ -196,7 +199,7 @@ def refusal(device_fits: list[DeviceFit]) -> str | None:
 
 
 def auto_split(free_bytes, shape: dict, kv_layer: list[int],
-               headroom: int = d.rpc_cache_compute_headroom_bytes) -> list[int]:
+               headroom: int = d.placement_compute_headroom_bytes) -> list[int]:
     """-ts values that share the layers in proportion to each device's usable memory.
 
     Usable = free - compute headroom (- the output layer on the device that takes it); a layer

@@ -13,10 +13,10 @@ from itertools import combinations
 
 from meshdeploy.core.plan import FailoverRow, Placement, PlacementRow, Speed
 from meshdeploy.errors import PlanError
-from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.roles.rpc_cache import kvcache, speed
-from meshdeploy.roles.rpc_cache.memory import device_free
-from meshdeploy.roles.rpc_cache.placement import device_tensors, fits, place, wire_bytes
+from meshdeploy.placement import defaults as d
+from meshdeploy.placement import kvcache, speed
+from meshdeploy.placement.layers import device_tensors, fits, place, wire_bytes
+from meshdeploy.placement.memory import device_free
 
 
 # How much faster another split must be predicted before the plan suggests it, and before
@@ -41,8 +41,8 @@ class Layout:
     notes: list = field(default_factory=list)  # what placement: auto says in the plan
 
 
-def _memory(facts: dict, host, device: str):
-    return device_free((facts.get(host.name) or {}).get("rpc_cache.DeviceMemory"),
+def _memory(device_memory: dict, host, device: str):
+    return device_free(device_memory.get(host.name),
                        host.backend, device)
 
 
@@ -51,10 +51,10 @@ def _short(fit, memory, margin: int) -> bool:
     return any(m is not None and m.usable - f.needed < margin for f, m in zip(fit, memory))
 
 
-def unknown_memory(cluster, server, facts: dict) -> list[str]:
-    """Labels of the server's devices whose free memory the facts do not give."""
+def unknown_memory(cluster, server, device_memory: dict) -> list[str]:
+    """Labels of the server's devices whose free memory `device_memory` does not give."""
     return [label for label, h, dev, _ in cluster.server_devices(server)
-            if _memory(facts, h, dev) is None]
+            if _memory(device_memory, h, dev) is None]
 
 
 def _shares_ram(device: str) -> bool:
@@ -62,19 +62,20 @@ def _shares_ram(device: str) -> bool:
     return device == "CPU" or device.startswith(("CPU", "MTL"))
 
 
-def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = None,
+def build(cluster, server, tensors, shape, device_memory: dict, measured: dict | None = None,
           commit: str | None = None) -> Layout:
     """The layout of `server`; PlanError for a split llama.cpp would refuse or one that cannot fit.
 
     + tensors: tensors.weight_tensors(header); shape: tensors.model_shape(header)
-    + facts: host name -> decoded facts (rpc_cache.DeviceMemory is read)
+    + device_memory: host name -> the host's device memory fact (memory.device_free reads it;
+      a host absent or None: unknown)
     + measured: the server's kept device speeds (engine.speeds), used while they match its
       devices, the build's `commit` and the model: for placement: auto, and for predictions
     Example: build(...).rows[0] == {"device": "box11:50052/CUDA0", "layers": "0-25", ...}
     """
     devs = cluster.server_devices(server)
     labels = [label for label, *_ in devs]
-    memory = [_memory(facts, h, dev) for _, h, dev, _ in devs]
+    memory = [_memory(device_memory, h, dev) for _, h, dev, _ in devs]
     where = f"servers.{server.name}"
     unknown = [labels[i] for i, m in enumerate(memory) if m is None]
     try:
@@ -153,7 +154,7 @@ def build(cluster, server, tensors, shape, facts: dict, measured: dict | None = 
             "keep_free": host.keep_free,
             "used": bool(layers) or placement.output_device == i,
         })
-    _refuse_if_short(out, where, facts, cluster)
+    _refuse_if_short(out, where, device_memory, cluster)
     return out
 
 
@@ -201,7 +202,7 @@ def _for_speed(server, cal, why: str, labels, shape: dict, kv_layer: list[int], 
 
 def _capacity(memory, keep) -> list[int]:
     """Bytes each device may give a server's layers, KV and output."""
-    return [max(m.usable - d.rpc_cache_compute_headroom_bytes - k, 0)
+    return [max(m.usable - d.placement_compute_headroom_bytes - k, 0)
             for m, k in zip(memory, keep)]
 
 
@@ -339,11 +340,11 @@ def _round(v):
     return None if v is None else round(v, 2)
 
 
-def _refuse_if_short(lay: Layout, where: str, facts: dict, cluster) -> None:
+def _refuse_if_short(lay: Layout, where: str, device_memory: dict, cluster) -> None:
     short = [r for r in lay.rows if r["headroom"] is not None and r["headroom"] < 0]
     lines = [f"{r['device']}: layers {r['layers']} need {_gb(r['needed'])} GB (weights "
              f"{_gb(r['weights'])}, KV {_gb(r['kv'])}, compute "
-             f"{_gb(d.rpc_cache_compute_headroom_bytes)}), {_gb(r['free'])} GB "
+             f"{_gb(d.placement_compute_headroom_bytes)}), {_gb(r['free'])} GB "
              f"{'free (estimated)' if r['estimated'] else 'free'}" for r in short]
     # Several devices of one host that draw on its RAM (CPU, Metal) share it.
     hosts = {}
@@ -353,7 +354,7 @@ def _refuse_if_short(lay: Layout, where: str, facts: dict, cluster) -> None:
     for name, rows in hosts.items():
         if len(rows) < 2:
             continue
-        ram = device_free((facts.get(name) or {}).get("rpc_cache.DeviceMemory"),
+        ram = device_free(device_memory.get(name),
                           cluster.host(name).backend, "CPU")
         needed = sum(r["needed"] for r in rows)
         if ram is not None and needed > ram.usable:
@@ -493,7 +494,7 @@ def _measured_without(measured: dict | None, labels, kept) -> dict | None:
     return out
 
 
-def degraded(cluster, server, tensors, shape, facts: dict, measured: dict | None = None,
+def degraded(cluster, server, tensors, shape, device_memory: dict, measured: dict | None = None,
              commit: str | None = None) -> list[Run]:
     """The run of `server` for every set of up to failover.tolerate of its worker hosts away,
     by the same memory and speed model as the full placement; a set that cannot serve carries
@@ -517,10 +518,10 @@ def degraded(cluster, server, tensors, shape, facts: dict, measured: dict | None
                     split = "auto"
             sub = replace(server, rpc=kept_refs, tensor_split=split)
             try:
-                lay = build(cluster, sub, tensors, shape, facts,
+                lay = build(cluster, sub, tensors, shape, device_memory,
                             _measured_without(measured, labels, kept), commit)
                 if not sub.rpc:
-                    _refuse_alone(lay, sub, shape, facts, cluster)
+                    _refuse_alone(lay, sub, shape, device_memory, cluster)
             except PlanError as exc:
                 out.append(Run(lost, kept_refs, None, None, exc.message))
                 continue
@@ -528,16 +529,16 @@ def degraded(cluster, server, tensors, shape, facts: dict, measured: dict | None
     return out
 
 
-def _refuse_alone(lay: Layout, server, shape: dict, facts: dict, cluster) -> None:
+def _refuse_alone(lay: Layout, server, shape: dict, device_memory: dict, cluster) -> None:
     """A server left with no rpc-server runs every layer on its own host: its RAM (or its own
     devices, which build() checked) must hold what the workers held."""
     if lay.rows:
         return
-    ram = device_free((facts.get(server.host) or {}).get("rpc_cache.DeviceMemory"),
+    ram = device_free(device_memory.get(server.host),
                       cluster.host(server.host).backend, "CPU")
     kv = kvcache.layer_bytes(shape, lay.kv)
     needed = sum(shape["layer_bytes"]) + shape["output_device_bytes"] + sum(kv) + \
-        d.rpc_cache_compute_headroom_bytes
+        d.placement_compute_headroom_bytes
     if ram is not None and needed > ram.usable:
         raise PlanError(f"servers.{server.name}: alone on {server.host}, {lay.model} needs "
                         f"{_gb(needed)} GB, {_gb(ram.usable)} GB available")
