@@ -7,6 +7,8 @@ The scripts run for real on tiny CMake trees shaped as llama.cpp's where build.s
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -75,13 +77,18 @@ def tiny_tree(root: Path, cmakelists: str) -> str:
     return commit_all(root)
 
 
-def run_build(tmp_path: Path, commit: str, args: list[str]) -> subprocess.CompletedProcess:
+def run_build(tmp_path: Path, commit: str, args: list[str], env: dict | None = None,
+              force: bool = False) -> subprocess.CompletedProcess:
+    """build.sh on the tiny tree; + env: the caller's locale variables (none: this process's)"""
     script = shell.template(
         TEMPLATES / "build.sh", prelude=progress.SHELL, args=args,
         SRC=tmp_path / "src", TREE=tmp_path / "tree", OUT=tmp_path / "builds" / "k",
         COMMIT=commit, NUMBER=1, JOBS=2, CCACHE="", WANT_SERVER=1, WANT_RPC=1,
-        RPC_TARGETS="ggml-rpc-server", KEY="k", BACKEND="cpu", FORCE=0)
-    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=300)
+        RPC_TARGETS="ggml-rpc-server", KEY="k", BACKEND="cpu", FORCE=int(force))
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("LC_") and k not in ("LANG", "LANGUAGE")}
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=300,
+                          env=os.environ if env is None else {**base, **env})
 
 
 # ggml/src/CMakeLists.txt's OpenMP fallback, reduced: the option, find_package, the INTERNAL flag.
@@ -119,6 +126,31 @@ def test_build_goes_on_where_openmp_is_found_or_off(tmp_path):
     done = run_build(tmp_path, commit, ["-DGGML_OPENMP=OFF", "-DPRETEND_NO_OPENMP=ON"])
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "builds" / "k" / "bin" / "llama-server").exists()
+
+
+def test_every_compile_runs_in_one_locale_whatever_the_callers(tmp_path):
+    """ccache hashes LANG, LC_ALL, LC_CTYPE and LC_MESSAGES: a build started over SSH (the
+    client's LANG passed on) and one started locally (LC_CTYPE only) must hash alike, or each
+    misses every entry the other wrote (a whole llama.cpp compile)."""
+    commit = tiny_tree(tmp_path / "src", OPENMP_TREE)
+    seen = tmp_path / "seen"
+    launcher = tmp_path / "launcher"
+    launcher.write_text(f'#!/bin/sh\nenv | grep -E "^(LANG|LANGUAGE|LC_[A-Z]+)=" | sort >> {seen}\n'
+                        'exec "$@"\n')
+    launcher.chmod(0o755)
+    runs = []
+    for env in ({"LANG": "de_DE.UTF-8", "LANGUAGE": "de"}, {"LC_CTYPE": "C.UTF-8"},
+                {"LC_ALL": "fr_FR.UTF-8", "LC_MESSAGES": "fr_FR.UTF-8"}):
+        seen.write_text("")
+        shutil.rmtree(tmp_path / "tree", ignore_errors=True)  # every run compiles
+        done = run_build(tmp_path, commit, ["-DGGML_OPENMP=OFF",
+                                            f"-DCMAKE_C_COMPILER_LAUNCHER={launcher}"],
+                         env=env, force=True)
+        assert done.returncode == 0, done.stderr
+        lines = sorted(set(seen.read_text().splitlines()))
+        assert lines, "the launcher never ran"
+        runs.append(lines)
+    assert runs[0] == runs[1] == runs[2] == ["LANG=C", "LC_ALL=C"]
 
 
 # A shared build as runtime CPU dispatch makes it: a library beside the binaries in bin/.

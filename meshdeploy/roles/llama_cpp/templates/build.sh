@@ -4,6 +4,10 @@
 # "$@" = the cmake flags.
 set -e
 if [ -n "$CCACHE" ]; then export CCACHE_DIR="$CCACHE"; fi
+# One locale for every compile: ccache hashes LANG, LC_ALL, LC_CTYPE and LC_MESSAGES (they change
+# the compiler's messages), so a build started from a shell with another locale (an SSH client's
+# LANG passed through, a local run's LC_CTYPE) would miss every entry another run wrote.
+export LANG=C LC_ALL=C; unset LANGUAGE LC_CTYPE LC_MESSAGES
 # Paths under the prefix (the folder two above $SRC) are hashed relative to it, so hosts
 # with other prefixes (a rootless host's is its user's) reuse each other's entries in a shared cache.
 export CCACHE_BASEDIR="${SRC%/*/*}"
