@@ -204,6 +204,60 @@ def lab(lab_handle):
     return LabInfo.load(lab_handle.state_dir)
 
 
+# The lab bases (lab/base.py's recipes) a whole run's labs boot from: bookworm with the
+# toolchain (the converged lab, which compiles first), plain, and with user services; Debian 11
+# and 13 plain (the distros lab). Each is a debootstrap of a minute or two, mostly download and
+# unpacking: on a machine without them (a fresh CI machine), they are built one after the other
+# in the background while the first lab compiles llama.cpp, instead of each in turn when its lab
+# comes up. A lab that needs one still being built waits for it (base.ensure_base's lock).
+# On under MESHDEPLOY_REQUIRE_LAB=1 (CI) when lab tests are collected; MESHDEPLOY_LAB_PREFETCH=1
+# turns it on elsewhere, =0 off.
+PREFETCH = ({"toolchain": True}, {}, {"user_services": True}, {"suite": "bullseye"},
+            {"suite": "trixie"})
+_prefetch: dict = {}
+
+
+def _prefetch_bases(done: list) -> None:
+    import time
+
+    from meshdeploy.lab import base
+
+    for kw in PREFETCH:
+        started = time.monotonic()
+        try:
+            built = not (base.base_dir(spec=base.recipe(**kw)) / "complete").exists()
+            base.ensure_base(log=lambda line: None, **kw)
+            done.append((kw, built, time.monotonic() - started, None))
+        except Exception as exc:  # the lab that needs this base builds it and says why
+            done.append((kw, True, time.monotonic() - started, str(exc)))
+
+
+def pytest_collection_finish(session):
+    wanted = os.environ.get("MESHDEPLOY_LAB_PREFETCH",
+                            "1" if os.environ.get("MESHDEPLOY_REQUIRE_LAB") == "1" else "0")
+    if wanted != "1" or lab_unavailable_reason() is not None or \
+            not any(item.get_closest_marker("lab") for item in session.items):
+        return
+    import threading
+
+    done: list = []
+    thread = threading.Thread(target=_prefetch_bases, args=(done,), name="lab-base-prefetch",
+                              daemon=True)
+    thread.start()
+    _prefetch.update(thread=thread, done=done)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _prefetch:
+        return
+    _prefetch["thread"].join()  # never leave a debootstrap running past the session
+    for kw, built, seconds, error in _prefetch["done"]:
+        what = ", ".join(f"{k}={v}" for k, v in kw.items()) or "plain"
+        state = f"failed: {error}" if error else ("built" if built else "cached")
+        terminalreporter.write_line(f"lab base ({what}): {state} in {seconds:.0f} s "
+                                    "(prefetched beside the tests)")
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 

@@ -131,7 +131,7 @@ def _apply(args: Args, cluster, saved, limit, addresses, purge, lock) -> int:
             if not common.confirm():
                 raise AbortedError("apply cancelled: nothing was changed")
         if not args.json:
-            print("\nApplying:")
+            print(view.render_running("Apply"))
         rows: list[dict] = []
         result = "failed"
         try:

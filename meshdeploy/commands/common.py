@@ -8,9 +8,11 @@ import os
 import sys
 
 from meshdeploy.engine import locks
-from meshdeploy.errors import AbortedError, PlanError, terminal_text
+from meshdeploy.errors import AbortedError, PlanError
 from meshdeploy.remote import ssh_settings
 from meshdeploy.remote.session import Session
+from meshdeploy.views import notices
+from meshdeploy.views import plan as plan_view
 from meshdeploy.views.progress import reporter
 
 
@@ -97,9 +99,9 @@ def confirm(what: str = "apply") -> bool:
         raise AbortedError(f"{what} needs confirmation, and stdin is not a terminal",
                            hint="rerun with --auto-approve" +
                                 (", or apply a saved plan file" if what == "apply" else ""))
-    print("\nDo you want to perform these actions? Only 'yes' will be accepted.")
+    print(plan_view.CONFIRM)
     try:
-        return input("  Enter a value: ").strip() == "yes"
+        return input(plan_view.PROMPT).strip() == "yes"
     except EOFError:
         return False
 
@@ -126,10 +128,10 @@ def open_hosts(cluster, names: list[str], accept_new_host_keys: bool):
     settings = [ssh_settings.resolve(cluster.host(n), accept_new=accept_new_host_keys)
                 for n in names]
     for warning in ssh_settings.no_check_warnings(settings):
-        print(f"warning: {warning}", file=sys.stderr)
+        print(notices.warning(warning), file=sys.stderr)
     hosts = remote.connect(settings)
     for name, reason in hosts.unreachable.items():
-        print(f"{name}: unreachable ({terminal_text(reason)})", file=sys.stderr)
+        print(notices.unreachable(name, reason), file=sys.stderr)
     return hosts
 
 

@@ -70,7 +70,7 @@ def _destroy(args: Args, cluster, lock) -> int:
             if not args.auto_approve and not common.confirm("destroy"):
                 raise AbortedError("destroy cancelled: nothing was changed")
             if not args.json:
-                print("\nDestroying:")
+                print(view.render_running("Destroy"))
             ok = False
             try:
                 rows = common.run_apply(session, planned, args.json, slots=False)

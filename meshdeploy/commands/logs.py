@@ -15,8 +15,7 @@ from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import registry
-from meshdeploy.errors import terminal_text
-from meshdeploy.views import completion
+from meshdeploy.views import completion, notices
 from meshdeploy.views.log_lines import (
     DEFAULT_LINES,
     FOLLOW,
@@ -82,8 +81,7 @@ def run(args: Args) -> int:
     # layout is read first, and its sources named again with it.
     cluster, unread = common.read_layouts(cluster, hosts)
     for name, reason in unread.items():
-        print(f"{name}: cannot read the login user's folders ({terminal_text(reason)})",
-              file=sys.stderr)
+        print(notices.folders_unread(name, reason), file=sys.stderr)
         hosts.connections.pop(name).close()
         by_host.pop(name)
     chosen = {(s.host, s.service) for s in sources}
@@ -136,12 +134,11 @@ def _failed(name, result) -> bool:
     from meshdeploy.remote import connections as remote
 
     if isinstance(result, Exception):
-        print(f"{name}: unreachable ({terminal_text(remote.reason(result))})", file=sys.stderr)
+        print(notices.unreachable(name, remote.reason(result)), file=sys.stderr)
         return True
     if result.exited != 0:
         said = (result.stderr.strip().splitlines() or ["no message"])[-1]
-        print(f"{name}: reading the logs failed (exit {result.exited}): {terminal_text(said)}",
-              file=sys.stderr)
+        print(notices.logs_failed(name, result.exited, said), file=sys.stderr)
         return True
     return False
 
@@ -193,7 +190,7 @@ def _follow(hosts, streams, scripts, shown) -> int:
                 running.discard(name)
                 waiting.discard(name)
                 if not _failed(name, item[2]) and streams[name].following:
-                    print(f"{name}: log stream ended", file=sys.stderr)
+                    print(notices.stream_ended(name), file=sys.stderr)
             else:
                 got = streams[name].feed(item[1], _now())
                 if got == FOLLOW:

@@ -11,7 +11,7 @@ from meshdeploy.commands import options
 from meshdeploy.config.checks import warnings_for
 from meshdeploy.config.load import load_cluster
 from meshdeploy.errors import ConfigError
-from meshdeploy.views import diagnostics
+from meshdeploy.views import diagnostics, notices
 from meshdeploy.views import validate as view
 
 NAME = "validate"
@@ -44,6 +44,6 @@ def run(args: Args) -> int:
         print(diagnostics.render_valid(warnings, **view.summary(cluster)))
         return errors.OK
     for warning in warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+        print(notices.warning(warning), file=sys.stderr)
     print(view.render_text(args.file, cluster))
     return errors.OK

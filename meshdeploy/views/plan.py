@@ -45,6 +45,14 @@ _VERB = {
     "delete": "will be destroyed",
 }
 NO_CHANGES = "No changes. The cluster matches the configuration."
+# The confirmation asked before an apply or a destroy changes anything (Terraform's words).
+CONFIRM = "\nDo you want to perform these actions? Only 'yes' will be accepted."
+PROMPT = "  Enter a value: "
+
+
+def render_running(verb: str = "Apply") -> str:
+    """The line between the plan and the live progress: `Applying:`, `Destroying:`."""
+    return f"\n{verb[:-1] if verb.endswith('e') else verb}ing:"
 _SENSITIVE = "(sensitive value)"
 _KNOWN_AFTER = "(known after apply)"
 
