@@ -62,11 +62,6 @@ class LlamaCpp:
 
 
 @dataclass(frozen=True)
-class Toolchain:
-    apt_proxy: str | None
-
-
-@dataclass(frozen=True)
 class HuggingFace:
     endpoint: str  # what hosts download from
     api_endpoint: str  # what the control machine queries (already defaulted to endpoint)
@@ -435,7 +430,6 @@ class Cluster:
     name: str
     path: Path
     llama_cpp: LlamaCpp
-    toolchain: Toolchain
     huggingface: HuggingFace
     network: Network
     hosts: tuple[Host, ...]

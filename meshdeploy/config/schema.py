@@ -25,11 +25,18 @@ from meshdeploy.config.yaml_doc import printable, render_path
 from meshdeploy.errors import ConfigIssue, MeshdeployError
 
 
+# The sections no role owns yet (schemas/core.schema.json), and the complete schema editors read
+# (schemas/cluster.schema.json): generated from the core and every role's schema.json by
+# write_complete() (scripts/schema), and checked to be current by the unit tests.
+CORE = "core.schema.json"
+COMPLETE = "cluster.schema.json"
+
+
 @lru_cache(maxsize=1)
 def load_schema() -> dict:
-    """The cluster file's schema: schemas/cluster.schema.json (the file editors read) with each
-    role's own section merged in as `properties.<role>` (see role_fragments)."""
-    text = resources.files("meshdeploy.schemas").joinpath("cluster.schema.json").read_text()
+    """The cluster file's schema: schemas/core.schema.json with each role's own section merged in
+    as `properties.<role>` (see role_fragments)."""
+    text = resources.files("meshdeploy.schemas").joinpath(CORE).read_text()
     schema = json.loads(text)
     for name, (where, fragment) in role_fragments().items():
         if name in schema["properties"]:
@@ -70,6 +77,18 @@ def role_fragments() -> dict[str, tuple[str, dict]]:
     return out
 
 
+def complete_text() -> str:
+    """schemas/cluster.schema.json as it must read: the whole schema, every role's section in."""
+    return json.dumps(load_schema(), indent=2, ensure_ascii=False) + "\n"
+
+
+def write_complete() -> Path:
+    """Write schemas/cluster.schema.json from the core and the roles' sections; its path."""
+    path = Path(str(resources.files("meshdeploy.schemas").joinpath(COMPLETE)))
+    path.write_text(complete_text())
+    return path
+
+
 def _refers(node) -> bool:
     if isinstance(node, dict):
         return "$ref" in node or "$defs" in node or any(_refers(v) for v in node.values())
@@ -81,7 +100,12 @@ def role_sections() -> tuple[str, ...]:
     return tuple(sorted(role_fragments()))
 
 
-# Why a value failed a `pattern`, by field: its path with names as `*` and list items as `[]`
+# A role's schema.json says what a value failing its `pattern` is, and how to write one, beside
+# the pattern: annotations of its own, which validators and editors leave alone.
+MEANING = "x-meshdeploy-meaning"
+HINT = "x-meshdeploy-hint"
+
+# Why a value failed a `pattern` of the core sections, by field: its path with names as `*` and list items as `[]`
 # (see field_key), or its bare name where that is unambiguous.
 PATH_MEANING = "is not an absolute, normalized path (no '//', '.' or '..' parts, no trailing '/')"
 PATTERN_MEANING = {
@@ -99,7 +123,6 @@ PATTERN_MEANING = {
     "store": PATH_MEANING,
     "path": PATH_MEANING,
     "api_key_file": PATH_MEANING + " on the host",
-    "apt_proxy": "is not an http:// or https:// proxy URL (scheme://host[:port][/])",
     "endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
     "api_endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
     "trusted_http_endpoints": "is not an http:// URL (https endpoints need no trust; no spaces, "
@@ -127,7 +150,6 @@ PATTERN_HINT = {
     "sha256": "sha256sum prints it; leave \"\" to trust the hub's hash",
     "llama_cpp.repo": "e.g. https://github.com/ggml-org/llama.cpp.git",
     "llama_cpp.ref": "e.g. b11312, master, or a full 40-hex commit",
-    "apt_proxy": "e.g. http://10.200.0.1:3142",
     "prefix": "e.g. /opt/meshdeploy (spaces are fine)",
     "file": "e.g. gemma-3-270m-q4_k_m.gguf, or a folder/file.gguf path in the repository",
     "files": "e.g. Q4_K_M/model-00001-of-00002.gguf",
@@ -274,9 +296,11 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
         got = show(value) if isinstance(value, (dict, list)) else f"{yaml_type(value)} {show(value)}"
         return [doc.issue(path, f"expected {article} {label}, got {got}", hint)]
     if kind == "pattern":
-        meaning = field_lookup(PATTERN_MEANING, path) or \
+        # A role's schema.json says it beside the pattern (MEANING, HINT); the core's, below.
+        meaning = error.schema.get(MEANING) or field_lookup(PATTERN_MEANING, path) or \
             f"does not match {error.validator_value}"
-        return [doc.issue(path, f"{show(value)} {meaning}", field_lookup(PATTERN_HINT, path))]
+        hint = error.schema.get(HINT) or field_lookup(PATTERN_HINT, path)
+        return [doc.issue(path, f"{show(value)} {meaning}", hint)]
     if kind in ("minimum", "exclusiveMinimum", "maximum"):
         bound = error.validator_value
         relation = {"minimum": f"at least {bound}", "exclusiveMinimum": f"more than {bound}",

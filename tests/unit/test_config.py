@@ -434,7 +434,7 @@ def pattern_fields(node, path=(), root=None):
             target = target[part]
         node = target
     if "pattern" in node:
-        yield path, node["pattern"]
+        yield path, node
     for name, sub in node.get("properties", {}).items():
         yield from pattern_fields(sub, path + (name,), root)
     if isinstance(node.get("additionalProperties"), dict):
@@ -448,10 +448,10 @@ def pattern_fields(node, path=(), root=None):
 def test_every_pattern_has_a_human_meaning():
     import json
 
-    from meshdeploy.config.schema import PATTERN_MEANING, field_lookup
+    from meshdeploy.config.schema import MEANING, PATTERN_MEANING, field_lookup
 
     schema = json.loads((ROOT / "schemas" / "cluster.schema.json").read_text())
     fields = list(pattern_fields(schema))
     assert len(fields) > 20
-    for path, pattern in fields:
-        assert field_lookup(PATTERN_MEANING, path), (path, pattern)
+    for path, node in fields:
+        assert node.get(MEANING) or field_lookup(PATTERN_MEANING, path), (path, node["pattern"])

@@ -199,8 +199,8 @@ def test_a_role_in_its_own_folder_is_probed_planned_and_rendered(demo_role):
 
 
 def test_a_role_declares_its_own_section_of_the_cluster_file(demo_role, tmp_path):
-    base = json.loads((ROOT / "meshdeploy" / "schemas" / "cluster.schema.json").read_text())
-    assert "zz_demo" not in base["properties"]  # the file editors read stays the base alone
+    base = json.loads((ROOT / "meshdeploy" / "schemas" / "core.schema.json").read_text())
+    assert "zz_demo" not in base["properties"]  # the core holds no role's own section
     merged = schema.load_schema()
     assert merged["properties"]["zz_demo"] == SCHEMA
     jsonschema.Draft202012Validator.check_schema(merged)
@@ -343,3 +343,16 @@ def test_a_cycle_between_roles_is_one_error():
     b = registry.Role("b", "", (), lambda r: [], after=("a",))
     with pytest.raises(registry.RegistryError, match="circle: a, b"):
         registry._ordered({"a": a, "b": b})
+
+
+def test_the_schema_editors_read_is_the_core_with_every_roles_section():
+    """schemas/cluster.schema.json is generated (scripts/schema): the core sections and each
+    role's schema.json, so an editor knows every section a role adds (`monitoring:` too)."""
+    committed = (ROOT / "meshdeploy" / "schemas" / "cluster.schema.json").read_text()
+    assert committed == schema.complete_text(), \
+        "schemas/cluster.schema.json is stale: run scripts/schema"
+    complete = json.loads(committed)
+    core = json.loads((ROOT / "meshdeploy" / "schemas" / "core.schema.json").read_text())
+    assert schema.role_sections()
+    for role in schema.role_sections():
+        assert role in complete["properties"] and role not in core["properties"]

@@ -56,7 +56,7 @@ def hostile_cluster(lab, v):
         src, files=(v["file"] or "f",)))
     return dataclasses.replace(lab, llama_cpp=llama, hosts=hosts, servers=(server,),
                                models={"gemma": gemma},
-                               toolchain=dataclasses.replace(lab.toolchain, apt_proxy=v["proxy"]))
+                               sections={**lab.sections, "toolchain": {"apt_proxy": v["proxy"]}})
 
 
 def hostile_extras(v) -> rc.Extras:

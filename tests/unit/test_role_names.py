@@ -30,12 +30,11 @@ LAYERS = ("config", "core", "engine", "execute", "views", "commands", "placement
 
 # (file, what it names) -> how many times. Each entry is a role's setting still read outside it.
 KNOWN = {
-    # config/load.py builds the typed model of every section (Build, LlamaCpp, Toolchain,
-    # HuggingFace, Network): the roles' typed settings are still config/model.py's.
+    # config/load.py builds the typed model of every section (Build, LlamaCpp, HuggingFace,
+    # Network): the roles' typed settings are still config/model.py's.
     ("config/load.py", "llama_cpp"): 1,
     ("config/load.py", "network"): 1,
     ("config/load.py", "models"): 1,
-    ("config/load.py", "toolchain"): 1,
     ("config/model.py", "monitoring"): 1,
     # config/checks.py: the roles' semantic checks (refs, models, ssh transport, WireGuard,
     # scrapers) are still the config layer's.

@@ -336,8 +336,8 @@ def test_plist_round_trips_xml_specials():
                                    'http://x/"', "http://x/;", "http://x/{", "http://x /",
                                    "http://x/\n"])
 def test_apt_proxy_that_could_write_apt_options_is_refused(lab, proxy):
-    cluster = dataclasses.replace(lab, toolchain=dataclasses.replace(lab.toolchain,
-                                                                     apt_proxy=proxy))
+    cluster = dataclasses.replace(lab, sections={**lab.sections,
+                                                 "toolchain": {"apt_proxy": proxy}})
     ctx = HostContext(cluster, cluster.hosts[0],
                       {"toolchain.Platform": {"kernel": "Linux", "tools": ["apt-get"]},
                        "toolchain.AptProxy": None}, Resolved())

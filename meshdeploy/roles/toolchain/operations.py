@@ -161,7 +161,7 @@ def refuse_cuda_toolkit(ctx: HostContext, platform: dict) -> None:
 
 def apt_proxy(ctx: HostContext) -> Step:
     """toolchain.apt_proxy: the apt proxy snippet for hosts without internet."""
-    want_url = ctx.cluster.toolchain.apt_proxy
+    want_url = ctx.section(ROLE)["apt_proxy"] or None  # "" = none (the role's schema.json)
     have = ctx.fact("toolchain.AptProxy")
     manager = package_manager(ctx.fact("toolchain.Platform") or {})
     path = d.toolchain_apt_proxy_file
