@@ -217,17 +217,21 @@ PREFETCH = ({"toolchain": True}, {}, {"user_services": True}, {"suite": "bullsey
 _prefetch: dict = {}
 
 
-def _prefetch_bases(done: list) -> None:
+def _prefetch_bases(done: list, stop) -> None:
+    """Each base of PREFETCH in turn until `stop` is set (the session ended or was interrupted:
+    the base being built is finished, no other is started)."""
     import time
 
     from meshdeploy.lab import base
 
     for kw in PREFETCH:
+        if stop.is_set():
+            return
         started = time.monotonic()
         try:
-            built = not (base.base_dir(spec=base.recipe(**kw)) / "complete").exists()
+            missing = not (base.base_dir(spec=base.recipe(**kw)) / "complete").exists()
             base.ensure_base(log=lambda line: None, **kw)
-            done.append((kw, built, time.monotonic() - started, None))
+            done.append((kw, missing, time.monotonic() - started, None))
         except Exception as exc:  # the lab that needs this base builds it and says why
             done.append((kw, True, time.monotonic() - started, str(exc)))
 
@@ -235,25 +239,35 @@ def _prefetch_bases(done: list) -> None:
 def pytest_collection_finish(session):
     wanted = os.environ.get("MESHDEPLOY_LAB_PREFETCH",
                             "1" if os.environ.get("MESHDEPLOY_REQUIRE_LAB") == "1" else "0")
-    if wanted != "1" or lab_unavailable_reason() is not None or \
+    if wanted != "1" or session.config.option.collectonly or \
+            lab_unavailable_reason() is not None or \
             not any(item.get_closest_marker("lab") for item in session.items):
         return
     import threading
 
     done: list = []
-    thread = threading.Thread(target=_prefetch_bases, args=(done,), name="lab-base-prefetch",
-                              daemon=True)
+    stop = threading.Event()
+    thread = threading.Thread(target=_prefetch_bases, args=(done, stop),
+                              name="lab-base-prefetch", daemon=True)
     thread.start()
-    _prefetch.update(thread=thread, done=done)
+    _prefetch.update(thread=thread, done=done, stop=stop)
+
+
+def pytest_sessionfinish(session):
+    if _prefetch:
+        _prefetch["stop"].set()  # tests over (or stopped): no further base is started
 
 
 def pytest_terminal_summary(terminalreporter):
     if not _prefetch:
         return
-    _prefetch["thread"].join()  # never leave a debootstrap running past the session
-    for kw, built, seconds, error in _prefetch["done"]:
+    _prefetch["stop"].set()
+    # The base being built is finished rather than left to a debootstrap nobody waits for.
+    _prefetch["thread"].join()
+    for kw, missing, seconds, error in _prefetch["done"]:
         what = ", ".join(f"{k}={v}" for k, v in kw.items()) or "plain"
-        state = f"failed: {error}" if error else ("built" if built else "cached")
+        state = f"failed: {error}" if error else \
+            ("ready (built here or by a lab meanwhile)" if missing else "cached")
         terminalreporter.write_line(f"lab base ({what}): {state} in {seconds:.0f} s "
                                     "(prefetched beside the tests)")
 
@@ -267,6 +281,8 @@ _STARTED: list = []
 
 
 def pytest_keyboard_interrupt(excinfo):
+    if _prefetch:
+        _prefetch["stop"].set()
     # pytest does not always run session finalizers on Ctrl-C; never leave our lab behind.
     while _STARTED:
         handle = _STARTED.pop()

@@ -105,8 +105,8 @@ def role_sections() -> tuple[str, ...]:
 MEANING = "x-meshdeploy-meaning"
 HINT = "x-meshdeploy-hint"
 
-# Why a value failed a `pattern` of the core sections, by field: its path with names as `*` and list items as `[]`
-# (see field_key), or its bare name where that is unambiguous.
+# Why a value failed a `pattern` of the core sections, by field: its path with names as `*` and
+# list items as `[]` (see field_key), or its bare name where that is unambiguous.
 PATH_MEANING = "is not an absolute, normalized path (no '//', '.' or '..' parts, no trailing '/')"
 PATTERN_MEANING = {
     "cluster": "is not a valid name (letters, digits, '_', '.', '-'; starts with a letter or digit)",

@@ -2,7 +2,7 @@
 
 meshdeploy only ever holds a model's header: the probe sends the first 64 KiB of an Ollama
 blob (models: its architecture), the plan fetches a Hub model's header by HTTP Range or a
-host's over SFTP (rpc_cache: tensor offsets and the model's shape). gguf's GGUFReader maps a
+host's over SFTP (placement.tensors: tensor offsets and the model's shape). gguf's GGUFReader maps a
 whole file and builds an object per vocabulary entry (about 15 s for gemma-3's 262k tokens), so
 this reads the format itself, with gguf's own type tables, in well under a second, skipping
 long arrays.

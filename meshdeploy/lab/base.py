@@ -210,8 +210,12 @@ def ensure_base(root: Path | None = None, log=print, toolchain: bool = False,
 
 
 def _build(final: Path, spec: dict, log) -> None:
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A folder of this process's own: a debootstrap left running by a killed earlier run (its
+    # lock released with it) keeps writing into its folder, never into this one, and is never
+    # renamed into place. Earlier runs' folders go first (the caller holds the base's lock).
+    for stale in final.parent.glob(f"{final.name}.tmp*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(final, ignore_errors=True)
     tmp_rootfs = tmp / "rootfs"
     tmp_rootfs.mkdir(parents=True)

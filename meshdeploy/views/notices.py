@@ -1,5 +1,6 @@
-"""One-line notices on stderr, about one host or about the run, as the commands that reach
-hosts directly (logs, exec, bench) print them: `node2: unreachable (Connection refused)`."""
+"""One-line notices on stderr, about one host or about the run, as the commands print them
+(validate's warnings; logs' and exec's hosts, which fabric reaches directly):
+`node2: unreachable (Connection refused)`."""
 
 from __future__ import annotations
 

@@ -53,6 +53,8 @@ PROMPT = "  Enter a value: "
 def render_running(verb: str = "Apply") -> str:
     """The line between the plan and the live progress: `Applying:`, `Destroying:`."""
     return f"\n{verb[:-1] if verb.endswith('e') else verb}ing:"
+
+
 _SENSITIVE = "(sensitive value)"
 _KNOWN_AFTER = "(known after apply)"
 

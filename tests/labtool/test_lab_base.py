@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from meshdeploy.lab import base
 from meshdeploy.roles.toolchain import defaults
 
@@ -69,3 +71,27 @@ def test_a_running_host_asked_for_another_release_is_named_with_both():
         "node2 is bullseye, not trixie"
     assert _differs("node2", ("termux", "bookworm"), ("root", "bookworm")) == \
         "node2 is termux, not root"
+
+
+def test_a_build_writes_a_folder_of_its_own_and_removes_earlier_runs_folders(tmp_path, monkeypatch):
+    """A debootstrap left running by a killed run keeps writing into `base-X.tmp...`; the next
+    build removes such folders and builds in one named after its own process, so the two never
+    write into one folder, and only a finished build is renamed into place."""
+    final = tmp_path / "base-0123456789abcdef"
+    stale = [tmp_path / f"{final.name}.tmp", tmp_path / f"{final.name}.tmp-1"]
+    for folder in stale:
+        (folder / "rootfs").mkdir(parents=True)
+        (folder / "rootfs" / "half-written").write_text("x")
+    seen = []
+
+    def fake_run(argv, logfile, what):
+        seen.append((what, logfile.parent.name))
+        logfile.write_text("")
+
+    monkeypatch.setattr(base, "_run", fake_run)
+    base._build(final, base.recipe(), log=lambda line: None)
+    assert [w for w, _ in seen] == ["debootstrap", "setup"]
+    assert {folder for _, folder in seen} == {f"{final.name}.tmp-{os.getpid()}"}
+    assert not any(folder.exists() for folder in stale)
+    assert (final / "complete").is_file() and (final / "recipe.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]

@@ -1,5 +1,5 @@
 """The Hugging Face token never follows a redirect from https down to http (security review,
-issue 20), on any path that sends it: the control machine's GGUF header fetch (rpc_cache's
+issue 20), on any path that sends it: the control machine's GGUF header fetch (placement's
 tensors.header_from_http, which compared only host:port before), huggingface_hub's own client
 (hf.resolve) and curl on the hosts (models' download script). A configured http endpoint listed
 in huggingface.trusted_http_endpoints still gets it: that is the operator's choice, a redirect is

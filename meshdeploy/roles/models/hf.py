@@ -7,8 +7,8 @@ private: invisible without it), and only when every endpoint it would go to is h
 in huggingface.trusted_http_endpoints. HfResolved.auth records the need, so the plan can say so.
 A listed http endpoint is the operator's choice; a redirect is not: no client that carries the
 token follows a redirect with it to another scheme, host or port (huggingface_hub's httpx client
-here, curl on the hosts, rpc_cache's header fetch: tests/unit/test_hf_redirect.py), so an https
-endpoint that redirects to http, even on its own host and port, never gets it in clear text.
+here, curl on the hosts, the placement's header fetch: tests/unit/test_hf_redirect.py), so an
+https endpoint that redirects to http, even on its own host and port, never gets it in clear text.
 """
 
 from __future__ import annotations
