@@ -28,7 +28,6 @@ from meshdeploy.config.model import (
     Health,
     HfSource,
     Host,
-    HuggingFace,
     LlamaCpp,
     Model,
     Network,
@@ -165,7 +164,6 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
     base = doc.path.parent
     lc = data["llama_cpp"]
     b = lc["build"]
-    hf = data["huggingface"]
     net = data["network"]
     hosts = []
     for name, h in data["hosts"].items():
@@ -211,11 +209,6 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                         serial=b["serial"], copy=b["copy"],
                         cuda_architectures=tuple(str(a) for a in b["cuda_architectures"]),
                         amdgpu_targets=tuple(b["amdgpu_targets"]))),
-        huggingface=HuggingFace(endpoint=hf["endpoint"],
-                                api_endpoint=hf["api_endpoint"] or hf["endpoint"],
-                                token_file=control_path(hf["token_file"], base),
-                                trusted_http_endpoints=tuple(
-                                    e.rstrip("/") for e in hf["trusted_http_endpoints"])),
         network=Network(rpc_bind=net["rpc_bind"], allow_public=net["allow_public"],
                         firewall=net["firewall"], transport=net["transport"],
                         ssh=SshTransport(local_port_base=net["ssh"]["local_port_base"],

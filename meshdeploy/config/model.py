@@ -62,16 +62,6 @@ class LlamaCpp:
 
 
 @dataclass(frozen=True)
-class HuggingFace:
-    endpoint: str  # what hosts download from
-    api_endpoint: str  # what the control machine queries (already defaulted to endpoint)
-    token_file: str | None  # control-machine path, ~ expanded; None = $HF_TOKEN / default file
-    # http:// endpoints a token may travel to in clear text (https ones always may), no "/" at
-    # the end; roles.models.hf refuses to send one anywhere else.
-    trusted_http_endpoints: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class WireGuard:
     """network.wireguard: the tunnel between each orchestrator and its workers."""
 
@@ -345,6 +335,9 @@ class HfResolved:
     # Why downloads need the control machine's token ("gated", "private"); None: public, and
     # no token is sent to anyone for it.
     auth: str | None = None
+    # The endpoint the control machine asked (the model's own, else huggingface.api_endpoint):
+    # where the plan reads the model's header from, pinned to `commit`.
+    api: str = ""
 
 
 @dataclass(frozen=True)
@@ -430,7 +423,6 @@ class Cluster:
     name: str
     path: Path
     llama_cpp: LlamaCpp
-    huggingface: HuggingFace
     network: Network
     hosts: tuple[Host, ...]
     models: dict[str, Model] = field(hash=False)

@@ -43,15 +43,18 @@ def load_schema() -> dict:
             raise MeshdeployError(f"{where} declares the section '{name}', which the cluster "
                                   "file already has",
                                   "a role's schema.json describes a new top-level key named "
-                                  "after its folder; rename the role")
+                                  "after its folder (schema.<section>.json: after <section>); "
+                                  "rename the role or the section")
         schema["properties"][name] = fragment
     return schema
 
 
 @lru_cache(maxsize=1)
 def role_fragments() -> dict[str, tuple[str, dict]]:
-    """Role name -> (its file, the JSON Schema of its section) for every
-    meshdeploy/roles/<role>/schema.json.
+    """Section name -> (its file, the JSON Schema of the section) for every
+    meshdeploy/roles/<role>/schema.json (the section named after the role) and
+    meshdeploy/roles/<role>/schema.<section>.json (a section of another name the role owns, as
+    the models role owns `huggingface:`).
 
     The fragments are package data, read as files from the folders of the meshdeploy.roles
     package (whose __init__ holds no code); no role module is imported, so the cluster file's
@@ -60,8 +63,13 @@ def role_fragments() -> dict[str, tuple[str, dict]]:
     """
     out: dict[str, tuple[str, dict]] = {}
     for folder in meshdeploy.roles.__path__:
-        for path in sorted(Path(folder).glob("*/schema.json")):
-            where = f"roles/{path.parent.name}/schema.json"
+        for path in sorted(Path(folder).glob("*/schema*.json")):
+            where = f"roles/{path.parent.name}/{path.name}"
+            section = path.parent.name if path.name == "schema.json" else \
+                path.name[len("schema."):-len(".json")]
+            if not section or "." in section:
+                raise MeshdeployError(f"{where}: a role's sections are schema.json and "
+                                      "schema.<section>.json", "rename the file")
             try:
                 fragment = json.loads(path.read_text())
                 jsonschema.Draft202012Validator.check_schema(fragment)
@@ -73,7 +81,11 @@ def role_fragments() -> dict[str, tuple[str, dict]]:
                 # cluster file's schema, not the fragment.
                 raise MeshdeployError(f"{where} uses $ref or $defs: a role's section is "
                                       "written out in full", "fix the role's schema.json")
-            out.setdefault(path.parent.name, (where, fragment))
+            if section in out:
+                raise MeshdeployError(f"{where} declares the section '{section}', which "
+                                      f"{out[section][0]} declares too",
+                                      "one role owns a section: rename one of them")
+            out[section] = (where, fragment)
     return out
 
 
@@ -96,7 +108,7 @@ def _refers(node) -> bool:
 
 
 def role_sections() -> tuple[str, ...]:
-    """The top-level keys the roles' schema.json files add, in name order."""
+    """The top-level keys the roles' schema files add, in name order."""
     return tuple(sorted(role_fragments()))
 
 
@@ -124,9 +136,6 @@ PATTERN_MEANING = {
     "path": PATH_MEANING,
     "api_key_file": PATH_MEANING + " on the host",
     "endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
-    "api_endpoint": "is not an http:// or https:// URL (no spaces, quotes or backslashes)",
-    "trusted_http_endpoints": "is not an http:// URL (https endpoints need no trust; no spaces, "
-                              "quotes or backslashes)",
     "address": "is not an IPv4 address or DNS name",
     "devices": "is not a device name like CUDA0, MTL0 or Vulkan0",
     "device": "is not a device name like CUDA1, MTL0 or CPU",

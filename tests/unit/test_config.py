@@ -10,6 +10,7 @@ import pytest
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import HfSource, OllamaSource, PathSource
 from meshdeploy.errors import CONFIG, ConfigError
+from meshdeploy.roles.models import hf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -328,7 +329,7 @@ def test_model_resolves_defaults_and_paths(tmp_path, monkeypatch):
     (endpoint,) = cluster.rpc_endpoints(server)
     assert endpoint.target == "10.0.0.2:50052"
     assert cluster.source_hash == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert cluster.huggingface.api_endpoint == "https://huggingface.co"
+    assert hf.hub(cluster).api_endpoint == "https://huggingface.co"
     assert cluster.host("node2").rpc_servers[0].unit_name == "meshdeploy-rpc-50052"
     assert server.unit_name == "meshdeploy-server-s"
 

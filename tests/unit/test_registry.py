@@ -5,6 +5,7 @@ its own lines to `meshdeploy status`."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import subprocess
@@ -319,11 +320,16 @@ def test_a_host_whose_output_cannot_be_read_is_a_row_not_a_lost_host(demo_role, 
 ])
 def test_a_role_section_that_clashes_or_is_no_schema_is_refused(tmp_path, monkeypatch, name,
                                                                  fragment, message):
-    import meshdeploy.roles as package
-
     (tmp_path / name).mkdir()
     (tmp_path / name / "schema.json").write_text(json.dumps(fragment))
-    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    refused_with_roles_in(tmp_path, monkeypatch, message)
+
+
+def refused_with_roles_in(folder, monkeypatch, message: str) -> None:
+    """Loading the lab's file with the role folders under `folder` added fails with `message`."""
+    import meshdeploy.roles as package
+
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(folder)])
     clear_caches()
     try:
         with pytest.raises(MeshdeployError, match=re.escape(message)):
@@ -333,9 +339,38 @@ def test_a_role_section_that_clashes_or_is_no_schema_is_refused(tmp_path, monkey
         clear_caches()
 
 
+@pytest.mark.parametrize("files,message", [
+    ({"zz_one/schema.servers.json": {"type": "object"}},
+     "roles/zz_one/schema.servers.json declares the section 'servers', which the cluster file "
+     "already has"),
+    ({"zz_one/schema.zz_x.json": {"type": "object"}, "zz_two/schema.zz_x.json": {"type": "object"}},
+     "roles/zz_two/schema.zz_x.json declares the section 'zz_x', which "
+     "roles/zz_one/schema.zz_x.json declares too"),
+    ({"zz_one/schema.a.b.json": {"type": "object"}},
+     "roles/zz_one/schema.a.b.json: a role's sections are schema.json and schema.<section>.json"),
+])
+def test_a_second_section_is_refused_where_it_clashes(tmp_path, monkeypatch, files, message):
+    for name, fragment in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(fragment))
+    refused_with_roles_in(tmp_path, monkeypatch, message)
+
+
+def test_the_models_role_owns_the_huggingface_section():
+    where, fragment = schema.role_fragments()["huggingface"]
+    assert where == "roles/models/schema.huggingface.json"
+    assert "huggingface" not in json.loads(
+        (ROOT / "meshdeploy" / "schemas" / "core.schema.json").read_text())["properties"]
+    assert fragment["properties"]["endpoint"]["default"] == "https://huggingface.co"
+
+
 def test_every_role_section_ships_in_the_package():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "schema.json" in data["package-data"]["*"]
+    shipped = data["package-data"]["*"]
+    files = sorted(ROOT.glob("meshdeploy/roles/*/schema*.json"))
+    assert len(files) >= 3  # monitoring, toolchain, models' huggingface
+    for path in files:
+        assert any(fnmatch.fnmatch(path.name, pattern) for pattern in shipped), path
 
 
 def test_a_cycle_between_roles_is_one_error():

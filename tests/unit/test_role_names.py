@@ -30,8 +30,8 @@ LAYERS = ("config", "core", "engine", "execute", "views", "commands", "placement
 
 # (file, what it names) -> how many times. Each entry is a role's setting still read outside it.
 KNOWN = {
-    # config/load.py builds the typed model of every section (Build, LlamaCpp, HuggingFace,
-    # Network): the roles' typed settings are still config/model.py's.
+    # config/load.py builds the typed model of the sections no role owns yet (Build, LlamaCpp,
+    # Network, the models): those roles' typed settings are still config/model.py's.
     ("config/load.py", "llama_cpp"): 1,
     ("config/load.py", "network"): 1,
     ("config/load.py", "models"): 1,

@@ -15,12 +15,36 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote as url_quote
 
 from meshdeploy.config.document import Document
+from meshdeploy.config.load import control_path
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.errors import ConfigError, PlanError
+
+SECTION = "huggingface"  # this role's second section of the cluster file (schema.huggingface.json)
+
+
+@dataclass(frozen=True)
+class Hub:
+    """The `huggingface:` section as the role uses it."""
+
+    endpoint: str  # what hosts download from
+    api_endpoint: str  # what the control machine queries (endpoint when unset)
+    token_file: str | None  # control-machine path, ~ expanded; None = $HF_TOKEN / default file
+    # http:// endpoints a token may travel to in clear text (https ones always may), no "/" at
+    # the end; a token is sent to no other http:// endpoint.
+    trusted_http_endpoints: tuple[str, ...] = ()
+
+
+def hub(cluster) -> Hub:
+    """The cluster's `huggingface:` settings (defaults filled by the schema)."""
+    s = cluster.sections[SECTION]
+    return Hub(endpoint=s["endpoint"], api_endpoint=s["api_endpoint"] or s["endpoint"],
+               token_file=control_path(s["token_file"], cluster.path.parent),
+               trusted_http_endpoints=tuple(e.rstrip("/") for e in s["trusted_http_endpoints"]))
 
 # The Hub's answers are untrusted input: a hostile or compromised mirror must not reach a shell,
 # a path on a host or a file name on the control machine through them.
@@ -44,7 +68,7 @@ def _checked(where: str, endpoint: str, what: str, value, ok: bool):
 
 
 def token(cluster) -> str | None:
-    path = cluster.huggingface.token_file
+    path = hub(cluster).token_file
     if path:
         try:
             return Path(path).read_text().strip() or None
@@ -64,13 +88,14 @@ def token(cluster) -> str | None:
 def trusted(cluster, url: str) -> bool:
     """Whether a token may be sent to `url`: https, or an http endpoint the file lists."""
     return url.startswith("https://") or \
-        url.rstrip("/") in cluster.huggingface.trusted_http_endpoints
+        url.rstrip("/") in hub(cluster).trusted_http_endpoints
 
 
 def endpoints(cluster, src) -> tuple[str, str]:
     """(the control machine's API endpoint, the hosts' download endpoint) of a Hub source."""
-    return (src.endpoint or cluster.huggingface.api_endpoint).rstrip("/"), \
-        (src.endpoint or cluster.huggingface.endpoint).rstrip("/")
+    settings = hub(cluster)
+    return (src.endpoint or settings.api_endpoint).rstrip("/"), \
+        (src.endpoint or settings.endpoint).rstrip("/")
 
 
 def check_trust(cluster, model, auth: str) -> None:
@@ -180,4 +205,4 @@ def resolve(cluster, model, get_token=token) -> HfResolved:
         raise PlanError(f"{where}: the hub's sha256 of {files[0].name} is {files[0].sha256}, "
                         f"the cluster file pins {src.sha256}",
                         hint="the file changed upstream: check it, then update the pin")
-    return HfResolved(src.repo, commit, tuple(files), auth)
+    return HfResolved(src.repo, commit, tuple(files), auth, api_endpoint)

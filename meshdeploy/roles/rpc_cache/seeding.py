@@ -33,11 +33,11 @@ from meshdeploy.placement.tensors import (
 )
 
 
-def header_url(cluster, model) -> str:
-    """The control machine's URL of the model's first file, pinned to the resolved commit."""
+def header_url(model, hf_model) -> str:
+    """The control machine's URL of the model's first file, at the endpoint the models role
+    resolved it on (HfResolved.api), pinned to the resolved commit."""
     src = model.source
-    api = (src.endpoint or cluster.huggingface.api_endpoint).rstrip("/")
-    return f"{api}/{src.repo}/resolve/{{commit}}/{src.files[0]}"
+    return f"{hf_model.api.rstrip('/')}/{src.repo}/resolve/{hf_model.commit}/{src.files[0]}"
 
 
 _CACHE_KEY = re.compile(r"[0-9a-f]{64}")
@@ -94,7 +94,7 @@ def _kept(cache: Path | None, key: str, produce, where: str, hint: str):
 
 
 def _hub_header(cluster, model, hf_model, token, fetch, cache, where):
-    url = header_url(cluster, model).format(commit=hf_model.commit)
+    url = header_url(model, hf_model)
     file = hf_model.files[0]
 
     def produce(dest):
