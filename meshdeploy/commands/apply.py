@@ -11,7 +11,7 @@ from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core.plan import check_fresh, load_plan
-from meshdeploy.engine import state as states
+from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.errors import AbortedError, PlanError
 from meshdeploy.execute.interrupt import InterruptedApply
 from meshdeploy.views import plan as view
@@ -105,10 +105,8 @@ def _apply(args: Args, cluster, saved, limit, addresses, purge, lock) -> int:
     from meshdeploy.engine.planner import config_hash, make_plan
     from meshdeploy.execute.apply import begin
 
-    state = states.load(cluster)
-    state.same_access(cluster, limit)
-    session = common.open_session(cluster, limit, args.accept_new_host_keys,
-                                  state.departed(cluster, purge))
+    state, session = cluster_hosts.open_with_state(cluster, limit, args.accept_new_host_keys,
+                                                   purge)
     try:
         lock.hosts(session)
         started = time.monotonic()
@@ -119,9 +117,7 @@ def _apply(args: Args, cluster, saved, limit, addresses, purge, lock) -> int:
             print(view.render_text(planned.plan, color=common.color()))
         begin(cluster, planned)
         if not planned.plan.has_changes():
-            departed = [h.name for h in session.departed]
-            states.after_apply(state, cluster, session.hosts(),
-                               {h: purge for h in planned.destroyed_hosts(departed)}, True)
+            cluster_hosts.record_apply(state, cluster, session, planned, purge, True)
             if args.json:
                 print(view.render_apply_json(planned.plan, [], time.monotonic() - started))
             elif saved is not None:
@@ -141,10 +137,9 @@ def _apply(args: Args, cluster, saved, limit, addresses, purge, lock) -> int:
             result = "interrupted"
             raise
         finally:
-            departed = [h.name for h in session.departed]
-            states.after_apply(state, cluster, session.hosts(),
-                               {h: purge for h in planned.destroyed_hosts(departed)},
-                               result == "complete", last={"result": result, "steps": rows})
+            cluster_hosts.record_apply(state, cluster, session, planned, purge,
+                                       result == "complete",
+                                       last={"result": result, "steps": rows})
         elapsed = time.monotonic() - started
     finally:
         lock.release_hosts()

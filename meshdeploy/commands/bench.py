@@ -18,6 +18,7 @@ from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import local_address
+from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.engine import sweep, sweep_guard
 from meshdeploy.engine.server_api import (
     N_PREDICT,
@@ -135,7 +136,7 @@ def run(args: Args) -> int:
                         hint=f"servers in the file: {', '.join(names) or 'none'}")
     servers = [s for s in cluster.servers if not args.server or s.name == args.server]
     if args.limit:
-        kept = set(common.limited(cluster, args.limit))
+        kept = set(cluster_hosts.limited(cluster, args.limit))
         servers = [s for s in servers if s.host in kept and (
             not args.sweep or set(sweep.hosts_of(cluster, [s])) <= kept)]
         if not servers:
@@ -211,8 +212,8 @@ def run_sweep(args: Args, cluster, servers, progress) -> int:
     if swept and not args.auto_approve and not common.confirm("bench --sweep"):
         raise AbortedError("bench --sweep cancelled: nothing was stopped")
     with common.Locked(cluster, "bench --sweep") as lock:
-        session = common.open_session(cluster, sweep.hosts_of(cluster, swept),
-                                      args.accept_new_host_keys) if swept else None
+        session = cluster_hosts.open_session(cluster, sweep.hosts_of(cluster, swept),
+                                             args.accept_new_host_keys) if swept else None
         try:
             if session is not None:
                 lock.hosts(session)  # no apply changes these hosts during the sweep

@@ -1,6 +1,6 @@
-"""What several commands share: gevent's patch, the pyinfra session, the cluster's locks, the
-confirmation prompt and an apply with live progress (plan, apply, destroy, status, state), and the
-fabric connections of logs and exec."""
+"""What several commands share: gevent's patch, the cluster's locks, the confirmation prompt and
+an apply with live progress (plan, apply, destroy, status, state), and the fabric connections of
+logs and exec (the pyinfra session and the --limit hosts: engine.hosts)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import sys
 from meshdeploy.engine import locks
 from meshdeploy.errors import AbortedError, PlanError
 from meshdeploy.remote import ssh_settings
-from meshdeploy.remote.session import Session
 from meshdeploy.views import notices
 from meshdeploy.views import plan as plan_view
 from meshdeploy.views.progress import reporter
@@ -31,35 +30,6 @@ def patch_for_gevent() -> None:
 
     if not monkey.is_module_patched("socket"):
         monkey.patch_all()
-
-
-def limited(cluster, limit, departed=()) -> list[str]:
-    """The names of the file's hosts that --limit `limit` keeps (every host without one), in
-    file order; a name that is neither the file's nor a departed host's is one error."""
-    if limit:
-        known = {h.name for h in cluster.hosts} | {h.name for h in departed}
-        unknown = [n for n in limit if n not in known]
-        if unknown:
-            raise PlanError(f"--limit names unknown host(s): {', '.join(unknown)}",
-                            hint="hosts in the file: "
-                                 f"{', '.join(h.name for h in cluster.hosts)}")
-    return [h.name for h in cluster.hosts if not limit or h.name in limit]
-
-
-def open_session(cluster, limit, accept_new_host_keys: bool, departed=(),
-                 tolerate: bool = False) -> Session:
-    """A connected Session to the file's hosts (only `limit`'s, when given) and the departed
-    hosts the state knows that `limit` does not leave out. With `tolerate`, a host that cannot
-    be reached is named in `session.unreachable` instead of failing the whole run (a refused
-    host key still fails it)."""
-    limited(cluster, limit, departed)
-    # A departed host is destroyed unless --limit leaves it out.
-    departed = [h for h in departed if not limit or h.name in limit]
-    session = Session(cluster, limit, accept_new_host_keys=accept_new_host_keys,
-                      departed=departed)
-    session.open()
-    session.connect(tolerate=tolerate)
-    return session
 
 
 def color() -> bool:

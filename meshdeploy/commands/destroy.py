@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
+from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.engine import state as states
 from meshdeploy.errors import AbortedError, PlanError
 from meshdeploy.views import plan as view
@@ -54,10 +55,8 @@ def run(args: Args) -> int:
 def _destroy(args: Args, cluster, lock) -> int:
     from meshdeploy.engine.planner import make_destroy_plan
 
-    state = states.load(cluster)
-    state.same_access(cluster, args.limit)
-    session = common.open_session(cluster, args.limit, args.accept_new_host_keys,
-                                  state.departed(cluster, purge=True))
+    state, session = cluster_hosts.open_with_state(cluster, args.limit,
+                                                   args.accept_new_host_keys, purge=True)
     try:
         lock.hosts(session)
         started = time.monotonic()

@@ -14,6 +14,7 @@ from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import shell
+from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.views.exec_ import HostRun, render_text
 
 NAME = "exec"
@@ -60,7 +61,7 @@ def run(args: Args) -> int:
     from meshdeploy.remote import connections as remote
 
     cluster = load_cluster(args.file)
-    names = common.limited(cluster, args.limit)
+    names = cluster_hosts.limited(cluster, args.limit)
     text = command_text(args.argv)
     rootless = [n for n in names if cluster.host(n).rootless]
     if args.sudo and rootless:

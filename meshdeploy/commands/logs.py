@@ -15,6 +15,7 @@ from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core import registry
+from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.views import completion, notices
 from meshdeploy.views.log_lines import (
     DEFAULT_LINES,
@@ -69,7 +70,7 @@ def run(args: Args) -> int:
     host_names = [h.name for h in cluster.hosts]
     sources = select(registry.log_sources(cluster), host_names, args.targets)
     by_host = {n: [s for s in sources if s.host == n]
-               for n in common.limited(cluster, args.limit)}
+               for n in cluster_hosts.limited(cluster, args.limit)}
     by_host = {n: s for n, s in by_host.items() if s}
     if not by_host and args.limit:
         raise errors.MeshdeployError(f"--limit {','.join(args.limit)} leaves none of the chosen "

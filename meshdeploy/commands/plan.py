@@ -10,7 +10,7 @@ from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
 from meshdeploy.core.plan import save_plan
-from meshdeploy.engine import state as states
+from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.views import plan as view
 
 NAME = "plan"
@@ -51,13 +51,11 @@ def run(args: Args) -> int:
 
     cluster = load_cluster(args.file)
     started = time.monotonic()
-    state = states.load(cluster)
-    state.same_access(cluster, args.limit)
-    departed = state.departed(cluster, args.purge)
     # A host that cannot be reached is left out and named (its warning says what that means
     # for the servers): the plan of the others is still shown, and exits CONNECT.
-    session = common.open_session(cluster, args.limit, args.accept_new_host_keys, departed,
-                                  tolerate=True)
+    _, session = cluster_hosts.open_with_state(cluster, args.limit,
+                                               args.accept_new_host_keys, args.purge,
+                                               tolerate=True)
     session.leave_out_unreachable()
     try:
         planned = make_plan(session, args.replace or (), args.purge, args.target or ())

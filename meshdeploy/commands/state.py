@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.config.load import load_cluster
+from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.engine import state as states
 from meshdeploy.views import state as view
 
@@ -43,7 +44,7 @@ def run(args: Args) -> int:
         print(view.render_json(states.load(cluster).to_dict()))
         return errors.OK
     with common.Locked(cluster, "state rebuild", args.lock_timeout) as lock:
-        session = common.open_session(cluster, None, args.accept_new_host_keys)
+        session = cluster_hosts.open_session(cluster, None, args.accept_new_host_keys)
         try:
             lock.hosts(session)
             planned = make_destroy_plan(session, purge=True)

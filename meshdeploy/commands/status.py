@@ -13,6 +13,7 @@ from meshdeploy.config.load import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, local_address
 from meshdeploy.core import registry, rpc_hello, shell
 from meshdeploy.core.paths import llama_cpp_paths
+from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.engine import server_api
 from meshdeploy.remote import reasons
 from meshdeploy.views import status as view
@@ -52,8 +53,8 @@ def run(args: Args) -> int:
     common.patch_for_gevent()
     cluster = load_cluster(args.file)
     # A host that cannot be reached is a row of its own; the others are still asked.
-    session = common.open_session(cluster, args.limit, args.accept_new_host_keys,
-                                  tolerate=True)
+    session = cluster_hosts.open_session(cluster, args.limit, args.accept_new_host_keys,
+                                         tolerate=True)
     try:
         rows = collect(session, args.window)
         servers = [s.name for s in session.cluster.servers

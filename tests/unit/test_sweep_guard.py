@@ -33,6 +33,7 @@ from test_bench_sweep import (  # noqa: F401 (fakes: a fixture)
 
 from meshdeploy.commands import bench, common
 from meshdeploy.config.load import load_cluster
+from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.engine import server_api, speeds, sweep, sweep_guard
 from meshdeploy.errors import terminal_text
 from meshdeploy.placement import layout
@@ -194,7 +195,7 @@ def test_the_sweep_holds_every_host_lock_of_its_servers_throughout(tmp_path, mon
     def open_session(cluster, limit, accept):
         events.append(("session", tuple(limit)))
         return session
-    monkeypatch.setattr(common, "open_session", open_session)
+    monkeypatch.setattr(cluster_hosts, "open_session", open_session)
     monkeypatch.setattr(common.Locked, "hosts",
                         lambda self, s: events.append("hosts locked") if s is session else None)
     monkeypatch.setattr(common.Locked, "release_hosts",
