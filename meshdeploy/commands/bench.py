@@ -129,6 +129,7 @@ def bench_server(cluster, server, settings: SshSettings, runs: int, n_predict: i
 
 def run(args: Args) -> int:
     common.patch_for_gevent()
+    common.interrupts_in_main_greenlet()
     cluster = load_cluster(args.file)
     names = [s.name for s in cluster.servers]
     if args.server and args.server not in names:

@@ -32,6 +32,22 @@ def patch_for_gevent() -> None:
         monkey.patch_all()
 
 
+def interrupts_in_main_greenlet() -> None:
+    """Ctrl-C raised in the command's own (main) greenlet, never in whichever greenlet runs
+    when it comes: a plain SIGINT handler raises KeyboardInterrupt where the interpreter is, and
+    under gevent's patch that may be paramiko's transport "thread" (a greenlet), which then dies
+    and leaves every later use of its connection waiting for ever (bench's clean-up of its local
+    copy hung so). gevent runs this handler from its hub, between greenlets. For the patched
+    commands that reach hosts and end on Ctrl-C (bench); apply and destroy have their own
+    (execute.interrupt)."""
+    import signal
+
+    import gevent
+
+    main = gevent.getcurrent()
+    gevent.signal_handler(signal.SIGINT, lambda: main.throw(KeyboardInterrupt()))
+
+
 def color() -> bool:
     """Colour on a terminal, unless NO_COLOR is set to anything but "" (no-color.org; also what
     --no-color sets)."""
