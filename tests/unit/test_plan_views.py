@@ -23,6 +23,7 @@ from meshdeploy.core.context import Resolved
 from meshdeploy.core.plan import AttrDiff, Change, Plan, TransferRow, load_plan, save_plan
 from meshdeploy.errors import PlanError
 from meshdeploy.placement import layout
+from meshdeploy.roles.models import hf
 from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.roles.services.rtt import network as rtt_network
 from meshdeploy.views.plan import render_json, render_text
@@ -53,8 +54,10 @@ def built_plan(scenario: str) -> Plan:
     inventory, facts = SCENARIOS[scenario]
     facts = copy.deepcopy(facts)
     cluster = load_cluster(ROOT / "inventories" / f"{inventory}.yaml")
+    # Resolved on the endpoint the models role would ask (HfResolved.api), as hf.resolve records.
     resolved = Resolved(models={
-        name: HfResolved(m.source.repo, "c" * 40, (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),))
+        name: HfResolved(m.source.repo, "c" * 40, (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),),
+                         api=hf.endpoints(cluster, m.source)[0])
         for i, (name, m) in enumerate(cluster.models.items())})
     seed_plan = seeding.prepare(cluster, cluster.hosts, facts, resolved)
     for server in cluster.servers:  # RTT as the orchestrator's probe reports it (microseconds)

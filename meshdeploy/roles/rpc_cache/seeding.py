@@ -37,6 +37,9 @@ def header_url(model, hf_model) -> str:
     """The control machine's URL of the model's first file, at the endpoint the models role
     resolved it on (HfResolved.api), pinned to the resolved commit."""
     src = model.source
+    if not hf_model.api.startswith(("http://", "https://")):
+        raise PlanError(f"models.{model.name}: resolved without an http(s) endpoint "
+                        f"({hf_model.api!r}); its header cannot be read")
     return f"{hf_model.api.rstrip('/')}/{src.repo}/resolve/{hf_model.commit}/{src.files[0]}"
 
 
