@@ -62,8 +62,12 @@ def role_fragments() -> dict[str, tuple[str, dict]]:
     named exceptions (pyproject.toml).
     """
     out: dict[str, tuple[str, dict]] = {}
+    read: set[Path] = set()
     for folder in meshdeploy.roles.__path__:
         for path in sorted(Path(folder).glob("*/schema*.json")):
+            if path.resolve() in read:  # one folder on the package path twice
+                continue
+            read.add(path.resolve())
             where = f"roles/{path.parent.name}/{path.name}"
             section = path.parent.name if path.name == "schema.json" else \
                 path.name[len("schema."):-len(".json")]
