@@ -40,11 +40,17 @@ class Hub:
 
 
 def hub(cluster) -> Hub:
-    """The cluster's `huggingface:` settings (defaults filled by the schema)."""
-    s = cluster.sections[SECTION]
-    return Hub(endpoint=s["endpoint"], api_endpoint=s["api_endpoint"] or s["endpoint"],
-               token_file=control_path(s["token_file"], cluster.path.parent),
-               trusted_http_endpoints=tuple(e.rstrip("/") for e in s["trusted_http_endpoints"]))
+    """The cluster's `huggingface:` settings (defaults filled by the schema), made once per
+    Cluster (Cluster.derived): every model's resolution and trust check reads them."""
+    def make() -> Hub:
+        s = cluster.sections[SECTION]
+        return Hub(endpoint=s["endpoint"], api_endpoint=s["api_endpoint"] or s["endpoint"],
+                   token_file=control_path(s["token_file"], cluster.path.parent),
+                   trusted_http_endpoints=tuple(e.rstrip("/")
+                                                for e in s["trusted_http_endpoints"]))
+
+    return cluster.derived(SECTION, make)
+
 
 # The Hub's answers are untrusted input: a hostile or compromised mirror must not reach a shell,
 # a path on a host or a file name on the control machine through them.
