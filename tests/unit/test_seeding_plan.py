@@ -27,13 +27,14 @@ from meshdeploy.roles.rpc_cache import seeding
 
 ROOT = Path(__file__).resolve().parents[2]
 SHA = "ab" * 32
+HUB = "https://huggingface.co"
 
 
 def prepared(path: str, facts: dict, header: Header):
     cluster = load_cluster(ROOT / path)
     resolved = Resolved(models={
         "gemma27": HfResolved("unsloth/gemma-3-27b-it-GGUF", "c" * 40,
-                              (HfFile("gemma-3-27b-it-Q4_K_M.gguf", 16_546_688_000, SHA, "u"),))})
+                              (HfFile("gemma-3-27b-it-Q4_K_M.gguf", 16_546_688_000, SHA, "u"),), api=HUB)})
     fetched = []
 
     def fetch(url, size, token=None):
@@ -83,7 +84,7 @@ def test_auto_split_without_memory_facts_is_refused(tmp_path):
     path = tmp_path / "auto.yaml"
     path.write_text(text.replace("tensor_split: [11, 16]", "tensor_split: auto"))
     cluster = load_cluster(path)
-    resolved = Resolved(models={"gemma27": HfResolved("r", "c" * 40, (HfFile("f", 1, SHA, "u"),))})
+    resolved = Resolved(models={"gemma27": HfResolved("r", "c" * 40, (HfFile("f", 1, SHA, "u"),), api=HUB)})
     import meshdeploy.roles.rpc_cache.seeding as mod
     original = mod.read_header
     mod.read_header = lambda _path: gemma27_header()
@@ -112,7 +113,7 @@ def test_header_cache_spares_the_next_plan_a_fetch(tmp_path):
         for _ in range(2):
             resolved = Resolved(models={"gemma27": HfResolved(
                 "unsloth/gemma-3-27b-it-GGUF", "c" * 40,
-                (HfFile("gemma-3-27b-it-Q4_K_M.gguf", 16_546_688_000, SHA, "u"),))})
+                (HfFile("gemma-3-27b-it-Q4_K_M.gguf", 16_546_688_000, SHA, "u"),), api=HUB)})
             planned = seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
                             fetch=fetch, header_cache=tmp_path)
             assert planned.layouts
