@@ -118,6 +118,21 @@ def check_hosts(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
             except ValueError:
                 issues.append(doc.issue(hpath + ("address",),
                                         f"'{address}' is not a valid IPv4 address"))
+        if host.vulkan_visible and host.backend != "vulkan":
+            issues.append(doc.issue(
+                hpath + ("vulkan_visible_devices",),
+                f"is read only on a vulkan host; host {name} is {host.backend}",
+                f"set hosts.{name}.backend to vulkan, or remove vulkan_visible_devices"))
+        elif host.vulkan_visible:
+            beyond = [dev for dev in host.devices if dev.startswith("Vulkan")
+                      and dev[6:].isdigit() and int(dev[6:]) >= len(host.vulkan_visible)]
+            if beyond:
+                issues.append(doc.issue(
+                    hpath + ("devices",),
+                    f"names {', '.join(beyond)}, but vulkan_visible_devices makes only "
+                    f"{len(host.vulkan_visible)} Vulkan device(s) visible",
+                    "Vulkan<i> is the i-th index of vulkan_visible_devices: list one index "
+                    "for each device, or remove the devices (they follow from the list)"))
         devices = host.devices
         claimed: list[tuple[set[str], int]] = []
         for i, rpc in enumerate(host.rpc_servers):

@@ -132,7 +132,13 @@ def resolve_bind(host: dict, rpc: dict, rule: str, transport: str = "plain") -> 
 
 
 def host_devices(host: dict) -> tuple[str, ...]:
-    return tuple(host["devices"]) or DEFAULT_DEVICES[host["backend"]]
+    """The file's devices, else the backend's default; a vulkan host that names its visible
+    devices has one Vulkan<i> for each of them."""
+    if host["devices"]:
+        return tuple(host["devices"])
+    if host["backend"] == "vulkan" and host["vulkan_visible_devices"]:
+        return tuple(f"Vulkan{i}" for i in range(len(host["vulkan_visible_devices"])))
+    return DEFAULT_DEVICES[host["backend"]]
 
 
 def rpc_refs(data: dict, server: dict) -> tuple[str, ...] | None:
@@ -181,6 +187,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                           connection=h["connection"], rootless=h["rootless"],
                           unprotected=h["unprotected"],
                           keep_free=int(h["keep_free_gb"] * 1e9),
+                          vulkan_visible=tuple(h["vulkan_visible_devices"]),
                           layout=None if h["rootless"] else system_layout(lc["prefix"])))
     models = {name: Model(name, model_source(m)) for name, m in data["models"].items()}
     servers = tuple(

@@ -221,6 +221,9 @@ class Host:
     unprotected: bool = False
     # Bytes of each of its devices that placement: auto leaves free (hosts.NAME.keep_free_gb).
     keep_free: int = 0
+    # hosts.NAME.vulkan_visible_devices: vulkaninfo's GPU indices that become Vulkan0, Vulkan1,
+    # ... (GGML_VK_VISIBLE_DEVICES); () = ggml-vulkan's own choice of devices.
+    vulkan_visible: tuple[int, ...] = ()
     # Where meshdeploy keeps its things on the host; a rootless host's is known once its
     # account is read (core.account.layout), until then None.
     layout: Layout | None = None

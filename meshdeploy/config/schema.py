@@ -210,18 +210,19 @@ def is_number(checker: Any, value: Any) -> bool:
 
 
 def unique_strings(validator: Any, unique: bool, instance: Any, schema: dict):
-    """uniqueItems in linear time: every such list here holds strings, and any other item
-    already fails `items` (jsonschema's own check is quadratic on unhashable items)."""
+    """uniqueItems in linear time: every such list here holds strings or integers, and any
+    other item already fails `items` (jsonschema's own check is quadratic on unhashable items)."""
     if not unique or not validator.is_type(instance, "array"):
         return
     if first_repeat(instance) is not None:
         yield jsonschema.ValidationError(f"{instance!r} has non-unique elements")
 
 
-def first_repeat(values: list) -> str | None:
-    seen: set[str] = set()
+def first_repeat(values: list) -> str | int | None:
+    seen: set = set()
     for value in values:
-        if isinstance(value, str):
+        # type(): True is not the integer 1 here (items refuses booleans in integer lists).
+        if type(value) in (str, int):
             if value in seen:
                 return value
             seen.add(value)

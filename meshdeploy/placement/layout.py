@@ -43,7 +43,7 @@ class Layout:
 
 def _memory(device_memory: dict, host, device: str):
     return device_free(device_memory.get(host.name),
-                       host.backend, device)
+                       host.backend, device, host.vulkan_visible)
 
 
 def _short(fit, memory, margin: int) -> bool:

@@ -35,12 +35,15 @@ class DeviceFree:
     estimated: bool  # not read but derived by a rule that may be off (Metal without a wired limit)
 
 
-def device_free(mem: dict | None, backend: str, device: str) -> DeviceFree | None:
+def device_free(mem: dict | None, backend: str, device: str,
+                vulkan_visible: tuple[int, ...] = ()) -> DeviceFree | None:
     """Free memory of `device` on a host with `backend`, from the decoded DeviceMemory fact.
 
     + mem: the rpc_cache.DeviceMemory value of the host (None when not probed)
     + backend: the host's backend (cpu, cuda, metal, vulkan, rocm)
     + device: llama.cpp's device name (CPU, CUDA0, ROCm1, Vulkan0, MTL0)
+    + vulkan_visible: the host's vulkan_visible_devices: Vulkan<i> is vulkaninfo's GPU
+      vulkan_visible[i] (every device's memory, "vulkan_all"), not ggml's own i-th choice
 
     ```python
     device_free({"cpu": {"total": 68719476736, "available": 60129542144,
@@ -74,6 +77,9 @@ def device_free(mem: dict | None, backend: str, device: str) -> DeviceFree | Non
         index = device[len(prefix):]
         if device.startswith(prefix) and index.isdigit() and backend == key:
             gpus = mem.get(key) or []
+            if key == "vulkan" and vulkan_visible:
+                every = mem.get("vulkan_all") or []
+                gpus = [every[i] if i < len(every) else None for i in vulkan_visible]
             gpu = gpus[int(index)] if int(index) < len(gpus) else None
             if not gpu:
                 return None
@@ -101,7 +107,7 @@ def metal_working_set(memsize: int | None, wired_limit: int | None) -> tuple[int
 
 
 def vulkan_devices(records: list[list[str]]) -> list[dict | None]:
-    """The devices ggml-vulkan would number Vulkan0, Vulkan1, ... with their memory.
+    """The devices ggml-vulkan would number Vulkan0, Vulkan1, ... on its own, with their memory.
 
     `records` are the filtered vulkaninfo lines without their "vk" word:
     ["gpu", "0"], ["type", "PHYSICAL_DEVICE_TYPE_DISCRETE_GPU"], ["uuid", "<uuid>"], ["heap"],
@@ -112,6 +118,25 @@ def vulkan_devices(records: list[list[str]]) -> list[dict | None]:
     A selected device whose heaps did not arrive (vulkaninfo cut short) stays as None, so the
     indices of the others do not shift.
     """
+    gpus = _vulkan_gpus(records)
+    chosen, seen = [], set()
+    for gpu in gpus:
+        kind = _device_type(gpu["type"])
+        if kind in ("discrete", "integrated") and (gpu["uuid"] is None or gpu["uuid"] not in seen):
+            chosen.append(gpu)
+            seen.add(gpu["uuid"])
+    if not chosen:
+        chosen = [g for g in gpus if _device_type(g["type"]) in ("virtual", "other")][:1]
+    return [_vulkan_memory(gpu) for gpu in chosen]
+
+
+def vulkan_every_device(records: list[list[str]]) -> list[dict | None]:
+    """Every device vulkaninfo lists (GPU0, GPU1, ...), CPU drivers such as lavapipe included,
+    with its memory: what GGML_VK_VISIBLE_DEVICES indexes (hosts.NAME.vulkan_visible_devices)."""
+    return [_vulkan_memory(gpu) for gpu in _vulkan_gpus(records)]
+
+
+def _vulkan_gpus(records: list[list[str]]) -> list[dict]:
     gpus: list[dict] = []
     heap = None
     for words in records:
@@ -131,15 +156,7 @@ def vulkan_devices(records: list[list[str]]) -> list[dict | None]:
             heap[kind] = int(words[1])
         elif heap is not None and kind == "local":
             heap["local"] = True
-    chosen, seen = [], set()
-    for gpu in gpus:
-        kind = _device_type(gpu["type"])
-        if kind in ("discrete", "integrated") and (gpu["uuid"] is None or gpu["uuid"] not in seen):
-            chosen.append(gpu)
-            seen.add(gpu["uuid"])
-    if not chosen:
-        chosen = [g for g in gpus if _device_type(g["type"]) in ("virtual", "other")][:1]
-    return [_vulkan_memory(gpu) for gpu in chosen]
+    return gpus
 
 
 def _device_type(text: str | None) -> str | None:

@@ -183,6 +183,28 @@ def test_server_port_collides_with_rpc_server(tmp_path):
                      "hosts.node2.rpc_servers[0]")
 
 
+def test_vulkan_visible_devices_only_on_a_vulkan_host(tmp_path):
+    body = HOSTS.replace("    rpc_servers:", "    vulkan_visible_devices: [0]\n    rpc_servers:")
+    (issue,) = issues(tmp_path, body)
+    assert issue == ("9:5: hosts.node2.vulkan_visible_devices: is read only on a vulkan host; "
+                     "host node2 is cpu")
+
+
+def test_vulkan_visible_devices_name_the_hosts_devices(tmp_path):
+    body = HOSTS.replace("    rpc_servers:",
+                         "    backend: vulkan\n    vulkan_visible_devices: [2, 0]\n"
+                         "    rpc_servers:")
+    host = load_cluster(write(tmp_path, body)).host("node2")
+    assert host.devices == ("Vulkan0", "Vulkan1") and host.vulkan_visible == (2, 0)
+    (issue,) = issues(tmp_path, body.replace("[2, 0]", "[2, 2]"))
+    assert issue.startswith("10:5: hosts.node2.vulkan_visible_devices: ")
+    more = body.replace("[2, 0]", "[2]").replace("    rpc_servers:",
+                                                 "    devices: [Vulkan0, Vulkan1]\n    rpc_servers:")
+    (issue,) = issues(tmp_path, more)
+    assert issue.startswith("11:5: hosts.node2.devices: names Vulkan1, but vulkan_visible_devices "
+                            "makes only 1 Vulkan device(s) visible")
+
+
 def test_two_rpc_servers_with_all_devices_conflict(tmp_path):
     (issue,) = issues(tmp_path, HOSTS + "      - port: 50053\n")
     assert issue.startswith("11:9: hosts.node2.rpc_servers[1].device: shares device CPU with "

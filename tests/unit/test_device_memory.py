@@ -15,7 +15,8 @@ from support.require import needs
 
 from meshdeploy.roles.rpc_cache.facts import DeviceMemory
 from meshdeploy.placement.memory import (GiB, MiB, DeviceFree, device_free,
-                                               metal_working_set, vulkan_devices)
+                                               metal_working_set, vulkan_devices,
+                                               vulkan_every_device)
 
 LINUX = {"cpu": {"total": 64 * GiB, "available": 50 * GiB, "source": "/proc/meminfo"},
          "cuda": [{"total": 24 * GiB, "free": 23 * GiB}, None,
@@ -146,6 +147,22 @@ def test_cpu_devices_are_skipped_and_virtual_ones_only_stand_in():
     assert vulkan_devices(llvmpipe + virtio)[0]["type"] == "virtual"
     assert vulkan_devices(virtio + gpu("DISCRETE_GPU", "d", (8 * GiB, None, None, True))) == \
         [{"total": 8 * GiB, "free": 8 * GiB, "budget": False, "type": "discrete"}]
+
+
+def test_visible_devices_index_every_device_lavapipe_included():
+    # A host with a discrete GPU after Mesa's lavapipe (GPU0), as vulkaninfo lists them.
+    llvmpipe = gpu("CPU", "cpu", (24 * GiB, 23 * GiB, 1 * GiB, True))
+    card = gpu("DISCRETE_GPU", "d", (8 * GiB, None, None, True))
+    records = llvmpipe + card
+    mem = {"vulkan": vulkan_devices(records), "vulkan_all": vulkan_every_device(records)}
+    # ggml on its own: the card is Vulkan0 and lavapipe is never used.
+    assert device_free(mem, "vulkan", "Vulkan0").split == 8 * GiB
+    assert device_free(mem, "vulkan", "Vulkan1") is None
+    # GGML_VK_VISIBLE_DEVICES=0,1: lavapipe is Vulkan0, the card Vulkan1.
+    assert device_free(mem, "vulkan", "Vulkan0", (0, 1)).split == 22 * GiB
+    assert device_free(mem, "vulkan", "Vulkan1", (0, 1)).split == 8 * GiB
+    # An index vulkaninfo did not list has no memory, and does not borrow another's.
+    assert device_free(mem, "vulkan", "Vulkan0", (5,)) is None
 
 
 def test_overused_heap_has_nothing_free_and_zero_budget_means_no_extension():

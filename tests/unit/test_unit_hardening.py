@@ -17,6 +17,7 @@ from meshdeploy.config.load import load_cluster
 from meshdeploy.core import share
 from meshdeploy.roles.rpc_cache.operations import seed_properties
 from meshdeploy.roles.services import operations as services
+from meshdeploy.roles.services.facts import Groups
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ["-m", "--model", "--host", "--port", "--rpc", "-ngl", "-ts", "-c", "-lm", "--api-key-file"]
@@ -93,6 +94,45 @@ def test_backend_device_lines():
     assert "DeviceAllow=char-drm rw\n" in vulkan and "PrivateDevices" not in vulkan
     cpu = render("inventories/lab.yaml", "node2", "rpc-server")
     assert "PrivateDevices=yes\nMemoryDenyWriteExecute=yes\n" in cpu
+
+
+def test_vulkan_visible_devices_reach_both_units_of_the_host(tmp_path):
+    text = (ROOT / "tests/data/vulkan-rocm.yaml").read_text().replace(
+        "    backend: vulkan\n", "    backend: vulkan\n    vulkan_visible_devices: [1, 0]\n")
+    text = text.replace("    host: rocm-box\n", "    host: vulkan-box\n    rpc: none\n"
+                        "    port: 8081\n").replace("tensor_split: [0.5, 0.5]",
+                                                    "tensor_split: [0.5, 0.5]\n    n_gpu_layers: 99")
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    cluster = load_cluster(path)
+    host = cluster.host("vulkan-box")
+    rpc = services.rpc_unit(cluster, host, host.rpc_servers[0], "/opt/b", "ggml-rpc-server")
+    server = services.server_unit(cluster, host, cluster.servers[0], "/opt/b", FLAGS, None)
+    for unit in (rpc, server):
+        assert "Environment=GGML_VK_VISIBLE_DEVICES=1,0\n" in unit, unit
+    assert "GGML_VK" not in render("tests/data/vulkan-rocm.yaml", "vulkan-box", "rpc-server")
+
+
+def test_gpu_groups_are_only_those_the_host_has():
+    cluster = load_cluster(ROOT / "tests/data/vulkan-rocm.yaml")
+    host = cluster.host("vulkan-box")
+
+    def unit(groups):
+        return services.rpc_unit(cluster, host, host.rpc_servers[0], "/opt/b", "ggml-rpc-server",
+                                 groups=groups)
+    assert "SupplementaryGroups=render video\n" in unit(None)  # not probed: what devices need
+    # A Debian host without udev has no "render" group: naming it fails the start (216/GROUP).
+    assert "SupplementaryGroups=video\n" in unit(["video"])
+    assert "SupplementaryGroups" not in unit([])
+
+
+@needs("getent")
+def test_groups_fact_reads_the_hosts_group_database():
+    fact = Groups()
+    names = ("root", "no-such-group-md")
+    done = subprocess.run(["sh", "-c", fact.command(names)], capture_output=True, text=True)
+    assert done.returncode == 0
+    assert fact.process(done.stdout.splitlines()) == ["root"]
 
 
 def test_ip_allow_lists_the_peers():

@@ -7,7 +7,7 @@ import re
 from pyinfra.api import FactBase
 
 from meshdeploy.core import probe, shell
-from meshdeploy.placement.memory import metal_working_set, vulkan_devices
+from meshdeploy.placement.memory import metal_working_set, vulkan_devices, vulkan_every_device
 from meshdeploy.roles.rpc_cache import defaults as d
 
 HEX16 = re.compile(r"\A[0-9a-f]{16}\Z")
@@ -208,6 +208,7 @@ class DeviceMemory(FactBase):
      "rocm": [{"total": 25753026560, "free": 25726590976}],       # rocm-smi: total - used
      "vulkan": [{"total": 25769803776, "free": 25012305920,       # vulkaninfo, the devices
                  "budget": True, "type": "discrete"}],            # ggml-vulkan numbers
+     "vulkan_all": [{"total": 25769803776, ...}],   # every device, vulkaninfo's GPU<n> order
      "metal": {"total": 11453246122, "free": 11453246122, "estimated": True}}   # sysctl
     ```
     A GPU list holds None where a device's row was unreadable, so later indices keep their
@@ -290,7 +291,7 @@ class DeviceMemory(FactBase):
             if "page" in mac and "free" in mac and "inactive" in mac:
                 cpu["available"] = (mac["free"] + mac["inactive"]) * mac["page"]
                 cpu["source"] = "sysctl hw.memsize, vm_stat"
-        vulkan = vulkan_devices(vk)
+        vulkan, vulkan_all = vulkan_devices(vk), vulkan_every_device(vk)
         metal = None
         # Intel Macs run Metal on a discrete GPU whose working set no sysctl tells.
         if mac.get("hw.optional.arm64") == 1:
@@ -300,9 +301,11 @@ class DeviceMemory(FactBase):
             if working_set:
                 metal = {"total": working_set[0], "free": working_set[0],
                          "estimated": working_set[1]}
-        if not cpu and not any(cuda) and not any(rocm) and not any(vulkan) and metal is None:
+        if not cpu and not any(cuda) and not any(rocm) and not any(vulkan_all) \
+                and metal is None:
             return None
-        return {"cpu": cpu or None, "cuda": cuda, "rocm": rocm, "vulkan": vulkan, "metal": metal}
+        return {"cpu": cpu or None, "cuda": cuda, "rocm": rocm, "vulkan": vulkan,
+                "vulkan_all": vulkan_all, "metal": metal}
 
 
 class Stored(probe.Stored):

@@ -30,6 +30,15 @@ LEGACY_LOAD_MODE = {
 }
 
 
+def device_env(host: Host) -> dict:
+    """What the host's llama.cpp processes need in their environment to see the devices the
+    file gives them: GGML_VK_VISIBLE_DEVICES on a vulkan host that names its devices (without
+    it ggml-vulkan picks its own, and never a driver that runs on the CPU)."""
+    if host.backend == "vulkan" and host.vulkan_visible:
+        return {"GGML_VK_VISIBLE_DEVICES": ",".join(str(i) for i in host.vulkan_visible)}
+    return {}
+
+
 def rpc_server_argv(binary: str, host: Host, rpc: RpcServer,
                     cache_dir: str) -> tuple[list[str], dict]:
     """argv and environment of one rpc-server.
@@ -43,7 +52,7 @@ def rpc_server_argv(binary: str, host: Host, rpc: RpcServer,
         argv += ["-d", rpc.device]
     if rpc.threads:
         argv += ["-t", str(rpc.threads)]
-    env = {}
+    env = device_env(host)
     if rpc.cache:
         argv.append("-c")
         env["LLAMA_CACHE"] = cache_dir

@@ -304,6 +304,27 @@ class RunitTools(FactBase):
         return {"sh": None, "svlogd": None, "python3": None}
 
 
+class Groups(FactBase):
+    """Which of the groups a GPU backend's services join (services_gpu_groups) exist on the host:
+    SupplementaryGroups= naming a group that does not exist stops the unit from starting
+    (status=216/GROUP), and "render" only exists where udev made it.
+
+    ```python
+    ["render", "video"]
+    ```
+    """
+
+    def command(self, names):
+        return "getent group " + " ".join(shell.quote(n) for n in names) + " | cut -d: -f1; true"
+
+    def process(self, output):
+        return sorted({line.strip() for line in output if line.strip()})
+
+    @staticmethod
+    def default():
+        return []
+
+
 class UserNamespaces(FactBase):
     """Whether the login user may make a user namespace (systemd --user hosts only): a user
     manager builds a unit's file-system sandbox (ProtectHome=, ProtectSystem=, PrivateTmp=, ...)

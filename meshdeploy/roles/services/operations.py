@@ -19,6 +19,7 @@ from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
 from meshdeploy.roles.services import failover, rootless
 from meshdeploy.roles.services.facts import (
+    Groups,
     KeyFile,
     RpcClients,
     Rtt,
@@ -68,6 +69,9 @@ def _python(ctx, mgr) -> str:
     return d.services_failover_python
 
 
+GROUPS = "services.Groups"  # the GPU groups that exist on a system host (SupplementaryGroups=)
+
+
 def sections(cluster, host) -> list[Section]:
     layout = host.layout
     if layout is not None and layout.rootless:
@@ -79,6 +83,9 @@ def sections(cluster, host) -> list[Section]:
             out.append(Section(rootless.USERNS, UserNamespaces))
     else:
         out = [Section("services.Units", Units)]
+        wanted = d.services_gpu_groups.get(host.backend)
+        if wanted:
+            out.append(Section(GROUPS, Groups, {"names": tuple(wanted.split())}))
     for server in (s for s in cluster.servers if s.host == host.name and s.api_key_file):
         if host.rootless:
             out.append(Section(f"services.KeyFile[{server.name}]", KeyFile,
@@ -282,7 +289,8 @@ def rpc_server(ctx: HostContext, port: int) -> Step:
                               exposed=exposed(ctx.cluster, ctx.host), bind=rpc.bind,
                               port=int(port), writable=[cache] if rpc.cache else [])
     else:
-        want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"])
+        want = rpc_unit(ctx.cluster, ctx.host, rpc, build_dir, manifest["rpc_binary"],
+                        groups=ctx.fact(GROUPS))
     step, restarted = _unit_step(ctx, resource, unit, want)
     if restarted:
         if ctx.host.rootless and rpc.cache:
@@ -381,7 +389,7 @@ def llama_server(ctx: HostContext, name: str) -> Step:
             argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", ctx.cluster, server,
                                            model_path(ctx.cluster, server.model, ctx.host),
                                            frozenset(flags) if flags else None)
-        env = {"MESHDEPLOY_MODEL_SHA256": sha} if sha else {}
+        env = argvs.device_env(ctx.host) | ({"MESHDEPLOY_MODEL_SHA256": sha} if sha else {})
     if isinstance(mgr, Launchd):
         want = launchd_plist(unit, argv, env, d.services_launchd_log_dir)
     elif isinstance(mgr, (SystemdUser, Runit)):
@@ -396,7 +404,8 @@ def llama_server(ctx: HostContext, name: str) -> Step:
                               writable=(ctx.host.layout.run,) if script else ())
     else:
         want = server_unit(ctx.cluster, ctx.host, supervised_as if script else server,
-                           build_dir, manifest.get("flags"), sha, runs, script)
+                           build_dir, manifest.get("flags"), sha, runs, script,
+                           groups=ctx.fact(GROUPS))
     step, restarted = _unit_step(ctx, resource, unit, want, reason)
     if script is not None and step.commands:
         # The unit names the script by its content: written before the unit that runs it.

@@ -37,9 +37,13 @@ def _env_lines(env: dict, setting: str) -> str:
     return "".join(env_line(k, v, setting) for k, v in sorted(env.items()))
 
 
-def _groups(host) -> str:
-    groups = d.services_gpu_groups.get(host.backend)
-    return f"SupplementaryGroups={groups}\n" if groups else ""
+def _groups(host, present=None) -> str:
+    """SupplementaryGroups= of the host's backend; with `present` (the services.Groups fact)
+    only the groups that exist there: a missing one keeps the unit from starting."""
+    groups = (d.services_gpu_groups.get(host.backend) or "").split()
+    if present is not None:
+        groups = [g for g in groups if g in present]
+    return f"SupplementaryGroups={' '.join(groups)}\n" if groups else ""
 
 
 def _sandbox(host) -> str:
@@ -95,7 +99,9 @@ def _after_tunnel(cluster, needed: bool) -> str:
     return ordered_after(cluster.network.wireguard.unit, "network.wireguard.interface")
 
 
-def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
+def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str, groups=None) -> str:
+    """+ groups: the GPU groups that exist on the host (services.Groups); None: not known, every
+      group the backend's devices need"""
     where = f"hosts.{host.name}.rpc_servers[{rpc.port}]"
     cache_name = unit_name(rpc.unit_name, where)
     argv, env = argvs.rpc_server_argv(f"{build_dir}/bin/{rpc_binary}", host, rpc,
@@ -109,7 +115,7 @@ def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str) -> str:
                    bind=line_value(rpc.bind, f"{where}.bind"), port=int(rpc.port),
                    exec_start=exec_line(argv, f"{where} (ExecStart)"),
                    environment=_env_lines(env, f"{where} (Environment)"),
-                   cache_name=line_value(cache_name, where), groups=_groups(host),
+                   cache_name=line_value(cache_name, where), groups=_groups(host, groups),
                    tunnel=_after_tunnel(cluster, rpc.bind == cluster.source_address(host)),
                    warning=warning, sandbox=_sandbox(host), firewall=_rpc_firewall(
                        cluster, host, rpc, f"{where} (IPAddressAllow)"))
@@ -147,9 +153,9 @@ def after_forwards(cluster, host) -> str:
 
 
 def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | None,
-                runs=(), script: str | None = None) -> str:
+                runs=(), script: str | None = None, groups=None) -> str:
     """llama-server's systemd unit; with runs and script (the md-failover it runs), md-failover
-    in its place (roles/services/README.md, "Failover")."""
+    in its place (roles/services/README.md, "Failover"). groups: as rpc_unit's."""
     where = f"servers.{server.name}"
     api_key = server.api_key_file
     credentials = ""
@@ -166,7 +172,7 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
         argv = argvs.llama_server_argv(f"{build_dir}/bin/llama-server", cluster, server,
                                        model_path(cluster, server.model, host),
                                        frozenset(flags) if flags else None)
-    env = {"MESHDEPLOY_MODEL_SHA256": model_sha} if model_sha else {}
+    env = argvs.device_env(host) | ({"MESHDEPLOY_MODEL_SHA256": model_sha} if model_sha else {})
     return _render("llama-server.service",
                    failover=failover_lines(None if script is None else server.unit_name),
                    cluster=comment_value(cluster.name, "cluster"),
@@ -174,7 +180,8 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
                    bind=line_value(server.bind, f"{where}.bind"), port=int(server.port),
                    exec_start=exec_line(argv, f"{where} (ExecStart)"),
                    environment=_env_lines(env, f"{where} (Environment)"),
-                   credentials=credentials, groups=_groups(host), sandbox=_sandbox(host),
+                   credentials=credentials, groups=_groups(host, groups),
+                   sandbox=_sandbox(host),
                    tunnel=_after_tunnel(cluster, any(e.host.name != server.host
                                                      for e in cluster.rpc_endpoints(server)))
                    + after_forwards(cluster, host),
