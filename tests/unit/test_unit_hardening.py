@@ -17,6 +17,7 @@ from meshdeploy.config.load import load_cluster
 from meshdeploy.core import share
 from meshdeploy.roles.rpc_cache.operations import seed_properties
 from meshdeploy.roles.services import operations as services
+from meshdeploy.roles.services import unit_files
 from meshdeploy.roles.services.facts import Groups
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,6 +111,9 @@ def test_vulkan_visible_devices_reach_both_units_of_the_host(tmp_path):
     server = services.server_unit(cluster, host, cluster.servers[0], "/opt/b", FLAGS, None)
     for unit in (rpc, server):
         assert "Environment=GGML_VK_VISIBLE_DEVICES=1,0\n" in unit, unit
+    # bench's copies of the server see the same devices.
+    assert "Environment=GGML_VK_VISIBLE_DEVICES=1,0" in unit_files.server_sandbox(
+        cluster, host, cluster.servers[0])
     assert "GGML_VK" not in render("tests/data/vulkan-rocm.yaml", "vulkan-box", "rpc-server")
 
 

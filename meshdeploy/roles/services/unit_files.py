@@ -188,19 +188,19 @@ def server_unit(cluster, host, server, build_dir: str, flags, model_sha: str | N
                    firewall=_server_firewall(cluster, server, f"{where} (IPAddressAllow)"))
 
 
-# [Service] settings of llama-server's unit that a copy of it does not take: its command, its
-# environment and its restart policy (a copy runs once, for a measurement).
-# Nor md-failover's runtime folder (named after the unit: a copy that ended would remove the
-# running server's state file with it).
-_NOT_SANDBOX = frozenset({"Type", "ExecStart", "Environment", "Restart", "RestartSec",
-                          "RuntimeDirectory"})
+# [Service] settings of llama-server's unit that a copy of it does not take: its command and its
+# restart policy (a copy runs once, for a measurement). Its environment is rendered without the
+# model's digest, so what is left of it is the devices' (GGML_VK_VISIBLE_DEVICES): the copy sees
+# the server's devices. Nor md-failover's runtime folder (named after the unit: a copy that
+# ended would remove the running server's state file with it).
+_NOT_SANDBOX = frozenset({"Type", "ExecStart", "Restart", "RestartSec", "RuntimeDirectory"})
 
 
 def server_sandbox(cluster, host, server) -> list[str]:
     """The sandbox of llama-server `server`'s systemd unit as systemd-run properties: every
-    [Service] setting of server_unit but its command, environment and restart policy (the
-    user, groups, credential, device and IP rules, system call filters). bench --compare-local
-    and --sweep run copies of the server in it."""
+    [Service] setting of server_unit but its command and restart policy (the user, groups,
+    credential, device environment, device and IP rules, system call filters). bench
+    --compare-local and --sweep run copies of the server in it."""
     text = server_unit(cluster, host, server, "/nonexistent", None, None)
     service = text.split("\n[Service]\n", 1)[1].split("\n[", 1)[0]
     out = []
