@@ -37,7 +37,7 @@ def facts_of(host, manager="apt", termux=False):
                                    "distro": "fedora" if manager == "dnf" else "debian",
                                    "version": "13", "tools": tools, "termux": termux,
                                    "cmake_version": (3, 31, 6)},
-            "toolchain.DebPackages": {}, "toolchain.AptComponents": ["main", "non-free"],
+            "toolchain.DebPackages": {}, "toolchain.AptComponents": ["main", "contrib", "non-free"],
             "llama_cpp.Libc": "glibc 2.41", "llama_cpp.Builds": {"current": None, "builds": {}},
             **DEVICE_FACTS.get(host.backend, {})}
 

@@ -14,6 +14,7 @@ from meshdeploy.roles.services import defaults as d
 TEMPLATES = Path(__file__).parent / "templates"
 
 _MODE = re.compile(r"[0-7]{1,6}")  # stat's %a / %Lp: octal digits only
+_GROUP = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # a group name as useradd(8) accepts one
 _LOG_MARK = "@@log"
 _OWNED = " ".join(f'"$D"/{d.services_unit_prefix}{kind}*' for kind in d.services_unit_kinds)
 
@@ -318,7 +319,8 @@ class Groups(FactBase):
         return "getent group " + " ".join(shell.quote(n) for n in names) + " | cut -d: -f1; true"
 
     def process(self, output):
-        return sorted({line.strip() for line in output if line.strip()})
+        # Only what a group name can be; services.unit_files keeps only the names it asked for.
+        return sorted({line.strip() for line in output if _GROUP.fullmatch(line.strip())})
 
     @staticmethod
     def default():

@@ -15,7 +15,7 @@ toolchain_ccache_package = "ccache"
 # (lavapipe on a CPU, RADV, ANV) and vulkaninfo. Debian/Ubuntu as the docs name them; Fedora's
 # names (spirv-headers-devel per the same docs); Termux's from termux-packages (vulkan-loader-
 # android wraps the phone's own libvulkan, glslc comes with shaderc).
-# CUDA: Debian's and Ubuntu's toolkit (Debian: non-free, Ubuntu: multiverse); elsewhere the
+# CUDA: Debian's and Ubuntu's toolkit (Debian: contrib and non-free, Ubuntu: multiverse); elsewhere the
 # toolkit comes from NVIDIA and must be there (toolchain's preflight). ROCm: Debian's HIP
 # compiler and BLAS libraries and rocminfo (rocm_agent_enumerator); llama.cpp's preflight
 # refuses a HIP older than the pinned tree needs.
@@ -37,8 +37,11 @@ toolchain_backend_tool = {"vulkan": "glslc"}
 toolchain_apt_copier_backend = {"vulkan": ("libvulkan1", "mesa-vulkan-drivers"),
                                 "cuda": ("nvidia-cuda-toolkit",),
                                 "rocm": ("hipcc", "libhipblas-dev", "librocblas-dev")}
-# The apt component each distribution keeps its CUDA toolkit in (Debian's wiki, Ubuntu's archive).
-toolchain_cuda_component = {"debian": "non-free", "ubuntu": "multiverse"}
+# The apt components each distribution's CUDA toolkit needs (Debian's wiki, Ubuntu's archive).
+# Debian: nvidia-cuda-toolkit is in non-free, and what it pulls in (nvidia-cuda-dev needs
+# libcuda1, which needs nvidia-support and glx-alternative-nvidia) in contrib: with non-free
+# alone apt finds no solution (seen on Debian 13).
+toolchain_cuda_components = {"debian": ("contrib", "non-free"), "ubuntu": ("multiverse",)}
 # A toolkit already on PATH (NVIDIA's or AMD's own installer) stands for the distribution's.
 toolchain_toolkit_tools = {"nvidia-cuda-toolkit": "nvcc", "hipcc": "hipcc"}
 

@@ -145,16 +145,19 @@ def refuse_cuda_toolkit(ctx: HostContext, platform: dict) -> None:
     enabled, as a user of that distribution enables it; anywhere else the toolkit comes from
     NVIDIA."""
     host = ctx.host.name
-    component = d.toolchain_cuda_component.get(platform.get("distro") or "")
-    if package_manager(platform) != "apt" or ctx.host.rootless or component is None:
+    components = d.toolchain_cuda_components.get(platform.get("distro") or "")
+    if package_manager(platform) != "apt" or ctx.host.rootless or components is None:
         raise PlanError(f"host {host} has backend cuda but no nvcc on PATH",
                         hint="install the CUDA toolkit (and the NVIDIA driver) on it, "
                              "or choose another backend")
-    if component not in (ctx.fact("toolchain.AptComponents") or []):
+    enabled = ctx.fact("toolchain.AptComponents") or []
+    missing = [c for c in components if c not in enabled]
+    if missing:
+        need, lack = " and ".join(components), " and ".join(missing)
         raise PlanError(f"host {host} has backend cuda and no nvcc; its distribution's "
-                        f"nvidia-cuda-toolkit is in the {component} component, which its apt "
-                        "sources do not enable",
-                        hint=f"add {component} to the Components: line of "
+                        f"nvidia-cuda-toolkit needs the {need} components, and its apt "
+                        f"sources do not enable {lack}",
+                        hint=f"add {' '.join(missing)} to the Components: line of "
                              "/etc/apt/sources.list.d/*.sources (or to the deb lines of "
                              "/etc/apt/sources.list) on it, then plan again")
 
