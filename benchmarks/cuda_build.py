@@ -10,8 +10,8 @@ Lab `mdcu`: one Debian 13 host from the plain base, `backend: cuda` with
 `llama_cpp.build.cuda_architectures: [ARCH]` (no driver answers nvidia-smi there, so the file
 says what to compile for). `apply -target=node1/llama_cpp.build` installs the toolchain (the
 toolkit from Debian's contrib and non-free components, which the script enables as a user
-would) and compiles; nothing
-else is started. Exits 1 when a step fails. docs/gpu.md says how to run the result on a GPU.
+would) and compiles; nothing else is started. Exits 1 when a step fails. docs/gpu.md says how
+to run the result on a GPU.
 """
 
 from __future__ import annotations
