@@ -194,6 +194,30 @@ def test_a_shared_build_whose_rpath_points_into_the_build_tree_is_not_installed(
     assert not (tmp_path / "builds" / "k").exists()
 
 
+def test_an_rpath_to_a_system_library_folder_is_kept_and_any_other_refused(tmp_path):
+    """A CUDA build on Debian: cmake names the folder of the NVIDIA driver's libcuda.so.1
+    (/usr/lib/x86_64-linux-gnu/nvidia/current), root's on every host. A user's folder, or one
+    that climbs out of /usr/lib, would let whoever owns it choose the copy's libraries."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "part.c").write_text("int part(void) { return 1; }\n")
+    commit = tiny_tree(tmp_path / "src", SHARED_TREE)
+    system = "/usr/lib/x86_64-linux-gnu/nvidia/current"
+    done = run_build(tmp_path, commit, ["-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
+                                        f"-DCMAKE_BUILD_RPATH={system}"])
+    assert done.returncode == 0, done.stderr
+    binary = tmp_path / "builds" / "k" / "bin" / "llama-server"
+    assert system in subprocess.run(["readelf", "-d", str(binary)], capture_output=True,
+                                    text=True).stdout
+    for other in ("/home/u/lib", "/usr/lib/../../home/u/lib"):
+        shutil.rmtree(tmp_path / "tree")
+        shutil.rmtree(tmp_path / "builds")
+        done = run_build(tmp_path, commit, ["-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
+                                            f"-DCMAKE_BUILD_RPATH={other}"], force=True)
+        assert done.returncode == 1 and "is not $ORIGIN or a system library folder" in \
+            done.stderr, (other, done.stderr)
+        assert not (tmp_path / "builds" / "k").exists()
+
+
 def dispatch_facts(cpu: str, machine="x86_64"):
     return {**platform(machine=machine), "llama_cpp.Libc": "glibc 2.36", "llama_cpp.CpuFlags": cpu,
             "llama_cpp.Builds": {"current": None, "builds": {}}}

@@ -60,10 +60,14 @@ for f in "$TREE/bin/"*.so "$TREE/bin/"*.so.*; do
 done
 for f in "$OUT.tmp/bin/"*; do
   P=$(readelf -d "$f" 2>/dev/null | sed -n 's/.*(R\(UN\)\{0,1\}PATH).*\[\(.*\)\]$/\2/p')
-  # Entries other than $ORIGIN (cmake writes "$ORIGIN:", an empty entry after it) are refused.
+  # $ORIGIN (cmake writes "$ORIGIN:", an empty entry after it) and the system's own library
+  # folders (root's on every host; Debian's NVIDIA driver keeps libcuda.so.1 in
+  # /usr/lib/<triplet>/nvidia/current, and cmake names that folder for a CUDA build) are kept;
+  # any other entry (the build tree, a user's folder) is refused.
   # shellcheck disable=SC2016 # $ORIGIN: the loader's word, matched as it is written
-  Q=$(printf '%s' "$P" | sed 's/\$ORIGIN//g; s/://g')
-  if [ -n "$Q" ]; then echo "$f: RPATH $P is not \$ORIGIN: the copy would not find its libraries" >&2; exit 1; fi
+  Q=$(printf '%s\n' "$P" | tr ':' '\n' | awk '$0 != "" && $0 != "$ORIGIN" && \
+    ($0 !~ /^\/(usr\/)?lib(64)?(\/[A-Za-z0-9_.+-]+)*\/?$/ || $0 ~ /\.\./)')
+  if [ -n "$Q" ]; then echo "$f: RPATH $P is not \$ORIGIN or a system library folder: the copy would not find its libraries" >&2; exit 1; fi
 done
 # Binaries must run before they can become current.
 if [ -x "$OUT.tmp/bin/llama-server" ]; then "$OUT.tmp/bin/llama-server" --help > "$OUT.tmp/llama-server.help" 2>&1; fi
