@@ -246,3 +246,23 @@ def test_fetch_false_keeps_a_whole_copy_on_the_worker(tmp_path):
     fetching = load_cluster(ROOT / "inventories" / "two-cuda-11-16.yaml")
     assert [tuple(f) for f in distribution.tensor_fetches(fetching)] == [("gemma27", "box16", "box11")]
     assert list(distribution.shares(fetching, fetching.host("box16"))) == ["gemma27"]
+
+
+def test_a_new_vulkan_host_is_told_why_its_memory_is_unknown(tmp_path):
+    """A new vulkan host gets vulkaninfo with the Vulkan packages of its first apply: until
+    then no plan can read its memory, and the note says so and what to do."""
+    text = (ROOT / "tests/data/vulkan-rocm.yaml").read_text()
+    path = tmp_path / "vk.yaml"
+    path.write_text(text.replace("    tensor_split: [0.5, 0.5]\n", ""))
+    cluster = load_cluster(path)
+
+    def notes(tools):
+        facts = {h.name: {"toolchain.Platform": {"kernel": "Linux", "tools": tools}}
+                 for h in cluster.hosts}
+        planned = seeding.prepare(cluster, cluster.hosts, facts, Resolved())
+        (note,) = [n for n in planned.notes if "is unknown" in n]
+        return note
+    assert notes(["cmake"]).endswith(
+        "placement not checked (vulkaninfo is not on vulkan-box yet: apply installs it with the "
+        "Vulkan packages, and the plan after that apply reads the memory; apply again then)")
+    assert notes(["cmake", "vulkaninfo"]).endswith("placement not checked")

@@ -240,7 +240,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
             if unknown:
                 notes.append(f"servers.{server.name}: free memory of {', '.join(unknown)} is "
                              "unknown, so llama.cpp's auto split cannot be predicted; placement "
-                             "not checked")
+                             "not checked" + _without_vulkaninfo(cluster, involved, facts))
                 continue
         try:
             header, content, note = _source(cluster, server, model, resolved, facts, names, fetch,
@@ -290,6 +290,18 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
     return SeedPlan({k: tuple(v) for k, v in seeds.items()}, tuple(layouts), tuple(notes),
                     shared, {lay.server: lay.split for lay in layouts if lay.split}, runs,
                     {s: {k: n for k, n in e.items() if n} for s, e in extra.items()})
+
+
+def _without_vulkaninfo(cluster, hosts, facts: dict) -> str:
+    """What the note adds where a vulkan host has no vulkaninfo yet: a new host gets it with the
+    Vulkan packages of this apply, so only the plan after it can place by memory."""
+    lacking = sorted(h for h in hosts if cluster.host(h).backend == "vulkan" and "vulkaninfo"
+                     not in (((facts.get(h) or {}).get("toolchain.Platform") or {})
+                             .get("tools") or ()))
+    if not lacking:
+        return ""
+    return (f" (vulkaninfo is not on {', '.join(lacking)} yet: apply installs it with the Vulkan "
+            "packages, and the plan after that apply reads the memory; apply again then)")
 
 
 def _held(models: list) -> int:
