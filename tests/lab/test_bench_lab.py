@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from support.cli import meshdeploy
+from support.cli import as_at_a_terminal, meshdeploy
 from test_cluster import variant
 from test_secrets import ssh
 
@@ -129,7 +129,8 @@ def test_ctrl_c_stops_the_local_copy(first, bn_lab, cluster_file):
     info, _ = bn_lab
     proc = subprocess.Popen([sys.executable, "-m", "meshdeploy", "bench", str(cluster_file),
                              "--runs", "3", "--compare-local"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            preexec_fn=as_at_a_terminal)
     seen = []
     deadline = time.monotonic() + 300
     for line in proc.stderr:

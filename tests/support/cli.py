@@ -12,6 +12,18 @@ import time
 from pathlib import Path
 
 
+def as_at_a_terminal() -> None:
+    """preexec_fn for a command a test interrupts with SIGINT as Ctrl-C would: SIGINT and
+    SIGQUIT back to their defaults. A test run started in the background by a shell without job
+    control (`.ci/run &`) inherits them ignored, exec keeps them ignored, and Python then
+    installs no KeyboardInterrupt handler: `logs -f` never saw the Ctrl-C (it hung in every such
+    run, and exited in 0.5 s with the defaults)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def meshdeploy(*args, timeout: float = 3600, env: dict | None = None,
                cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """`python -m meshdeploy ARGS` with no terminal on stdin; `env` replaces the environment
