@@ -61,9 +61,9 @@ done
 for f in "$OUT.tmp/bin/"*; do
   P=$(readelf -d "$f" 2>/dev/null | sed -n 's/.*(R\(UN\)\{0,1\}PATH).*\[\(.*\)\]$/\2/p')
   # $ORIGIN (cmake writes "$ORIGIN:", an empty entry after it) and the system's own library
-  # folders (root's on every host; Debian's NVIDIA driver keeps libcuda.so.1 in
-  # /usr/lib/<triplet>/nvidia/current, and cmake names that folder for a CUDA build) are kept;
-  # any other entry (the build tree, a user's folder) is refused.
+  # folders (root's on every host; Debian's NVIDIA driver keeps libcuda.so.1 in the nvidia
+  # folder of the system's library folder, and cmake names it for a CUDA build) are kept; any
+  # other entry (the build tree, a user's folder) is refused.
   # shellcheck disable=SC2016 # $ORIGIN: the loader's word, matched as it is written
   Q=$(printf '%s\n' "$P" | tr ':' '\n' | awk '$0 != "" && $0 != "$ORIGIN" && \
     ($0 !~ /^\/(usr\/)?lib(64)?(\/[A-Za-z0-9_.+-]+)*\/?$/ || $0 ~ /\.\./)')
