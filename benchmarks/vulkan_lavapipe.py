@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+from labrun import failed, meshdeploy, on_lab  # noqa: E402
 from support.labfile import lab_text, write_lab_file  # noqa: E402
 
 from meshdeploy.lab import Lab  # noqa: E402
@@ -48,20 +49,6 @@ NODE3 = """  node3:
 """
 
 
-def meshdeploy(*args: str) -> subprocess.CompletedProcess:
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "meshdeploy", *args], capture_output=True,
-                          text=True, stdin=subprocess.DEVNULL)
-    print(f"\n$ meshdeploy {' '.join(args)}  -> {done.returncode} in "
-          f"{time.monotonic() - started:.0f} s", flush=True)
-    return done
-
-
-def fail(what: str, done: subprocess.CompletedProcess) -> None:
-    print(done.stdout[-6000:], done.stderr[-4000:], sep="\n")
-    sys.exit(f"vulkan_lavapipe: {what} failed")
-
-
 def cluster_text(info) -> str:
     text = lab_text(info)
     start, end = text.index("  node3:\n"), text.index("\nmodels:\n")
@@ -74,14 +61,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
     args = parser.parse_args()
     handle = Lab(name=NAME, hosts=3, suites={"node3": "trixie"})
-    started = time.monotonic()
-    info = handle.up()
-    print(f"lab {NAME} up in {time.monotonic() - started:.0f} s", flush=True)
-    try:
-        return run(info)
-    finally:
-        if not args.keep:
-            handle.down()
+    return on_lab(handle, run, args.keep)
 
 
 def run(info) -> int:
@@ -89,12 +69,12 @@ def run(info) -> int:
     path = str(write_lab_file(info, work, text=cluster_text(info)))
     plan = meshdeploy("plan", path)
     if plan.returncode not in (0, 2):
-        fail("plan", plan)
+        failed("vulkan_lavapipe", "plan", plan)
     print("\n".join(line for line in plan.stdout.splitlines()
                     if "node3" in line or "device" in line.lower()))
     applied = meshdeploy("apply", path, "--auto-approve")
     if applied.returncode:
-        fail("apply", applied)
+        failed("vulkan_lavapipe", "apply", applied)
     for line in applied.stdout.splitlines():
         if re.search(r"\b(ok|changed) \([0-9.]+ s\)", line) and \
                 re.search(r"build|copy|packages|server|rpc", line):
@@ -104,7 +84,7 @@ def run(info) -> int:
         # the second apply places by memory and starts md-failover, as the plan said.
         again = meshdeploy("apply", path, "--auto-approve")
         if again.returncode:
-            fail("the second apply", again)
+            failed("vulkan_lavapipe", "the second apply", again)
         print("\n".join(line for line in again.stdout.splitlines()
                         if re.search(r"\b(ok|changed) \([0-9.]+ s\)|Vulkan0", line)))
     print("vulkaninfo on node3:")
@@ -126,11 +106,11 @@ def run(info) -> int:
     again = meshdeploy("plan", path)
     print(again.stdout[-600:])
     if NO_CHANGES not in again.stdout:
-        fail("the next plan", again)
+        failed("vulkan_lavapipe", "the next plan", again)
     compare(info, path)
     gone = meshdeploy("destroy", path, "--auto-approve")
     if gone.returncode:
-        fail("destroy", gone)
+        failed("vulkan_lavapipe", "destroy", gone)
     print("vulkan_lavapipe: every step passed")
     return 0
 

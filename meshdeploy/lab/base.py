@@ -20,7 +20,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from meshdeploy.lab.errors import INSTALL_HINT, LabError, check_hosts
+from meshdeploy.lab import arches
+from meshdeploy.lab.errors import INSTALL_HINT, LabError, per_host
 
 SUITE = "bookworm"  # the release of a host whose lab names none
 # The releases a lab host can run, all from the same mirror, and the packages a release does not
@@ -70,6 +71,30 @@ USER_SERVICES_SETUP = r"""
 ln -sf /dev/null /etc/systemd/system/runit.service
 ln -sf /dev/null /etc/systemd/system/user@0.service
 """
+
+# A root of another architecture runs under qemu-user (lab/arches.py), where systemd cannot set
+# up a unit's credentials ("Failed to set up credentials: Invalid argument", status
+# 243/CREDENTIALS: seen with systemd 252 under QEMU 7.2): the units that load some (the
+# optional first-boot, sysctl and tmpfiles ones) would fail at every boot and leave the host
+# degraded. Their LoadCredential= lines are emptied by a drop-in. And qemu-user carries
+# netlink's routing protocol alone: no netfilter (nft: "Unable to initialize Netlink socket:
+# Protocol not supported") and no sock_diag (ss falls back to /proc/net/tcp, which has no
+# cgroup ids: meshdeploy's port-owner check refuses to go on without them). So such a host's
+# nft, ip and ss are the machine's own architecture's (Debian's multiarch: nftables and
+# iproute2 for amd64, which the kernel runs natively). Nothing else changes: units start
+# sandboxed as on a real arm64 host, and every other binary is arm64.
+EMULATED_SETUP = r"""
+for unit in $(grep -l '^LoadCredential=' /lib/systemd/system/*.service); do
+  mkdir -p "/etc/systemd/system/${unit##*/}.d"
+  printf '[Service]\nLoadCredential=\n' > "/etc/systemd/system/${unit##*/}.d/lab-emulated.conf"
+done
+dpkg --add-architecture {native}
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    nftables:{native} iproute2:{native}
+apt-get clean
+rm -rf /var/lib/apt/lists/*
+""".replace("{native}", arches.NATIVE)
 
 # Runs inside the fresh root (chroot). Host identity (ssh host keys, machine-id) is removed so
 # every host generates its own on first boot; keys for users are added per host, not here.
@@ -139,20 +164,16 @@ def check_suite(suite: str) -> str:
 def resolve_suites(chosen: dict[str, str] | None, host_names: list[str]) -> dict[str, str]:
     """The Debian release of every host (SUITE unless `chosen` names it), checked: known
     releases and hosts of the lab only."""
-    chosen = dict(chosen or {})
-    check_hosts(chosen, host_names, "host releases")
-    for host, suite in sorted(chosen.items()):
-        try:
-            check_suite(suite)
-        except LabError as exc:
-            raise LabError(f"{host}: {exc}") from None
-    return {h: chosen.get(h, SUITE) for h in host_names}
+    return per_host(chosen, host_names, "host releases", check_suite, SUITE)
 
 
-def recipe(toolchain: bool = False, user_services: bool = False, suite: str = SUITE) -> dict:
+def recipe(toolchain: bool = False, user_services: bool = False, suite: str = SUITE,
+           arch: str = arches.NATIVE) -> dict:
     """+ toolchain: with TOOLCHAIN
     + user_services: with TOOLCHAIN and USER_SERVICES (the hosts of lab/kinds.py)
     + suite: the Debian release (SUITES); bookworm's recipes are those from before suites
+    + arch: the Debian architecture (lab/arches.py); the machine's own recipes are those from
+      before architectures
     """
     missing = MISSING.get(check_suite(suite), ())
     packages = [p for p in PACKAGES if p not in missing]
@@ -160,13 +181,17 @@ def recipe(toolchain: bool = False, user_services: bool = False, suite: str = SU
         packages += TOOLCHAIN
     if user_services:
         packages += USER_SERVICES
-    return {
+    spec = {
         "suite": suite,
         "mirror": MIRROR,
         "variant": VARIANT,
         "packages": packages,
         "setup": setup_script(suite) + (USER_SERVICES_SETUP if user_services else ""),
     }
+    if arches.check_arch(arch) != arches.NATIVE:
+        spec["arch"] = arch
+        spec["setup"] += EMULATED_SETUP
+    return spec
 
 
 def setup_script(suite: str = SUITE) -> str:
@@ -185,15 +210,16 @@ def base_dir(root: Path | None = None, spec: dict | None = None) -> Path:
 
 
 def ensure_base(root: Path | None = None, log=print, toolchain: bool = False,
-                user_services: bool = False, suite: str = SUITE) -> Path:
+                user_services: bool = False, suite: str = SUITE,
+                arch: str = arches.NATIVE) -> Path:
     """Return the rootfs of the cached base, debootstrapping it first when the recipe is new
-    (`toolchain`, `user_services`, `suite`: see recipe()).
+    (`toolchain`, `user_services`, `suite`, `arch`: see recipe()).
 
     The build happens in a temporary directory renamed into place only when complete, so an
     interrupted build never leaves a base that looks usable.
     """
     root = root or cache_root()
-    spec = recipe(toolchain, user_services, suite)
+    spec = recipe(toolchain, user_services, suite, arch)
     final = base_dir(root, spec)
     rootfs = final / "rootfs"
     if (final / "complete").exists():
@@ -205,6 +231,7 @@ def ensure_base(root: Path | None = None, log=print, toolchain: bool = False,
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / "complete").exists():
             return rootfs
+        arches.ensure(arch)  # debootstrap's second stage runs the new root's binaries
         _build(final, spec, log)
     return rootfs
 
@@ -220,9 +247,12 @@ def _build(final: Path, spec: dict, log) -> None:
     tmp_rootfs = tmp / "rootfs"
     tmp_rootfs.mkdir(parents=True)
     started = time.monotonic()
-    log(f"building lab base {final.name} (debootstrap {spec['suite']}, once per recipe)")
+    arch = spec.get("arch")
+    log(f"building lab base {final.name} (debootstrap {spec['suite']}"
+        f"{' ' + arch if arch else ''}, once per recipe)")
     argv = [
         "debootstrap",
+        *([f"--arch={arch}"] if arch else []),
         f"--variant={VARIANT}",
         f"--include={','.join(spec['packages'])}",
         spec["suite"],

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from meshdeploy.lab import base, kinds
+from meshdeploy.lab import arches, base, kinds
 from meshdeploy.lab.core import DEFAULT_NAME, Lab
 from meshdeploy.lab.errors import LabError
 
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--suite", action="append", default=[], metavar="HOST=RELEASE",
                     help="boot HOST from Debian RELEASE, one of " + ", ".join(base.SUITES) +
                     f" (default: {base.SUITE}); repeatable")
+    up.add_argument("--arch", action="append", default=[], metavar="HOST=ARCH",
+                    help="boot HOST from Debian for ARCH, one of " + ", ".join(arches.ARCHES) +
+                    f" (default: {arches.NATIVE}; others run under qemu-user, which "
+                    "qemu-user-static brings); repeatable")
     sub.add_parser("down", parents=[common], help="stop the lab and remove every trace of it")
     st = sub.add_parser("status", parents=[common], help="show the lab's hosts")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             lab = Lab(args.name, hosts=args.hosts, state_dir=args.state_dir,
                       mirrors=not args.no_mirrors, log=_err, rogue=args.rogue,
                       toolchain=args.toolchain, kinds=kinds.parse(args.kind),
-                      suites=kinds.parse(args.suite, "--suite", "bullseye"))
+                      suites=kinds.parse(args.suite, "--suite", "bullseye"),
+                      arches=kinds.parse(args.arch, "--arch", "arm64"))
             started = time.monotonic()
             info = lab.up()
             print(f"lab {info.name}: {len(info.hosts)} hosts up in "
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {h.name}: {h.kind} (user {h.user}, port {h.port}, no sudo)")
                 if h.suite != base.SUITE:
                     print(f"  {h.name}: Debian {base.SUITES[h.suite]} ({h.suite})")
+                if h.arch != arches.NATIVE:
+                    print(f"  {h.name}: {h.arch} (under qemu-user)")
             print(f"  ssh -F {info.ssh['config']} node1")
             print(f"  description: {info.state_dir}/lab.json")
             return 0

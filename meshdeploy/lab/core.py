@@ -10,6 +10,9 @@ node2 and node3 hosts whose login user has no root (lab/kinds.py); node1 stays a
 `Lab(hosts=3, suites={"node2": "bullseye", "node3": "trixie"})` boots node2 from Debian 11,
 node3 from Debian 13 and node1 from Debian 12 (lab/base.py: one cached base per release).
 
+`Lab(hosts=3, arches={"node3": "arm64"})` boots node3 from an arm64 Debian under qemu-user
+(lab/arches.py: one cached base per release and architecture).
+
 Everything `down` removes is found again from names (`<lab>`, `<lab>-<host>` namespaces), the
 state directory (mounts below it, processes marked with it), never from this process's memory,
 so it cleans up after a crashed or interrupted `up` just as well.
@@ -29,6 +32,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from meshdeploy.lab import arches as host_arches
 from meshdeploy.lab import base, hosts, net, procs, services
 from meshdeploy.lab import kinds as host_kinds
 from meshdeploy.lab.errors import INSTALL_HINT, LabError
@@ -52,6 +56,7 @@ class LabHost:
     user: str = "deploy"  # who the lab's key logs in as (the ssh_config's User)
     port: int = 22  # where the host's sshd listens (the ssh_config's Port)
     suite: str = base.SUITE  # its Debian release (lab/base.py SUITES)
+    arch: str = host_arches.NATIVE  # its Debian architecture (lab/arches.py ARCHES)
 
 
 @dataclasses.dataclass
@@ -122,7 +127,7 @@ class Lab:
     def __init__(self, name: str = DEFAULT_NAME, hosts: int = 3,
                  state_dir: str | Path | None = None, mirrors: bool = True, log=print,
                  rogue: int = 0, toolchain: bool = False, kinds: dict[str, str] | None = None,
-                 suites: dict[str, str] | None = None):
+                 suites: dict[str, str] | None = None, arches: dict[str, str] | None = None):
         """+ hosts: node1..nodeN, the hosts cluster files describe
         + rogue: that many more hosts after them (nodeN+1...), recorded in LabInfo.rogue
         + toolchain: hosts start with the build tools installed (base.TOOLCHAIN), as a
@@ -131,6 +136,8 @@ class Lab:
           does not name are root hosts; kinds other than root need toolchain=True
         + suites: host name -> Debian release (base.SUITES: bullseye, bookworm, trixie); hosts
           it does not name run bookworm
+        + arches: host name -> Debian architecture (arches.ARCHES: amd64, arm64); hosts it
+          does not name run the machine's own (amd64)
         """
         self.name = net.check_name(name)
         if rogue < 0:
@@ -145,6 +152,7 @@ class Lab:
         self.kinds = host_kinds.resolve(kinds, self.host_names, toolchain)
         self.user_services = host_kinds.user_services(self.kinds)
         self.suites = base.resolve_suites(suites, self.host_names)
+        self.arches = host_arches.resolve(arches, self.host_names)
         self.log = log
         self.marker = str(self.state_dir)
         self.run_dir = self.state_dir / "run"
@@ -176,6 +184,8 @@ class Lab:
         self._ensure_key(self.key)
         self._ensure_key(self.admin_key)
         rootfs = self._bases()
+        for arch in sorted(set(self.arches.values())):
+            host_arches.ensure(arch)  # registered again after the machine's reboot
         self._same_base(self._base_hash())
         self._same_kinds()
         cache = base.cache_root()
@@ -204,10 +214,11 @@ class Lab:
                 # Left by a crashed or interrupted run: start this host from a clean root.
                 self._remove_hosts([ns])
             net.ensure_host_netns(self.name, h)
-            hosts.prepare(self.state_dir, h, rootfs[self.suites[h]], self.host_names, pubkey,
+            hosts.prepare(self.state_dir, h, rootfs[self._root_of(h)], self.host_names, pubkey,
                           self.kinds[h], admin_pubkey)
             hosts.boot(self.name, self.state_dir, h, ccache, self.marker)
-        wait = timeout or 60 + 4 * len(self.host_names)
+        emulated = sum(a != host_arches.NATIVE for a in self.arches.values())
+        wait = timeout or 60 + 4 * len(self.host_names) + host_arches.BOOT_EXTRA * emulated
         hosts.wait_ready(self.state_dir, self.host_names, self.ssh_config, self.marker, wait,
                          self.admin_key)
 
@@ -217,7 +228,7 @@ class Lab:
             bridge_address=net.BRIDGE_ADDRESS,
             hosts=[LabHost(h, net.host_address(h), net.host_netns(self.name, h), self.kinds[h],
                            host_kinds.KINDS[self.kinds[h]].user,
-                           host_kinds.KINDS[self.kinds[h]].port, self.suites[h])
+                           host_kinds.KINDS[self.kinds[h]].port, self.suites[h], self.arches[h])
                    for h in self.host_names],
             ssh={"user": "deploy", "key": str(self.key), "config": str(self.ssh_config),
                  "admin_key": str(self.admin_key)},
@@ -230,31 +241,38 @@ class Lab:
         tmp.replace(self.state_dir / "lab.json")
         return info
 
-    def _bases(self) -> dict[str, Path]:
-        """The root of each release the hosts run (suite -> rootfs), each debootstrapped once
-        and cached. New ones are built side by side: debootstrap mostly waits on the mirror
-        and dpkg (measured: bullseye and trixie 117 s together, against 96 + 117 s in turn)."""
-        suites = sorted(set(self.suites.values()))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(suites)) as pool:
-            built = {suite: pool.submit(base.ensure_base, log=self.log, suite=suite,
-                                        toolchain=self.toolchain,
-                                        user_services=self.user_services)
-                     for suite in suites}
-        return {suite: future.result() for suite, future in built.items()}
+    def _root_of(self, host: str) -> tuple[str, str]:
+        return self.suites[host], self.arches[host]
+
+    def _bases(self) -> dict[tuple[str, str], Path]:
+        """The root of each release and architecture the hosts run ((suite, arch) -> rootfs),
+        each debootstrapped once and cached. New ones are built side by side: debootstrap
+        mostly waits on the mirror and dpkg (measured: bullseye and trixie 117 s together,
+        against 96 + 117 s in turn)."""
+        roots = sorted({self._root_of(h) for h in self.host_names})
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(roots)) as pool:
+            built = {(suite, arch): pool.submit(base.ensure_base, log=self.log, suite=suite,
+                                                toolchain=self.toolchain,
+                                                user_services=self.user_services, arch=arch)
+                     for suite, arch in roots}
+        return {root: future.result() for root, future in built.items()}
 
     def _base_hash(self) -> str:
         return base.recipe_hash(base.recipe(self.toolchain, self.user_services))
 
     def _same_kinds(self) -> None:
-        """A running host keeps the kind and release it booted as: refuse to change them."""
+        """A running host keeps the kind, release and architecture it booted as: refuse to
+        change them."""
         described = self.state_dir / "lab.json"
         if not described.exists():
             return
-        had = {h.get("name"): (h.get("kind", host_kinds.ROOT), h.get("suite", base.SUITE))
+        had = {h.get("name"): (h.get("kind", host_kinds.ROOT), h.get("suite", base.SUITE),
+                               h.get("arch", host_arches.NATIVE))
                for h in json.loads(described.read_text()).get("hosts", [])}
-        changed = [_differs(h, had[h], (self.kinds[h], self.suites[h]))
+        wanted = {h: (self.kinds[h], *self._root_of(h)) for h in self.host_names}
+        changed = [_differs(h, had[h], wanted[h])
                    for h in self.host_names
-                   if h in had and had[h] != (self.kinds[h], self.suites[h])
+                   if h in had and had[h] != wanted[h]
                    and hosts.is_booted(self.state_dir, h, self.marker)]
         if changed:
             raise LabError(f"lab {self.name} runs hosts of other kinds or releases ({'; '.join(changed)}): "
@@ -469,8 +487,9 @@ def render_ssh_config(lab: str, host_names: list[str], key: Path,
     return "\n\n".join(blocks) + "\n"
 
 
-def _differs(host: str, had: tuple[str, str], wanted: tuple[str, str]) -> str:
-    """`node2 is termux, not root` (kinds), `node2 is bullseye, not trixie` (releases)."""
+def _differs(host: str, had: tuple[str, ...], wanted: tuple[str, ...]) -> str:
+    """`node2 is termux, not root` (kinds), `node2 is bullseye, not trixie` (releases),
+    `node2 is arm64, not amd64` (architectures)."""
     pairs = [(a, b) for a, b in zip(had, wanted) if a != b]
     return (f"{host} is {' '.join(a for a, _ in pairs)}, "
             f"not {' '.join(b for _, b in pairs)}")

@@ -21,7 +21,10 @@ PACKAGES = {"cc": "gcc", "systemd-analyze": "systemd", "runsvdir": "runit", "sv"
             "ssh-keygen": "openssh-client", "openssl": "openssl", "ss": "iproute2",
             "timeout": "coreutils", "nft": "nftables", "promtool": "prometheus",
             "prometheus": "prometheus",
-            "prometheus-blackbox-exporter": "prometheus-blackbox-exporter"}
+            "prometheus-blackbox-exporter": "prometheus-blackbox-exporter",
+            "aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu",
+            "aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu",
+            "qemu-aarch64-static": "qemu-user-static"}
 
 
 def required() -> bool:

@@ -111,8 +111,10 @@ def test_the_probe_asks_dpkg_for_every_package_either_kind_of_host_wants(tmp_pat
     cluster = lab(tmp_path, cached_node2=True)
     queried = {h.name: list(dict(((s.key, s) for s in toolchain.sections(cluster, h)))[
         "toolchain.DebPackages"].kwargs["packages"]) for h in cluster.hosts}
-    assert queried["node3"] == [*FULL, "libgomp1"]
-    assert queried["node2"] == [*FULL, "libgomp1", "gcc", "libc6-dev"]
+    # The cross compilers too: who compiles for an arm64 host is known once all are probed.
+    cross = ["g++-aarch64-linux-gnu", "libc6-dev-arm64-cross"]
+    assert queried["node3"] == [*FULL, *cross, "libgomp1"]
+    assert queried["node2"] == [*FULL, *cross, "libgomp1", "gcc", "libc6-dev"]
 
 
 def test_a_copier_with_the_whole_toolchain_installed_keeps_it(tmp_path):

@@ -45,10 +45,14 @@ ROLE = Role(
         Resource("build", lambda ctx, key: ops.build(ctx),
                  "llama-server and the RPC worker, compiled once per build key",
                  serial=lambda cluster: cluster.llama_cpp.build.serial, replaceable=True),
+        # After the host's own build: builds for hosts of another architecture (keys.py).
+        Resource("cross", lambda ctx, key: ops.cross(ctx),
+                 "builds this host cross-compiles for hosts of another architecture"),
         # After every host's build: the build it copies is finished (keys.py says who copies).
         Resource("copy", lambda ctx, key: ops.copy(ctx),
                  "a build another host of its build key compiled, copied and verified",
                  # The builder's new tarball and its sha256, which the copy is checked against.
-                 rereads=(("llama_cpp.build", "llama_cpp.Builds"),), rereads_peers=True),
+                 rereads=(("llama_cpp.build", "llama_cpp.Builds"),
+                          ("llama_cpp.cross", "llama_cpp.Builds")), rereads_peers=True),
     ),
 )

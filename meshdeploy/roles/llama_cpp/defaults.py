@@ -65,6 +65,14 @@ llama_cpp_dispatch_cmake_flags = ("-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON",
                                   "-DGGML_CPU_ALL_VARIANTS=ON", "-DBUILD_SHARED_LIBS=ON",
                                   "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON")
 llama_cpp_dispatch_machines = ("x86_64", "amd64")
+# Cross-compiling (keys.py): the architectures whose builds a host of another one compiles,
+# each with its GNU triplet (Debian's cross compilers are <triplet>-gcc and <triplet>-g++, their
+# C library and headers under /usr/<triplet>), and the machines that cross-compile for them and
+# the backends they do it for. A CPU build only: a GPU backend's libraries and shader compilers
+# for another architecture are not set up (a Vulkan arm64 host compiles its own).
+llama_cpp_cross_triplets = {"aarch64": "aarch64-linux-gnu"}
+llama_cpp_cross_from = ("x86_64",)
+llama_cpp_cross_backends = ("cpu",)
 # Where a builder keeps the tarball of a build that other hosts copy, under the cmake trees'
 # folder (llama_cpp_build_dir): <key>.tar.gz and <key>.tar.gz.sha256.
 llama_cpp_share_dir = "share"

@@ -49,6 +49,20 @@ and the rootless hosts of the key copy from that builder, as root's bytes may fl
 Under a tunnel the stars are formed with the hosts with root first, so a star a host with root
 joins has one as its first host.
 
+Cross-compiling. A Raspberry Pi compiles llama.cpp in an hour or more, an emulated arm64 host
+far longer. So the hosts of an aarch64 CPU key (a key of one platform: the same Debian release
+and C library) have their build compiled by an x86-64 host of the cluster with root, apt and
+that same release and C library, a CPU build host itself (llama_cpp.build compiles there
+anyway): the first such in file order. It installs Debian's cross compiler
+(g++-aarch64-linux-gnu, whose C library is its release's own version, built for arm64) and
+compiles with a cmake toolchain file (llama_cpp.cross, after its own build), portable code
+(GGML_NATIVE=OFF: the builder cannot ask the target's CPU); the aarch64 hosts copy that build,
+checked as every copy is, and run its binaries first as nobody before they become current. A
+key with a cross builder is portable whoever compiles it, so a native build of it (-replace on
+an aarch64 host, which then has that build installed and builds for the others from then on)
+is the same key. No cross-compiling under a tunnel (the copy would have to cross between
+stars), nor for GPU backends (their libraries for another architecture are not set up).
+
 The builders and their copiers go to the other roles as Resolved.build_copiers (copiers()):
 network.allowlist opens md-share's port on a builder to its copiers alone, as for models.
 
@@ -69,7 +83,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import defaults as d
@@ -199,6 +213,7 @@ class Decision:
     why: str  # why that host compiles, as the plan says it
     portable: bool = False  # built with llama_cpp_portable_cmake_flags
     code: str = ""  # the CPU code a shared build compiles, and why (the plan says it)
+    cross: str = ""  # the machine the builder cross-compiles for (aarch64), "" when native
 
     def copies(self, host_name: str) -> bool:
         return self.builder != host_name
@@ -255,6 +270,51 @@ def group(ctx) -> list[str] | None:
     return next(star for star in tunnel_stars(cluster, ordered) if host.name in star)
 
 
+def cross_builder(ctx, members: list[str]) -> str | None:
+    """The host that cross-compiles this host's key (module docstring), or None: this host is
+    not of an architecture others compile for, or no host of the cluster can."""
+    cluster, host, facts = ctx.cluster, ctx.host, ctx.cluster_facts or {}
+    target = machine(ctx.facts)
+    mine = platform(ctx.facts)
+    if (mine is None or target not in d.llama_cpp_cross_triplets or cluster.network.tunnel
+            or host.backend not in d.llama_cpp_cross_backends or not _shares(cluster)):
+        return None
+    for h in cluster.hosts:
+        theirs = _facts_of(ctx, h.name) if h.name in facts else {}
+        built_on = machine(theirs)
+        if (h.name in members or h.rootless or h.backend != host.backend
+                or built_on not in d.llama_cpp_cross_from or not targets(cluster, h)
+                or "apt-get" not in ((theirs.get("toolchain.Platform") or {}).get("tools") or ())
+                or platform(theirs) != mine.replace(f" {target} ", f" {built_on} ", 1)):
+            continue
+        # A host that compiles its own build (not one that copies it from another).
+        if decide(HostContext(cluster, h, theirs, ctx.resolved,
+                              cluster_facts=ctx.cluster_facts)).builder == h.name:
+            return h.name
+    return None
+
+
+def cross_builds(ctx) -> list[Decision]:
+    """The builds this host cross-compiles (llama_cpp.cross): one Decision per key of another
+    architecture whose builder it is, its targets what the key's hosts need together."""
+    if ctx.cluster_facts is None or not targets(ctx.cluster, ctx.host):
+        return []
+    cluster, here = ctx.cluster, machine(ctx.facts)
+    out: dict[str, Decision] = {}
+    for h in cluster.hosts:
+        if h.name == ctx.host.name or h.name not in ctx.cluster_facts or not targets(cluster, h):
+            continue
+        facts = ctx.cluster_facts[h.name]
+        theirs = decide(HostContext(cluster, h, facts, ctx.resolved,
+                                    cluster_facts=ctx.cluster_facts))
+        if theirs.builder != ctx.host.name or machine(facts) == here or theirs.key in out:
+            continue
+        need = tuple(t for t in ("llama-server", "rpc")
+                     if any(t in targets(cluster, cluster.host(m)) for m in theirs.members))
+        out[theirs.key] = replace(theirs, targets=need)
+    return list(out.values())
+
+
 def may_build_for(cluster, members) -> list[str]:
     """The hosts of `members` whose build the others may copy: the hosts with root, or all of
     them where every one is rootless (never a build up a privilege boundary: module docstring)."""
@@ -280,16 +340,16 @@ def copiers(cluster, hosts, facts: dict, commit: str | None,
     build, which the plan takes none to do. So the first plan on fresh hosts shows the allow-list that apply converges to,
     and the plan after it has nothing to open. Apply decides again once it resolves the ref
     (llama_cpp.resolve)."""
-    out = {}
+    out: dict[str, list[str]] = {}
     resolved = Resolved(commit=commit, replace=tuple(replacing))
     for h in hosts:
         if not targets(cluster, h) or h.name not in facts:
             continue
         ctx = HostContext(cluster, h, facts[h.name], resolved, cluster_facts=facts)
         decision = decide(ctx)
-        if decision.builder == h.name and decision.copiers():
-            out[h.name] = tuple(decision.copiers())
-    return out
+        if decision.builder != h.name:
+            out.setdefault(decision.builder, []).append(h.name)
+    return {builder: tuple(hosts) for builder, hosts in out.items()}
 
 
 def _installed(ctx, name: str, key: str) -> dict | None:
@@ -310,14 +370,17 @@ def decide(ctx) -> Decision:
         portable = current == build_key(cluster, host, commit, termux, where, True, ctx.facts)
         key = build_key(cluster, host, commit, termux, where, portable, ctx.facts)
         return Decision(key, host.name, (host.name,), tuple(own), "", portable)
-    portable = len(members) > 1 and not one_cpu(ctx, members)
+    cross = cross_builder(ctx, members)
+    portable = bool(cross) or (len(members) > 1 and not one_cpu(ctx, members))
     key = build_key(cluster, host, commit, termux, where, portable, ctx.facts)
-    if len(members) == 1:
+    if len(members) == 1 and not cross:
         return Decision(key, host.name, (host.name,), tuple(own), "")
     cpus = ("their CPUs differ" if all(_facts_of(ctx, m).get("llama_cpp.CpuFlags")
                                        for m in members) else "not every CPU reported its flags")
     if _names_native(cluster):
         code = "GGML_NATIVE as llama_cpp.build.cmake_flags sets it"
+    elif cross:
+        code = f"portable code: compiled where no {machine(ctx.facts)} CPU can be asked"
     elif not portable:
         code = "-march=native: every host of it reports the same CPU flags"
     elif machine(ctx.facts) in d.llama_cpp_dispatch_machines and not termux:
@@ -348,6 +411,10 @@ def decide(ctx) -> Decision:
         builder, why = lead[0], "-replace builds it there"
     elif installed and not cluster.llama_cpp.build.serial:
         builder, why = installed[0], "it has that build installed"
+    elif cross:
+        builder, why = cross, f"cross-compiled on {cross} for {machine(ctx.facts)}"
+        return Decision(key, builder, tuple(sharing), tuple(own), why, portable, code,
+                        machine(ctx.facts) or "")
     elif trusted[0] != sharing[0]:
         builder, why = trusted[0], "the first host of the key in file order with root"
     else:

@@ -180,22 +180,27 @@ def clone_script(src: str, repo: str, commit: str) -> str:
 
 
 def build_script(ctx: HostContext, key: str, decision: keys.Decision | None = None,
-                 force: bool = False) -> str:
+                 force: bool = False, target: HostContext | None = None) -> str:
     """build.sh for build `key`: the targets and flags `decision` says (keys.decide), `force`:
-    compile even when the build is installed (-replace)."""
+    compile even when the build is installed (-replace); `target`: a host of another
+    architecture whose flags the build gets, cross-compiled for it (llama_cpp.cross)."""
     cluster, host = ctx.cluster, ctx.host
     decision = decision or keys.decide(ctx)
     p = paths(ctx.prefix)
     b = cluster.llama_cpp.build
     wanted = decision.targets
     number = ctx.resolved.build_number
-    termux = on_termux(ctx)
+    of = target or ctx  # the host whose binaries these are
+    termux = on_termux(of)
     portable = decision.portable
+    cross = keys.machine(of.facts) if target else ""
+    triplet = d.llama_cpp_cross_triplets.get(cross, "") if cross else ""
+    tree = f"{host.backend}-{flavour(cluster, of.host, termux, None, portable, of.facts)}"
     return shell.template(
-        TEMPLATES / "build.sh", args=cmake_flags(cluster, host, termux, portable, ctx.facts),
+        TEMPLATES / "build.sh", args=cmake_flags(cluster, of.host, termux, portable, of.facts),
         prelude=progress.SHELL, SRC=p["src"],
-        TREE=f"{p['build']}/{host.backend}-"
-             f"{flavour(cluster, host, termux, None, portable, ctx.facts)}",
+        TREE=f"{p['build']}/{tree}{'-' + cross if cross else ''}",
+        CROSS=cross, TRIPLET=triplet, CROSS_ROOT=f"/usr/{triplet}" if triplet else "",
         OUT=installed_build(ctx.prefix, key), COMMIT=checked_commit(ctx.resolved.commit),
         NUMBER="" if number is None else int(number), JOBS=int(b.jobs) if b.jobs else "",
         CCACHE=ccache_dir(cluster, host),
@@ -280,6 +285,53 @@ def build(ctx: HostContext) -> Step:
                 sudo=root, build=BuildOutcome(key, changed=True))
 
 
+def cross(ctx: HostContext) -> Step:
+    """llama_cpp.cross: the builds this host cross-compiles for hosts of another architecture
+    (keys.py: an x86-64 host for the aarch64 hosts of its release), after its own build; each
+    installed beside its own builds (never current here: it cannot run them) and packed for
+    the hosts that copy it (llama_cpp.copy)."""
+    jobs = keys.cross_builds(ctx)
+    if not jobs:
+        return Step(ctx.change(ROLE, "cross", "no-op", "builds for no other architecture"))
+    have = (ctx.fact("llama_cpp.Builds") or {}).get("builds") or {}
+    commit = ctx.resolved.commit
+    names = ", ".join(sorted({keys.machine(ctx.cluster_facts[j.members[0]]) or "?"
+                              for j in jobs}))
+    if commit is None:
+        return Step(ctx.change(ROLE, "cross", "create",
+                               f"ref not resolved yet; cross-compiled here for {names}",
+                               [AttrDiff("for", None, ", ".join(m for j in jobs
+                                                                for m in j.members))]))
+    forced = ctx.replacing(keys.RESOURCE)
+    cmds, diffs, compiled = [], [], []
+    for job in jobs:
+        target = HostContext(ctx.cluster, ctx.cluster.host(job.members[0]),
+                             ctx.cluster_facts[job.members[0]], ctx.resolved,
+                             cluster_facts=ctx.cluster_facts)
+        lacking = _lacking(ctx, job)
+        if not forced and keys.covers(have.get(job.key), job.targets):
+            if lacking and _archive_of(ctx, ctx.host.name, job.key) is None:
+                cmds.append(pack_script(ctx, job.key))
+                diffs.append(AttrDiff("tarball", None, job.key, known_after_apply=True))
+            continue
+        compiled.append(job.key)
+        cmds += [inflight.guarded("llama_cpp.cross", build_script(ctx, job.key, job, forced,
+                                                                   target), ctx.host.layout),
+                 pack_script(ctx, job.key)]
+        diffs += [AttrDiff("build", None, job.key),
+                  AttrDiff("for", None, ", ".join(job.members)),
+                  AttrDiff("targets", None, " ".join(job.targets))]
+    if not cmds:
+        return Step(ctx.change(ROLE, "cross", "no-op",
+                               f"{', '.join(j.key for j in jobs)} built for "
+                               f"{', '.join(m for j in jobs for m in j.members)}"))
+    what = (f"cross-compile {', '.join(compiled)} for {names} ({jobs[0].code})" if compiled
+            else f"pack {', '.join(diff.after for diff in diffs)} to copy (no compile)")
+    # No BuildOutcome: this host's services keep running its own build.
+    return Step(ctx.change(ROLE, "cross", "create" if compiled else "update", what, diffs),
+                cmds, sudo=not ctx.host.rootless)
+
+
 def pack_script(ctx: HostContext, key: str) -> str:
     """pack.sh: the tarball of installed build `key` and its sha256, for the hosts that copy it
     (their copies are checked against that sha256, which apply reads back from this host)."""
@@ -321,7 +373,7 @@ def copy(ctx: HostContext) -> Step:
         return Step(ctx.change(ROLE, "copy", "no-op", "nothing to copy"))
     decision = keys.decide(ctx)
     if decision.builder == host.name:
-        return _serve(ctx, decision)
+        return _serve(ctx, [decision, *keys.cross_builds(ctx)])
     have = ctx.fact("llama_cpp.Builds") or {"current": None, "builds": {}}
     if commit is None:  # the ref is resolved at apply: what is copied is known then
         return Step(_copy_change(ctx, decision, have.get("current"), None),
@@ -370,36 +422,41 @@ def _copy_change(ctx: HostContext, decision: keys.Decision, current: str | None,
         diffs.insert(0, AttrDiff("current", current, decision.key if resolved else None,
                                  known_after_apply=not resolved))
     size = f"{seen[1] / 2**20:.1f} MiB" if seen else "its build"
+    how = (f"cross-compiled on {decision.builder} for {decision.cross}" if decision.cross
+           else "compiled there")
     return ctx.change(ROLE, "copy", "replace" if current else "create",
                       f"copy {size} from {decision.builder} {share.way(ctx.cluster)} "
-                      f"(compiled there once for {', '.join(decision.members)})", diffs)
+                      f"({how} once for {', '.join(decision.members)})", diffs)
 
 
-def _serve(ctx: HostContext, decision: keys.Decision) -> Step:
-    """The builder's part of llama_cpp.copy: serve its tarball (packed by its llama_cpp.build;
-    pack.sh keeps it) to the hosts of the key that lack the build, through md-share (its port
-    open to them alone: network.allowlist)."""
+def _serve(ctx: HostContext, decisions: list[keys.Decision]) -> Step:
+    """The builder's part of llama_cpp.copy: serve its tarballs (packed by its llama_cpp.build
+    and llama_cpp.cross; pack.sh keeps them) to the hosts of each key that lack the build,
+    through md-share (its port open to them alone: network.allowlist)."""
     cluster = ctx.cluster
-    lacking = _lacking(ctx, decision)
-    if not lacking:
+    wanted = [(dec, _lacking(ctx, dec)) for dec in decisions]
+    wanted = [(dec, lacking) for dec, lacking in wanted if lacking]
+    if not wanted:
         return Step(ctx.change(ROLE, "copy", "no-op", "no host copies a build from here"))
-    path = archive(ctx.prefix, decision.key)
-    name = f"{decision.key}.tar.gz"
-    clients = [cluster.host(m) for m in lacking]
+    files, clients = {}, []
+    for dec, lacking in wanted:
+        path = archive(ctx.prefix, dec.key)
+        files.update({f"{dec.key}.tar.gz": path, f"{dec.key}.tar.gz.sha256": f"{path}.sha256"})
+        clients += [m for m in lacking if m not in clients]
     # A build compiled in this run is served for the first time (created with it, so a first
     # plan only adds); an installed one is served again to a host that lacks it.
     have = ((ctx.fact("llama_cpp.Builds") or {}).get("builds") or {})
-    served = ctx.resolved.commit is not None and decision.key in have
+    served = ctx.resolved.commit is not None and all(dec.key in have for dec, _ in wanted)
+    what = ", ".join(dec.key for dec, _ in wanted) if ctx.resolved.commit else "its build"
     change = ctx.change(ROLE, "copy", "update" if served else "create",
-                        f"serve {decision.key if ctx.resolved.commit else 'its build'} to "
-                        f"{', '.join(lacking)} {share.way(cluster)} while they copy it (md-share)",
-                        [AttrDiff("md-share", None, ", ".join(lacking))])
+                        f"serve {what} to {', '.join(clients)} {share.way(cluster)} while they "
+                        "copy it (md-share)",
+                        [AttrDiff("md-share", None, ", ".join(clients))])
     if ctx.resolved.commit is None:  # the build is known after apply, and so are the commands
         return Step(change)
     return Step(change,
-                [pack_script(ctx, decision.key),
-                 *share.start(cluster, ctx.host, {name: path, f"{name}.sha256":
-                                                  f"{path}.sha256"}, clients)],
+                [*(pack_script(ctx, dec.key) for dec, _ in wanted),
+                 *share.start(cluster, ctx.host, files, [cluster.host(m) for m in clients])],
                 sudo=not ctx.host.rootless)
 
 

@@ -45,6 +45,12 @@ toolchain_cuda_components = {"debian": ("contrib", "non-free"), "ubuntu": ("mult
 # A toolkit already on PATH (NVIDIA's or AMD's own installer) stands for the distribution's.
 toolchain_toolkit_tools = {"nvidia-cuda-toolkit": "nvcc", "hipcc": "hipcc"}
 
+# --- a builder that cross-compiles for hosts of another architecture (llama_cpp/keys.py) -------
+# Debian's cross compiler for each (its machine, as `uname -m` says it): g++ for the target, and
+# the target's C library and headers built for it (gcc only recommends them, and apt installs no
+# recommends here). OpenMP (libgomp1-arm64-cross) comes with the compiler.
+toolchain_apt_cross_packages = {"aarch64": ("g++-aarch64-linux-gnu", "libc6-dev-arm64-cross")}
+
 # --- a copier on apt (Resolved.build_copiers: it copies its llama.cpp build, compiles none) ----
 # What running and copying the build needs there, from what runs on such a host:
 # curl: llama_cpp's copy.sh fetches the tarball from the builder's md-share (tar, gzip and

@@ -41,10 +41,11 @@ def copies_from(ctx: HostContext) -> str | None:
 
 
 def wanted_packages(cluster, manager: str, host, copier: bool = False,
-                    first: bool = False) -> tuple[str, ...]:
+                    first: bool = False, cross: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The packages `host` wants from `manager`: the build tools, or on apt for a `copier`
     (copies_from) what copying and running the build needs, git where it is the `first` host
-    of the run (it resolves the ref) and a C compiler where md-rpc-seed runs."""
+    of the run (it resolves the ref) and a C compiler where md-rpc-seed runs; on apt the cross
+    compilers for the machines of `cross` (cross_targets)."""
     if copier and manager == "apt":
         base = d.toolchain_apt_copier_packages
         if first:
@@ -58,6 +59,9 @@ def wanted_packages(cluster, manager: str, host, copier: bool = False,
         if cluster.llama_cpp.build.ccache:
             base = base + (d.toolchain_ccache_package,)
         base = base + d.toolchain_backend_packages.get(manager, {}).get(host.backend, ())
+        if manager == "apt":
+            for target in cross:
+                base = base + d.toolchain_apt_cross_packages.get(target, ())
     if (distribution.share_clients(cluster, host) or _supervises(cluster, host)) \
             and manager != "brew":  # macOS ships python3 with its CLT
         # md-share serves the host's model copy; md-failover runs its llama-servers.
@@ -70,6 +74,17 @@ def wanted_packages(cluster, manager: str, host, copier: bool = False,
     return base
 
 
+def cross_targets(ctx: HostContext) -> tuple[str, ...]:
+    """The machines this host compiles llama.cpp builds for besides its own: those of the hosts
+    that copy its builds (Resolved.build_copiers) with another machine (llama_cpp/keys.py)."""
+    def machine(name: str):
+        return (ctx.fact_of(name, "toolchain.Platform") or {}).get("machine")
+
+    mine = machine(ctx.host.name)
+    return tuple(sorted({machine(m) for m in ctx.resolved.build_copiers.get(ctx.host.name, ())
+                         if machine(m) and machine(m) != mine}))
+
+
 def copy_note(source: str | None, manager: str) -> str:
     """What the plan adds to toolchain.packages' reason where the host gets the copy set rather
     than the build tools (apt alone: wanted_packages)."""
@@ -80,7 +95,10 @@ def copy_note(source: str | None, manager: str) -> str:
 def sections(cluster, host) -> list[Section]:
     # The probe runs before anyone knows who copies: DebPackages asks for what either kind of
     # host could want (first=True: git is in the build tools anyway).
-    queried = dict.fromkeys(wanted_packages(cluster, "apt", host)
+    # The cross compilers too, on a host with root: whether it compiles for another
+    # architecture is known once every host is probed.
+    cross = () if host.rootless else tuple(d.toolchain_apt_cross_packages)
+    queried = dict.fromkeys(wanted_packages(cluster, "apt", host, cross=cross)
                             + wanted_packages(cluster, "apt", host, copier=True, first=True))
     out = [
         Section("toolchain.Platform", Platform),
@@ -222,7 +240,8 @@ def packages(ctx: HostContext) -> Step:
     if manager is None:
         preflight(ctx)  # raises the plain "no supported package manager" error
     source = copies_from(ctx)
-    wanted = wanted_packages(ctx.cluster, manager, ctx.host, bool(source), ctx.first)
+    wanted = wanted_packages(ctx.cluster, manager, ctx.host, bool(source), ctx.first,
+                             cross_targets(ctx))
     if (ctx.resolved.build_copiers.get(ctx.host.name) and manager != "brew"
             and d.toolchain_python_package not in wanted
             and "python3" not in platform.get("tools", [])):

@@ -1,6 +1,9 @@
 # Build llama-server and/or the RPC worker of one (commit, backend, flags) and install it under
 # $OUT. Inputs (assigned above by core.shell.template): SRC TREE OUT COMMIT NUMBER JOBS CCACHE
-# WANT_SERVER WANT_RPC RPC_TARGETS KEY BACKEND FORCE (1: compile even when installed);
+# WANT_SERVER WANT_RPC RPC_TARGETS KEY BACKEND FORCE (1: compile even when installed) CROSS
+# (empty, or the machine the build is cross-compiled for: aarch64) TRIPLET (its GNU triplet:
+# Debian's cross compilers are <triplet>-gcc and <triplet>-g++) CROSS_ROOT (where the target's C
+# library and headers are);
 # "$@" = the cmake flags.
 set -e
 if [ -n "$CCACHE" ]; then export CCACHE_DIR="$CCACHE"; fi
@@ -29,6 +32,13 @@ mkdir -p "$TREE" "${OUT%/*}"
 SHORT=$(printf '%.7s' "$COMMIT")
 # HIP: the compiler and its ROCm as llama.cpp's docs/build.md says (HIPCXX from hipconfig).
 if [ "$BACKEND" = rocm ] && [ -z "${HIPCXX-}" ]; then HIPCXX=$(hipconfig -l); HIPCXX=${HIPCXX%/}/clang; HIP_PATH=$(hipconfig -R); export HIPCXX HIP_PATH; fi
+# Cross-compiling: a cmake toolchain file beside the tree (cmake's own way: the system and
+# processor it builds for, the cross compilers, and libraries and headers from the target's
+# root only, programs from this host's).
+if [ -n "$CROSS" ]; then
+  printf 'set(CMAKE_SYSTEM_NAME Linux)\nset(CMAKE_SYSTEM_PROCESSOR %s)\nset(CMAKE_C_COMPILER %s-gcc)\nset(CMAKE_CXX_COMPILER %s-g++)\nset(CMAKE_FIND_ROOT_PATH %s)\nset(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)\nset(CMAKE_FIND_ROOT_PATH_MODE_LIBRARY ONLY)\nset(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE ONLY)\nset(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE ONLY)\n' "$CROSS" "$TRIPLET" "$TRIPLET" "$CROSS_ROOT" > "$TREE.toolchain.cmake"
+  set -- "$@" "-DCMAKE_TOOLCHAIN_FILE=$TREE.toolchain.cmake"
+fi
 md_progress phase configure
 cmake -S "$SRC" -B "$TREE" -G Ninja "$@" "-DLLAMA_BUILD_NUMBER=$NUMBER" "-DLLAMA_BUILD_COMMIT=$SHORT" > "$TREE.configure.log" 2>&1 || { tail -n 30 "$TREE.configure.log" >&2; exit 1; }
 # GGML_OPENMP=ON falls back to ggml's own threads where cmake finds no OpenMP: a build that
@@ -69,9 +79,10 @@ for f in "$OUT.tmp/bin/"*; do
     ($0 !~ /^\/(usr\/)?lib(64)?(\/[A-Za-z0-9_.+-]+)*\/?$/ || $0 ~ /\.\./)')
   if [ -n "$Q" ]; then echo "$f: RPATH $P is not \$ORIGIN or a system library folder: the copy would not find its libraries" >&2; exit 1; fi
 done
-# Binaries must run before they can become current.
-if [ -x "$OUT.tmp/bin/llama-server" ]; then "$OUT.tmp/bin/llama-server" --help > "$OUT.tmp/llama-server.help" 2>&1; fi
-if [ -n "$RPC" ] && [ -x "$OUT.tmp/bin/$RPC" ]; then "$OUT.tmp/bin/$RPC" --help > "$OUT.tmp/rpc-server.help" 2>&1; fi
+# Binaries must run before they can become current (a cross build's run first where they are
+# copied: copy.sh).
+if [ -z "$CROSS" ] && [ -x "$OUT.tmp/bin/llama-server" ]; then "$OUT.tmp/bin/llama-server" --help > "$OUT.tmp/llama-server.help" 2>&1; fi
+if [ -z "$CROSS" ] && [ -n "$RPC" ] && [ -x "$OUT.tmp/bin/$RPC" ]; then "$OUT.tmp/bin/$RPC" --help > "$OUT.tmp/rpc-server.help" 2>&1; fi
 PROTO=$(awk '/define RPC_PROTO_(MAJOR|MINOR|PATCH)_VERSION/ {printf "%s%s", s, $3; s="."}' "$SRC/ggml/include/ggml-rpc.h" 2>/dev/null)
 printf 'commit=%s\nbackend=%s\nkey=%s\nrpc_binary=%s\ntargets=%s\nproto=%s\n' "$COMMIT" "$BACKEND" "$KEY" "$RPC" "$TARGETS" "$PROTO" > "$OUT.tmp/manifest"
 rm -rf "$OUT" && mv "$OUT.tmp" "$OUT"
