@@ -124,6 +124,20 @@ def test_no_cross_builder_means_the_aarch64_host_compiles_for_itself():
     assert got.builder == "node3" and not got.cross
 
 
+def test_a_machine_name_no_cross_compiler_is_known_for_never_reaches_the_toolchain_file():
+    """The machine is the host's own word (uname -m); build.sh prints it into cmake code. Only a
+    name of llama_cpp_cross_triplets makes a cross build: anything else compiles on its host."""
+    cluster = lab()
+    hostile = "aarch64)\nexecute_process(COMMAND touch /tmp/owned)\n#"
+    facts = {"node1": debian(), "node2": debian(), "node3": debian(machine=hostile)}
+    got = decide(cluster, facts)["node3"]
+    assert (got.builder, got.cross) == ("node3", "")
+    assert keys.cross_builds(contexts(cluster, facts)["node1"]) == []
+    node1 = contexts(cluster, facts)["node1"]
+    assert "execute_process" not in "\n".join(ops.cross(node1).commands + [
+        ops.cross(node1).change.reason])
+
+
 def test_no_cross_compiling_where_copies_do_not_travel_or_for_a_gpu_backend():
     facts = arm_node3()
     assert decide(lab(copy=False), facts)["node3"].builder == "node3"

@@ -60,7 +60,10 @@ compiles with a cmake toolchain file (llama_cpp.cross, after its own build), por
 checked as every copy is, and run its binaries first as nobody before they become current. A
 key with a cross builder is portable whoever compiles it, so a native build of it (-replace on
 an aarch64 host, which then has that build installed and builds for the others from then on)
-is the same key. No cross-compiling under a tunnel (the copy would have to cross between
+is the same key. Portable code on aarch64 is the armv8-a baseline (no dotprod, no i8mm): llama.cpp's
+runtime CPU dispatch for ARM Linux (b11312) always compiles two armv9.2-a+sme variants, which
+GCC 12 (Debian 12's, native or cross) refuses ("unknown value for -march"), so it is not used
+there. No cross-compiling under a tunnel (the copy would have to cross between
 stars), nor for GPU backends (their libraries for another architecture are not set up).
 
 The builders and their copiers go to the other roles as Resolved.build_copiers (copiers()):
