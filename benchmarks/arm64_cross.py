@@ -43,12 +43,15 @@ CROSSED = "cross-compiled on node1 for aarch64"
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
+    parser.add_argument("--native", action="store_true",
+                        help="then compile node3's build on node3 itself, under qemu "
+                             "(-replace=node3/llama_cpp.build): slow")
     args = parser.parse_args()
     handle = Lab(name=NAME, hosts=3, arches={"node3": "arm64"})
-    return on_lab(handle, run, args.keep)
+    return on_lab(handle, lambda info: run(info, args.native), args.keep)
 
 
-def run(info) -> int:
+def run(info, native: bool = False) -> int:
     print(info.run("node3", "uname -m; systemctl is-system-running", root=True).stdout)
     path = str(write_lab_file(info, Path(tempfile.mkdtemp(prefix="md-arm64-"))))
     plan = meshdeploy("plan", path)
@@ -85,11 +88,41 @@ def run(info) -> int:
         sys.exit(f"arm64_cross: node3's layers answered {through_arm!r}, x86-64 {x86!r}")
     print("the same tokens through the arm64 worker and without it")
     info.run("node3", "systemctl start meshdeploy-rpc-50052", root=True, check=True)
+    if native:
+        compile_on_node3(info, path, through_arm)
     gone = meshdeploy("destroy", path, "--auto-approve")
     if gone.returncode:
         failed("arm64_cross", "destroy", gone)
     print("arm64_cross: every step passed")
     return 0
+
+
+def compile_on_node3(info, path: str, expected: str) -> None:
+    """-replace=node3/llama_cpp.build: node3 compiles its own build (the toolchain comes first)
+    under the same key, then answers as the cross build did, and the next plan is a no-op."""
+    key = info.run("node3", "sed -n 's/^key=//p' /opt/meshdeploy/current/manifest",
+                   root=True).stdout.strip()
+    replaced = meshdeploy("apply", path, "--auto-approve", "-replace=node3/llama_cpp.build")
+    if replaced.returncode:
+        failed("arm64_cross", "the native build's apply", replaced)
+    for line in replaced.stdout.splitlines():
+        if re.search(r"node3 .*\b(ok|changed) \([0-9.]+ s\)", line):
+            print(line)
+    after = info.run("node3", "sed -n 's/^key=//p' /opt/meshdeploy/current/manifest; "
+                     "ls /opt/meshdeploy/build", root=True).stdout.split()
+    print(f"node3's key before {key}, after the native compile {after[0]}; its trees: "
+          f"{' '.join(after[1:])}")
+    if after[0] != key:
+        sys.exit("arm64_cross: the native build has another key than the cross build")
+    info.run("node3", "systemctl restart meshdeploy-rpc-50052", root=True, check=True)
+    native = chat(info, "through node3's natively compiled rpc-server", retry=180)
+    if native != expected:
+        sys.exit(f"arm64_cross: the native build answered {native!r}, the cross build "
+                 f"{expected!r}")
+    again = meshdeploy("plan", path)
+    if NO_CHANGES not in again.stdout:
+        failed("arm64_cross", "the plan after the native build", again)
+    print("native build: same key, same tokens, then No changes")
 
 
 def chat(info, how: str, retry: float = 0) -> str:
