@@ -88,6 +88,7 @@ def run(info, native: bool = False) -> int:
         sys.exit(f"arm64_cross: node3's layers answered {through_arm!r}, x86-64 {x86!r}")
     print("the same tokens through the arm64 worker and without it")
     info.run("node3", "systemctl start meshdeploy-rpc-50052", root=True, check=True)
+    full_placement(info)
     if native:
         compile_on_node3(info, path, through_arm)
     gone = meshdeploy("destroy", path, "--auto-approve")
@@ -114,15 +115,39 @@ def compile_on_node3(info, path: str, expected: str) -> None:
           f"{' '.join(after[1:])}")
     if after[0] != key:
         sys.exit("arm64_cross: the native build has another key than the cross build")
-    info.run("node3", "systemctl restart meshdeploy-rpc-50052", root=True, check=True)
+    full_placement(info)
     native = chat(info, "through node3's natively compiled rpc-server", retry=180)
     if native != expected:
         sys.exit(f"arm64_cross: the native build answered {native!r}, the cross build "
                  f"{expected!r}")
+    # That run made node3 its own builder, so node1's md-share port was opened to node2 alone;
+    # the next plan opens it to node3 again (it copies from node1 from now on), then none.
     again = meshdeploy("plan", path)
+    print("\n".join(line for line in again.stdout.splitlines() if "resource" in line
+                    or "=" in line and "->" in line))
     if NO_CHANGES not in again.stdout:
-        failed("arm64_cross", "the plan after the native build", again)
+        reapplied = meshdeploy("apply", path, "--auto-approve")
+        if reapplied.returncode:
+            failed("arm64_cross", "the apply after the native build", reapplied)
+        again = meshdeploy("plan", path)
+        if NO_CHANGES not in again.stdout:
+            failed("arm64_cross", "the plan after the native build", again)
     print("native build: same key, same tokens, then No changes")
+
+
+def full_placement(info, timeout: float = 300) -> None:
+    """Wait until md-failover on node1 runs the full placement again (node3 back)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        done = info.run("node1", "cat /run/meshdeploy-server-main/failover.json", root=True)
+        if done.returncode == 0 and done.stdout.strip():
+            seen = json.loads(done.stdout)
+            if seen.get("state") == "serving" and not seen.get("lost"):
+                print(f"md-failover back on the full placement after "
+                      f"{time.monotonic() - started:.0f} s")
+                return
+        time.sleep(2)
+    sys.exit("arm64_cross: md-failover did not go back to the full placement")
 
 
 def chat(info, how: str, retry: float = 0) -> str:
