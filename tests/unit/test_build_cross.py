@@ -172,6 +172,9 @@ def test_replace_on_an_aarch64_host_compiles_there_natively_under_the_same_key()
     ctx = contexts(cluster, facts, replacing=["node3/llama_cpp.build"])["node3"]
     script = ops.build(ctx).commands[0]
     assert "\nCROSS=''\n" in script and "-DGGML_NATIVE=OFF" in script
+    # node1's md-share port stays open to node3, which copies from it again in the next run.
+    assert keys.copiers(cluster, cluster.hosts, facts, COMMIT, ("node3/llama_cpp.build",)) == \
+        keys.copiers(cluster, cluster.hosts, facts, COMMIT) == {"node1": ("node2", "node3")}
 
 
 def test_a_cross_build_on_the_builder_is_packed_again_for_a_host_that_lacks_it():

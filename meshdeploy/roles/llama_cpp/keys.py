@@ -342,17 +342,27 @@ def copiers(cluster, hosts, facts: dict, commit: str | None,
     the first of them in file order (with root, where any has) unless a host holds the key's
     build, which the plan takes none to do. So the first plan on fresh hosts shows the allow-list that apply converges to,
     and the plan after it has nothing to open. Apply decides again once it resolves the ref
-    (llama_cpp.resolve)."""
+    (llama_cpp.resolve).
+
+    A host that -replace makes compile its own build in this run (an arm64 host's native
+    build) stays among the copiers of the builder it copies from in runs without it, where that
+    builder still compiles its own: -replace is for this run, and the builder's md-share port
+    would otherwise close for it now and open again in the next plan."""
+    def builders(replace) -> dict[str, str]:
+        resolved = Resolved(commit=commit, replace=tuple(replace))
+        return {h.name: decide(HostContext(cluster, h, facts[h.name], resolved,
+                                           cluster_facts=facts)).builder
+                for h in hosts if targets(cluster, h) and h.name in facts}
+
+    now = builders(replacing)
+    usual = builders(()) if replacing else now
     out: dict[str, list[str]] = {}
-    resolved = Resolved(commit=commit, replace=tuple(replacing))
-    for h in hosts:
-        if not targets(cluster, h) or h.name not in facts:
-            continue
-        ctx = HostContext(cluster, h, facts[h.name], resolved, cluster_facts=facts)
-        decision = decide(ctx)
-        if decision.builder != h.name:
-            out.setdefault(decision.builder, []).append(h.name)
-    return {builder: tuple(hosts) for builder, hosts in out.items()}
+    for name, builder in now.items():
+        if builder == name and usual[name] != name and now.get(usual[name]) == usual[name]:
+            builder = usual[name]  # compiles itself in this run only (-replace)
+        if builder != name:
+            out.setdefault(builder, []).append(name)
+    return {builder: tuple(names) for builder, names in out.items()}
 
 
 def _installed(ctx, name: str, key: str) -> dict | None:
