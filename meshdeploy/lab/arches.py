@@ -27,7 +27,11 @@ BOOT_EXTRA = 180
 # (the host's root has no qemu), and C, a setuid binary's credentials for the process qemu runs
 # it in (sudo, su, and systemd's setuid helpers would not be root without it: "sudo: effective
 # uid is not 0"). Debian registers qemu-user-static's entries with POF; the lab registers them
-# again with C added, for the whole machine, and leaves them so (docs/lab.md).
+# again with C added, for the whole machine, and leaves them so (docs/lab.md). With C, whoever
+# runs a setuid arm64 binary gets qemu running as root, and qemu takes settings from its
+# caller's environment (QEMU_LD_PREFIX and the like): so the folders above every arm64 root the
+# lab keeps (its base, a host's overlay) are root's alone (confine()), and no other user of
+# the machine can reach a setuid arm64 binary through them.
 NEEDED = "CF"
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
 BINFMT_CONF = Path("/usr/lib/binfmt.d")
@@ -87,3 +91,9 @@ def ensure(arch: str, root: Path = BINFMT, conf: Path = BINFMT_CONF) -> None:
     (root / "register").write_text(":".join(fields) + "\n")
     if not set(NEEDED) <= set(flags(arch, root) or ""):
         raise LabError(f"registering {line} with binfmt_misc (flags {fields[-1]}) did not take")
+
+
+def confine(folder: Path, arch: str) -> None:
+    """Make `folder`, above an arm64 root, root's alone (NEEDED says why); nothing for NATIVE."""
+    if arch != NATIVE and folder.exists():
+        folder.chmod(0o700)

@@ -223,6 +223,7 @@ def ensure_base(root: Path | None = None, log=print, toolchain: bool = False,
     final = base_dir(root, spec)
     rootfs = final / "rootfs"
     if (final / "complete").exists():
+        arches.confine(final, arch)  # a base cached before arm64 roots were root-only
         return rootfs
     if shutil.which("debootstrap") is None:
         raise LabError(f"debootstrap is missing: {INSTALL_HINT}")
@@ -246,6 +247,7 @@ def _build(final: Path, spec: dict, log) -> None:
     shutil.rmtree(final, ignore_errors=True)
     tmp_rootfs = tmp / "rootfs"
     tmp_rootfs.mkdir(parents=True)
+    arches.confine(tmp, spec.get("arch", arches.NATIVE))
     started = time.monotonic()
     arch = spec.get("arch")
     log(f"building lab base {final.name} (debootstrap {spec['suite']}"

@@ -216,6 +216,7 @@ class Lab:
             net.ensure_host_netns(self.name, h)
             hosts.prepare(self.state_dir, h, rootfs[self._root_of(h)], self.host_names, pubkey,
                           self.kinds[h], admin_pubkey)
+            host_arches.confine(hosts.host_dir(self.state_dir, h), self.arches[h])
             hosts.boot(self.name, self.state_dir, h, ccache, self.marker)
         emulated = sum(a != host_arches.NATIVE for a in self.arches.values())
         wait = timeout or 60 + 4 * len(self.host_names) + host_arches.BOOT_EXTRA * emulated

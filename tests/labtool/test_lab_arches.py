@@ -82,3 +82,14 @@ def test_no_entry_and_no_qemu_is_one_error_with_the_package_to_install(tmp_path)
     assert (root / "register").read_text() == ""
     (root / "qemu-aarch64").write_text("disabled\nflags: POCF\n")
     assert arches.flags("arm64", root) is None  # a disabled entry counts as none
+
+
+def test_the_folders_above_an_arm64_root_are_roots_alone(tmp_path):
+    """With binfmt's C flag a setuid arm64 binary starts qemu as root, with settings from its
+    caller's environment: no other user may reach one (lab/arches.py, NEEDED)."""
+    native, arm = tmp_path / "amd64", tmp_path / "arm64"
+    for folder in (native, arm):
+        folder.mkdir(mode=0o755)
+        folder.chmod(0o755)
+        arches.confine(folder, folder.name)
+    assert (native.stat().st_mode & 0o777, arm.stat().st_mode & 0o777) == (0o755, 0o700)

@@ -146,22 +146,70 @@ def test_no_cross_compiling_where_copies_do_not_travel_or_for_a_gpu_backend():
     assert decide(replace(cluster, hosts=hosts), facts)["node3"].builder == "node3"
 
 
-def test_once_an_aarch64_host_has_the_build_it_serves_the_others_under_the_same_key():
-    cluster = lab(serial=False)  # build.serial: one host at a time, the builder compiles
+def installed(key):
+    return {"current": key, "builds": {key: {"commit": COMMIT, "rpc_binary": "ggml-rpc-server",
+                                             "targets": "ggml-rpc-server"}}}
+
+
+def test_after_apply_the_cross_builder_stays_the_builder_so_nothing_moves():
+    """Without build.serial an installed copy would make its holder the builder; the cross
+    builder comes first, so the next plan keeps the same builder, copiers and open ports."""
+    cluster = lab(serial=False)
     facts = {"node1": debian(), "node2": debian(machine="aarch64"),
              "node3": debian(machine="aarch64")}
     first = decide(cluster, facts)
     key = first["node2"].key
     assert first["node2"].builder == first["node3"].builder == "node1"
     assert first["node2"].members == ("node2", "node3")
-    facts["node3"]["llama_cpp.Builds"] = {
-        "current": key, "builds": {key: {"commit": COMMIT, "rpc_binary": "ggml-rpc-server",
-                                         "targets": "ggml-rpc-server"}}}
+    before = keys.copiers(cluster, cluster.hosts, facts, COMMIT)
+    facts["node1"]["llama_cpp.Builds"] = installed(key)
+    facts["node3"]["llama_cpp.Builds"] = installed(key)
     then = decide(cluster, facts)
-    assert then["node2"].key == key and then["node2"].builder == "node3"
-    assert "installed" in then["node2"].why
-    assert keys.cross_builds(contexts(cluster, facts)["node1"]) == []
+    assert then["node2"].key == key and then["node2"].builder == "node1"
+    assert keys.copiers(cluster, cluster.hosts, facts, COMMIT) == before
+    facts["node2"]["llama_cpp.Builds"] = installed(key)
     assert ops.cross(contexts(cluster, facts)["node1"]).change.action == "no-op"
+
+
+def test_the_cross_builder_is_the_same_whatever_replace_names_on_the_x86_hosts():
+    """-replace=node2/llama_cpp.build makes node2 the x86 key's builder for one run (node1
+    copies from it); node1 still cross-compiles, with the build tools, and serves node3."""
+    cluster, facts = lab(), arm_node3()
+    copiers = keys.copiers(cluster, cluster.hosts, facts, COMMIT, ("node2/llama_cpp.build",))
+    assert copiers == {"node2": ("node1",), "node1": ("node3",)}
+    ctxs = contexts(cluster, facts, replacing=["node2/llama_cpp.build"], copiers=copiers)
+    assert keys.decide(ctxs["node1"]).builder == "node2"
+    assert keys.decide(ctxs["node3"]).builder == "node1"
+    step = ops.cross(ctxs["node1"])
+    assert step.change.action == "create" and "\nCROSS=aarch64\n" in step.commands[0]
+    assert "cmake" in toolchain.packages(ctxs["node1"]).change.diffs[0].after.split()
+    copy = ops.copy(ctxs["node1"])  # copies its own build from node2, serves node3's
+    assert "copy its build from node2" in copy.change.reason
+    assert "serve" in copy.change.reason and "node3" in copy.change.reason
+
+
+def test_a_limited_run_keeps_the_portable_build_an_aarch64_host_runs():
+    """--limit node3 (or node1 away): no cross builder in the run. node3 keeps the portable
+    build it runs (no native compile of another key on an arm64 board). The file names no
+    GGML_NATIVE here: the portable key is another key than a native one."""
+    cluster, facts = lab(cmake_flags=()), arm_node3()
+    key = decide(cluster, facts)["node3"].key
+    alone = {"node3": facts["node3"]}
+    ctx = HostContext(cluster, cluster.host("node3"), facts["node3"], Resolved(commit=COMMIT),
+                      cluster_facts=alone)
+    assert keys.decide(ctx).key != key  # nothing installed: nothing to keep
+    facts["node3"]["llama_cpp.Builds"] = installed(key)
+    ctx = HostContext(cluster, cluster.host("node3"), facts["node3"], Resolved(commit=COMMIT),
+                      cluster_facts={"node3": facts["node3"]})
+    got = keys.decide(ctx)
+    assert (got.key, got.builder) == (key, "node3")
+    assert ops.build(ctx).change.action == "no-op"
+
+
+def test_no_cross_build_where_the_file_turns_ggml_native_on():
+    got = decide(lab(cmake_flags=("-DGGML_NATIVE=ON",)), arm_node3())["node3"]
+    assert (got.builder, got.cross) == ("node3", "")
+    assert decide(lab(cmake_flags=("-DGGML_NATIVE=OFF",)), arm_node3())["node3"].cross
 
 
 def test_replace_on_an_aarch64_host_compiles_there_natively_under_the_same_key():

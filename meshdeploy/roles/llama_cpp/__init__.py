@@ -47,7 +47,8 @@ ROLE = Role(
                  serial=lambda cluster: cluster.llama_cpp.build.serial, replaceable=True),
         # After the host's own build: builds for hosts of another architecture (keys.py).
         Resource("cross", lambda ctx, key: ops.cross(ctx),
-                 "builds this host cross-compiles for hosts of another architecture"),
+                 "builds this host cross-compiles for hosts of another architecture",
+                 replaceable=True),
         # After every host's build: the build it copies is finished (keys.py says who copies).
         Resource("copy", lambda ctx, key: ops.copy(ctx),
                  "a build another host of its build key compiled, copied and verified",

@@ -52,15 +52,18 @@ joins has one as its first host.
 Cross-compiling. A Raspberry Pi compiles llama.cpp in an hour or more, an emulated arm64 host
 far longer. So the hosts of an aarch64 CPU key (a key of one platform: the same Debian release
 and C library) have their build compiled by an x86-64 host of the cluster with root, apt and
-that same release and C library, a CPU build host itself (llama_cpp.build compiles there
-anyway): the first such in file order. It installs Debian's cross compiler
+that same release and C library, a CPU build host itself: the first such in file order,
+chosen from the probed platforms alone (never from installed builds or -replace), so the same
+host every run; it comes before a host that holds a copy of the build, and cross-compiles even
+in a run where it copies its own build from another (-replace elsewhere). It installs Debian's cross compiler
 (g++-aarch64-linux-gnu, whose C library is its release's own version, built for arm64) and
 compiles with a cmake toolchain file (llama_cpp.cross, after its own build), portable code
 (GGML_NATIVE=OFF: the builder cannot ask the target's CPU); the aarch64 hosts copy that build,
 checked as every copy is, and run its binaries first as nobody before they become current. A
 key with a cross builder is portable whoever compiles it, so a native build of it (-replace on
-an aarch64 host, which then has that build installed and builds for the others from then on)
-is the same key. Portable code on aarch64 is the armv8-a baseline (no dotprod, no i8mm): llama.cpp's
+an aarch64 host) is the same key, and a run that cannot see the cross builder (--limit, the
+builder away) keeps the portable build the host runs rather than compiling another natively.
+No cross build where the file's cmake_flags turn GGML_NATIVE on. Portable code on aarch64 is the armv8-a baseline (no dotprod, no i8mm): llama.cpp's
 runtime CPU dispatch for ARM Linux (b11312) always compiles two armv9.2-a+sme variants, which
 GCC 12 (Debian 12's, native or cross) refuses ("unknown value for -march"), so it is not used
 there. No cross-compiling under a tunnel (the copy would have to cross between
@@ -275,12 +278,15 @@ def group(ctx) -> list[str] | None:
 
 def cross_builder(ctx, members: list[str]) -> str | None:
     """The host that cross-compiles this host's key (module docstring), or None: this host is
-    not of an architecture others compile for, or no host of the cluster can."""
+    not of an architecture others compile for, or no host of the cluster can. Chosen from the
+    probed platforms and the file alone (never from installed builds or -replace), so it stays
+    the same from run to run."""
     cluster, host, facts = ctx.cluster, ctx.host, ctx.cluster_facts or {}
     target = machine(ctx.facts)
     mine = platform(ctx.facts)
     if (mine is None or target not in d.llama_cpp_cross_triplets or cluster.network.tunnel
-            or host.backend not in d.llama_cpp_cross_backends or not _shares(cluster)):
+            or host.backend not in d.llama_cpp_cross_backends or not _shares(cluster)
+            or _native_on(cluster)):
         return None
     for h in cluster.hosts:
         theirs = _facts_of(ctx, h.name) if h.name in facts else {}
@@ -290,11 +296,16 @@ def cross_builder(ctx, members: list[str]) -> str | None:
                 or "apt-get" not in ((theirs.get("toolchain.Platform") or {}).get("tools") or ())
                 or platform(theirs) != mine.replace(f" {target} ", f" {built_on} ", 1)):
             continue
-        # A host that compiles its own build (not one that copies it from another).
-        if decide(HostContext(cluster, h, theirs, ctx.resolved,
-                              cluster_facts=ctx.cluster_facts)).builder == h.name:
-            return h.name
+        return h.name
     return None
+
+
+def _native_on(cluster) -> bool:
+    """Whether llama_cpp.build.cmake_flags turn GGML_NATIVE on: code for the CPU that compiles,
+    which a cross build cannot have."""
+    flags = [f.split("=", 1)[-1].upper() for f in cluster.llama_cpp.build.cmake_flags
+             if _NATIVE.match(f)]
+    return bool(flags) and flags[-1] in ("ON", "1", "TRUE", "YES", "Y")
 
 
 def cross_builds(ctx) -> list[Decision]:
@@ -385,6 +396,12 @@ def decide(ctx) -> Decision:
         return Decision(key, host.name, (host.name,), tuple(own), "", portable)
     cross = cross_builder(ctx, members)
     portable = bool(cross) or (len(members) > 1 and not one_cpu(ctx, members))
+    if not portable and machine(ctx.facts) in d.llama_cpp_cross_triplets:
+        # A run that cannot see its cross builder (--limit, the builder away) keeps the
+        # portable build the host runs, rather than compiling another key natively.
+        current = (ctx.fact("llama_cpp.Builds") or {}).get("current") or ""
+        portable = current.partition("-")[2] == build_key(
+            cluster, host, commit, termux, where, True, ctx.facts).partition("-")[2]
     key = build_key(cluster, host, commit, termux, where, portable, ctx.facts)
     if len(members) == 1 and not cross:
         return Decision(key, host.name, (host.name,), tuple(own), "")
@@ -422,12 +439,12 @@ def decide(ctx) -> Decision:
                else "the first host of the key in file order whose tunnel peers copy it")
     elif lead:
         builder, why = lead[0], "-replace builds it there"
-    elif installed and not cluster.llama_cpp.build.serial:
-        builder, why = installed[0], "it has that build installed"
-    elif cross:
+    elif cross:  # before the hosts that hold a copy: the same builder every run
         builder, why = cross, f"cross-compiled on {cross} for {machine(ctx.facts)}"
         return Decision(key, builder, tuple(sharing), tuple(own), why, portable, code,
                         machine(ctx.facts) or "")
+    elif installed and not cluster.llama_cpp.build.serial:
+        builder, why = installed[0], "it has that build installed"
     elif trusted[0] != sharing[0]:
         builder, why = trusted[0], "the first host of the key in file order with root"
     else:

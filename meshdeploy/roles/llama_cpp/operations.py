@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from meshdeploy.core import inflight, progress, share, shell
@@ -34,6 +35,7 @@ from meshdeploy.roles.llama_cpp.keys import (  # noqa: F401 (the role's API, use
 from meshdeploy.roles.llama_cpp.lock import checked_commit
 
 ROLE = "llama_cpp"
+CROSS_RESOURCE = "llama_cpp.cross"
 TEMPLATES = Path(__file__).with_name("templates")
 
 
@@ -194,6 +196,8 @@ def build_script(ctx: HostContext, key: str, decision: keys.Decision | None = No
     termux = on_termux(of)
     portable = decision.portable
     cross = keys.machine(of.facts) if target else ""
+    if cross and cross not in d.llama_cpp_cross_triplets:  # keys.cross_builder never plans one
+        raise ValueError(f"no cross compiler is known for machine {cross!r}")
     triplet = d.llama_cpp_cross_triplets.get(cross, "") if cross else ""
     tree = f"{host.backend}-{flavour(cluster, of.host, termux, None, portable, of.facts)}"
     return shell.template(
@@ -302,7 +306,7 @@ def cross(ctx: HostContext) -> Step:
                                f"ref not resolved yet; cross-compiled here for {names}",
                                [AttrDiff("for", None, ", ".join(m for j in jobs
                                                                 for m in j.members))]))
-    forced = ctx.replacing(keys.RESOURCE)
+    forced = ctx.replacing(CROSS_RESOURCE)  # -replace=HOST/llama_cpp.cross
     cmds, diffs, compiled = [], [], []
     for job in jobs:
         target = HostContext(ctx.cluster, ctx.cluster.host(job.members[0]),
@@ -368,12 +372,35 @@ def copy(ctx: HostContext) -> Step:
     md-share started for the hosts that still lack the build. Runs after every host's
     llama_cpp.build, so the build it copies is finished.
     """
-    cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit
+    cluster, host = ctx.cluster, ctx.host
     if not targets(cluster, host):
         return Step(ctx.change(ROLE, "copy", "no-op", "nothing to copy"))
     decision = keys.decide(ctx)
+    crossed = keys.cross_builds(ctx)
     if decision.builder == host.name:
-        return _serve(ctx, [decision, *keys.cross_builds(ctx)])
+        return _serve(ctx, [decision, *crossed])
+    step = _copy(ctx, decision)
+    # A cross builder copying its own build (-replace made another host its builder) serves
+    # the builds it cross-compiled all the same.
+    return _and_serve(ctx, step, _serve(ctx, crossed)) if crossed else step
+
+
+def _and_serve(ctx: HostContext, step: Step, serving: Step) -> Step:
+    """A copy step that also serves this host's cross builds (`serving`, from _serve)."""
+    if serving.noop:
+        return step
+    if step.noop:
+        return serving
+    change = step.change
+    reason = f"{change.reason}; then {serving.change.reason}"
+    return replace(step, change=replace(change, reason=reason,
+                                        diffs=[*change.diffs, *serving.change.diffs]),
+                   commands=[*step.commands, *serving.commands])
+
+
+def _copy(ctx: HostContext, decision: keys.Decision) -> Step:
+    """The copying host's part of llama_cpp.copy (copy())."""
+    cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit
     have = ctx.fact("llama_cpp.Builds") or {"current": None, "builds": {}}
     if commit is None:  # the ref is resolved at apply: what is copied is known then
         return Step(_copy_change(ctx, decision, have.get("current"), None),

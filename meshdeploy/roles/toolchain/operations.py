@@ -239,9 +239,10 @@ def packages(ctx: HostContext) -> Step:
     manager = package_manager(platform)
     if manager is None:
         preflight(ctx)  # raises the plain "no supported package manager" error
-    source = copies_from(ctx)
-    wanted = wanted_packages(ctx.cluster, manager, ctx.host, bool(source), ctx.first,
-                             cross_targets(ctx))
+    cross = cross_targets(ctx)
+    # A host that cross-compiles for others needs the build tools, whoever compiles its own.
+    source = None if cross else copies_from(ctx)
+    wanted = wanted_packages(ctx.cluster, manager, ctx.host, bool(source), ctx.first, cross)
     if (ctx.resolved.build_copiers.get(ctx.host.name) and manager != "brew"
             and d.toolchain_python_package not in wanted
             and "python3" not in platform.get("tools", [])):

@@ -104,7 +104,7 @@ if [ -x "$OUT.tmp/bin/llama-server" ]; then
   case "$V" in *"$SHORT"*) ;; *) rm -rf "$OUT.tmp"; printf '%s: the copied llama-server reports\n%s\nnot commit %s\n' "$HOST" "$V" "$SHORT" >&2; exit 1 ;; esac
   # A cross-compiled build never ran where it was built: its options are read here (the
   # Builds fact reads them from this file).
-  if [ ! -f "$OUT.tmp/llama-server.help" ]; then (cd / && md_unprivileged "$OUT.tmp/bin/llama-server" --help) > "$OUT.tmp/llama-server.help" 2>&1 || true; fi
+  if [ ! -f "$OUT.tmp/llama-server.help" ]; then (cd / && md_unprivileged "$OUT.tmp/bin/llama-server" --help) > "$OUT.tmp/llama-server.help" 2>&1 || { rm -rf "$OUT.tmp"; echo "$HOST: the copied llama-server --help failed here" >&2; exit 1; }; fi
 fi
 if [ -n "$RPC" ] && [ -x "$OUT.tmp/bin/$RPC" ]; then
   C=0; V=$(cd / && md_unprivileged "$OUT.tmp/bin/$RPC" --help 2>&1) || C=$?
