@@ -213,3 +213,34 @@ def test_a_stopped_worker_switches_at_once_and_its_return_is_seen(lab):
     assert complete(info)
     done = meshdeploy("plan", lab[1])
     assert "No changes" in done.stdout, done.stdout
+
+
+def test_apply_limited_to_the_hosts_left_keeps_the_failover_in_force(lab):
+    """A worker away (its link to node1 and its SSH cut, no RST): `apply --limit node1,node2`
+    converges the hosts that are left, and md-failover stays on the placement without node3
+    (the apply restarts nothing on a file that did not change); it goes back when node3 does."""
+    info, path = lab
+    node1 = info.host("node1").address
+    assert wait_state(info, lambda s: s.get("state") == "serving" and not s["lost"], 60)[0]
+    _nft(info, "node3", f"table inet {TABLE} {{\n"
+                        "  chain input { type filter hook input priority -10; policy accept;\n"
+                        f"    ip saddr {node1} drop\n    tcp dport 22 drop\n  }}\n"
+                        "  chain output { type filter hook output priority -10; "
+                        "policy accept;\n"
+                        f"    ip daddr {node1} drop\n  }}\n}}\n")
+    try:
+        s, _ = wait_state(info, lambda s: s["lost"] == ["node3"] and s["state"] == "serving", 90)
+        assert s["lost"] == ["node3"], s
+        since = s.get("since")
+        done = meshdeploy("apply", path, "--limit", "node1,node2", "--auto-approve")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr
+        print(done.stdout[-1500:])
+        s = state(info)
+        assert s["lost"] == ["node3"] and s["state"] == "serving", s
+        assert s.get("since") == since, (since, s)  # not restarted by the apply
+        wait_for_health(info, 60)
+        assert complete(info)
+    finally:
+        _nft(info, "node3", f"delete table inet {TABLE}\n")
+    s, _ = wait_state(info, lambda s: s["lost"] == [] and s["state"] == "serving", 90)
+    assert s["lost"] == [], s

@@ -342,12 +342,29 @@ def health_wait(server, journal: str | None = None, shim: str = "") -> str:
             + "\n" + (journal or Systemd().journal(server.unit_name)) + "; exit 1")
 
 
+def _workers_outside_run(ctx: HostContext, server) -> list[str]:
+    """The hosts of the server's rpc-servers this run did not probe (--limit), file order."""
+    if ctx.cluster_facts is None:  # a deploy calling the operation alone: no run to compare
+        return []
+    hosts = dict.fromkeys(e.host.name for e in ctx.cluster.rpc_endpoints(server))
+    return [h for h in hosts if h != ctx.host.name and h not in ctx.cluster_facts]
+
+
 def llama_server(ctx: HostContext, name: str) -> Step:
     """services.llama_server[name]: the orchestrator, restarted after its workers, then healthy."""
     resource = f"llama_server[{name}]"
     server = next((s for s in ctx.servers() if s.name == name), None)
     if server is None:
         return Step(ctx.change(ROLE, resource, "no-op", "not served from this host"))
+    outside = _workers_outside_run(ctx, server)
+    if outside:
+        # A run that leaves a worker out (--limit: it is away) knows neither its memory nor
+        # whether it answers: the placements, the --rpc list and md-failover's are not
+        # decided here, and a unit written now would drop the failover that keeps the
+        # server answering without it. Left as it runs.
+        return Step(ctx.change(ROLE, resource, "no-op",
+                               f"{', '.join(outside)} not in this run (--limit): left as it is, "
+                               "failover included; apply without --limit to change it"))
     runs = ctx.resolved.failover.get(name) or ()
     # md-failover runs a server that may lose workers, where the plan knows its placements.
     script = failover_script(ctx.prefix) if runs and ctx.cluster.supervised(server) else None
