@@ -204,6 +204,10 @@ def test_a_limited_run_keeps_the_portable_build_an_aarch64_host_runs():
     got = keys.decide(ctx)
     assert (got.key, got.builder) == (key, "node3")
     assert ops.build(ctx).change.action == "no-op"
+    # A pin moved in the same limited run: the new commit's build, still the portable one.
+    moved = HostContext(cluster, cluster.host("node3"), facts["node3"],
+                        Resolved(commit="1" * 40), cluster_facts={"node3": facts["node3"]})
+    assert keys.decide(moved).key == "1" * 12 + key[12:]
 
 
 def test_no_cross_build_where_the_file_turns_ggml_native_on():

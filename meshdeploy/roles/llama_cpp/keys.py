@@ -323,9 +323,7 @@ def cross_builds(ctx) -> list[Decision]:
                                     cluster_facts=ctx.cluster_facts))
         if theirs.builder != ctx.host.name or machine(facts) == here or theirs.key in out:
             continue
-        need = tuple(t for t in ("llama-server", "rpc")
-                     if any(t in targets(cluster, cluster.host(m)) for m in theirs.members))
-        out[theirs.key] = replace(theirs, targets=need)
+        out[theirs.key] = replace(theirs, targets=tuple(needed(cluster, theirs.members)))
     return list(out.values())
 
 
@@ -380,6 +378,20 @@ def _installed(ctx, name: str, key: str) -> dict | None:
     return ((_facts_of(ctx, name).get("llama_cpp.Builds") or {}).get("builds") or {}).get(key)
 
 
+def needed(cluster, members) -> list[str]:
+    """What the hosts of `members` need together (targets()): what their builder compiles."""
+    return [t for t in ("llama-server", "rpc")
+            if any(t in targets(cluster, cluster.host(m)) for m in members)]
+
+
+def runs_portable(ctx, termux: bool, where: str | None) -> bool:
+    """Whether the build the host runs now is its portable one, of whatever commit (a key is
+    <commit12>-<backend>-<flavour>: compared without the commit)."""
+    current = (ctx.fact("llama_cpp.Builds") or {}).get("current") or ""
+    portable = build_key(ctx.cluster, ctx.host, UNRESOLVED, termux, where, True, ctx.facts)
+    return current.partition("-")[2] == portable.partition("-")[2]
+
+
 def decide(ctx) -> Decision:
     """This host's build key, who compiles it, and what that compile builds (module docstring);
     while the ref is not resolved the key stands for a build of an unknown commit (UNRESOLVED)
@@ -390,8 +402,7 @@ def decide(ctx) -> Decision:
     own = targets(cluster, host)
     members = group(ctx)
     if members is None:  # alone here: keep the key of the build it runs now, portable or not
-        current = (ctx.fact("llama_cpp.Builds") or {}).get("current")
-        portable = current == build_key(cluster, host, commit, termux, where, True, ctx.facts)
+        portable = runs_portable(ctx, termux, where)
         key = build_key(cluster, host, commit, termux, where, portable, ctx.facts)
         return Decision(key, host.name, (host.name,), tuple(own), "", portable)
     cross = cross_builder(ctx, members)
@@ -399,9 +410,7 @@ def decide(ctx) -> Decision:
     if not portable and machine(ctx.facts) in d.llama_cpp_cross_triplets:
         # A run that cannot see its cross builder (--limit, the builder away) keeps the
         # portable build the host runs, rather than compiling another key natively.
-        current = (ctx.fact("llama_cpp.Builds") or {}).get("current") or ""
-        portable = current.partition("-")[2] == build_key(
-            cluster, host, commit, termux, where, True, ctx.facts).partition("-")[2]
+        portable = runs_portable(ctx, termux, where)
     key = build_key(cluster, host, commit, termux, where, portable, ctx.facts)
     if len(members) == 1 and not cross:
         return Decision(key, host.name, (host.name,), tuple(own), "")
@@ -429,8 +438,7 @@ def decide(ctx) -> Decision:
     if host.name in alone:
         return Decision(key, host.name, (host.name,), tuple(own), "-replace builds it here",
                         portable)
-    need = [t for t in ("llama-server", "rpc")
-            if any(t in targets(cluster, cluster.host(m)) for m in sharing)]
+    need = needed(cluster, sharing)
     installed = [m for m in sharing if m in trusted and covers(_installed(ctx, m, key), need)]
     if tunnel:  # the star's first host: its peers alone can reach it through the tunnel
         builder = sharing[0]
