@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from meshdeploy.commands import bench  # noqa: E402
-from meshdeploy.config.load import load_cluster  # noqa: E402
+from meshdeploy.core.loading import load_cluster  # noqa: E402
 from meshdeploy.core import shell
 from meshdeploy.lab import Lab  # noqa: E402
 from meshdeploy.remote import ssh_settings

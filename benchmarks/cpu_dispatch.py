@@ -25,15 +25,14 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from meshdeploy.config.load import load_cluster  # noqa: E402
+from meshdeploy.core.loading import load_cluster  # noqa: E402
 from meshdeploy.core import progress, shell  # noqa: E402
-from meshdeploy.roles.llama_cpp import keys  # noqa: E402
+from meshdeploy.roles.llama_cpp import keys, settings  # noqa: E402
 from meshdeploy.roles.llama_cpp.operations import TEMPLATES  # noqa: E402
 
 MIRROR = Path("/var/cache/meshdeploy/lab/git/llama.cpp.git")
@@ -45,8 +44,7 @@ FACTS = {"toolchain.Platform": {"kernel": "Linux", "machine": "x86_64"}}
 def flags(dispatch: bool) -> list[str]:
     lab = load_cluster(REPO / "inventories" / "lab.yaml")
     # Without the lab file's own GGML_NATIVE: the CPU code meshdeploy chooses.
-    cluster = replace(lab, llama_cpp=replace(lab.llama_cpp, build=replace(
-        lab.llama_cpp.build, cmake_flags=())))
+    cluster = settings.with_build(lab, cmake_flags=())
     got = keys.cmake_flags(cluster, cluster.host("node1"), portable=dispatch, facts=FACTS)
     return [f for f in got if not f.startswith("-DGGML_CCACHE")] + ["-DGGML_CCACHE=OFF"]
 

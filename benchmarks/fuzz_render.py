@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from support.validate_fuzz import document  # noqa: E402
 
-from meshdeploy.config.load import load_cluster  # noqa: E402
+from meshdeploy.core.loading import load_cluster  # noqa: E402
 from meshdeploy.errors import ConfigError  # noqa: E402
 from support import render_check as rc  # noqa: E402
 

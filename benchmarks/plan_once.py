@@ -16,7 +16,7 @@ from pathlib import Path  # noqa: E402
 
 
 def main(path: str) -> int:
-    from meshdeploy.config.load import load_cluster
+    from meshdeploy.core.loading import load_cluster
     from meshdeploy.engine import planner as engine
 
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def main(path: str, host_name: str, runs: int = 20) -> int:
-    from meshdeploy.config.load import load_cluster
+    from meshdeploy.core.loading import load_cluster
     from meshdeploy.core import probe
     from meshdeploy.engine.planner import probe_sections
     from meshdeploy.remote import ssh_settings

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from meshdeploy import errors
 from meshdeploy.commands import common, options
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core.plan import check_fresh, load_plan
 from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.errors import AbortedError, PlanError

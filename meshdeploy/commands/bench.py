@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 
 from meshdeploy import errors
 from meshdeploy.commands import common, options
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import local_address
 from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.engine import sweep, sweep_guard
@@ -91,7 +91,7 @@ def bench_server(cluster, server, settings: SshSettings, runs: int, n_predict: i
     conn = connect(settings)
     try:
         host = cluster.host(server.host)
-        prefix = cluster.llama_cpp.prefix
+        prefix = cluster.prefix
         layout = None
         if host.rootless:
             # Everything is the login user's own there (the key file too): never sudo.

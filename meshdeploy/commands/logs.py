@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from meshdeploy import errors
 from meshdeploy.commands import common, options
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.views import completion, notices

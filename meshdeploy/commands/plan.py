@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from meshdeploy import errors
 from meshdeploy.commands import common, options
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core.plan import save_plan
 from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.views import plan as view

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from meshdeploy import errors
 from meshdeploy.commands import options
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core.files import write_atomic
 from meshdeploy.roles.monitoring import defaults as d
 from meshdeploy.roles.monitoring import prometheus

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from meshdeploy import errors
 from meshdeploy.commands import common, options
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, local_address
 from meshdeploy.core import registry, rpc_hello, shell
 from meshdeploy.core.paths import llama_cpp_paths

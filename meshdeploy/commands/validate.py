@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from meshdeploy import errors
 from meshdeploy.commands import options
 from meshdeploy.config.checks import warnings_for
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.errors import ConfigError
 from meshdeploy.views import diagnostics, notices
 from meshdeploy.views import validate as view

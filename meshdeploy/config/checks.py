@@ -37,54 +37,17 @@ from meshdeploy.errors import ConfigIssue
 # ggml-rpc.h: llama-server connects to at most this many rpc-servers.
 MAX_RPC_SERVERS = 16
 
-ABBREVIATED_COMMIT = re.compile(r"[0-9a-f]{7,39}")
 DOTTED_NUMBERS = re.compile(r"[0-9.]+")
 
 
 def check(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     """Every problem of `cluster` (built from `doc`), in file order."""
     issues: list[ConfigIssue] = []
-    for checker in (check_ref, check_models, check_hosts, check_local, check_rootless,
-                    check_ports, check_servers, check_wireguard, check_ssh_transport,
-                    check_scrapers):
+    for checker in (check_models, check_hosts, check_local, check_rootless,
+                    check_ports, check_servers, check_wireguard, check_ssh_transport):
         issues += checker(doc, cluster)
     issues.sort(key=lambda i: (i.line, i.col))
     return issues
-
-
-def check_scrapers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
-    """monitoring.scrapers: addresses or networks, as nftables rules and IPAddressAllow= hold
-    them (a DNS name there would leave a unit without its IP restriction)."""
-    issues = []
-    for i, value in enumerate(cluster.scrapers):
-        try:
-            net = ipaddress.ip_network(value, strict=True)
-        except ValueError:
-            issues.append(doc.issue(("monitoring", "scrapers", i),
-                                    f"{value!r} is not an IP address or network",
-                                    "write the address Prometheus scrapes from (10.0.0.5) or "
-                                    "its network (10.0.0.0/24)"))
-            continue
-        # A scraper reaches the llama-servers' APIs and the rpc-servers' ports: beyond the
-        # private ranges only as a public bind is, with network.allow_public.
-        private = any(net.version == p.version and net.subnet_of(p) for p in PRIVATE_NETWORKS)
-        if not private and not cluster.network.allow_public:
-            issues.append(doc.issue(("monitoring", "scrapers", i),
-                                    f"{value!r} is not inside a private network: it would "
-                                    "reach the servers' ports from beyond the LAN",
-                                    "name the scraper's private address, or set "
-                                    "network.allow_public: true to accept the risk"))
-    return issues
-
-
-def check_ref(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
-    ref = cluster.llama_cpp.ref
-    if ABBREVIATED_COMMIT.fullmatch(ref):
-        return [doc.issue(("llama_cpp", "ref"),
-                          f"'{ref}' looks like an abbreviated commit",
-                          "write the full 40-hex commit (git rev-parse), or a tag: a short "
-                          "hash cannot be fetched reliably and may become ambiguous")]
-    return []
 
 
 def check_models(doc: Document, cluster: Cluster) -> list[ConfigIssue]:

@@ -17,18 +17,15 @@ from typing import Any
 
 from ruamel.yaml.scalarbool import ScalarBoolean
 
-from meshdeploy.config import checks as config_checks
 from meshdeploy.config.document import Document
 from meshdeploy.config.model import (
     DEFAULT_DEVICES,
     SSH,
-    Build,
     Cluster,
     Failover,
     Health,
     HfSource,
     Host,
-    LlamaCpp,
     Model,
     Network,
     OllamaSource,
@@ -42,6 +39,7 @@ from meshdeploy.config.model import (
     tunnel_binds,
 )
 from meshdeploy.config.schema import (
+    layout_field,
     load_schema,
     role_sections,
     schema_issues,
@@ -49,17 +47,16 @@ from meshdeploy.config.schema import (
 from meshdeploy.errors import ConfigError
 
 
-def load_cluster(path: str | Path) -> Cluster:
-    """Read, validate and resolve a cluster file; raises ConfigError listing every problem."""
+def read_cluster(path: str | Path) -> tuple[Document, Cluster]:
+    """Read a cluster file, validate it against the schema and build the typed model: the
+    document (for file:line:col) and the cluster. Raises ConfigError at once when the schema
+    refuses the file. What the roles' sections decide and the semantic checks (this layer's,
+    config.checks, and the roles') are core.loading's, which is what commands call."""
     doc = Document.read(path)
     issues = schema_issues(doc)
     if issues:
         raise ConfigError(issues)
-    cluster = build_cluster(doc, fill_defaults(doc.root, load_schema()))
-    issues = config_checks.check(doc, cluster)
-    if issues:
-        raise ConfigError(issues)
-    return cluster
+    return doc, build_cluster(doc, fill_defaults(doc.root, load_schema()))
 
 
 
@@ -168,8 +165,8 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
     """The typed model of schema-valid `data`; config_checks.check decides whether it is usable
     (until then an rpc-server on a DNS-named host without a bind has bind None)."""
     base = doc.path.parent
-    lc = data["llama_cpp"]
-    b = lc["build"]
+    section, key = layout_field(load_schema(), "prefix")
+    prefix = data[section][key]
     net = data["network"]
     hosts = []
     for name, h in data["hosts"].items():
@@ -188,7 +185,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                           unprotected=h["unprotected"],
                           keep_free=int(h["keep_free_gb"] * 1e9),
                           vulkan_visible=tuple(h["vulkan_visible_devices"]),
-                          layout=None if h["rootless"] else system_layout(lc["prefix"])))
+                          layout=None if h["rootless"] else system_layout(prefix)))
     models = {name: Model(name, model_source(m)) for name, m in data["models"].items()}
     servers = tuple(
         Server(name=name, host=s["host"], model=s["model"], port=s["port"], bind=s["bind"],
@@ -209,13 +206,7 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
     cluster = Cluster(
         name=data["cluster"],
         path=doc.path,
-        llama_cpp=LlamaCpp(
-            repo=lc["repo"], ref=lc["ref"], prefix=lc["prefix"], keep_builds=lc["keep_builds"],
-            build=Build(type=b["type"], jobs=b["jobs"], ccache=b["ccache"],
-                        ccache_dir=unset(b["ccache_dir"]), cmake_flags=tuple(b["cmake_flags"]),
-                        serial=b["serial"], copy=b["copy"],
-                        cuda_architectures=tuple(str(a) for a in b["cuda_architectures"]),
-                        amdgpu_targets=tuple(b["amdgpu_targets"]))),
+        prefix=prefix,
         network=Network(rpc_bind=net["rpc_bind"], allow_public=net["allow_public"],
                         firewall=net["firewall"], transport=net["transport"],
                         ssh=SshTransport(local_port_base=net["ssh"]["local_port_base"],

@@ -1,6 +1,6 @@
 """The typed cluster model: what a validated cluster file means, with every default resolved.
 
-Everything here is frozen and already checked by meshdeploy.config.load.load_cluster, so the
+Everything here is frozen and already checked by meshdeploy.core.loading.load_cluster, so the
 engine never re-validates and never sees "" for "unset": unset optional values are None.
 """
 
@@ -36,29 +36,6 @@ WILDCARD = "0.0.0.0"
 PRIVATE_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
     "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "127.0.0.0/8",
     "fd00::/8"))
-
-
-@dataclass(frozen=True)
-class Build:
-    type: str
-    jobs: int  # 0 = number of cores of the building host
-    ccache: bool
-    ccache_dir: str | None
-    cmake_flags: tuple[str, ...]
-    serial: bool
-    copy: bool  # hosts of one build key copy one compile (roles/llama_cpp/keys.py)
-    # GPU code the build compiles for where the host's driver cannot say (roles/llama_cpp/keys.py)
-    cuda_architectures: tuple[str, ...] = ()
-    amdgpu_targets: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class LlamaCpp:
-    repo: str
-    ref: str
-    build: Build
-    prefix: str
-    keep_builds: int
 
 
 @dataclass(frozen=True)
@@ -178,11 +155,11 @@ SYSTEMD, SYSTEMD_USER, RUNIT, LAUNCHD = "systemd", "systemd-user", "runit", "lau
 class Layout:
     """Where meshdeploy keeps its things on one host, and who supervises its services.
 
-    A host with root: llama_cpp.prefix, /var/cache, /run/meshdeploy, the system's service
+    A host with root: the cluster's prefix, /var/cache, /run/meshdeploy, the system's service
     manager (systemd; launchd on macOS, told by the Platform fact). A rootless host: folders the
     login user owns (core.account reads them from the host), its own service manager."""
 
-    prefix: str  # builds and models (llama_cpp.prefix on a host with root)
+    prefix: str  # builds and models (Cluster.prefix on a host with root)
     cache: str  # the parent of each rpc-server's cache folder
     run: str  # locks, in-flight markers, the scripts of transient steps
     services: str  # where service definitions go: unit files, or runit's service folders
@@ -425,7 +402,9 @@ class Server:
 class Cluster:
     name: str
     path: Path
-    llama_cpp: LlamaCpp
+    # Where hosts with root keep meshdeploy's things: the field a role's schema.json marks
+    # "x-meshdeploy-layout": "prefix" (config.schema.layout_field).
+    prefix: str
     network: Network
     hosts: tuple[Host, ...]
     models: dict[str, Model] = field(hash=False)
@@ -445,12 +424,6 @@ class Cluster:
         if key not in self._derived:
             self._derived[key] = compute()
         return self._derived[key]
-
-    @property
-    def scrapers(self) -> tuple[str, ...]:
-        """monitoring.scrapers (the monitoring role's section, as written): where Prometheus
-        scrapes from; the network role's allow-list and the services' units let them in."""
-        return tuple((self.sections.get("monitoring") or {}).get("scrapers", ()))
 
     def host(self, name: str) -> Host:
         host = self.derived("hosts by name", lambda: {h.name: h for h in self.hosts}).get(name)

@@ -35,7 +35,8 @@ COMPLETE = "cluster.schema.json"
 @lru_cache(maxsize=1)
 def load_schema() -> dict:
     """The cluster file's schema: schemas/core.schema.json with each role's own section merged in
-    as `properties.<role>` (see role_fragments)."""
+    as `properties.<role>` (see role_fragments); a section whose fragment says
+    `"x-meshdeploy-required": true` joins the top level's `required`."""
     text = resources.files("meshdeploy.schemas").joinpath(CORE).read_text()
     schema = json.loads(text)
     for name, (where, fragment) in role_fragments().items():
@@ -46,7 +47,22 @@ def load_schema() -> dict:
                                   "after its folder (schema.<section>.json: after <section>); "
                                   "rename the role or the section")
         schema["properties"][name] = fragment
+        if fragment.get(REQUIRED):
+            schema["required"].append(name)
     return schema
+
+
+def layout_field(schema: dict, name: str) -> tuple[str, str]:
+    """(section, key) of the role field marked `"x-meshdeploy-layout": name` (the folder under
+    which hosts with root keep meshdeploy's things is `prefix`): the core reads the value
+    without naming the role that declares it."""
+    found = [(section, key) for section, fragment in schema["properties"].items()
+             for key, field in (fragment.get("properties") or {}).items()
+             if field.get(LAYOUT) == name]
+    if len(found) != 1:
+        raise MeshdeployError(f"{len(found)} sections declare the layout field '{name}'",
+                              f"exactly one role's schema.json marks a field {LAYOUT}: {name}")
+    return found[0]
 
 
 @lru_cache(maxsize=1)
@@ -120,22 +136,17 @@ def role_sections() -> tuple[str, ...]:
 # the pattern: annotations of its own, which validators and editors leave alone.
 MEANING = "x-meshdeploy-meaning"
 HINT = "x-meshdeploy-hint"
+# A role's section the cluster file must have (schema.json's top level), and a field of it the
+# core reads for the hosts' layout (layout_field).
+REQUIRED = "x-meshdeploy-required"
+LAYOUT = "x-meshdeploy-layout"
 
 # Why a value failed a `pattern` of the core sections, by field: its path with names as `*` and
 # list items as `[]` (see field_key), or its bare name where that is unambiguous.
 PATH_MEANING = "is not an absolute, normalized path (no '//', '.' or '..' parts, no trailing '/')"
 PATTERN_MEANING = {
     "cluster": "is not a valid name (letters, digits, '_', '.', '-'; starts with a letter or digit)",
-    "llama_cpp.repo": "is not a git URL (https, http, git, ssh or file), user@host:path or an "
-                      "absolute path, without spaces, quotes or a leading '-'",
-    "llama_cpp.ref": "is not a git tag, branch or commit (git check-ref-format: no '..', '@{', "
-                     "spaces or ~^:?*[\\, no leading '-', no trailing '/', '.' or '.lock')",
     "models.*.huggingface.revision": "is not a git branch, tag or commit",
-    "cmake_flags": "is not a cmake -DNAME=VALUE flag",
-    "cuda_architectures": "is not a CUDA architecture like 86, 89-real or 90-virtual",
-    "amdgpu_targets": "is not an AMD GPU target like gfx1030 or gfx90a:xnack-",
-    "prefix": PATH_MEANING,
-    "ccache_dir": PATH_MEANING,
     "store": PATH_MEANING,
     "path": PATH_MEANING,
     "api_key_file": PATH_MEANING + " on the host",
@@ -161,9 +172,6 @@ PATTERN_MEANING = {
 PATTERN_HINT = {
     "rpc": "write the host's name from hosts, e.g. node2:50052",
     "sha256": "sha256sum prints it; leave \"\" to trust the hub's hash",
-    "llama_cpp.repo": "e.g. https://github.com/ggml-org/llama.cpp.git",
-    "llama_cpp.ref": "e.g. b11312, master, or a full 40-hex commit",
-    "prefix": "e.g. /opt/meshdeploy (spaces are fine)",
     "file": "e.g. gemma-3-270m-q4_k_m.gguf, or a folder/file.gguf path in the repository",
     "files": "e.g. Q4_K_M/model-00001-of-00002.gguf",
     "servers.*.bind": "e.g. 127.0.0.1, or the host's cluster address",
@@ -315,6 +323,12 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
             f"does not match {error.validator_value}"
         hint = error.schema.get(HINT) or field_lookup(PATTERN_HINT, path)
         return [doc.issue(path, f"{show(value)} {meaning}", hint)]
+    if kind == "not":
+        # A value the field refuses although it has the field's form (llama_cpp.ref: an
+        # abbreviated commit): the refused form says what it is and what to write instead.
+        refused = error.validator_value if isinstance(error.validator_value, dict) else {}
+        meaning = refused.get(MEANING) or "is a form this field refuses"
+        return [doc.issue(path, f"{show(value)} {meaning}", refused.get(HINT))]
     if kind in ("minimum", "exclusiveMinimum", "maximum"):
         bound = error.validator_value
         relation = {"minimum": f"at least {bound}", "exclusiveMinimum": f"more than {bound}",

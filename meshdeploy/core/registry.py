@@ -1,6 +1,6 @@
 """The role registry: the one list of what meshdeploy manages.
 
-Every role folder under meshdeploy/roles/ declares one `ROLE = Role(...)` in its __init__.py:
+Every role folder under meshdeploy/roles/ declares one `ROLE = Role(...)` in its role.py:
 its resources in apply order, the facts each host's probe gathers for it, which of those move on
 their own (volatile), the cluster-wide values it resolves before planning, and where it sits
 relative to other roles. The engine, apply, the probe, the fixture tests and the docs iterate
@@ -10,22 +10,28 @@ A role's folder may also hold `schema.json`: the JSON Schema of a top-level sect
 cluster file named after the role. config/schema.py merges it into the cluster file's schema
 (so its errors point at file:line:col like any other), the typed Cluster keeps the section's
 data in `sections`, and the role reads it as its own typed settings (`ctx.section(name)`).
-Its `status` hook adds its lines to `meshdeploy status` (StatusProbe, StatusRow).
+What the schema cannot express the role checks itself in cluster_file.py (file_hooks: run by
+core.loading with the config layer's checks, without importing role.py). Its `status` hook
+adds its lines to `meshdeploy status` (StatusProbe, StatusRow).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from meshdeploy.config.document import Document
     from meshdeploy.config.model import Cluster, Host
     from meshdeploy.core.context import HostContext, Resolved, Step, Teardown
     from meshdeploy.core.probe import Section
+    from meshdeploy.errors import ConfigIssue
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,10 @@ class Role:
     destroy: Callable[[HostContext, bool], Teardown] | None = None
     after: tuple[str, ...] = ()  # roles whose resources run before this role's
     before: tuple[str, ...] = ()  # roles whose resources run after this role's
+    # Addresses or networks outside the cluster that the role's own service reaches every
+    # meshdeploy port from (Prometheus's scrapers), as the file writes them: the network role's
+    # allow-lists and the services' units let them in (admitted()).
+    admits: Callable[[Cluster], Sequence[str]] | None = None
 
     def __post_init__(self):
         bound = tuple(Resource(**{**r.__dict__, "role": self.name}) for r in self.resources)
@@ -241,18 +251,55 @@ def resolver(hosts: Sequence[Host]) -> str | None:
 
 @cache
 def roles() -> tuple[Role, ...]:
-    """Every role under meshdeploy.roles, in dependency order (ties: by name)."""
-    import meshdeploy.roles as package
-
+    """Every role under meshdeploy.roles (each folder's role.py), in dependency order (ties: by
+    name)."""
     found: dict[str, Role] = {}
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        role = getattr(module, "ROLE", None)
+    for name in _folders():
+        module = _module(name, "role")
+        role = getattr(module, "ROLE", None) if module else None
         if isinstance(role, Role):
-            if role.name != info.name:
-                raise RegistryError(f"roles/{info.name} declares role {role.name!r}")
+            if role.name != name:
+                raise RegistryError(f"roles/{name} declares role {role.name!r}")
             found[role.name] = role
     return tuple(_ordered(found))
+
+
+def _folders() -> list[str]:
+    import meshdeploy.roles as package
+
+    return [info.name for info in pkgutil.iter_modules(package.__path__) if info.ispkg]
+
+
+def _module(role: str, name: str) -> ModuleType | None:
+    """meshdeploy.roles.<role>.<name>, or None where the role has no such module."""
+    qualified = f"meshdeploy.roles.{role}.{name}"
+    if importlib.util.find_spec(qualified) is None:
+        return None
+    return importlib.import_module(qualified)
+
+
+@cache
+def file_hooks() -> tuple[ModuleType, ...]:
+    """Each role's part in loading a cluster file: the folder's cluster_file.py, whose
+    `complete(cluster) -> Cluster` puts what the role's section decides for other layers on the
+    typed cluster (the network role: the Network every layer reads, the rpc-servers' binds), and
+    whose `validate(doc, cluster) -> [ConfigIssue]` checks what the role's schema.json cannot
+    express, at file:line:col. Imported without role.py: a role's package imports nothing, so
+    `validate` reads no operation, fact or pyinfra. Folders in name order."""
+    return tuple(m for m in (_module(name, "cluster_file") for name in sorted(_folders())) if m)
+
+
+def completed(cluster: Cluster) -> Cluster:
+    """`cluster` with every role's `complete` applied, in file_hooks order."""
+    for module in file_hooks():
+        if hasattr(module, "complete"):
+            cluster = module.complete(cluster)
+    return cluster
+
+
+def validations(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
+    """Every role's checks of its own section (cluster_file.validate)."""
+    return [i for m in file_hooks() if hasattr(m, "validate") for i in m.validate(doc, cluster)]
 
 
 def _ordered(found: dict[str, Role]) -> list[Role]:
@@ -320,6 +367,17 @@ def sections(request: FactRequest) -> list[Section]:
 def checks(request: Check) -> list[str]:
     """Every role's check across hosts, in registry order: the warnings they return."""
     return [w for role_ in roles() if role_.check for w in role_.check(request)]
+
+
+def admitted(cluster: Cluster) -> tuple[str, ...]:
+    """The addresses and networks the roles' services reach the cluster's ports from (Role.admits),
+    each once, in registry order."""
+    out: list[str] = []
+    for role_ in roles():
+        for value in role_.admits(cluster) if role_.admits else ():
+            if value not in out:
+                out.append(value)
+    return tuple(out)
 
 
 def log_sources(cluster: Cluster) -> list[LogSource]:

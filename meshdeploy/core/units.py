@@ -101,7 +101,7 @@ def exec_line(argv: list, setting: str) -> str:
     program = checked(argv[0], setting)
     if not program.startswith("/"):
         raise PlanError(f"{setting}: the program {program!r} is not an absolute path",
-                        hint="llama_cpp.prefix must be an absolute path")
+                        hint="the prefix meshdeploy installs under must be an absolute path")
     return " ".join(exec_arg(a, setting) for a in argv)
 
 

@@ -69,7 +69,7 @@ class HostRecord:
     def host(self, prefix: str) -> Host:
         """The typed Host meshdeploy connects to (ssh_settings resolves it like a file's host);
         it runs nothing, so every role's destroy hook removes all it finds. `prefix`: the
-        file's llama_cpp.prefix, where a host with root keeps its things."""
+        cluster's prefix (Cluster.prefix), where a host with root keeps its things."""
         return Host(name=self.name, address=self.address, ssh=SSH(**self.ssh),
                     backend=self.backend, devices=(), rpc_servers=(),
                     connection="local" if self.connection == "local" else "ssh",
@@ -112,7 +112,7 @@ class State:
         """Hosts recorded but no longer in the file: destroyed at the next apply. Retired hosts
         only when purging (their kept bytes are all that is left)."""
         names = {h.name for h in cluster.hosts}
-        return [r.host(cluster.llama_cpp.prefix) for r in self.hosts.values() if r.name not in names
+        return [r.host(cluster.prefix) for r in self.hosts.values() if r.name not in names
                 and (r.status == MANAGED or purge)]
 
     def to_dict(self) -> dict:

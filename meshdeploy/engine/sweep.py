@@ -364,7 +364,7 @@ def sweep_server(cluster, server, settings, runs: int, count: int, local: bool,
         deployed = server_api.Api(conn, local_address(server.bind), server.port, key,
                                   unit=server.unit_name, sudo=sudo)
         deployed.wait_healthy(0)
-        build = server_api.build_of(conn, deployed, cluster.llama_cpp.prefix)
+        build = server_api.build_of(conn, deployed, cluster.prefix)
         argv = server_api.planned_argv(conn, cluster, server)
         files = server_api.model_files(argv)
         labels = [label for label, *_ in cluster.server_devices(server)]

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import probe, registry
 from meshdeploy.core.context import HostContext, SecretStdin, Step, Steps
 from meshdeploy.engine import planner as engine

@@ -7,7 +7,7 @@ addresses) or nothing, and the command itself reports the file when it runs.
 
 from __future__ import annotations
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.errors import MeshdeployError
 
 # The registry (and through it the roles and pyinfra) is imported by the completers that use

@@ -42,8 +42,7 @@ def render_text(cluster, out: Path, written: list[Path]) -> str:
                      "readable by the user Prometheus runs as only")
     lines += [f"Not scraped: {note}" for note in s["skipped"]]
     if not s["scrapers"]:
-        lines.append("monitoring.scrapers is empty: every host's allow-list drops the scrapers "
-                     "until the cluster file names them and an apply loads it")
+        lines.append(prometheus.NO_SCRAPERS)
     config = shell.quote(str(out / "prometheus.yml"))
     lines.append(f"Run: prometheus --config.file={config}; prometheus-blackbox-exporter "
                  f"--config.file={shell.quote(str(out / 'blackbox.yml'))}")

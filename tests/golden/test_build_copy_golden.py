@@ -11,16 +11,16 @@ compile or copy differently: update with MESHDEPLOY_UPDATE_GOLDEN=1 and review.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.core.context import HostContext, Resolved, Steps
 from meshdeploy.core.plan import Plan
 from meshdeploy.views.plan import render_text
+from meshdeploy.roles.llama_cpp import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "plan"
@@ -54,8 +54,7 @@ OWN_CPU_CODE = ("one-cpu", "two-cpus")  # the CPU code is meshdeploy's to choose
 def plan_text(name: str) -> str:
     cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
     if name in OWN_CPU_CODE:
-        build = replace(cluster.llama_cpp.build, cmake_flags=())
-        cluster = replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=build))
+        cluster = settings.with_build(cluster, cmake_flags=())
     facts = {h.name: {**SCENARIOS[name][h.name],
                       "llama_cpp.Builds": {"current": None, "builds": {}}}
              for h in cluster.hosts}

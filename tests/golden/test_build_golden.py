@@ -14,7 +14,7 @@ from support import golden
 from support.accounts import load_inventory
 from support.steps import decided
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import operations as llama_cpp

@@ -15,10 +15,11 @@ from pathlib import Path
 from support import golden
 from support.steps import decided
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.toolchain import operations as toolchain
+from meshdeploy.roles.llama_cpp import settings
 
 TESTS = Path(__file__).resolve().parents[1]
 GOLDEN = TESTS / "golden" / "gpu"
@@ -74,8 +75,7 @@ def test_gpu_hosts_get_their_packages_switches_and_gpu_code_golden():
 
 def test_a_cuda_host_without_a_driver_compiles_for_the_files_architectures():
     cluster = load_cluster(TESTS / "data" / "gpu-backends.yaml")
-    b = replace(cluster.llama_cpp.build, cuda_architectures=("86", "89"))
-    cluster = replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=b))
+    cluster = settings.with_build(cluster, cuda_architectures=("86", "89"))
     host = cluster.host("cu")
     facts = facts_of(host)
     del facts["llama_cpp.CudaCompute"]

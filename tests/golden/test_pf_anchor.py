@@ -21,7 +21,7 @@ import pytest
 from support import golden
 from support.accounts import load_inventory
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.roles.network import pf, rules
 
 TESTS = Path(__file__).resolve().parents[1]

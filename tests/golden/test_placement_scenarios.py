@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support.device_facts import GB, GiB, cpu, cuda, mac
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import Resolved
 from meshdeploy.errors import ConfigError, PlanError

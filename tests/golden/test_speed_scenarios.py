@@ -16,7 +16,7 @@ import pytest
 from support import golden
 from test_placement_scenarios import GOLDEN, ROOT, SCENARIOS, table
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import Resolved
 from meshdeploy.placement import speed

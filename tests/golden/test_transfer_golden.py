@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from support.device_facts import cpu, cuda
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core import registry
 from meshdeploy.core.context import HostContext, Resolved, Steps

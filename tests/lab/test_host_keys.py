@@ -137,7 +137,7 @@ KEY_FILE = "/etc/meshdeploy-test/api key"
 
 def key_file_check(lab, tmp_path):
     """The services preflight on node1's real KeyFile fact, read as the probe reads it (sudo)."""
-    from meshdeploy.config.load import load_cluster
+    from meshdeploy.core.loading import load_cluster
     from meshdeploy.core import probe, shell
     from meshdeploy.core.context import HostContext, Resolved
     from meshdeploy.roles.services import operations

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import own_lab
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import shell
 from meshdeploy.roles.network import facts, rules
 

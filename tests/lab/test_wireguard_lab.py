@@ -31,7 +31,7 @@ from support.labfile import for_lab
 from test_cluster import idle_workers
 from support.cli import meshdeploy
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import shell
 from meshdeploy.placement.tensors import weight_tensors
 

@@ -3,7 +3,7 @@ that plan or render a cluster file without hosts give its rootless hosts these."
 
 from __future__ import annotations
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import account
 
 # A phone under Termux: termux-services' runit, the app's home and prefix.

@@ -37,6 +37,7 @@ from meshdeploy.roles.rpc_cache import operations as rpc_cache
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import operations as services
 from meshdeploy.roles.toolchain import operations as toolchain
+from meshdeploy.roles.llama_cpp import settings
 from support import systemd_parse as sd
 
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
@@ -134,10 +135,10 @@ def _attempt(fn, *args):
 def render_all(cluster, extras: Extras | None = None) -> Rendered:
     """Every renderer on every host, quoted words recorded; steps refused by PlanError skipped."""
     extras = extras or Extras()
-    prefix = cluster.llama_cpp.prefix
+    prefix = cluster.prefix
     out = Rendered()
     with recorded_quotes() as words:
-        out.commands.append(ls_remote(cluster.llama_cpp.repo, cluster.llama_cpp.ref))
+        out.commands.append(ls_remote(settings.of(cluster).repo, settings.of(cluster).ref))
         for i, host in enumerate(cluster.hosts):
             got = _attempt(probe_command, cluster, host, i == 0, "n0nce")
             if got:

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import Failover
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.errors import ApplyError
 from meshdeploy.roles.llama_cpp import keys
 from meshdeploy.roles.llama_cpp import operations as ops
+from meshdeploy.roles.llama_cpp import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
@@ -35,8 +36,7 @@ DEBIAN = {"kernel": "Linux", "machine": "x86_64", "distro": "debian", "version":
 def lab():
     """The lab's cluster without its file's GGML_NATIVE: the CPU code is meshdeploy's to choose."""
     cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
-    build = replace(cluster.llama_cpp.build, cmake_flags=())
-    return replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=build))
+    return settings.with_build(cluster, cmake_flags=())
 
 
 def host_facts(machine="x86_64", libc="glibc 2.36", builds=None, current=None):
@@ -97,8 +97,7 @@ def test_an_unknown_platform_shares_nothing():
 
 def test_the_files_ggml_native_wins_over_the_portable_default():
     cluster = lab()
-    b = replace(cluster.llama_cpp.build, cmake_flags=("-DGGML_NATIVE=ON",))
-    cluster = replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=b))
+    cluster = settings.with_build(cluster, cmake_flags=("-DGGML_NATIVE=ON",))
     flags = keys.cmake_flags(cluster, cluster.host("node1"), portable=True)
     assert "-DGGML_NATIVE=OFF" not in flags and flags[-1] == "-DGGML_NATIVE=ON"
 
@@ -123,8 +122,7 @@ def manifest(targets="llama-server ggml-rpc-server"):
 
 def parallel(cluster):
     """The lab builds one host at a time (build.serial); most clusters do not."""
-    b = replace(cluster.llama_cpp.build, serial=False)
-    return replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=b))
+    return settings.with_build(cluster, serial=False)
 
 
 def test_a_host_that_has_the_build_installed_serves_it_instead_of_a_compile():
@@ -140,7 +138,7 @@ def test_a_host_that_has_the_build_installed_serves_it_instead_of_a_compile():
 
 def test_serial_builds_keep_the_first_host_as_builder():
     cluster = lab()
-    assert cluster.llama_cpp.build.serial
+    assert settings.of(cluster).build.serial
     key = decisions(cluster, same_platform(cluster))["node1"].key
     facts = same_platform(cluster, node3=host_facts(builds={key: manifest()}, current=key))
     assert decisions(cluster, facts)["node2"].builder == "node1"
@@ -238,7 +236,7 @@ def test_copy_false_in_the_file_keeps_every_host_compiling(tmp_path):
     path = tmp_path / "lab.yaml"
     path.write_text(text.replace("    serial: true", "    copy: false\n    serial: true", 1))
     cluster = load_cluster(path)
-    assert cluster.llama_cpp.build.copy is False and lab().llama_cpp.build.copy is True
+    assert settings.of(cluster).build.copy is False and settings.of(lab()).build.copy is True
     got = decisions(cluster, same_platform(cluster))
     assert all(d.builder == name and not d.portable for name, d in got.items())
     assert keys.copiers(cluster, cluster.hosts, same_platform(cluster), COMMIT) == {}
@@ -695,7 +693,8 @@ def test_fresh_hosts_plan_the_allow_list_that_apply_converges_to(tmp_path):
     either) and the commit is unknown. Who copies from whom is the same as once the hosts are
     converged (builds installed, the ref locked): the plan after apply opens nothing new."""
     from meshdeploy.core import registry
-    from meshdeploy.roles.llama_cpp import ROLE, lock
+    from meshdeploy.roles.llama_cpp import lock
+    from meshdeploy.roles.llama_cpp.role import ROLE
 
     path = tmp_path / "lab.yaml"
     path.write_text((ROOT / "inventories" / "lab.yaml").read_text())
@@ -709,7 +708,7 @@ def test_fresh_hosts_plan_the_allow_list_that_apply_converges_to(tmp_path):
     fresh["node1"]["llama_cpp.RemoteRef"] = None  # `nogit`
     assert copiers(fresh) == (None, {"node1": ("node2", "node3")})
     key = decisions(cluster, fresh)["node1"].key
-    lock.write_lock(path, cluster.llama_cpp.repo, cluster.llama_cpp.ref, COMMIT)
+    lock.write_lock(path, settings.of(cluster).repo, settings.of(cluster).ref, COMMIT)
     converged = same_platform(cluster, **{h: host_facts(builds={key: manifest()}, current=key)
                                           for h in ("node1", "node2", "node3")})
     converged["node1"]["llama_cpp.RemoteRef"] = COMMIT

@@ -10,12 +10,13 @@ from pathlib import Path
 from support.gittree import commit_all
 from support.require import needs
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import progress, shell
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import keys
 from meshdeploy.roles.llama_cpp import operations as ops
 from meshdeploy.roles.toolchain import operations as toolchain
+from meshdeploy.roles.llama_cpp import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "f35b4f837ba8e08a33034faa9ba21db8713e67df"
@@ -25,8 +26,7 @@ CROSS = ["g++-aarch64-linux-gnu", "libc6-dev-arm64-cross"]
 def lab(**build):
     """inventories/lab.yaml (node1 llama-server, node2 and node3 rpc-servers), `build` changed."""
     cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
-    b = replace(cluster.llama_cpp.build, **build)
-    return replace(cluster, llama_cpp=replace(cluster.llama_cpp, build=b))
+    return settings.with_build(cluster, **build)
 
 
 def debian(machine="x86_64", version="12", libc="glibc 2.36", builds=None, tools=("apt-get",)):

@@ -10,17 +10,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from support.gittree import commit_all
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import progress, shell
 from meshdeploy.roles.llama_cpp import keys
 from meshdeploy.roles.llama_cpp.operations import TEMPLATES
+from meshdeploy.roles.llama_cpp import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -233,8 +233,7 @@ def decide_all(cluster, facts):
 def test_hosts_of_one_cpu_share_a_native_build_and_others_a_dispatched_one():
     lab = load_cluster(ROOT / "inventories" / "lab.yaml")
     # Without the lab file's own GGML_NATIVE: the CPU code is meshdeploy's to choose.
-    cluster = replace(lab, llama_cpp=replace(lab.llama_cpp, build=replace(
-        lab.llama_cpp.build, cmake_flags=())))
+    cluster = settings.with_build(lab, cmake_flags=())
     same = {h.name: dispatch_facts("a" * 16) for h in cluster.hosts}
     got = decide_all(cluster, same)
     assert not got["node1"].portable and "-march=native" in got["node1"].code

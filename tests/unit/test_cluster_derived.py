@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshdeploy.config import distribution
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfSource, OllamaSource, PathSource
 from meshdeploy.errors import CONFIG, ConfigError
 from meshdeploy.roles.models import hf

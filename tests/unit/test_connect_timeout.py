@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from meshdeploy import errors
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.remote import connections, reasons
 from meshdeploy.remote.session import Session
 from meshdeploy.remote.ssh_settings import CONNECT_TIMEOUT_ENV, resolve

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.core.context import Resolved
 from meshdeploy.errors import PlanError

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import HostContext, Resolved, SecretStdin, Step
 from meshdeploy.core.plan import Plan

@@ -18,11 +18,12 @@ from support.nonroot import as_user, give, owned_folder
 from support.steps import decided
 from support.require import require
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, Layout
 from meshdeploy.core import account
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
+from meshdeploy.roles.llama_cpp import settings
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "rootless"
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
@@ -103,7 +104,7 @@ def test_the_clone_on_a_rootless_linux_host_is_guarded_in_its_runtime_folder(tmp
     assert "SRC=/home/md/.local/share/meshdeploy/src/llama.cpp" in text
     # Moving the pin of an existing clone: plain git as the user, in the user's prefix.
     moved = llama_cpp.source(context(cluster, termux=False, facts={"llama_cpp.Source": {
-        "head": "1" * 40, "url": cluster.llama_cpp.repo, "has_commit": False}}))
+        "head": "1" * 40, "url": settings.of(cluster).repo, "has_commit": False}}))
     assert moved.sudo is False and outside(moved.commands, layout) == []
     assert all(c.startswith("git ") for c in moved.commands)
 

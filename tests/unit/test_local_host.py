@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from meshdeploy.cli import main
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.engine import state as states
 from meshdeploy.errors import ConfigError, PlanError
 from meshdeploy.remote import connections as remote

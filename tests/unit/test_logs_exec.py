@@ -17,7 +17,7 @@ import pytest
 from meshdeploy import errors
 from meshdeploy.cli import build_parser, main
 from meshdeploy.commands.exec_ import command_text, exit_code
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.remote import connections as remote
 from meshdeploy.remote.ssh_settings import resolve

@@ -31,7 +31,7 @@ from support import accounts, systemd_parse
 from support.require import needs
 from support.steps import decided
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import account, rpc_hello
 from meshdeploy.core.context import HostContext, Resolved

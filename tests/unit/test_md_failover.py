@@ -288,7 +288,7 @@ def test_no_probe_connects_to_a_worker_llama_server_is_using(setup):
 
 def test_status_says_which_placement_runs():
     """`meshdeploy status` rows from md-failover's state file (roles/services/failover.py)."""
-    from meshdeploy.config.load import load_cluster
+    from meshdeploy.core.loading import load_cluster
     from meshdeploy.roles.services import failover
 
     cluster = load_cluster(ROOT / "inventories" / "lab.yaml")

@@ -19,7 +19,7 @@ from support import golden
 from support.cli import meshdeploy
 from support.require import require, unmet
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.errors import ConfigError
 from meshdeploy.roles.monitoring import prometheus
 from meshdeploy.roles.network import rules
@@ -287,7 +287,7 @@ def test_scrapers_reach_rpc_servers_only_as_single_addresses_and_stay_private(tm
     """A scraper's probe could use a worker as an orchestrator does: an rpc-server port opens
     to single scraper addresses alone (its allow-list and its unit's IPAddressAllow=); beyond
     the private ranges a scraper is refused unless network.allow_public."""
-    from meshdeploy.config.load import load_cluster
+    from meshdeploy.core.loading import load_cluster
     from meshdeploy.errors import ConfigError
     from meshdeploy.roles.network import rules
     from meshdeploy.roles.services import unit_files
@@ -308,4 +308,4 @@ def test_scrapers_reach_rpc_servers_only_as_single_addresses_and_stay_private(tm
         load_cluster(path)
     path.write_text(base.replace("allow_public: false", "allow_public: true")
                     + "monitoring:\n  scrapers: [203.0.113.7]\n")
-    assert load_cluster(path).scrapers
+    assert prometheus.scrapers(load_cluster(path)) == ["203.0.113.7"]

@@ -20,7 +20,7 @@ from support import golden
 from support.accounts import load_inventory
 from support.require import unmet
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import facts, pf, rules
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from support.accounts import load_inventory
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import probe, registry
 from meshdeploy.engine.planner import probe_sections
 from meshdeploy.roles.llama_cpp import lock as locks
@@ -16,6 +16,7 @@ from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.llama_cpp.facts import Builds, Source
 from meshdeploy.roles.models.facts import ModelFile
 from meshdeploy.roles.toolchain.facts import Platform
+from meshdeploy.roles.llama_cpp import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml"))
@@ -131,7 +132,7 @@ servers:
     (prefix / "builds" / key / "llama-server.help").write_text("-m, --model FNAME\n  --rpc SERVERS\n")
     os.symlink(f"builds/{key}", prefix / "current")
 
-    locks.write_lock(cluster_file, cluster.llama_cpp.repo, "b11312", head)
+    locks.write_lock(cluster_file, settings.of(cluster).repo, "b11312", head)
     sections = probe_sections(cluster, host, first=False)
     keys = [s.key for s in sections]
     assert len(keys) == len(set(keys)), keys
@@ -153,7 +154,7 @@ servers:
     assert facts["services.Units"] == {}
 
     # The node without the model probes no ModelFile; an unknown commit reads as "missing".
-    locks.write_lock(cluster_file, cluster.llama_cpp.repo, "b11312", "f" * 40)
+    locks.write_lock(cluster_file, settings.of(cluster).repo, "b11312", "f" * 40)
     other = probe_sections(cluster, cluster.host("node2"), first=False)
     assert not [s for s in other if s.key.startswith("models.ModelFile")]
     decoded = probe.decode(other, probe.split(run_sh(probe.compose(other, "n")), other, "n"))

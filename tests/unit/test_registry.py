@@ -19,7 +19,7 @@ import pytest
 
 from meshdeploy.commands import status as status_command
 from meshdeploy.config import schema
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.core.context import Resolved
 from meshdeploy.core.plan import Plan
@@ -98,6 +98,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "default": {},
 
 def clear_caches():
     registry.roles.cache_clear()
+    registry.file_hooks.cache_clear()
     for cached in (schema.load_schema, schema.schema_validator, schema.role_fragments):
         cached.cache_clear()
 
@@ -117,13 +118,15 @@ def demo_role(tmp_path, monkeypatch):
               ROOT / "pyproject.toml": (ROOT / "pyproject.toml").stat().st_mtime_ns}
     folder = tmp_path / "roles" / "zz_demo"
     folder.mkdir(parents=True)
-    (folder / "__init__.py").write_text(ROLE_SOURCE)
+    (folder / "__init__.py").write_text("")
+    (folder / "role.py").write_text(ROLE_SOURCE)
     (folder / "schema.json").write_text(json.dumps(SCHEMA, indent=2))
     monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path / "roles")])
     clear_caches()
     yield
     clear_caches()
-    sys.modules.pop("meshdeploy.roles.zz_demo", None)
+    for name in ("meshdeploy.roles.zz_demo", "meshdeploy.roles.zz_demo.role"):
+        sys.modules.pop(name, None)
     after = {**tree(ROOT / "meshdeploy"), **tree(ROOT / "inventories"),
              ROOT / "pyproject.toml": (ROOT / "pyproject.toml").stat().st_mtime_ns}
     assert after == before, "the temporary role changed a file outside its folder"

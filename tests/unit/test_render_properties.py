@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from support import render_check as rc
 from support.accounts import load_inventory
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import shell
+from meshdeploy.roles.llama_cpp import settings as llama_cpp_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ["a", "b", " ", "'", '"', "$(touch PWNED)", "`touch PWNED`", "; touch PWNED",
@@ -41,10 +42,11 @@ def lab():
 
 
 def hostile_cluster(lab, v):
-    llama = dataclasses.replace(
-        lab.llama_cpp, repo=v["repo"], ref=v["ref"], prefix="/" + v["prefix"],
-        build=dataclasses.replace(lab.llama_cpp.build, ccache_dir="/" + v["ccache"],
-                                  cmake_flags=("-DX=" + v["extra"],)))
+    mine = llama_cpp_settings.of(lab)
+    lab = llama_cpp_settings.with_settings(lab, dataclasses.replace(
+        mine, repo=v["repo"], ref=v["ref"], prefix="/" + v["prefix"],
+        build=dataclasses.replace(mine.build, ccache_dir="/" + v["ccache"],
+                                  cmake_flags=("-DX=" + v["extra"],))))
     node2 = lab.host("node2")
     rpc = dataclasses.replace(node2.rpc_servers[0], bind=v["rpc_bind"], device=v["device"],
                               cache=True)
@@ -54,7 +56,7 @@ def hostile_cluster(lab, v):
     src = lab.models["gemma"].source
     gemma = dataclasses.replace(lab.models["gemma"], source=dataclasses.replace(
         src, files=(v["file"] or "f",)))
-    return dataclasses.replace(lab, llama_cpp=llama, hosts=hosts, servers=(server,),
+    return dataclasses.replace(lab, hosts=hosts, servers=(server,),
                                models={"gemma": gemma},
                                sections={**lab.sections, "toolchain": {"apt_proxy": v["proxy"]}})
 

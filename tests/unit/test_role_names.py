@@ -30,37 +30,26 @@ LAYERS = ("config", "core", "engine", "execute", "views", "commands", "placement
 
 # (file, what it names) -> how many times. Each entry is a role's setting still read outside it.
 KNOWN = {
-    # config/load.py builds the typed model of the sections no role owns yet (Build, LlamaCpp,
-    # Network, the models): those roles' typed settings are still config/model.py's.
-    ("config/load.py", "llama_cpp"): 1,
+    # config/load.py builds the typed model of the network section (Network, WireGuard,
+    # SshTransport in config/model.py) and of the models (the core's `models:` section).
     ("config/load.py", "network"): 1,
     ("config/load.py", "models"): 1,
-    ("config/model.py", "monitoring"): 1,
-    # config/checks.py: the roles' semantic checks (refs, models, ssh transport, WireGuard,
-    # scrapers) are still the config layer's.
-    ("config/checks.py", "monitoring"): 2,
-    ("config/checks.py", "llama_cpp"): 1,
+    # config/checks.py: the network role's checks (ssh transport, WireGuard) are still the
+    # config layer's; `models` is the core's own section.
     ("config/checks.py", "models"): 1,
     ("config/checks.py", "network"): 4,
     ("config/checks.py", "network.firewall: false: no host filters its meshdeploy ports; "
                          "any machine that reaches a worker's rpc-server port can read and "
                          "write its memory"): 1,
     # config/schema.py: the messages of the central schema's patterns, keyed by setting path.
-    ("config/schema.py", "llama_cpp.repo"): 2,
-    ("config/schema.py", "llama_cpp.ref"): 2,
     ("config/schema.py", "models.*.huggingface.revision"): 1,
     ("config/schema.py", "models.*.huggingface.repo"): 1,
     ("config/schema.py", "network.wireguard.subnet"): 1,
     ("config/schema.py", "network.wireguard.interface"): 1,
     ("config/schema.py", "network.wireguard.addresses.*"): 1,
-    # core/units.py's hint for a unit's program that is not an absolute path.
-    ("core/units.py", "llama_cpp.prefix must be an absolute path"): 1,
     # engine/state.py: the state file's tunnel record takes the network section's interface
     # pattern from the cluster file's schema.
     ("engine/state.py", "network"): 1,
-    # views/prometheus.py: what `meshdeploy prometheus` says when no scraper is named.
-    ("views/prometheus.py", "monitoring.scrapers is empty: every host's allow-list drops the "
-                            "scrapers until the cluster file names them and an apply loads it"): 1,
     # views/validate.py: validate's summary counts the models ({"models": 1}), read back by key.
     ("views/validate.py", "models"): 1,
 }

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshdeploy.config.checks import warnings_for
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import account
 from meshdeploy.errors import ConfigError, PlanError

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import system_layout
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.core.probe import compose, decode, marker, split

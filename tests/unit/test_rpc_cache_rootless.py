@@ -28,7 +28,7 @@ from support.device_facts import cpu
 from test_rpc_cache import SHA, synthetic  # noqa: F401 (fixture)
 from test_seed_links import _wanted
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import SYSTEMD_USER, HfFile, HfResolved
 from meshdeploy.core import account, inflight, registry, share
 from meshdeploy.core.context import HostContext, Resolved, Steps

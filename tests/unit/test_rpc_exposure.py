@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshdeploy.config import checks
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.roles.services import operations as services
 
 ROOT = Path(__file__).resolve().parents[2]

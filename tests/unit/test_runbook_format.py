@@ -12,7 +12,7 @@ from ruamel.yaml import YAML
 from support import runbook
 from support.runbook import RunbookError, parse_text
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 RUNBOOKS = REPO / "docs" / "runbooks"

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from support.model_headers import gemma27_header
 
 from meshdeploy.config import distribution
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import Resolved
 from meshdeploy.errors import PlanError

@@ -23,7 +23,7 @@ from support import golden
 from support.steps import decided
 from support.require import needs, require
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, HfFile, HfResolved
 from meshdeploy.core import account
 from meshdeploy.core.context import HostContext, Resolved

@@ -24,7 +24,7 @@ from support.require import needs
 from test_md_share import free_port
 from test_share_start import FAKE_CTL, FAKE_RUN, HOST_PATH, get, running, uid_of
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, Layout
 from meshdeploy.core import account, share, transient
 from meshdeploy.core.paths import model_share_port

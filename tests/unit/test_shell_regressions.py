@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshdeploy.commands.status import collect, host_script
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import probe
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.engine.planner import gather, probe_command
@@ -27,6 +27,7 @@ from meshdeploy.roles.models.facts import ModelFile
 from meshdeploy.roles.rpc_cache.seeding import cache_file
 from meshdeploy.roles.services import operations as services
 from meshdeploy.roles.toolchain import operations as toolchain
+from meshdeploy.roles.llama_cpp import settings
 from support import systemd_parse as sd
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +128,7 @@ def test_lock_file_commit_must_be_40_hex(lab, tmp_path):
     cluster_file = tmp_path / "c.yaml"
     cluster_file.write_text(LAB.read_text())
     cluster = dataclasses.replace(lab, path=cluster_file)
-    bad = {"llama_cpp": {"repo": cluster.llama_cpp.repo, "ref": cluster.llama_cpp.ref,
+    bad = {"llama_cpp": {"repo": settings.of(cluster).repo, "ref": settings.of(cluster).ref,
                          "commit": "HEAD; reboot"}}
     with pytest.raises(PlanError, match="not a 40-hex commit"):
         locks.locked_commit(cluster, bad)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from support.device_facts import cpu
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core.context import Resolved
 from meshdeploy.placement import layout, speed

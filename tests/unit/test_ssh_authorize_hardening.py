@@ -17,7 +17,7 @@ from support.require import require
 from test_ssh_transport_network import (CLUSTER, K1, K2, LINE1, OTHERS, ctx_for, key_fact,
                                         login_fact)
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import shell
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import operations, ssh_ops

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry, share
 from meshdeploy.errors import ConfigError
 from meshdeploy.roles.network import rules

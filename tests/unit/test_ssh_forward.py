@@ -22,7 +22,7 @@ from support import accounts, golden, systemd_parse
 from support.steps import decided
 from support.require import needs
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, Layout
 from meshdeploy.core import account, shell
 from meshdeploy.core.context import HostContext, Resolved

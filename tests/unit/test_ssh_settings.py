@@ -11,7 +11,7 @@ import paramiko
 import pytest
 
 from meshdeploy import errors
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.remote.host_keys import HostKeyError, classify, host_key_error
 from meshdeploy.remote.ssh_settings import no_check_warnings, resolve
 

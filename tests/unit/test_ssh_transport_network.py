@@ -20,7 +20,7 @@ import pytest
 from support.nonroot import as_user, give, owned_folder
 from support.require import needs
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import account, paths, probe, registry
 from meshdeploy.core.context import HostContext, Resolved, Step
 from meshdeploy.errors import PlanError

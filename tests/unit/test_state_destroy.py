@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import files as files_module
 from meshdeploy.core import registry
 from meshdeploy.core.context import Resolved
@@ -55,7 +55,7 @@ def cluster(tmp_path):
 
 
 def _node3(cluster):
-    return states.record_for(cluster, cluster.host("node3")).host(cluster.llama_cpp.prefix)
+    return states.record_for(cluster, cluster.host("node3")).host(cluster.prefix)
 
 
 def _teardown(cluster, facts, purge):

@@ -14,7 +14,7 @@ import pytest
 from support.cli import meshdeploy
 
 from meshdeploy import errors
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.engine import state as states
 from meshdeploy.errors import ConfigError
 from meshdeploy.remote import ssh_settings

@@ -199,7 +199,7 @@ def test_a_host_lost_while_it_is_asked_is_unreachable():
     such, not as unreadable output; a host that could not be reached at all is a row too."""
     from pathlib import Path
 
-    from meshdeploy.config.load import load_cluster
+    from meshdeploy.core.loading import load_cluster
 
     cluster = load_cluster(Path(__file__).resolve().parents[2] / "inventories" / "lab.yaml")
 

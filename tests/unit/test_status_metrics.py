@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshdeploy.commands import status
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.roles.services.argv import llama_server_argv
 from meshdeploy.views import status as view
 

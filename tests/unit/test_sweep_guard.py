@@ -32,7 +32,7 @@ from test_bench_sweep import (  # noqa: F401 (fakes: a fixture)
 )
 
 from meshdeploy.commands import bench, common
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.engine import server_api, speeds, sweep, sweep_guard
 from meshdeploy.errors import terminal_text

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.core.plan import Plan
 from meshdeploy.engine import planner as engine

@@ -14,7 +14,7 @@ import pytest
 
 from meshdeploy.cli import main
 from meshdeploy.commands import logs
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
 from meshdeploy.errors import terminal_text
 from meshdeploy.views.log_lines import HostStream, parse

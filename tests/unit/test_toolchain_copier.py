@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import account
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.errors import PlanError

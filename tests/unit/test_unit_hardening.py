@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.require import needs
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import share
 from meshdeploy.roles.rpc_cache.operations import seed_properties
 from meshdeploy.roles.services import operations as services

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from support.cli import meshdeploy
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.errors import CONFIG, ConfigError
+from meshdeploy.roles.llama_cpp import settings
 
 # Three lines, so a snippet's first line is line 4.
 HEAD = "cluster: t\nllama_cpp: {ref: b1}\nhosts: {n: {address: 10.0.0.1}}\n"
@@ -418,7 +419,7 @@ def test_space_and_percent_stay_valid(tmp_path):
                     'servers: {s: {host: n, model: m, rpc: none, '
                     'extra_args: ["--alias", "50% off"]}}\n')
     cluster = load_cluster(path)
-    assert cluster.llama_cpp.prefix == "/opt/my models"
+    assert cluster.prefix == settings.of(cluster).prefix == "/opt/my models"
     assert cluster.server("s").extra_args == ("--alias", "50% off")
 
 
@@ -430,7 +431,7 @@ def test_space_and_percent_stay_valid(tmp_path):
 def test_real_repos_stay_valid(tmp_path, repo):
     path = tmp_path / "c.yaml"
     path.write_text(HEAD.replace("{ref: b1}", f"{{ref: release/b1, repo: '{repo}'}}"))
-    assert load_cluster(path).llama_cpp.repo == repo
+    assert settings.of(load_cluster(path)).repo == repo
 
 
 def test_off_loopback_with_a_key_or_allowed_stays_valid(tmp_path):

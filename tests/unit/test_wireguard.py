@@ -10,7 +10,7 @@ import pytest
 from support import golden
 
 from meshdeploy.cli import build_parser
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import derived_tunnel_address
 from meshdeploy.engine.planner import check_replace
 from meshdeploy.errors import ConfigError, PlanError

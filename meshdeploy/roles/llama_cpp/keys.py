@@ -93,6 +93,7 @@ from dataclasses import dataclass, replace
 
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import defaults as d
+from meshdeploy.roles.llama_cpp import settings
 
 RESOURCE = "llama_cpp.build"
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -110,7 +111,7 @@ def targets(cluster, host) -> list[str]:
 
 
 def _names_native(cluster) -> bool:
-    return any(_NATIVE.match(f) for f in cluster.llama_cpp.build.cmake_flags)
+    return any(_NATIVE.match(f) for f in settings.of(cluster).build.cmake_flags)
 
 
 def kernel(host, facts: dict | None) -> str:
@@ -125,7 +126,7 @@ def gpu_code(cluster, host, facts: dict | None) -> tuple[str, ...] | None:
     (llama_cpp.build.cuda_architectures / amdgpu_targets: one list for every host, so hosts
     with other GPUs can share a build), else what the host's driver reports (facts.py); None
     where neither says (llama_cpp's preflight refuses), () for the other backends."""
-    b, facts = cluster.llama_cpp.build, facts or {}
+    b, facts = settings.of(cluster).build, facts or {}
     if host.backend == "cuda":
         return b.cuda_architectures or tuple(facts.get("llama_cpp.CudaCompute") or ()) or None
     if host.backend == "rocm":
@@ -157,7 +158,7 @@ def cmake_flags(cluster, host, termux: bool = False, portable: bool = False,
     """The build's cmake flags; `termux`: the host is Termux (toolchain.Platform), `portable`: its
     build is copied to other hosts; either gets -DGGML_NATIVE=OFF unless
     llama_cpp.build.cmake_flags set GGML_NATIVE. `facts`: the host's (its kernel)."""
-    b = cluster.llama_cpp.build
+    b = settings.of(cluster).build
     host_flags = d.llama_cpp_termux_cmake_flags if termux and not _names_native(cluster) else ()
     if portable and not host_flags and not _names_native(cluster):
         host_flags = d.llama_cpp_portable_cmake_flags
@@ -235,7 +236,7 @@ def _facts_of(ctx, name: str) -> dict:
 
 
 def _shares(cluster) -> bool:
-    return cluster.llama_cpp.build.copy and not cluster.network.forwarded
+    return settings.of(cluster).build.copy and not cluster.network.forwarded
 
 
 def tunnel_stars(cluster, names: list[str]) -> list[list[str]]:
@@ -303,7 +304,7 @@ def cross_builder(ctx, members: list[str]) -> str | None:
 def _native_on(cluster) -> bool:
     """Whether llama_cpp.build.cmake_flags turn GGML_NATIVE on: code for the CPU that compiles,
     which a cross build cannot have."""
-    flags = [f.split("=", 1)[-1].upper() for f in cluster.llama_cpp.build.cmake_flags
+    flags = [f.split("=", 1)[-1].upper() for f in settings.of(cluster).build.cmake_flags
              if _NATIVE.match(f)]
     return bool(flags) and flags[-1] in ("ON", "1", "TRUE", "YES", "Y")
 
@@ -451,7 +452,7 @@ def decide(ctx) -> Decision:
         builder, why = cross, f"cross-compiled on {cross} for {machine(ctx.facts)}"
         return Decision(key, builder, tuple(sharing), tuple(own), why, portable, code,
                         machine(ctx.facts) or "")
-    elif installed and not cluster.llama_cpp.build.serial:
+    elif installed and not settings.of(cluster).build.serial:
         builder, why = installed[0], "it has that build installed"
     elif trusted[0] != sharing[0]:
         builder, why = trusted[0], "the first host of the key in file order with root"

@@ -14,6 +14,7 @@ from pathlib import Path
 from meshdeploy.core.files import write_atomic
 from meshdeploy.errors import ApplyError, PlanError
 from meshdeploy.roles.llama_cpp import defaults as d
+from meshdeploy.roles.llama_cpp import settings
 from meshdeploy.roles.llama_cpp.facts import COMMIT, RemoteRef, ls_remote, pick_ls_remote
 
 # Use with fullmatch: `$` also matches before a final newline.
@@ -41,7 +42,7 @@ def locked_commit(cluster, lock: dict) -> str | None:
     entry = lock.get("llama_cpp") if isinstance(lock, dict) else None
     if not isinstance(entry, dict):
         return None
-    if entry.get("repo") == cluster.llama_cpp.repo and entry.get("ref") == cluster.llama_cpp.ref:
+    if entry.get("repo") == settings.of(cluster).repo and entry.get("ref") == settings.of(cluster).ref:
         commit = entry.get("commit")
         if not isinstance(commit, str) or not FULL_COMMIT.fullmatch(commit):
             path = lock_path(cluster.path)
@@ -81,8 +82,8 @@ def checked_commit(commit: str) -> str:
 
 def known_commit(cluster) -> str | None:
     """The commit before any host is asked: a pinned full commit, else the lock file's."""
-    if FULL_COMMIT.fullmatch(cluster.llama_cpp.ref):
-        return cluster.llama_cpp.ref
+    if FULL_COMMIT.fullmatch(settings.of(cluster).ref):
+        return settings.of(cluster).ref
     return locked_commit(cluster, read_lock(cluster.path))
 
 
@@ -93,9 +94,9 @@ def resolve(cluster, upstream: str | None, first: str | None) -> tuple[str | Non
     The repository URL is the hosts' view of it (a mirror on their network may be unreachable
     from here), so refs are resolved on the first host, never from the control machine.
     """
-    ref = cluster.llama_cpp.ref
+    ref = settings.of(cluster).ref
     if upstream == RemoteRef.MISSING:
-        raise PlanError(f"llama_cpp.ref {ref!r} does not exist in {cluster.llama_cpp.repo} "
+        raise PlanError(f"llama_cpp.ref {ref!r} does not exist in {settings.of(cluster).repo} "
                         f"(ls-remote on {first})",
                         hint="use a tag, branch or full commit of that repository")
     if FULL_COMMIT.fullmatch(ref):
@@ -112,7 +113,7 @@ def moved_warning(cluster, upstream: str | None) -> list[str]:
     """The plan's note when the ref moved upstream since the lock recorded it."""
     locked = locked_commit(cluster, read_lock(cluster.path))
     if locked and upstream and upstream != locked:
-        return [f"llama.cpp {cluster.llama_cpp.ref} now points at {upstream[:12]} upstream; "
+        return [f"llama.cpp {settings.of(cluster).ref} now points at {upstream[:12]} upstream; "
                 f"the lock keeps {locked[:12]}. To move, delete the llama_cpp entry of "
                 f"{lock_path(cluster.path).name} and plan again."]
     return []
@@ -121,7 +122,7 @@ def moved_warning(cluster, upstream: str | None) -> list[str]:
 def record(cluster, commit: str | None, source: str) -> None:
     """A ref the plan resolved by ls-remote is recorded before any host builds it."""
     if commit and source.startswith("ls-remote"):
-        write_lock(cluster.path, cluster.llama_cpp.repo, cluster.llama_cpp.ref, commit)
+        write_lock(cluster.path, settings.of(cluster).repo, settings.of(cluster).ref, commit)
 
 
 def resolve_on_host(ctx) -> dict:
@@ -129,7 +130,7 @@ def resolve_on_host(ctx) -> dict:
     first host once the toolchain is there, recorded in the lock file before anything builds.
     Returns the Resolved fields this fixes."""
     cluster = ctx.cluster
-    ref, repo = cluster.llama_cpp.ref, cluster.llama_cpp.repo
+    ref, repo = settings.of(cluster).ref, settings.of(cluster).repo
     # As the login user: resolving a ref needs no root, and the repository is a value.
     ok, lines = ctx.run_command(ls_remote(repo, ref))
     commit = pick_ls_remote(lines) if ok else None

@@ -13,7 +13,7 @@ from meshdeploy.core.paths import llama_cpp_paths as paths
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d
-from meshdeploy.roles.llama_cpp import keys, lock
+from meshdeploy.roles.llama_cpp import keys, lock, settings
 from meshdeploy.roles.llama_cpp.facts import (
     GIT_SAFE,
     Builds,
@@ -49,14 +49,14 @@ def sections(cluster, host, commit: str | None, first: bool) -> list[Section]:
            Section("llama_cpp.Libc", Libc)]
     if first:
         out.append(Section("llama_cpp.RemoteRef", RemoteRef,
-                           {"repo": cluster.llama_cpp.repo, "ref": cluster.llama_cpp.ref}))
+                           {"repo": settings.of(cluster).repo, "ref": settings.of(cluster).ref}))
     if targets(cluster, host):  # shared builds stay native where every CPU is the same
         out.append(Section("llama_cpp.CpuFlags", CpuFlags))
     if host.backend == "cuda":
         out.append(Section("llama_cpp.CudaCompute", CudaCompute))
     if host.backend == "rocm":
         out.append(Section("llama_cpp.Hip", Hip))
-    b = cluster.llama_cpp.build
+    b = settings.of(cluster).build
     if host.rootless and b.ccache and b.ccache_dir and targets(cluster, host):
         out.append(Section("llama_cpp.CcacheWritable", CcacheWritable, {"path": b.ccache_dir}))
     return out
@@ -69,7 +69,7 @@ def preflight(ctx: HostContext) -> None:
     if targets(ctx.cluster, ctx.host):
         refuse_gpu(ctx)
     if ctx.fact("llama_cpp.CcacheWritable") is False:
-        path = ctx.cluster.llama_cpp.build.ccache_dir
+        path = settings.of(ctx.cluster).build.ccache_dir
         raise PlanError(f"host {ctx.host.name} is rootless and cannot write "
                         f"llama_cpp.build.ccache_dir {path}",
                         hint="remove ccache_dir (a rootless host then keeps its ccache in its "
@@ -92,7 +92,7 @@ def refuse_gpu(ctx: HostContext) -> None:
         need = d.llama_cpp_hip_min
         if have and tuple(have) < need:
             how = "has" if hip.get("version") else "would install from apt"
-            raise PlanError(f"llama.cpp {ctx.cluster.llama_cpp.ref} needs ROCm/HIP >= "
+            raise PlanError(f"llama.cpp {settings.of(ctx.cluster).ref} needs ROCm/HIP >= "
                             f"{need[0]}.{need[1]}; host {host.name} {how} HIP "
                             f"{have[0]}.{have[1]}",
                             hint="install ROCm >= 6.1 from AMD's repositories on it, or set "
@@ -122,7 +122,7 @@ def ccache_dir(cluster, host) -> str:
     """CCACHE_DIR of the host's builds: llama_cpp.build.ccache_dir when the file sets it; on a
     rootless host meshdeploy's folder under the user's cache (destroy --purge removes it);
     else "" (ccache's own default)."""
-    b = cluster.llama_cpp.build
+    b = settings.of(cluster).build
     if not b.ccache:
         return ""
     if b.ccache_dir:
@@ -133,7 +133,7 @@ def ccache_dir(cluster, host) -> str:
 def source(ctx: HostContext) -> Step:
     """llama_cpp.source: the clone at the pinned commit (fetch, never re-clone, when it moved)."""
     cluster, commit = ctx.cluster, ctx.resolved.commit
-    repo = cluster.llama_cpp.repo
+    repo = settings.of(cluster).repo
     if not targets(cluster, ctx.host):
         return Step(ctx.change(ROLE, "source", "no-op", "host runs no llama.cpp binary"))
     decision = keys.decide(ctx)
@@ -189,7 +189,7 @@ def build_script(ctx: HostContext, key: str, decision: keys.Decision | None = No
     cluster, host = ctx.cluster, ctx.host
     decision = decision or keys.decide(ctx)
     p = paths(ctx.prefix)
-    b = cluster.llama_cpp.build
+    b = settings.of(cluster).build
     wanted = decision.targets
     number = ctx.resolved.build_number
     of = target or ctx  # the host whose binaries these are
@@ -218,7 +218,7 @@ def activate_script(ctx: HostContext, key: str) -> str:
     p = paths(ctx.prefix)
     return shell.template(TEMPLATES / "activate.sh", TARGET=f"{d.llama_cpp_builds_dir}/{key}",
                           CURRENT=p["current"], BUILDS=p["builds"], KEY=key,
-                          KEEP=int(ctx.cluster.llama_cpp.keep_builds))
+                          KEEP=int(settings.of(ctx.cluster).keep_builds))
 
 
 def build(ctx: HostContext) -> Step:
@@ -499,7 +499,7 @@ def resolve(ctx: HostContext) -> Step:
     fixed["build_copiers"] = keys.copiers(ctx.cluster, run, ctx.cluster_facts or {},
                                           fixed["commit"], ctx.resolved.replace)
     return Step(ctx.change(ROLE, "resolve", "no-op",
-                           f"{ctx.cluster.llama_cpp.ref} -> {fixed['commit'][:12]}"),
+                           f"{settings.of(ctx.cluster).ref} -> {fixed['commit'][:12]}"),
                 resolves=fixed)
 
 
@@ -520,7 +520,7 @@ def destroy(ctx: HostContext, purge: bool):
 
 def own_ccache(cluster, host) -> str:
     """The ccache folder meshdeploy made on a rootless host (not one the file names), or ""."""
-    b = cluster.llama_cpp.build
+    b = settings.of(cluster).build
     return ccache_dir(cluster, host) if host.rootless and not b.ccache_dir else ""
 
 

@@ -34,6 +34,12 @@ from dataclasses import dataclass
 from meshdeploy.config.model import WILDCARD, is_loopback
 from meshdeploy.roles.monitoring import defaults as d
 
+SECTION = "monitoring"  # the role's section of the cluster file (schema.json)
+
+# What `meshdeploy prometheus` says when the section names no scraper.
+NO_SCRAPERS = ("monitoring.scrapers is empty: every host's allow-list drops the scrapers until "
+               "the cluster file names them and an apply loads it")
+
 
 @dataclass(frozen=True)
 class Target:
@@ -57,8 +63,8 @@ class KeyFile:
 
 
 def scrapers(cluster) -> list[str]:
-    """monitoring.scrapers as written (config.checks: each an address or network)."""
-    return list(cluster.scrapers)
+    """monitoring.scrapers as written (checks.py: each an address or network)."""
+    return list(cluster.sections[SECTION]["scrapers"])
 
 
 def _hostport(address: str, port: int) -> str:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from meshdeploy.config.model import is_loopback, is_single_address
 from meshdeploy.config import distribution
-from meshdeploy.core import shell
+from meshdeploy.core import registry, shell
 from meshdeploy.core.paths import model_share_port
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.units import exec_arg, render
@@ -208,9 +208,11 @@ def _ip_of(peer, address: str, why: str) -> str:
 
 
 def _scrapers(cluster) -> list[str]:
-    """monitoring.scrapers (the monitoring role's section of the cluster file): where Prometheus scrapes each llama-server's /metrics and probes each rpc-server's port from.
-    Opened on ports a scraper can reach (not loopback, not inside a WireGuard tunnel)."""
-    return [_literal(a, "monitoring.scrapers") for a in cluster.scrapers]
+    """Where the roles' own services reach the cluster's ports from (registry.admitted:
+    monitoring.scrapers, where Prometheus scrapes each llama-server's /metrics and probes each
+    rpc-server's port from). Opened on ports a scraper can reach (not loopback, not inside a
+    WireGuard tunnel)."""
+    return [_literal(a, "monitoring.scrapers") for a in registry.admitted(cluster)]
 
 
 def _literal(value: str, where: str) -> str:

@@ -13,6 +13,9 @@ from meshdeploy.errors import PlanError
 
 # Option names llama-server's --help lists in the tree meshdeploy is tested against (b11312):
 # -lm/--load-mode replaced --mmap/--no-mmap/--mlock/--direct-io there.
+# The llama_cpp role's section of the cluster file (its ref names the build in an error).
+LLAMA_CPP = "llama_cpp"
+
 UPSTREAM_FLAGS = frozenset({
     "-m", "--model", "--host", "--port", "--rpc", "-ngl", "--gpu-layers", "--n-gpu-layers",
     "-ts", "--tensor-split", "-c", "--ctx-size", "--api-key-file", "-lm", "--load-mode",
@@ -76,7 +79,7 @@ def llama_server_argv(binary: str, cluster: Cluster, server: Server, model_path:
         raise PlanError(
             f"llama-server at {binary} has no {'/'.join(aliases)} option "
             f"(server {server.name})",
-            f"build a llama.cpp that has it (llama_cpp.ref is {cluster.llama_cpp.ref}) or "
+            f"build a llama.cpp that has it (llama_cpp.ref is {cluster.sections[LLAMA_CPP]['ref']}) or "
             "remove the setting that needs it")
 
     argv = [binary, opt("-m", "--model"), model_path,

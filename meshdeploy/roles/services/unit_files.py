@@ -10,6 +10,7 @@ from pathlib import Path
 
 from meshdeploy.config.checks import exposed_rpc_servers
 from meshdeploy.config.model import is_loopback, is_single_address
+from meshdeploy.core import registry
 from meshdeploy.core.paths import model_path, rpc_server_cache
 from meshdeploy.core.units import (
     SystemdExpr,
@@ -86,7 +87,7 @@ def _rpc_peers(cluster, host, rpc) -> list[str]:
     # role's allow-list lets them in (not loopback, not inside a WireGuard tunnel).
     reached = not (is_loopback(rpc.bind or "") or cluster.network.tunnel)
     # Single addresses only: a network of scrapers could use the worker (network.rules).
-    scrapers = [a for a in cluster.scrapers if is_single_address(a)] if reached else []
+    scrapers = [a for a in registry.admitted(cluster) if is_single_address(a)] if reached else []
     return peers + ([] if rpc.bind == "0.0.0.0" else [rpc.bind]) + scrapers
 
 
@@ -141,7 +142,7 @@ def _server_firewall(cluster, server, setting: str) -> str:
         loopback = False
     if not loopback and not server.allow:
         return firewall([], setting, f"it serves clients on {comment_value(server.bind, setting)}")
-    scrapers = [] if loopback else list(cluster.scrapers)  # Prometheus reads its /metrics
+    scrapers = [] if loopback else list(registry.admitted(cluster))  # Prometheus reads its /metrics
     return firewall([e.address for e in cluster.rpc_endpoints(server)] + list(server.allow)
                     + scrapers, setting)
 

@@ -31,6 +31,10 @@ ROLE = "toolchain"
 # A failed copy never falls back to a compile either: llama_cpp.copy stops and names
 # -replace=HOST/llama_cpp.build, whose plan gives HOST the whole toolchain.
 
+# The llama_cpp role's section of the cluster file (builds_use_ccache).
+LLAMA_CPP = "llama_cpp"
+
+
 def copies_from(ctx: HostContext) -> str | None:
     """The host whose llama.cpp build this one copies (Resolved.build_copiers), or None where it
     compiles its own, runs none, or -replace makes it compile."""
@@ -56,7 +60,7 @@ def wanted_packages(cluster, manager: str, host, copier: bool = False,
     else:
         base = {"apt": d.toolchain_apt_packages, "dnf": d.toolchain_dnf_packages,
                 "brew": d.toolchain_brew_packages}[manager]
-        if cluster.llama_cpp.build.ccache:
+        if builds_use_ccache(cluster):
             base = base + (d.toolchain_ccache_package,)
         base = base + d.toolchain_backend_packages.get(manager, {}).get(host.backend, ())
         if manager == "apt":
@@ -221,6 +225,12 @@ def apt_proxy_conf(url: str) -> str:
     return f'Acquire::http::Proxy "{url}";\nAcquire::https::Proxy "{url}";\n'
 
 
+def builds_use_ccache(cluster) -> bool:
+    """llama_cpp.build.ccache: the llama_cpp role's section, read as data (roles do not import
+    each other); the toolchain installs ccache for it."""
+    return bool(cluster.sections[LLAMA_CPP]["build"]["ccache"])
+
+
 def _supervises(cluster, host) -> bool:
     """Whether md-failover (Python) runs a llama-server on `host`."""
     return any(s.host == host.name and cluster.supervised(s) for s in cluster.servers)
@@ -290,7 +300,7 @@ def packages(ctx: HostContext) -> Step:
 def termux_missing(cluster, host, platform: dict) -> list[str]:
     """Termux packages that bring the tools this host lacks (each once, in the role's order)."""
     want = dict(d.toolchain_termux_packages)
-    if cluster.llama_cpp.build.ccache:
+    if builds_use_ccache(cluster):
         want.update(d.toolchain_termux_ccache)
     if distribution.share_clients(cluster, host) or _supervises(cluster, host):
         want.update(d.toolchain_termux_python)  # md-share, md-failover
