@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from meshdeploy import errors
 from meshdeploy.commands import options
-from meshdeploy.config.checks import warnings_for
+from meshdeploy.core import loading
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.errors import ConfigError
 from meshdeploy.views import diagnostics, notices
@@ -39,7 +39,7 @@ def run(args: Args) -> int:
         else:
             print(errors.terminal_text(view.render_errors(error)), file=sys.stderr)
         return error.exit_code
-    warnings = warnings_for(cluster)
+    warnings = loading.warnings(cluster)
     if args.json:
         print(diagnostics.render_valid(warnings, **view.summary(cluster)))
         return errors.OK

@@ -20,7 +20,6 @@ from meshdeploy.config import distribution
 from meshdeploy.config.document import Document
 from meshdeploy.config.model import (
     CPU_DEVICE,
-    PRIVATE_NETWORKS,
     WILDCARD,
     Cluster,
     HfSource,
@@ -44,7 +43,7 @@ def check(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     """Every problem of `cluster` (built from `doc`), in file order."""
     issues: list[ConfigIssue] = []
     for checker in (check_models, check_hosts, check_local, check_rootless,
-                    check_ports, check_servers, check_wireguard, check_ssh_transport):
+                    check_ports, check_servers):
         issues += checker(doc, cluster)
     issues.sort(key=lambda i: (i.line, i.col))
     return issues
@@ -159,10 +158,9 @@ def check_local(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
 
 
 def check_rootless(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
-    """A rootless host gets no sudo, no system-wide firewall and no WireGuard interface (each
-    needs root), so a file that asks for them on such a host is refused where it asks."""
+    """A rootless host gets no sudo (the network role's checks refuse a firewall or a tunnel
+    there), so a file that asks for it on such a host is refused where it asks."""
     issues = []
-    net = cluster.network
     for host in cluster.hosts:
         path = ("hosts", host.name)
         if not host.rootless:
@@ -184,37 +182,18 @@ def check_rootless(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                 path + ("ssh", "sudo"),
                 f"host {host.name} is rootless: nothing runs through sudo there",
                 "remove ssh.sudo, or remove rootless if the user may use sudo"))
-        if net.tunnel:
-            issues.append(doc.issue(
-                path + ("rootless",),
-                f"host {host.name} is rootless, but network.transport: wireguard makes a "
-                "network interface on every host, which needs root",
-                "use network.transport: plain, or give meshdeploy root on the host"))
-        elif net.firewall and not host.unprotected and _listens(cluster, host):
-            issues.append(doc.issue(
-                path + ("rootless",),
-                f"host {host.name} is rootless, so it cannot hold network.firewall's allow-list "
-                "(nftables needs root): its rpc-servers or llama-server would be open to every "
-                "machine that reaches it",
-                "use network.transport: ssh (rpc-servers then bind loopback and only the "
-                f"orchestrators' forwards reach them), or set hosts.{host.name}.unprotected: "
-                "true to accept the open ports (warned in every plan)"))
     return issues
 
 
-def _listens(cluster: Cluster, host) -> bool:
-    """Whether the host has a port the allow-list would guard: an rpc-server, or a llama-server
-    on a non-loopback bind (one on loopback is reached from the host only)."""
-    return any(not is_loopback(r.bind or "") for r in host.rpc_servers) or any(
-        s.host == host.name and not is_loopback(s.bind) for s in cluster.servers)
-
-
 def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
-    """One listener per (host, port), whether rpc-server, llama-server, a forward's end or
-    md-share (the last two claimed first: a service of the file on their port is the one told
-    to move)."""
+    """One listener per (host, port), whether rpc-server, llama-server, a forward's reverse end
+    or md-share (the last two claimed first: a service of the file on their port is the one
+    told to move). The forwards' own ports are the network role's check."""
     issues = []
-    owners = _derived_ports(cluster)
+    try:
+        owners = distribution.derived_ports(cluster)
+    except KeyError:  # an rpc entry names an unknown rpc-server: check_servers says so
+        owners = {}
 
     def claim(host: str, port: int, path: tuple) -> None:
         owner = owners.setdefault((host, port), render_path(path[:-1]))
@@ -225,46 +204,11 @@ def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     for host in cluster.hosts:
         for i, rpc in enumerate(host.rpc_servers):
             claim(host.name, rpc.port, ("hosts", host.name, "rpc_servers", i, "port"))
-        try:
-            forwards = cluster.ssh_forwards(host)
-        except KeyError:  # an rpc entry names an unknown host: check_servers says so
-            forwards = []
-        for forward in forwards:
-            for local, remote in forward.ports:
-                # Said at network.ssh.local_port_base: the forwards' ports follow from it.
-                owner = owners.setdefault((host.name, local), f"the forward to {forward.worker.name}")
-                if owner != f"the forward to {forward.worker.name}":
-                    issues.append(doc.issue(
-                        ("network", "ssh", "local_port_base") if doc.written(
-                            ("network", "ssh", "local_port_base")) is not None else ("network",),
-                        f"port {local} on host {host.name} is taken by {owner}, but the ssh "
-                        f"forward to {forward.worker.name}:{remote} listens there",
-                        "pick another network.ssh.local_port_base", at_key=True))
     names = {host.name for host in cluster.hosts}
     for server in cluster.servers:
         if server.host in names:
             claim(server.host, server.port, ("servers", server.name, "port"))
     return issues
-
-
-def _derived_ports(cluster: Cluster) -> dict[tuple[str, int], str]:
-    """(host, port) -> owner of the ports no line of the file names: md-share's on a sharing
-    host, a forward's reverse end on a worker. Nothing while an rpc entry names an unknown
-    rpc-server (check_servers says so; the distribution cannot be read)."""
-    owners: dict[tuple[str, int], str] = {}
-    try:
-        fetches = distribution.tensor_fetches(cluster) + distribution.copies(cluster)
-    except KeyError:
-        return owners
-    for source in distribution.share_sources(cluster):
-        owners[(source.name, distribution.MODEL_SHARE_PORT)] = (
-            "md-share (the model copies other hosts get from this one)")
-    for f in fetches:
-        port = distribution.reverse_port(cluster, f.source, f.worker)
-        if port is not None:
-            owners.setdefault((f.worker, port), f"the reverse end of {f.source}'s ssh forward "
-                                                "(network.ssh.share_port_base)")
-    return owners
 
 
 def check_servers(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
@@ -431,12 +375,9 @@ def exposed_rpc_servers(cluster: Cluster) -> list[ExposedRpc]:
 
 def warnings_for(cluster: Cluster) -> list[str]:
     """Risks that are allowed but must be said every time (validate, plan and apply print
-    them; the rpc-server unit says the first kind in the journal at each start)."""
+    them, with the roles' own: core.loading.warnings; the rpc-server unit says the first kind
+    in the journal at each start)."""
     warnings = [exposed.warning for exposed in exposed_rpc_servers(cluster)]
-    if not cluster.network.firewall:
-        warnings.append("network.firewall: false: no host filters its meshdeploy ports; any "
-                        "machine that reaches a worker's rpc-server port can read and write its "
-                        "memory")
     for host in cluster.hosts:
         if host.unprotected and host.rpc_servers:
             ports = ", ".join(str(r.port) for r in host.rpc_servers)
@@ -464,66 +405,3 @@ def warnings_for(cluster: Cluster) -> list[str]:
                 "allow-list lets only the host itself connect. List the clients' addresses "
                 "or networks there.")
     return warnings
-
-
-def check_ssh_transport(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
-    """network.transport: ssh: every rpc-server binds loopback (the worker's own sshd forwards
-    to it). Model bytes need no check: a model has one llama-server, whose host is its source,
-    and every host that gets bytes of it (a cached worker's tensors or whole copy) is a worker
-    of that server, reached by the source's forward (core/share.py: its reverse end)."""
-    if not cluster.network.forwarded:
-        return []
-    issues = []
-    for host in cluster.hosts:
-        for i, rpc in enumerate(host.rpc_servers):
-            path = ("hosts", host.name, "rpc_servers", i)
-            if doc.written(path + ("bind",)) and not is_loopback(rpc.bind or ""):
-                issues.append(doc.issue(
-                    path + ("bind",),
-                    f"binds {rpc.bind}, but under network.transport: ssh an rpc-server listens "
-                    "on loopback only: the forward from its orchestrators reaches it there",
-                    "remove bind (or bind 127.0.0.1)"))
-    return issues
-
-
-def check_wireguard(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
-    """network.wireguard: a subnet that is a network, explicit addresses of known hosts inside
-    it, and no two hosts on one tunnel address (a derived one can collide: say which)."""
-    if not cluster.network.tunnel:
-        return []
-    wg = cluster.network.wireguard
-    path = ("network", "wireguard")
-    try:
-        net = ipaddress.IPv4Network(wg.subnet)
-    except ValueError as exc:
-        return [doc.issue(path + ("subnet",), f"'{wg.subnet}' is not an IPv4 network ({exc})",
-                          "write a network with its host bits zero, e.g. 10.99.0.0/16")]
-    issues = []
-    names = {h.name for h in cluster.hosts}
-    for name, address in wg.addresses:
-        where = path + ("addresses", name)
-        if name not in names:
-            issues.append(doc.issue(where, f"no host named {name!r}",
-                                    suggest(name, sorted(names), "hosts"), at_key=True))
-        elif not _host_address_of(address, net):
-            issues.append(doc.issue(where, f"{address} is not a host address of {wg.subnet}",
-                                    "pick an address inside network.wireguard.subnet"))
-    taken: dict[str, str] = {}
-    for host in cluster.hosts:
-        address = wg.address(host.name)
-        if address in taken:
-            issues.append(doc.issue(path, f"hosts {taken[address]} and {host.name} get the same "
-                                    f"tunnel address {address}",
-                                    f"give one of them its own under network.wireguard."
-                                    f"addresses (e.g. {host.name}: <a free address>)",
-                                    at_key=True))
-        taken.setdefault(address, host.name)
-    return issues
-
-
-def _host_address_of(address: str, net) -> bool:
-    try:
-        ip = ipaddress.IPv4Address(address)
-    except ValueError:
-        return False
-    return ip in net and ip not in (net.network_address, net.broadcast_address)

@@ -143,14 +143,30 @@ def share_sources(cluster: Cluster) -> list[Host]:
 
 
 def reverse_port(cluster: Cluster, source: str, client: str) -> int | None:
-    """Under network.transport: ssh, the loopback port on `client` where `source`'s forward to
-    it listens for md-share (its reverse end): network.ssh.share_port_base + the index of
-    `source` among share_sources (each sharing host's forwards listen on a port of their own on
-    the workers); None where no bytes go that way, or not under ssh."""
+    """Where `source`'s forward to `client` listens on `client` for md-share (its reverse end),
+    while the network forwards (Network.share_port: network.ssh.share_port_base + the index of
+    `source` among share_sources, each sharing host's forwards on a port of their own on the
+    workers); None where no bytes go that way, or nothing is forwarded."""
     if not cluster.network.forwarded:
         return None
     if not any(f.source == source and f.worker == client
                for f in tensor_fetches(cluster) + copies(cluster)):
         return None
-    return (cluster.network.ssh.share_port_base
-            + [h.name for h in share_sources(cluster)].index(source))
+    return cluster.network.share_port([h.name for h in share_sources(cluster)].index(source))
+
+
+def derived_ports(cluster: Cluster) -> dict[tuple[str, int], str]:
+    """(host, port) -> owner of the ports no line of the file names: md-share's on a sharing
+    host, a forward's reverse end on a worker. Raises KeyError while an rpc entry names an
+    unknown rpc-server (the distribution cannot be read)."""
+    owners: dict[tuple[str, int], str] = {}
+    fetches = tensor_fetches(cluster) + copies(cluster)
+    for source in share_sources(cluster):
+        owners[(source.name, MODEL_SHARE_PORT)] = (
+            "md-share (the model copies other hosts get from this one)")
+    for f in fetches:
+        port = reverse_port(cluster, f.source, f.worker)
+        if port is not None:
+            owners.setdefault((f.worker, port), f"the reverse end of {f.source}'s ssh forward "
+                                                "(network.ssh.share_port_base)")
+    return owners

@@ -27,16 +27,12 @@ from meshdeploy.config.model import (
     HfSource,
     Host,
     Model,
-    Network,
     OllamaSource,
     PathSource,
     RpcServer,
     Server,
-    SshTransport,
-    WireGuard,
     rpc_ref,
     system_layout,
-    tunnel_binds,
 )
 from meshdeploy.config.schema import (
     layout_field,
@@ -115,13 +111,12 @@ def control_path(value: str, base: Path) -> str | None:
     return str(path)
 
 
-def resolve_bind(host: dict, rpc: dict, rule: str, transport: str = "plain") -> str | None:
-    """-H value for an rpc-server, or None when the rule needs an address that isn't IPv4.
-    Under network.transport: ssh, loopback: the forward reaches it there."""
+def default_bind(host: dict, rpc: dict) -> str | None:
+    """-H value for an rpc-server on the hosts' own network: the file's bind, else the host's
+    address, None when that is not IPv4 (the network role's rules may decide otherwise:
+    Role.completes)."""
     if rpc["bind"]:
         return rpc["bind"]
-    if rule == "loopback" or transport == "ssh":
-        return "127.0.0.1"
     try:
         return str(ipaddress.IPv4Address(host["address"]))
     except ValueError:
@@ -167,13 +162,12 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
     base = doc.path.parent
     section, key = layout_field(load_schema(), "prefix")
     prefix = data[section][key]
-    net = data["network"]
     hosts = []
     for name, h in data["hosts"].items():
         rpcs = tuple(
-            RpcServer(port=r["port"], bind=resolve_bind(h, r, net["rpc_bind"], net["transport"]),
-                      device=unset(r["device"]), threads=r["threads"], cache=r["cache"],
-                      fetch=r["fetch"])
+            RpcServer(port=r["port"], bind=default_bind(h, r), device=unset(r["device"]),
+                      threads=r["threads"], cache=r["cache"], fetch=r["fetch"],
+                      file_bind=r["bind"])
             for r in h["rpc_servers"])
         s = h["ssh"]
         ssh = SSH(user=unset(s["user"]), port=s["port"], key=control_path(s["key"], base),
@@ -202,25 +196,16 @@ def build_cluster(doc: Document, data: dict) -> Cluster:
                failover=Failover(tolerate=s["failover"]["tolerate"],
                                  seed=s["failover"]["seed"]))
         for name, s in data["servers"].items())
-    wg = net["wireguard"]
-    cluster = Cluster(
+    return Cluster(
         name=data["cluster"],
         path=doc.path,
         prefix=prefix,
-        network=Network(rpc_bind=net["rpc_bind"], allow_public=net["allow_public"],
-                        firewall=net["firewall"], transport=net["transport"],
-                        ssh=SshTransport(local_port_base=net["ssh"]["local_port_base"],
-                                         share_port_base=net["ssh"]["share_port_base"]),
-                        wireguard=WireGuard(subnet=wg["subnet"], listen_port=wg["listen_port"],
-                                            interface=wg["interface"],
-                                            addresses=tuple(wg["addresses"].items()))),
         hosts=tuple(hosts),
         models=models,
         servers=servers,
         source_hash=hashlib.sha256(doc.raw).hexdigest(),
         sections=role_data(data),
     )
-    return tunnel_binds(cluster)
 
 
 def role_data(data: dict) -> dict[str, Any]:

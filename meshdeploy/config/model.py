@@ -6,10 +6,9 @@ engine never re-validates and never sees "" for "unset": unset optional values a
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Union
 
@@ -39,64 +38,49 @@ PRIVATE_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
 
 
 @dataclass(frozen=True)
-class WireGuard:
-    """network.wireguard: the tunnel between each orchestrator and its workers."""
-
-    subnet: str = "10.99.0.0/16"
-    listen_port: int = 51820
-    interface: str = "mdwg0"
-    addresses: tuple[tuple[str, str], ...] = ()  # explicit (host name, address) pairs
-
-    def address(self, host_name: str) -> str:
-        """The host's tunnel address: the explicit one, else derived from its name alone (so it
-        stays put when other hosts come and go; config.checks refuses two hosts on one)."""
-        for name, address in self.addresses:
-            if name == host_name:
-                return address
-        return derived_tunnel_address(self.subnet, host_name)
-
-    @property
-    def unit(self) -> str:
-        """The systemd unit that brings the interface up (wg-quick's template)."""
-        return f"wg-quick@{self.interface}"
-
-
-def derived_tunnel_address(subnet: str, host_name: str) -> str:
-    """subnet's network address + 1 + (first 8 bytes of sha256(name) mod the usable hosts)."""
-    net = ipaddress.IPv4Network(subnet)
-    usable = max(net.num_addresses - 2, 1)
-    digest = int.from_bytes(hashlib.sha256(host_name.encode()).digest()[:8], "big")
-    return str(net.network_address + 1 + digest % usable)
-
-
-@dataclass(frozen=True)
-class SshTransport:
-    # Below Linux's ephemeral ports (32768-60999): in that range a client connection of the
-    # orchestrator's own (a health poll on loopback) can hold the port the forward must bind
-    # (seen in the lab: "bind [127.0.0.1]:51000: Address already in use").
-    local_port_base: int = 31000
-    # The workers' ports where the forwards' reverse ends carry md-share back (one per sharing
-    # host, file order): below the ephemeral ports too, and apart from local_port_base's.
-    share_port_base: int = 30180
-
-
-@dataclass(frozen=True)
 class Network:
-    rpc_bind: Literal["address", "loopback"]
-    allow_public: bool
-    firewall: bool = True  # roles/network: the allow-list table on every host
-    transport: Literal["plain", "wireguard", "ssh"] = "plain"
-    wireguard: WireGuard = WireGuard()
-    ssh: SshTransport = SshTransport()
+    """How the cluster's hosts reach each other's services and what they let in, as every layer
+    outside the network role reads it: by default the hosts' own network, each host's
+    meshdeploy ports filtered (firewall), no rpc-server beyond the private ranges. The network
+    role puts the file's network on the Cluster (its section: transport, tunnel, forwards;
+    roles/network/settings.py), a subclass that answers these members."""
+
+    firewall: bool = True  # the allow-list table on every host
+    allow_public: bool = False  # rpc-servers may bind beyond loopback and the private ranges
 
     @property
     def tunnel(self) -> bool:
-        return self.transport == "wireguard"
+        """Hosts exchange RPC through a tunnel of their own (its addresses: source_address)."""
+        return False
 
     @property
     def forwarded(self) -> bool:
-        """network.transport: ssh: orchestrators reach remote rpc-servers through forwards."""
-        return self.transport == "ssh"
+        """Orchestrators reach remote rpc-servers through forwards to the workers' loopback
+        (forwards()); model bytes travel back through the forwards' reverse ends."""
+        return False
+
+    @property
+    def tunnel_unit(self) -> str | None:
+        """The unit that brings the tunnel up, which a service on a tunnel address starts after."""
+        return None
+
+    @property
+    def tunnel_interface(self) -> str | None:
+        """The tunnel's network interface on each of its hosts."""
+        return None
+
+    def source_address(self, host: Host) -> str:
+        """The address `host` reaches other hosts' services from (and they reach it at)."""
+        return host.address
+
+    def forwards(self, cluster: Cluster, host: Host) -> list[SshForward]:
+        """The forwards `host` runs to the workers of its llama-servers."""
+        return []
+
+    def share_port(self, index: int) -> int | None:
+        """The loopback port on a worker where the `index`-th sharing host's forward carries
+        its model share back (forwarded only)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -137,6 +121,9 @@ class RpcServer:
     # (config.distribution.tensor_fetches); False: keep a whole GGUF on the host (copies),
     # seed from it.
     fetch: bool = True
+    # The file's own bind ("" = none given: the network's rules decide, Network subclasses'
+    # binds); None where the RpcServer was not read from a file.
+    file_bind: str | None = None
 
     @property
     def unit_name(self) -> str:
@@ -405,11 +392,12 @@ class Cluster:
     # Where hosts with root keep meshdeploy's things: the field a role's schema.json marks
     # "x-meshdeploy-layout": "prefix" (config.schema.layout_field).
     prefix: str
-    network: Network
     hosts: tuple[Host, ...]
     models: dict[str, Model] = field(hash=False)
     servers: tuple[Server, ...] = ()
     source_hash: str = ""  # sha256 of the cluster file's bytes
+    # The hosts' network: the network role's settings once core.loading completed the cluster.
+    network: Network = Network()
     # The roles' own sections (role -> plain data, defaults filled), each declared by a role's
     # schema.json; the role reads its part as its typed settings (HostContext.section).
     sections: dict[str, Any] = field(default_factory=dict, hash=False)
@@ -480,24 +468,10 @@ class Cluster:
         return endpoints
 
     def ssh_forwards(self, host: Host) -> list[SshForward]:
-        """Under network.transport: ssh, the forwards `host` runs for its llama-servers: one per
-        remote worker, loopback ports from network.ssh.local_port_base in the order its servers
-        list the rpc-servers (an rpc-server on `host` itself is dialled directly)."""
-        if not self.network.forwarded:
-            return []
-        pairs: list[tuple[str, int]] = []
-        for server in self.servers:
-            if server.host != host.name or not server.rpc:
-                continue
-            for ref in server.rpc:
-                worker, port = parse_rpc_ref(ref)
-                if worker != host.name and (worker, port) not in pairs:
-                    pairs.append((worker, port))
-        base = self.network.ssh.local_port_base
-        by_worker: dict[str, list[tuple[int, int]]] = {}
-        for i, (worker, port) in enumerate(pairs):
-            by_worker.setdefault(worker, []).append((base + i, port))
-        return [SshForward(self.host(w), tuple(p)) for w, p in by_worker.items()]
+        """The forwards `host` runs for its llama-servers (Network.forwards: under the network
+        role's network.transport: ssh, one per remote worker), derived once per host."""
+        return list(self.derived(("ssh_forwards", host.name),
+                                 lambda: tuple(self.network.forwards(self, host))))
 
     def forwarded_to(self, worker: Host) -> list[tuple[Host, SshForward]]:
         """(orchestrator, its forward) pairs that reach `worker` under network.transport: ssh."""
@@ -517,9 +491,9 @@ class Cluster:
         return None
 
     def source_address(self, host: Host) -> str:
-        """The address `host` connects to other hosts' rpc-servers from: its tunnel address
-        under network.transport: wireguard, else its address."""
-        return self.network.wireguard.address(host.name) if self.network.tunnel else host.address
+        """The address `host` connects to other hosts' rpc-servers from (Network.source_address:
+        its tunnel address inside a tunnel, else its address)."""
+        return self.network.source_address(host)
 
     def tunnel_peers(self, host: Host) -> list[Host]:
         """Hosts that `host` exchanges RPC with across hosts (its workers, its orchestrators),
@@ -561,7 +535,7 @@ class Cluster:
 def dial_address(host: Host, rpc: RpcServer, from_host: str) -> str:
     """Where an orchestrator on `from_host` reaches `rpc` on `host`."""
     if rpc.bind is None:
-        # A DNS-named host without a bind (config.load.resolve_bind): the checks ask for one,
+        # A DNS-named host without a bind (config.load.default_bind): the checks ask for one,
         # and read the distribution meanwhile; the host's name is what a client would dial.
         return host.address
     if is_loopback(rpc.bind):
@@ -602,29 +576,3 @@ def is_private(address: str) -> bool:
 def is_single_address(value: str) -> bool:
     """Whether an address or network literal names one host (10.0.0.5, 10.0.0.5/32, fd00::5/128)."""
     return ipaddress.ip_network(value, strict=False).num_addresses == 1
-
-
-def tunnel_binds(cluster: Cluster) -> Cluster:
-    """Under network.transport: wireguard, an rpc-server that another host's llama-server uses
-    binds its host's tunnel address only; one that only its own host uses binds loopback (it
-    has no tunnel to listen on). A loopback bind in the file stays. Unchanged for plain, and
-    while the subnet is not a network (config.checks says so)."""
-    if not cluster.network.tunnel:
-        return cluster
-    try:
-        ipaddress.IPv4Network(cluster.network.wireguard.subnet)
-    except ValueError:
-        return cluster
-    remote = {parse_rpc_ref(ref) for s in cluster.servers for ref in s.rpc or ()
-              if parse_rpc_ref(ref)[0] != s.host}
-    hosts = []
-    for host in cluster.hosts:
-        rpcs = []
-        for rpc in host.rpc_servers:
-            if rpc.bind is None or not is_loopback(rpc.bind):
-                bind = (cluster.network.wireguard.address(host.name)
-                        if (host.name, rpc.port) in remote else "127.0.0.1")
-                rpc = replace(rpc, bind=bind)
-            rpcs.append(rpc)
-        hosts.append(replace(host, rpc_servers=tuple(rpcs)))
-    return replace(cluster, hosts=tuple(hosts))

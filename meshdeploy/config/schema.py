@@ -164,9 +164,6 @@ PATTERN_MEANING = {
     "rpc": "is not host:port (a host name from hosts, then the rpc-server's port)",
     "hosts.*.rpc_servers[].bind": "is not an IPv4 address",
     "servers.*.bind": "is not an IPv4 address or host name",
-    "network.wireguard.subnet": "is not an IPv4 network like 10.99.0.0/16",
-    "network.wireguard.interface": "is not an interface name (1-15 of letters, digits, _=+.-)",
-    "network.wireguard.addresses.*": "is not an IPv4 address",
 }
 
 PATTERN_HINT = {

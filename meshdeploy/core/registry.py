@@ -302,6 +302,12 @@ def validations(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     return [i for m in file_hooks() if hasattr(m, "validate") for i in m.validate(doc, cluster)]
 
 
+def file_warnings(cluster: Cluster) -> list[str]:
+    """Every role's risks of its settings, said at every validate, plan and apply
+    (cluster_file.warnings)."""
+    return [w for m in file_hooks() if hasattr(m, "warnings") for w in m.warnings(cluster)]
+
+
 def _ordered(found: dict[str, Role]) -> list[Role]:
     edges = {name: set() for name in found}  # name -> roles that must come first
     for role in found.values():

@@ -128,8 +128,7 @@ def record_for(cluster: Cluster, host: Host) -> HostRecord:
     units = [r.unit_name for r in host.rpc_servers]
     units += [s.unit_name for s in cluster.servers if s.host == host.name]
     models = sorted({s.model for s in cluster.servers if s.host == host.name})
-    tunnel = cluster.network.wireguard.interface \
-        if cluster.network.tunnel and cluster.tunnel_peers(host) else None
+    tunnel = cluster.network.tunnel_interface if cluster.tunnel_peers(host) else None
     ssh = {k: getattr(host.ssh, k) for k in ("user", "port", "key", "config", "sudo", "host_key")}
     return HostRecord(name=host.name, address=host.address, ssh=ssh, backend=host.backend,
                       units=units, models=models, firewall=cluster.network.firewall,
@@ -226,8 +225,9 @@ def _validator():
                                  "config": optional, "sudo": ssh["sudo"],
                                  "host_key": {"enum": [None] + [v for v in
                                                                 ssh["host_key"]["enum"] if v]}}}
-    interface = schema["properties"]["network"]["properties"]["wireguard"]["properties"][
-        "interface"]
+    # A network interface's name as the kernel takes it (IFNAMSIZ: 15 characters), of the
+    # characters wg-quick accepts.
+    interface = {"type": "string", "pattern": "^[A-Za-z0-9_=+.-]{1,15}$"}
     record = {"type": "object", "additionalProperties": False, "required": ["address", "ssh"],
               "properties": {
                   "address": host["address"], "connection": host["connection"],

@@ -314,9 +314,12 @@ def test_a_host_whose_output_cannot_be_read_is_a_row_not_a_lost_host(demo_role, 
 
 
 @pytest.mark.parametrize("name,fragment,message", [
-    ("network", {"type": "object"},
-     "roles/network/schema.json declares the section 'network', which the cluster file "
+    ("hosts", {"type": "object"},
+     "roles/hosts/schema.json declares the section 'hosts', which the cluster file "
      "already has"),
+    ("network", {"type": "object"},
+     "roles/network/schema.json declares the section 'network', which "
+     "roles/network/schema.json declares too"),
     ("zz_bad", {"type": "objekt"}, "roles/zz_bad/schema.json is not a JSON Schema"),
     ("zz_ref", {"$defs": {"p": {"type": "string"}}, "properties": {"p": {"$ref": "#/$defs/p"}}},
      "roles/zz_ref/schema.json uses $ref or $defs"),
@@ -365,6 +368,21 @@ def test_the_models_role_owns_the_huggingface_section():
     assert "huggingface" not in json.loads(
         (ROOT / "meshdeploy" / "schemas" / "core.schema.json").read_text())["properties"]
     assert fragment["properties"]["endpoint"]["default"] == "https://huggingface.co"
+
+
+@pytest.mark.parametrize("section", ["llama_cpp", "network", "toolchain", "monitoring"])
+def test_the_role_of_the_same_name_owns_the_section(section):
+    where, fragment = schema.role_fragments()[section]
+    assert where == f"roles/{section}/schema.json"
+    assert section not in json.loads(
+        (ROOT / "meshdeploy" / "schemas" / "core.schema.json").read_text())["properties"]
+    assert section in schema.load_schema()["properties"]
+
+
+def test_a_required_role_section_is_required_in_the_complete_schema():
+    assert schema.role_fragments()["llama_cpp"][1][schema.REQUIRED] is True
+    assert "llama_cpp" in schema.load_schema()["required"]
+    assert "network" not in schema.load_schema()["required"]
 
 
 def test_every_role_section_ships_in_the_package():

@@ -11,7 +11,7 @@ from support import golden
 
 from meshdeploy.cli import build_parser
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import derived_tunnel_address
+from meshdeploy.roles.network.settings import derived_tunnel_address
 from meshdeploy.engine.planner import check_replace
 from meshdeploy.errors import ConfigError, PlanError
 from meshdeploy.roles.network import facts, rules

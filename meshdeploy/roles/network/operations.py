@@ -11,7 +11,7 @@ from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import defaults as d
-from meshdeploy.roles.network import rules, ssh_ops
+from meshdeploy.roles.network import rules, settings, ssh_ops
 from meshdeploy.roles.network import tunnel as wgr
 from meshdeploy.roles.network.facts import Allowlist, Tools, WireGuard
 
@@ -30,7 +30,7 @@ def sections(cluster, host, destroying: bool = False) -> list[Section]:
     return [Section("network.Tools", Tools),
             Section("network.Allowlist", Allowlist, privileged=True),
             Section("network.WireGuard", WireGuard, privileged=True,
-                    kwargs={"interface": cluster.network.wireguard.interface,
+                    kwargs={"interface": settings.of(cluster).wireguard.interface,
                             "key": wgr.key_file(cluster), "conf": wgr.conf_path(cluster)}),
             *keys]
 
@@ -99,7 +99,7 @@ def access(cluster, hosts, facts: dict) -> list[tuple[str, str, str]]:
 def warnings(cluster, facts: dict) -> list[str]:
     """What the plan says every time about hosts that are not firewalled."""
     sshd = ssh_ops.sshd_warnings(cluster, facts)
-    if not cluster.network.firewall:  # the opt-out itself is said by config.checks.warnings_for
+    if not cluster.network.firewall:  # the opt-out itself: cluster_file.warnings
         return sshd
     macs = sorted(name for name, f in facts.items()
                   if (f.get("toolchain.Platform") or {}).get("kernel") == "Darwin")
@@ -235,7 +235,7 @@ def wireguard_key(ctx: HostContext) -> Step:
                            [diff]),
                 [c for c in install if c] + [shell.template(
                     rules.TEMPLATES / "wg-genkey.sh", DIR=d.network_wg_key_dir,
-                    KEY=wgr.key_file(cluster), IFACE=cluster.network.wireguard.interface)])
+                    KEY=wgr.key_file(cluster), IFACE=settings.of(cluster).wireguard.interface)])
 
 
 def _peer_key(ctx, peer) -> str | None:
@@ -255,7 +255,7 @@ def _wg_remove(ctx, fact: dict | None, reason: str) -> Step:
                            [AttrDiff("address", (fact.get("addresses") or [None])[0], None)]),
                 [shell.command("systemctl", "disable", "--now", "--quiet", unit, shell.QUIET,
                                shell.THEN, "ip", "link", "delete", "dev",
-                               ctx.cluster.network.wireguard.interface, shell.QUIET,
+                               settings.of(ctx.cluster).wireguard.interface, shell.QUIET,
                                shell.THEN, "rm", "-f", wgr.conf_path(ctx.cluster))])
 
 
@@ -293,10 +293,10 @@ def wireguard(ctx: HostContext) -> Step:
                and fact.get("enabled") and fact.get("live_key") == own)
     if matches and not rotate:
         return Step(ctx.change(ROLE, "wireguard", "no-op",
-                               f"{cluster.network.wireguard.interface} up with "
+                               f"{settings.of(cluster).wireguard.interface} up with "
                                f"{len(keys)} peer(s) as wanted"))
     unit = wgr.unit(cluster)
-    iface = cluster.network.wireguard.interface
+    iface = settings.of(cluster).wireguard.interface
     restart = live is None or (want["address"], want["listen_port"]) != (
         live["address"], live["listen_port"]) or fact.get("live_key") != own
     start = shell.command("systemctl", "stop", unit, shell.QUIET, shell.THEN, "ip", "link",

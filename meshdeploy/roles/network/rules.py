@@ -40,6 +40,7 @@ from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.units import exec_arg, render
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import defaults as d
+from meshdeploy.roles.network import settings
 
 LOOPBACK = d.network_loopback
 VIA = " via "  # "10.99.1.2 via mdwg0": accepted from that address arriving on that interface
@@ -74,7 +75,7 @@ def ports(cluster, host, build_copiers=()) -> list[Port]:
     hosts that copy the llama.cpp build this host compiles (Resolved.build_copiers), which its
     md-share serves them."""
     found: dict[tuple[str, int], tuple[list[str], list[str]]] = {}
-    tunnel = cluster.network.wireguard if cluster.network.tunnel else None
+    tunnel = settings.of(cluster).wireguard if cluster.network.tunnel else None
     for rpc in host.rpc_servers:
         if cluster.network.forwarded and is_loopback(rpc.bind or ""):
             # network.transport: ssh: the rpc-server listens on loopback, where only this host

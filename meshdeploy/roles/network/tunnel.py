@@ -23,6 +23,7 @@ from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.units import plist
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import defaults as d
+from meshdeploy.roles.network import settings
 
 # A Curve25519 public key as wg prints it: 32 bytes in base64.
 PUBLIC_KEY = re.compile(r"[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=")
@@ -31,19 +32,19 @@ _CONF_UNSAFE = re.compile(r"[\s#=\\\"']")
 
 
 def key_file(cluster) -> str:
-    return f"{d.network_wg_key_dir}/{cluster.network.wireguard.interface}.key"
+    return f"{d.network_wg_key_dir}/{settings.of(cluster).wireguard.interface}.key"
 
 
 def conf_path(cluster) -> str:
-    return f"{d.network_wg_conf_dir}/{cluster.network.wireguard.interface}.conf"
+    return f"{d.network_wg_conf_dir}/{settings.of(cluster).wireguard.interface}.conf"
 
 
 def unit(cluster) -> str:
-    return cluster.network.wireguard.unit
+    return settings.of(cluster).wireguard.unit
 
 
 def prefix_len(cluster) -> int:
-    return ipaddress.IPv4Network(cluster.network.wireguard.subnet).prefixlen
+    return ipaddress.IPv4Network(settings.of(cluster).wireguard.subnet).prefixlen
 
 
 def fingerprint(public_key: str | None) -> str | None:
@@ -63,7 +64,7 @@ def _conf_value(value: str, setting: str) -> str:
 def conf_file(cluster, host, keys: dict[str, str]) -> str:
     """/etc/wireguard/<interface>.conf for `host`; keys: peer name -> its public key (every
     peer must be there). No PrivateKey: PostUp loads it from the host's own key file."""
-    wg = cluster.network.wireguard
+    wg = settings.of(cluster).wireguard
     lines = [f"# meshdeploy: WireGuard interface of {host.name} (cluster {cluster.name}). "
              "Generated; the next apply replaces it.",
              "# No private key here: PostUp loads it from a root-only file on this host.",
@@ -87,7 +88,7 @@ def conf_file(cluster, host, keys: dict[str, str]) -> str:
 def wanted(cluster, host, keys: dict[str, str | None]) -> dict:
     """The interface as facts.WireGuard reads it back once applied (for the no-op check); a peer
     whose key is None is known after apply."""
-    wg = cluster.network.wireguard
+    wg = settings.of(cluster).wireguard
     return {"address": f"{wg.address(host.name)}/{prefix_len(cluster)}",
             "listen_port": int(wg.listen_port),
             "peers": {p.name: (keys.get(p.name), f"{wg.address(p.name)}/32")
@@ -139,7 +140,7 @@ def _shown(peer: tuple | None) -> str | None:
 
 
 def launchd_label(cluster) -> str:
-    return f"{d.network_wg_launchd_label}.{cluster.network.wireguard.interface}"
+    return f"{d.network_wg_launchd_label}.{settings.of(cluster).wireguard.interface}"
 
 
 def launchd_plist(cluster) -> str:
@@ -147,7 +148,7 @@ def launchd_plist(cluster) -> str:
     (which starts wireguard-go on a utun device: macOS has no kernel WireGuard). Rendered and
     golden-tested only; every plan warns that a Mac's tunnel is not set up."""
     brew = d.network_wg_brew_prefix
-    iface = cluster.network.wireguard.interface
+    iface = settings.of(cluster).wireguard.interface
     doc = {"Label": launchd_label(cluster),
            "ProgramArguments": [f"{brew}/bin/wg-quick", "up",
                                 f"{brew}/etc/wireguard/{iface}.conf"],

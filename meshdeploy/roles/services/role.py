@@ -1,8 +1,7 @@
 """services: rpc-server and llama-server units (systemd, launchd), restarted when they change."""
 
-from meshdeploy.config.checks import warnings_for
 from meshdeploy.config.model import LAUNCHD, RUNIT, SYSTEMD, SYSTEMD_USER
-from meshdeploy.core import shell
+from meshdeploy.core import loading, shell
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role, StatusProbe
 from meshdeploy.roles.services import failover, forward
 from meshdeploy.roles.services import operations as ops
@@ -37,7 +36,7 @@ def _preflight(ctx) -> None:
 
 
 def _prepare(p: Prepare) -> Prepared:
-    return Prepared(warnings=tuple(warnings_for(p.cluster)),
+    return Prepared(warnings=tuple(loading.warnings(p.cluster)),
                     network=tuple(network(p.cluster, p.hosts, p.facts)),
                     access=tuple((h.name, "manager", _manager_name(h, p.facts))
                                  for h in p.hosts))

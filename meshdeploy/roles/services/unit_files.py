@@ -97,7 +97,7 @@ def _after_tunnel(cluster, needed: bool) -> str:
     (rpc-server cannot bind it and exits; llama-server aborts when a worker is unreachable)."""
     if not (needed and cluster.network.tunnel):
         return ""
-    return ordered_after(cluster.network.wireguard.unit, "network.wireguard.interface")
+    return ordered_after(cluster.network.tunnel_unit, "network.wireguard.interface")
 
 
 def rpc_unit(cluster, host, rpc, build_dir: str, rpc_binary: str, groups=None) -> str:
