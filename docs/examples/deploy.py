@@ -11,7 +11,7 @@ here; `meshdeploy apply` runs them.
 
 from pyinfra import host
 
-from meshdeploy.config.load import load_cluster
+from meshdeploy.core.loading import load_cluster
 from meshdeploy.operations import services, toolchain
 
 CLUSTER = host.data.get("meshdeploy_cluster", "cluster.yaml")

@@ -294,7 +294,7 @@ class HfFile:
 @dataclass(frozen=True)
 class HfResolved:
     """An HfSource as the hub answers at plan time (roles.models.hf.resolve): the revision's
-    commit and each file's size and sha256; kept in Resolved.models by model name."""
+    commit and each file's size and sha256; kept in the models run's `models` by model name."""
 
     repo: str
     commit: str

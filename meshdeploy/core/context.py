@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshdeploy.config.model import Cluster, Host
@@ -13,39 +13,29 @@ from meshdeploy.core.plan import AttrDiff, Change, size_text
 
 @dataclass(frozen=True)
 class Resolved:
-    """Values fixed once for the whole cluster before any host changes (roles' Prepared values).
-
-    commit is None when the ref could not be resolved yet (no host has git and the control
-    machine cannot reach the repository): the plan then says "(known after apply)" and apply
-    resolves it on the first host right after the toolchain is in place.
+    """Values fixed once for the whole cluster before any host changes, each role's under the
+    role's name: what its prepare hook returned (Prepared.values, an object of the role's own
+    type; a step at apply may fix it again, Step.resolves), read back by the role itself as
+    `resolved.of(ROLE)` and by the others attribute by attribute (`value`), as roles import no
+    other role. `replace` is the run's own: the resource addresses `-replace=ADDRESS` names
+    ("node2/network.wireguard", or "network.wireguard" for every host), checked against the
+    registry by the engine.
     """
 
-    commit: str | None = None
-    commit_source: str = "unresolved"  # "pinned commit", "lock file", "ls-remote on <host>"
-    build_number: int | None = None
-    upstream_commit: str | None = None  # what the ref points at now, when it was checked
-    models: dict = field(default_factory=dict)  # model name -> roles.models.hf.HfResolved
-    hf_token: str | None = field(default=None, repr=False)  # control machine's, for downloads
-    # roles.rpc_cache: "host:port" -> SeedModel tuple, and placement layouts.
-    seeds: dict = field(default_factory=dict)
-    layouts: tuple = ()
-    # roles.rpc_cache: model name -> the (offset, size) of every hashed tensor of a model that
-    # workers fetch from another host's copy (what that host's digest list covers).
-    shared: dict = field(default_factory=dict)
-    # roles.rpc_cache: server name -> the -ts values placement: auto chose (the services role
-    # writes them into llama-server's argv); absent where the split stays llama.cpp's or the
-    # file's.
-    splits: dict = field(default_factory=dict)
-    # roles.rpc_cache: server name -> its layout.Run tuple: the full placement (workers without
-    # layers left off --rpc), then one per set of workers it may lose (servers.NAME.failover);
-    # the services role starts md-failover with them.
-    failover: dict = field(default_factory=dict)
-    # roles.llama_cpp: host name -> the hosts that copy the llama.cpp build it compiles (file
-    # order); network opens md-share's port on it to them.
-    build_copiers: dict = field(default_factory=dict)
-    # Resource addresses the run must replace (`-replace=ADDRESS`: "node2/network.wireguard",
-    # or "network.wireguard" for every host), checked against the registry by the engine.
+    roles: dict[str, Any] = field(default_factory=dict)
     replace: tuple[str, ...] = ()
+
+    def of(self, role: str) -> Any:
+        """The role's values (None where it fixed none: no prepare hook, or not run yet)."""
+        return self.roles.get(role)
+
+    def value(self, role: str, name: str, default: Any = None) -> Any:
+        """One of another role's values by name, `default` where it fixed none."""
+        return getattr(self.roles.get(role), name, default)
+
+    def fixed(self, role: str, values: Any) -> Resolved:
+        """This Resolved with `values` as the role's."""
+        return replace(self, roles={**self.roles, role: values})
 
 
 @dataclass(frozen=True)
@@ -174,7 +164,8 @@ class Step:
     sudo: bool = True  # False for tools that refuse root (Homebrew)
     build: BuildOutcome | None = None  # llama_cpp.build's decision (Steps.build)
     restarts: tuple[str, ...] = ()  # "host:port" of rpc-servers this step (re)starts
-    resolves: dict = field(default_factory=dict)  # Resolved fields fixed for later steps
+    # The step's role's values fixed again for later steps (Resolved.fixed: the role's own type).
+    resolves: Any = None
     transfer: Transfer | None = None  # model bytes this step moves to its host
 
     @property

@@ -62,10 +62,13 @@ class Prepare:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A role's contribution: Resolved fields it fixes for the run, plan warnings, and the
-    plan's typed sections it knows how to fill."""
+    """A role's contribution: the values it fixes for the run (its own type, kept under its name
+    in Resolved), plan warnings, and the plan's typed sections it knows how to fill."""
 
-    values: dict = field(default_factory=dict)
+    values: Any = None
+    # The llama.cpp commit the run builds and where it came from ("lock file", "ls-remote on
+    # HOST"): the plan's header; None from a role that does not pin it.
+    commit: tuple[str | None, str] | None = None
     warnings: tuple[str, ...] = ()
     placement: tuple = ()  # core.plan.Placement sections for the plan's views
     network: tuple = ()  # core.plan.Network rows: measured links and their cost per token

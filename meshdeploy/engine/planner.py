@@ -126,6 +126,7 @@ class Prepared:
     placement: list
     network: list
     access: list
+    commit: tuple[str | None, str] = (None, "unresolved")  # Prepared.commit: the plan's header
 
 
 def prepare(cluster: Cluster, hosts, facts: dict, header_cache=None, read_remote=None,
@@ -137,17 +138,20 @@ def prepare(cluster: Cluster, hosts, facts: dict, header_cache=None, read_remote
         speeds = speed_store.read(cluster.path)
     resolved, warnings, placement, network, access = (Resolved(replace=tuple(replacing)), [],
                                                       [], [], [])
+    commit: tuple[str | None, str] = (None, "unresolved")
     for role in roles if roles is not None else registry.roles():
         if role.prepare is None:
             continue
         out = role.prepare(registry.Prepare(cluster, hosts, facts, resolved, header_cache,
                                             read_remote, speeds))
-        resolved = replace(resolved, **out.values)
+        if out.values is not None:
+            resolved = resolved.fixed(role.name, out.values)
+        commit = out.commit or commit
         warnings += out.warnings
         placement += out.placement
         network += out.network
         access += out.access
-    return Prepared(resolved, warnings, placement, network, access)
+    return Prepared(resolved, warnings, placement, network, access, commit)
 
 
 @dataclass
@@ -229,7 +233,7 @@ def make_plan(session: Session, replacing=(), purge: bool = False, targets=()) -
                               for h, f in facts.items()},
                 changes=changes, warnings=warnings, hosts=[h.name for h in hosts],
                 created_at=utc_now(), meshdeploy_version=__version__,
-                commit=resolved.commit, commit_source=resolved.commit_source,
+                commit=prepared.commit[0], commit_source=prepared.commit[1],
                 limit=list(session.limit or []), placement=list(prepared.placement),
                 network=list(prepared.network),
                 transfers=transfer_rows([h.name for h in hosts], steps),

@@ -70,8 +70,8 @@ class Run:
             self.failure = {"host": host_name, "step": slot, "error": exc}
             raise
         self.steps.add(host_name, slot, step)
-        if step.resolves:
-            self.resolved = replace(self.resolved, **step.resolves)
+        if step.resolves is not None:
+            self.resolved = self.resolved.fixed(step.change.role, step.resolves)
         return step
 
     def teardown_steps(self, host_name: str, role: str) -> list[Step]:

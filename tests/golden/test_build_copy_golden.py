@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from support.resolved import run_values
+
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
-from meshdeploy.core.context import HostContext, Resolved, Steps
+from meshdeploy.core.context import HostContext, Steps
 from meshdeploy.core.plan import Plan
 from meshdeploy.views.plan import render_text
 from meshdeploy.roles.llama_cpp import settings
@@ -58,7 +60,7 @@ def plan_text(name: str) -> str:
     facts = {h.name: {**SCENARIOS[name][h.name],
                       "llama_cpp.Builds": {"current": None, "builds": {}}}
              for h in cluster.hosts}
-    resolved = Resolved(commit=None if name.endswith("-unresolved-ref") else COMMIT,
+    resolved = run_values(commit=None if name.endswith("-unresolved-ref") else COMMIT,
                         build_number=11312)
     steps, changes = Steps(), []
     for slot in registry.slots(cluster):

@@ -13,10 +13,11 @@ import pytest
 from support import golden
 from support.accounts import load_inventory
 from support.steps import decided
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.services import operations as services
 
@@ -31,11 +32,12 @@ FLAGS = ["-m", "--model", "--host", "--port", "--rpc", "-ngl", "-ts", "-c", "-lm
 
 
 def contexts(cluster):
-    resolved = Resolved(commit=COMMIT, build_number=11312)
+    resolved = run_values(commit=COMMIT, build_number=11312, models={})
     for name, model in cluster.models.items():
         files = getattr(model.source, "files", ())
         if files:
-            resolved.models[name] = HfResolved(model.source.repo, "f" * 40, tuple(
+            hub = resolved.value("models", "models")
+            hub[name] = HfResolved(model.source.repo, "f" * 40, tuple(
                 HfFile(f, 1, "a" * 64, f"https://hf.example/{f}") for f in files))
     for host in cluster.hosts:
         # An inventory's rootless hosts are phones under Termux (tests/support/accounts.py).

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from support import golden
 from support.steps import decided
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.toolchain import operations as toolchain
 from meshdeploy.roles.llama_cpp import settings
@@ -45,7 +46,7 @@ def facts_of(host, manager="apt", termux=False):
 
 def render(cluster) -> str:
     out = [f"# gpu-backends.yaml: llama.cpp {COMMIT[:12]}"]
-    resolved = Resolved(commit=COMMIT, build_number=11312)
+    resolved = run_values(commit=COMMIT, build_number=11312)
     for host in cluster.hosts:
         ctx = HostContext(cluster, host, facts_of(host), resolved)
         llama_cpp.preflight(ctx)
@@ -80,7 +81,7 @@ def test_a_cuda_host_without_a_driver_compiles_for_the_files_architectures():
     facts = facts_of(host)
     del facts["llama_cpp.CudaCompute"]
     facts["toolchain.Platform"]["tools"] = TOOLS + ["nvcc"]  # no nvidia-smi
-    ctx = HostContext(cluster, host, facts, Resolved(commit=COMMIT, build_number=11312))
+    ctx = HostContext(cluster, host, facts, run_values(commit=COMMIT, build_number=11312))
     toolchain.preflight(ctx)
     llama_cpp.preflight(ctx)
     assert "-DCMAKE_CUDA_ARCHITECTURES=86;89" in llama_cpp.cmake_flags(cluster, host, facts=facts)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from support.device_facts import GB, GiB, cpu, cuda, mac
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
-from meshdeploy.core.context import Resolved
 from meshdeploy.errors import ConfigError, PlanError
 from meshdeploy.placement import layout
 from meshdeploy.roles.rpc_cache import seeding
@@ -45,7 +45,7 @@ SCENARIOS = {
 
 def plan_placement(path: Path, facts: dict) -> tuple[seeding.SeedPlan, list[str]]:
     cluster = load_cluster(path)
-    resolved = Resolved(models={
+    resolved = run_values(models={
         name: HfResolved(m.source.repo, "c" * 40,
                          (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),))
         for i, (name, m) in enumerate(cluster.models.items())})

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 from support import golden
+from support.resolved import run_values
 from test_placement_scenarios import GOLDEN, ROOT, SCENARIOS, table
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
-from meshdeploy.core.context import Resolved
 from meshdeploy.placement import speed
 from meshdeploy.placement.tensors import weight_tensors
 from meshdeploy.roles.rpc_cache import seeding
@@ -52,7 +52,7 @@ def speeds_for(cluster, headers) -> dict:
 
 def planned(path: Path, facts: dict, headers):
     cluster = load_cluster(path)
-    resolved = Resolved(commit="c" * 40, models={
+    resolved = run_values(commit="c" * 40, models={
         name: HfResolved(m.source.repo, "c" * 40,
                          (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),))
         for i, (name, m) in enumerate(cluster.models.items())})

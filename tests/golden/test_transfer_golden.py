@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 from support.device_facts import cpu, cuda
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
 from meshdeploy.core import registry
-from meshdeploy.core.context import HostContext, Resolved, Steps
+from meshdeploy.core.context import HostContext, Steps
 from meshdeploy.engine import planner as engine
 from meshdeploy.roles.rpc_cache import seeding
 from meshdeploy.views.plan import render_transfers
@@ -49,15 +50,15 @@ def transfers(name: str, tmp_path: Path) -> list:
     path = tmp_path / f"{inventory}.yaml"
     path.write_text(text)
     cluster = load_cluster(path)
-    resolved = Resolved(commit=COMMIT, models={
+    resolved = run_values(commit=COMMIT, models={
         name: HfResolved(m.source.repo, "c" * 40,
                          (HfFile(m.source.files[0], SIZES[m.source.files[0]], f"{i:064x}", "u"),))
         for i, (name, m) in enumerate(cluster.models.items())})
     facts = {h.name: {**devices[h.name], "models.DiskFree": FREE, "rpc_cache.CacheFree": FREE // 2}
              for h in cluster.hosts}
     planned = seeding.prepare(cluster, cluster.hosts, facts, resolved)
-    resolved = Resolved(commit=COMMIT, models=resolved.models, seeds=planned.seeds,
-                        layouts=planned.layouts, shared=planned.shared)
+    resolved = run_values(commit=COMMIT, models=resolved.value("models", "models"),
+                        seeds=planned.seeds, layouts=planned.layouts, shared=planned.shared)
     # The resources that move model bytes, evaluated as the engine does (slot-major).
     steps = Steps()
     for slot in registry.slots(cluster):

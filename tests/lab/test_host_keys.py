@@ -16,6 +16,7 @@ import subprocess
 import pytest
 from conftest import own_lab
 from support.cli import meshdeploy
+from support.resolved import run_values
 
 from meshdeploy.errors import CONNECT, OK
 
@@ -139,7 +140,7 @@ def key_file_check(lab, tmp_path):
     """The services preflight on node1's real KeyFile fact, read as the probe reads it (sudo)."""
     from meshdeploy.core.loading import load_cluster
     from meshdeploy.core import probe, shell
-    from meshdeploy.core.context import HostContext, Resolved
+    from meshdeploy.core.context import HostContext
     from meshdeploy.roles.services import operations
     from meshdeploy.roles.services.facts import KeyFile
 
@@ -155,7 +156,7 @@ def key_file_check(lab, tmp_path):
     assert section.privileged
     out = lab.run(HOST, shell.sudo(section.fact().command(**section.kwargs)), check=True)
     facts = probe.decode([section], {section.key: out.stdout.splitlines()})
-    operations.preflight(HostContext(cluster, cluster.host(HOST), facts, Resolved()))
+    operations.preflight(HostContext(cluster, cluster.host(HOST), facts, run_values()))
     return facts[section.key]
 
 

@@ -27,7 +27,7 @@ from support.steps import decided
 from meshdeploy.commands.status import host_script
 from meshdeploy.config.model import HfFile, HfResolved, HfSource
 from meshdeploy.core import paths, shell
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.engine.planner import probe_command
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
@@ -39,6 +39,7 @@ from meshdeploy.roles.services import operations as services
 from meshdeploy.roles.toolchain import operations as toolchain
 from meshdeploy.roles.llama_cpp import settings
 from support import systemd_parse as sd
+from support.resolved import run_values
 
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 SENTINEL = "PWNED"
@@ -105,7 +106,7 @@ def contexts(cluster, extras: Extras):
             resolved_models[name] = HfResolved(model.source.repo, "f" * 40, tuple(
                 HfFile(f, 10, "a" * 64, "http://h/" + extras.url_path)
                 for f in model.source.files))
-    resolved = Resolved(commit=COMMIT, build_number=11312, models=resolved_models, hf_token="t")
+    resolved = run_values(commit=COMMIT, build_number=11312, models=resolved_models, hf_token="t")
     for i, host in enumerate(cluster.hosts):
         key = llama_cpp.build_key(cluster, host, COMMIT)
         darwin = host.backend == "metal"

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from support.resolved import run_values
+
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import Failover
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.errors import ApplyError
 from meshdeploy.roles.llama_cpp import keys
 from meshdeploy.roles.llama_cpp import operations as ops
@@ -45,7 +47,7 @@ def host_facts(machine="x86_64", libc="glibc 2.36", builds=None, current=None):
 
 
 def contexts(cluster, facts, replace_=(), failed=()):
-    resolved = Resolved(commit=COMMIT, build_number=11312, replace=tuple(replace_))
+    resolved = run_values(commit=COMMIT, build_number=11312, replace=tuple(replace_))
     return {h.name: HostContext(cluster, h, facts[h.name], resolved, cluster_facts=facts,
                                 failed_hosts=frozenset(failed))
             for h in cluster.hosts}
@@ -108,7 +110,7 @@ def test_without_the_other_hosts_facts_a_host_keeps_the_key_it_runs():
     portable = keys.build_key(cluster, host, COMMIT, False, keys.platform(host_facts()), True,
                               host_facts())
     facts = host_facts(current=portable)
-    ctx = HostContext(cluster, host, facts, Resolved(commit=COMMIT))  # no cluster_facts
+    ctx = HostContext(cluster, host, facts, run_values(commit=COMMIT))  # no cluster_facts
     assert keys.decide(ctx).key == portable
     ctx.facts["llama_cpp.Builds"]["current"] = None
     assert keys.decide(ctx).key != portable
@@ -701,8 +703,8 @@ def test_fresh_hosts_plan_the_allow_list_that_apply_converges_to(tmp_path):
     cluster = load_cluster(path)
 
     def copiers(facts):
-        prepared = ROLE.prepare(registry.Prepare(cluster, cluster.hosts, facts, Resolved()))
-        return prepared.values["commit"], prepared.values["build_copiers"]
+        prepared = ROLE.prepare(registry.Prepare(cluster, cluster.hosts, facts, run_values()))
+        return prepared.values.commit, prepared.values.build_copiers
 
     fresh = same_platform(cluster)
     fresh["node1"]["llama_cpp.RemoteRef"] = None  # `nogit`
@@ -720,11 +722,13 @@ def test_apply_decides_the_copiers_again_once_it_resolves_the_ref(tmp_path):
     path.write_text((ROOT / "inventories" / "lab.yaml").read_text())
     cluster = load_cluster(path)
     facts = same_platform(cluster)
-    ctx = HostContext(cluster, cluster.host("node1"), facts["node1"], Resolved(), first=True,
+    ctx = HostContext(cluster, cluster.host("node1"), facts["node1"], run_values(), first=True,
                       run_command=lambda command: (True, [f"{COMMIT}\trefs/tags/b11312"]),
                       cluster_facts=facts)
     step = ops.resolve(ctx)
-    assert step.resolves == {"commit": COMMIT, "build_copiers": {"node1": ("node2", "node3")}}
+    assert (step.resolves.commit, step.resolves.build_copiers) == (
+        COMMIT, {"node1": ("node2", "node3")})
+    assert step.change.role == "llama_cpp"  # apply keeps them as the llama_cpp role's
 
 
 def test_a_builder_without_python3_gets_it_for_md_share():
@@ -741,7 +745,7 @@ def test_a_builder_without_python3_gets_it_for_md_share():
         node1 = {**facts["node1"], "toolchain.DebPackages": installed,
                  "toolchain.Platform": {**DEBIAN, "tools": tools}}
         ctx = HostContext(cluster, cluster.host("node1"), node1,
-                          Resolved(commit=COMMIT, build_copiers=copiers))
+                          run_values(commit=COMMIT, build_copiers=copiers))
         step = toolchain.packages(ctx)
         assert ("python3" in "\n".join(step.commands)) is wanted, step.commands
 
@@ -818,7 +822,7 @@ def test_apply_reads_the_builders_new_sha256_back_before_a_copy():
                               pyhosts={h.name: Pyhost(h.name) for h in cluster.hosts},
                               state=SimpleNamespace(failed_hosts=()))
     planned = Planned(Plan("lab", "lab.yaml", "c" * 64, {}, [], []),
-                      Resolved(commit=COMMIT, build_number=11312), facts, None)
+                      run_values(commit=COMMIT, build_number=11312), facts, None)
     run = Run(session, planned, progress=None)
     build, copy = registry.resource("llama_cpp.build"), registry.resource("llama_cpp.copy")
     for h in ("node1", "node2", "node3"):

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from support.gittree import commit_all
 from support.require import needs
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import progress, shell
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.roles.llama_cpp import keys
 from meshdeploy.roles.llama_cpp import operations as ops
 from meshdeploy.roles.toolchain import operations as toolchain
@@ -38,7 +39,7 @@ def debian(machine="x86_64", version="12", libc="glibc 2.36", builds=None, tools
 
 
 def contexts(cluster, facts, replacing=(), copiers=None):
-    resolved = Resolved(commit=COMMIT, build_number=11312, replace=tuple(replacing),
+    resolved = run_values(commit=COMMIT, build_number=11312, replace=tuple(replacing),
                         build_copiers=copiers or {})
     return {h.name: HostContext(cluster, h, facts[h.name], resolved, cluster_facts=facts)
             for h in cluster.hosts}
@@ -195,18 +196,18 @@ def test_a_limited_run_keeps_the_portable_build_an_aarch64_host_runs():
     cluster, facts = lab(cmake_flags=()), arm_node3()
     key = decide(cluster, facts)["node3"].key
     alone = {"node3": facts["node3"]}
-    ctx = HostContext(cluster, cluster.host("node3"), facts["node3"], Resolved(commit=COMMIT),
+    ctx = HostContext(cluster, cluster.host("node3"), facts["node3"], run_values(commit=COMMIT),
                       cluster_facts=alone)
     assert keys.decide(ctx).key != key  # nothing installed: nothing to keep
     facts["node3"]["llama_cpp.Builds"] = installed(key)
-    ctx = HostContext(cluster, cluster.host("node3"), facts["node3"], Resolved(commit=COMMIT),
+    ctx = HostContext(cluster, cluster.host("node3"), facts["node3"], run_values(commit=COMMIT),
                       cluster_facts={"node3": facts["node3"]})
     got = keys.decide(ctx)
     assert (got.key, got.builder) == (key, "node3")
     assert ops.build(ctx).change.action == "no-op"
     # A pin moved in the same limited run: the new commit's build, still the portable one.
     moved = HostContext(cluster, cluster.host("node3"), facts["node3"],
-                        Resolved(commit="1" * 40), cluster_facts={"node3": facts["node3"]})
+                        run_values(commit="1" * 40), cluster_facts={"node3": facts["node3"]})
     assert keys.decide(moved).key == "1" * 12 + key[12:]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from support.gittree import commit_all
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import progress, shell
@@ -224,8 +225,8 @@ def dispatch_facts(cpu: str, machine="x86_64"):
 
 
 def decide_all(cluster, facts):
-    from meshdeploy.core.context import HostContext, Resolved
-    resolved = Resolved(commit="0c1e57098bba43ac29e6e3b677cdceebdd22334f", build_number=1)
+    from meshdeploy.core.context import HostContext
+    resolved = run_values(commit="0c1e57098bba43ac29e6e3b677cdceebdd22334f", build_number=1)
     return {h.name: keys.decide(HostContext(cluster, h, facts[h.name], resolved,
                                             cluster_facts=facts)) for h in cluster.hosts}
 

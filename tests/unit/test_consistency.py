@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from support.resolved import run_values
+
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
-from meshdeploy.core.context import Resolved
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.services.rtt import network as rtt_network
 from meshdeploy.views.plan import render_network
@@ -21,7 +22,7 @@ OLD = "ad0e45df7b3e249551b8eb1229ffdc904b7ba834"
 
 def check(cluster, hosts, facts, commit, limit=()):
     """What the plan's checks across hosts say, through the registry as the planner asks."""
-    return registry.checks(registry.Check(cluster, hosts, facts, Resolved(commit=commit),
+    return registry.checks(registry.Check(cluster, hosts, facts, run_values(commit=commit),
                                           tuple(limit)))
 
 

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi
 
+from support.resolved import run_values
+
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
-from meshdeploy.core.context import HostContext, Resolved, SecretStdin, Step
+from meshdeploy.core.context import HostContext, SecretStdin, Step
 from meshdeploy.core.plan import Plan
 from meshdeploy.errors import ConfigError, PlanError
 from meshdeploy.execute import operations as engine_ops
@@ -173,8 +175,8 @@ def test_untrusted_http_endpoint_is_refused_at_its_line(tmp_path, mirror, repo):
 
 def step_with(token, auth="gated") -> Step:
     cluster = load_cluster(LAB)
-    resolved = Resolved(commit="f" * 40, hf_token=token)
-    resolved.models["gemma"] = HfResolved("org/repo", "c" * 40, (HfFile(
+    resolved = run_values(commit="f" * 40, hf_token=token)
+    resolved.value("models", "models")["gemma"] = HfResolved("org/repo", "c" * 40, (HfFile(
         "gemma-3-270m-q4_k_m.gguf", 1000, "a" * 64, "http://10.200.0.1:8080/org/repo/resolve/c/x"),),
         auth)
     facts = {"models.DiskFree": 10**12}

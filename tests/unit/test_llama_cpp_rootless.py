@@ -17,11 +17,12 @@ from support import golden
 from support.nonroot import as_user, give, owned_folder
 from support.steps import decided
 from support.require import require
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, Layout
 from meshdeploy.core import account
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.llama_cpp import settings
 
@@ -60,7 +61,7 @@ def context(cluster, host: str = "phone", termux: bool = True, facts=None) -> Ho
     platform = {"kernel": "Linux", "tools": [], "termux": termux}
     return HostContext(cluster, cluster.host(host), {"toolchain.Platform": platform,
                                                      **(facts or {})},
-                       Resolved(commit=COMMIT, build_number=11312))
+                       run_values(commit=COMMIT, build_number=11312))
 
 
 def outside(commands: list[str], layout: Layout) -> list[str]:
@@ -191,7 +192,7 @@ def test_the_guarded_clone_runs_without_root(tmp_path):
         path.write_text(cluster_text().replace("ref: b1", f"ref: {head}\n  repo: {upstream}"))
         cluster = account.resolved(load_cluster(path), {"phone": layout})
         ctx = decided(HostContext(cluster, cluster.host("phone"), {},
-                                  Resolved(commit=head)))
+                                  run_values(commit=head)))
         [command] = llama_cpp.source(ctx).commands
         env = {"PATH": os.environ["PATH"], "HOME": str(base)}
         out = subprocess.run(as_user(["sh", "-c", command]), capture_output=True, text=True,

@@ -30,11 +30,12 @@ import pytest
 from support import accounts, systemd_parse
 from support.require import needs
 from support.steps import decided
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import account, rpc_hello
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.network import facts as nfacts
 from meshdeploy.roles.network import operations as network
@@ -93,7 +94,7 @@ def rpc_context(cluster, name: str, facts: dict | None = None) -> HostContext:
             "llama_cpp.Builds": {"current": key, "builds": {key: {
                 "commit": COMMIT, "rpc_binary": "ggml-rpc-server", "flags": []}}},
             "services.Units": {}, **(facts or {})}
-    ctx = HostContext(cluster, host, base, Resolved(commit=COMMIT, build_number=11312),
+    ctx = HostContext(cluster, host, base, run_values(commit=COMMIT, build_number=11312),
                       cluster_facts={name: base})
     return decided(ctx, build_key=key)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 from support.device_facts import GB, GiB, cpu, cuda, mac
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
-from meshdeploy.core.context import Resolved
 from meshdeploy.core.plan import AttrDiff, Change, Plan, TransferRow, load_plan, save_plan
 from meshdeploy.errors import PlanError
 from meshdeploy.placement import layout
@@ -55,7 +55,7 @@ def built_plan(scenario: str) -> Plan:
     facts = copy.deepcopy(facts)
     cluster = load_cluster(ROOT / "inventories" / f"{inventory}.yaml")
     # Resolved on the endpoint the models role would ask (HfResolved.api), as hf.resolve records.
-    resolved = Resolved(models={
+    resolved = run_values(models={
         name: HfResolved(m.source.repo, "c" * 40, (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),),
                          api=hf.endpoints(cluster, m.source)[0])
         for i, (name, m) in enumerate(cluster.models.items())})

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 from support.accounts import load_inventory
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import probe, registry
@@ -182,7 +183,7 @@ def test_fingerprint_ignores_free_disk_space_only():
 
 
 def test_every_host_gets_the_same_slot_sequence():
-    from meshdeploy.core.context import HostContext, Resolved
+    from meshdeploy.core.context import HostContext
 
     for inventory in INVENTORIES:
         cluster = load_inventory(inventory)
@@ -191,7 +192,7 @@ def test_every_host_gets_the_same_slot_sequence():
         assert names[:4] == ["toolchain.apt_proxy", "toolchain.packages", "llama_cpp.source",
                              "llama_cpp.build"], inventory.name
         # Each host answers every slot with its own change (a no-op where it has nothing).
-        resolved = Resolved(commit=None)
+        resolved = run_values(commit=None)
         for host in cluster.hosts:
             # A rootless host of an inventory is a phone under Termux (pkg installs the tools).
             platform = {"kernel": "Linux", "tools": ["pkg"] if host.rootless else ["apt-get"],

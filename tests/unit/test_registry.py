@@ -17,11 +17,12 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
+from support.resolved import run_values
+
 from meshdeploy.commands import status as status_command
 from meshdeploy.config import schema
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import registry
-from meshdeploy.core.context import Resolved
 from meshdeploy.core.plan import Plan
 from meshdeploy.errors import ConfigError, MeshdeployError
 from meshdeploy.engine import planner as engine
@@ -159,7 +160,7 @@ def demo_steps(cluster):
                       "zz_demo.Motd": "lab: node1" if h.name == "node1" else None}
              for h in cluster.hosts}
     gemma = cluster.models["gemma"].source
-    resolved = Resolved(commit="f" * 40, models={"gemma": HfResolved(
+    resolved = run_values(commit="f" * 40, models={"gemma": HfResolved(
         gemma.repo, "c" * 40, (HfFile(gemma.files[0], 1, "a" * 64, "u"),))})
     return engine.evaluate(cluster, cluster.hosts, facts, resolved)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from support.resolved import run_values
+
 from meshdeploy.config.checks import warnings_for
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER
@@ -197,7 +199,7 @@ def test_the_plan_names_access_services_and_guard_per_host(tmp_path):
 
 
 def test_the_network_role_reads_and_loads_nothing_on_a_rootless_host(tmp_path):
-    from meshdeploy.core.context import HostContext, Resolved
+    from meshdeploy.core.context import HostContext
     from meshdeploy.roles.network import operations as network
 
     cluster = resolved_cluster(tmp_path)
@@ -208,7 +210,7 @@ def test_the_network_role_reads_and_loads_nothing_on_a_rootless_host(tmp_path):
                                                                  "network.SshLogin"]
     assert [s.key for s in network.sections(cluster, node1)][:2] == ["network.Tools",
                                                                      "network.Allowlist"]
-    step = network.allowlist(HostContext(cluster, phone, {}, Resolved()))
+    step = network.allowlist(HostContext(cluster, phone, {}, run_values()))
     assert (step.change.action, step.change.reason, step.commands) == (
         "no-op", "rootless: no allow-list without root", [])
 

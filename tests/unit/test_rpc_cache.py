@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
+from support.resolved import run_values
+
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import system_layout
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.core.probe import compose, decode, marker, split
 from meshdeploy.errors import PlanError
 from meshdeploy.placement import defaults as placement_defaults
@@ -364,7 +366,7 @@ def ctx_for(facts, host="node2", cache=True):
     hosts = [replace(h, rpc_servers=tuple(replace(r, cache=cache) for r in h.rpc_servers))
              for h in cluster.hosts]
     cluster = replace(cluster, hosts=tuple(hosts))
-    return HostContext(cluster, cluster.host(host), facts, Resolved())
+    return HostContext(cluster, cluster.host(host), facts, run_values())
 
 
 TENSORS = [T.Tensor("blk.9.ffn_up.weight", 1000, 20 * MiB, 9),

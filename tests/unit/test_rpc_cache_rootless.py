@@ -25,13 +25,14 @@ from pathlib import Path
 
 import pytest
 from support.device_facts import cpu
+from support.resolved import run_values
 from test_rpc_cache import SHA, synthetic  # noqa: F401 (fixture)
 from test_seed_links import _wanted
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import SYSTEMD_USER, HfFile, HfResolved
 from meshdeploy.core import account, inflight, registry, share
-from meshdeploy.core.context import HostContext, Resolved, Steps
+from meshdeploy.core.context import HostContext, Steps
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.engine import planner as engine
@@ -100,12 +101,12 @@ def planned(name: str, tmp_path: Path):
     cluster = account.resolved(load_cluster(path), layouts)
     hf = HfResolved(REPO, "c" * 40,
                     (HfFile(GEMMA[0], GEMMA[1], GEMMA[2], "http://10.200.0.1:8080/g.gguf"),))
-    resolved = Resolved(commit=COMMIT, models={"gemma": hf})
+    resolved = run_values(commit=COMMIT, models={"gemma": hf})
     facts = {h.name: {**cpu(25_183_293_440, 22_800_000_000), "models.DiskFree": FREE,
                       "rpc_cache.CacheFree": FREE // 2} for h in cluster.hosts}
     prepared = seeding.prepare(cluster, cluster.hosts, facts, resolved)
-    resolved = Resolved(commit=COMMIT, models=resolved.models, seeds=prepared.seeds,
-                        layouts=prepared.layouts, shared=prepared.shared)
+    resolved = run_values(commit=COMMIT, models=resolved.value("models", "models"),
+                        seeds=prepared.seeds, layouts=prepared.layouts, shared=prepared.shared)
     if digested:  # the source's list, as rpc_cache.share made it (the fetches need it)
         facts["node1"]["rpc_cache.Digests"] = {"gemma": {GEMMA[2]: [
             [off, size, f"{off:016x}", hashlib.sha256(str(off).encode()).hexdigest()]
@@ -197,7 +198,7 @@ def test_a_rootless_hosts_probe_and_destroy_stay_in_its_folders(name, tmp_path):
         # in the lab's destroy).
         source = ops.tool_path(host.layout.prefix) + ".c"
         assert source in by_key["rpc_cache.Stored"].kwargs["paths"]
-        steps = ops.seed_tool(HostContext(cluster, host, {}, Resolved())).commands
+        steps = ops.seed_tool(HostContext(cluster, host, {}, run_values())).commands
         assert not steps or any(source in c for c in steps)
 
 
@@ -244,7 +245,7 @@ def test_a_rootless_disk_too_small_names_the_users_folder(tmp_path):
     cluster = account.resolved(load_cluster(path), {"phone": TERMUX, "gpubox": LINUX,
                                                     "node1": TERMUX})
     hf = HfResolved("r", "c" * 40, (HfFile(GEMMA[0], GEMMA[1], GEMMA[2], "http://x/g"),))
-    ctx = HostContext(cluster, cluster.host("node1"), {"models.DiskFree": 10}, Resolved(
+    ctx = HostContext(cluster, cluster.host("node1"), {"models.DiskFree": 10}, run_values(
         models={"gemma": hf}), cluster_facts={"node1": {}})
     with pytest.raises(Exception) as info:
         models.gguf(ctx, "gemma")
@@ -282,7 +283,7 @@ def user_ctx(home: Path, facts: dict):
     cluster = account.resolved(load_cluster(path), {"phone": user_layout(home),
                                                     "gpubox": LINUX})
     path.unlink()
-    return HostContext(cluster, cluster.host("phone"), facts, Resolved())
+    return HostContext(cluster, cluster.host("phone"), facts, run_values())
 
 
 def as_user(args, **kw) -> subprocess.CompletedProcess:

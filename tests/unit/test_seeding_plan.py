@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from support.model_headers import gemma27_header
+from support.resolved import run_values
 
 from meshdeploy.config import distribution
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
-from meshdeploy.core.context import Resolved
 from meshdeploy.errors import PlanError
 from meshdeploy.placement.tensors import Header, weight_tensors
 from meshdeploy.roles.models import operations as models
@@ -32,7 +32,7 @@ HUB = "https://huggingface.co"
 
 def prepared(path: str, facts: dict, header: Header):
     cluster = load_cluster(ROOT / path)
-    resolved = Resolved(models={
+    resolved = run_values(models={
         "gemma27": HfResolved("unsloth/gemma-3-27b-it-GGUF", "c" * 40,
                               (HfFile("gemma-3-27b-it-Q4_K_M.gguf", 16_546_688_000, SHA, "u"),), api=HUB)})
     fetched = []
@@ -84,7 +84,8 @@ def test_auto_split_without_memory_facts_is_refused(tmp_path):
     path = tmp_path / "auto.yaml"
     path.write_text(text.replace("tensor_split: [11, 16]", "tensor_split: auto"))
     cluster = load_cluster(path)
-    resolved = Resolved(models={"gemma27": HfResolved("r", "c" * 40, (HfFile("f", 1, SHA, "u"),), api=HUB)})
+    resolved = run_values(models={"gemma27": HfResolved("r", "c" * 40, (HfFile("f", 1, SHA, "u"),),
+                                                        api=HUB)})
     import meshdeploy.roles.rpc_cache.seeding as mod
     original = mod.read_header
     mod.read_header = lambda _path: gemma27_header()
@@ -111,7 +112,7 @@ def test_header_cache_spares_the_next_plan_a_fetch(tmp_path):
     mod.read_header = lambda _path: gemma27_header()
     try:
         for _ in range(2):
-            resolved = Resolved(models={"gemma27": HfResolved(
+            resolved = run_values(models={"gemma27": HfResolved(
                 "unsloth/gemma-3-27b-it-GGUF", "c" * 40,
                 (HfFile("gemma-3-27b-it-Q4_K_M.gguf", 16_546_688_000, SHA, "u"),), api=HUB)})
             planned = seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
@@ -183,7 +184,7 @@ def test_a_worker_seeds_from_its_own_ollama_store(tmp_path):
         return data
 
     for _ in range(2):  # the second plan finds the header in the cache: nothing is read
-        resolved = Resolved()
+        resolved = run_values()
         planned = seeding.prepare(cluster, cluster.hosts, facts, resolved,
                                 header_cache=tmp_path / "headers", read_remote=read_remote)
         assert planned.notes == ()
@@ -202,7 +203,7 @@ def test_a_worker_seeds_from_a_path_named_by_size_and_mtime(tmp_path):
             "link": None}
     facts = {h: {**GPU_FACTS[h], "models.ModelFile[gemma27]": file} for h in GPU_FACTS}
     data = header_bytes_of(gemma27_header(), tmp_path)
-    resolved = Resolved()
+    resolved = run_values()
     planned = seeding.prepare(cluster, cluster.hosts, facts, resolved, read_remote=lambda h, p: data)
     (seed,) = planned.seeds["box11:50052"]
     assert (seed.model_sha, seed.model_path) == ("path-17000000000-1718000000",
@@ -213,7 +214,7 @@ def test_a_worker_seeds_from_a_path_named_by_size_and_mtime(tmp_path):
 
 def test_a_model_not_yet_on_the_worker_waits_for_the_next_plan(tmp_path):
     cluster = on_hosts_cluster(tmp_path, "{path: /models/gemma-27b.gguf}")
-    resolved = Resolved()
+    resolved = run_values()
     planned = seeding.prepare(cluster, cluster.hosts, GPU_FACTS, resolved,
                             read_remote=lambda h, p: pytest.fail("nothing to read"))
     assert planned.seeds == {} and planned.layouts == ()
@@ -230,7 +231,7 @@ def test_an_unreadable_header_on_a_host_is_one_error(tmp_path):
     facts = {h: {**GPU_FACTS[h], "models.ModelFile[gemma27]": file} for h in GPU_FACTS}
     with pytest.raises(PlanError, match=r"models.gemma27: cannot read the GGUF header: "
                                         r"not a GGUF file \(bad magic\)"):
-        planned = seeding.prepare(cluster, cluster.hosts, facts, Resolved(),
+        planned = seeding.prepare(cluster, cluster.hosts, facts, run_values(),
                         read_remote=lambda h, p: b"NOPE" * 10)
 
 
@@ -259,7 +260,7 @@ def test_a_new_vulkan_host_is_told_why_its_memory_is_unknown(tmp_path):
     def notes(tools):
         facts = {h.name: {"toolchain.Platform": {"kernel": "Linux", "tools": tools}}
                  for h in cluster.hosts}
-        planned = seeding.prepare(cluster, cluster.hosts, facts, Resolved())
+        planned = seeding.prepare(cluster, cluster.hosts, facts, run_values())
         (note,) = [n for n in planned.notes if "is unknown" in n]
         return note
     assert notes(["cmake"]).endswith(

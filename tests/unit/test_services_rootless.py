@@ -22,11 +22,12 @@ import pytest
 from support import golden
 from support.steps import decided
 from support.require import needs, require
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, HfFile, HfResolved
 from meshdeploy.core import account
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.services import operations as services
@@ -66,11 +67,12 @@ def rootless_lab(manager: str, cache: bool = True, hosts=("node1", "node2")):
 def context(cluster, name: str, units=None, manager: str = RUNIT, **facts) -> HostContext:
     host = cluster.host(name)
     key = llama_cpp.build_key(cluster, host, COMMIT)
-    resolved = Resolved(commit=COMMIT, build_number=11312)
+    resolved = run_values(commit=COMMIT, build_number=11312, models={})
     for model, spec in cluster.models.items():
         files = getattr(spec.source, "files", ())
         if files:
-            resolved.models[model] = HfResolved(spec.source.repo, "f" * 40, tuple(
+            hub = resolved.value("models", "models")
+            hub[model] = HfResolved(spec.source.repo, "f" * 40, tuple(
                 HfFile(f, 1, "a" * 64, f"https://hf.example/{f}") for f in files))
     base = {"toolchain.Platform": {"kernel": "Linux", "tools": []},
             "llama_cpp.Builds": {"current": None, "builds": {key: {

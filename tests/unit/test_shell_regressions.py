@@ -17,7 +17,7 @@ import pytest
 from meshdeploy.commands.status import collect, host_script
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import probe
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.engine.planner import gather, probe_command
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import lock as locks
@@ -29,6 +29,7 @@ from meshdeploy.roles.services import operations as services
 from meshdeploy.roles.toolchain import operations as toolchain
 from meshdeploy.roles.llama_cpp import settings
 from support import systemd_parse as sd
+from support.resolved import run_values
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "inventories" / "lab.yaml"
@@ -341,7 +342,7 @@ def test_apt_proxy_that_could_write_apt_options_is_refused(lab, proxy):
                                                  "toolchain": {"apt_proxy": proxy}})
     ctx = HostContext(cluster, cluster.hosts[0],
                       {"toolchain.Platform": {"kernel": "Linux", "tools": ["apt-get"]},
-                       "toolchain.AptProxy": None}, Resolved())
+                       "toolchain.AptProxy": None}, run_values())
     with pytest.raises(PlanError, match="toolchain.apt_proxy"):
         toolchain.apt_proxy(ctx)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.device_facts import cpu
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import HfFile, HfResolved
-from meshdeploy.core.context import Resolved
 from meshdeploy.placement import layout, speed
 from meshdeploy.placement.layers import place
 from meshdeploy.roles.rpc_cache import seeding
@@ -127,7 +127,7 @@ def lab_plan(tmp_path, placement: str, speeds: dict, commit=COMMIT, keep_free_gb
     path = tmp_path / "lab.yaml"
     path.write_text(text)
     cluster = load_cluster(path)
-    resolved = Resolved(commit=commit, models={
+    resolved = run_values(commit=commit, models={
         name: HfResolved(m.source.repo, "c" * 40, (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),))
         for i, (name, m) in enumerate(cluster.models.items())})
     return cluster, seeding.prepare(cluster, cluster.hosts, LAB, resolved, speeds=speeds)
@@ -312,7 +312,7 @@ def test_placement_defaults_to_auto_and_is_quiet_until_speeds_are_measured(tmp_p
     (tmp_path / "lab.yaml").write_text(text)
     cluster = load_cluster(tmp_path / "lab.yaml")
     assert cluster.servers[0].placement == "auto" and not cluster.servers[0].placement_set
-    resolved = Resolved(commit=COMMIT, models={
+    resolved = run_values(commit=COMMIT, models={
         name: HfResolved(m.source.repo, "c" * 40, (HfFile(m.source.files[0], 1, f"{i:064x}", "u"),))
         for i, (name, m) in enumerate(cluster.models.items())})
     quiet = seeding.prepare(cluster, cluster.hosts, LAB, resolved, speeds={})

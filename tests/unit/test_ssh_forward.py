@@ -21,11 +21,12 @@ import pytest
 from support import accounts, golden, systemd_parse
 from support.steps import decided
 from support.require import needs
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import RUNIT, SYSTEMD_USER, Layout
 from meshdeploy.core import account, shell
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.services import forward
@@ -74,7 +75,7 @@ def context(cluster, units=None, name="node1", manager="systemd", logins=LOGINS,
     if manager == RUNIT:
         facts["services.RunitTools"] = TOOLS
     others = {w: {"network.SshLogin": login} for w, login in logins.items()}
-    ctx = HostContext(cluster, host, facts, Resolved(commit=COMMIT, build_number=11312),
+    ctx = HostContext(cluster, host, facts, run_values(commit=COMMIT, build_number=11312),
                       cluster_facts={name: facts, **others},
                       run_command=(lambda c: (True, [])) if apply else None)
     return decided(ctx, build_key=key)

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from support.nonroot import as_user, give, owned_folder
 from support.require import needs
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import account, paths, probe, registry
-from meshdeploy.core.context import HostContext, Resolved, Step
+from meshdeploy.core.context import HostContext, Step
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.network import operations, rules, ssh_ops
 from meshdeploy.roles.network import ssh as sshk
@@ -86,7 +87,7 @@ def login_fact(authorized=(), host_keys=(K2,)):
 
 
 def ctx_for(cluster, name, facts):
-    return HostContext(cluster, cluster.host(name), facts.get(name, {}), Resolved(),
+    return HostContext(cluster, cluster.host(name), facts.get(name, {}), run_values(),
                        cluster_facts=facts)
 
 
@@ -270,7 +271,7 @@ def test_a_rootless_orchestrator_keeps_its_key_in_the_users_config(cluster):
     # On a rootless host the privileged section runs as the user (no sudo at all).
     assert "sudo" not in probe.compose([key], "n", sudo=node1.sudo)
     step = ssh_ops.ssh_key(HostContext(cluster, node1, {"network.SshKey": key_fact(None)},
-                                       Resolved()))
+                                       run_values()))
     assert "DIR=/data/data/com.termux/files/home/.config/meshdeploy/ssh" in step.commands[0]
     assert not node1.sudo
 
@@ -325,7 +326,7 @@ def test_rotation_on_a_worker_planned_alone_is_known_after_apply(cluster):
     facts = {"node1": {"network.SshKey": key_fact()},
              "node2": {"network.SshLogin": login_fact([LINE1])}}
     ctx = HostContext(cluster, cluster.host("node2"), facts["node2"],
-                      Resolved(replace=("node1/network.ssh_key",)), cluster_facts=facts)
+                      run_values(replace=("node1/network.ssh_key",)), cluster_facts=facts)
     step = ssh_ops.ssh_authorize(ctx)
     assert step.change.action == "update" and not step.commands
     assert step.change.diffs[0].known_after_apply
@@ -334,7 +335,7 @@ def test_rotation_on_a_worker_planned_alone_is_known_after_apply(cluster):
 def test_destroy_removes_our_lines_and_the_key_folder(cluster):
     facts = {"network.SshLogin": login_fact([LINE1, f"restrict {K2} meshdeploy-rpc:other:x"]),
              "network.SshKey": key_fact(known=["10.200.0.12 " + K2])}
-    ctx = HostContext(cluster, cluster.host("node1"), facts, Resolved())
+    ctx = HostContext(cluster, cluster.host("node1"), facts, run_values())
     steps = ssh_ops.destroy(ctx)
     authorize, key = steps
     assert authorize.change.action == "delete" and authorize.sudo is False
@@ -343,7 +344,7 @@ def test_destroy_removes_our_lines_and_the_key_folder(cluster):
         "rm -f /etc/meshdeploy/ssh/rpc_ed25519 /etc/meshdeploy/ssh/rpc_ed25519.pub "
         "/etc/meshdeploy/ssh/known_hosts; rmdir /etc/meshdeploy/ssh /etc/meshdeploy "
         "2>/dev/null || true"]
-    assert ssh_ops.destroy(HostContext(cluster, cluster.host("node3"), {}, Resolved())) == []
+    assert ssh_ops.destroy(HostContext(cluster, cluster.host("node3"), {}, run_values())) == []
     teardown = operations.destroy(ctx, purge=False)
     assert [s.change.resource for s in teardown.steps][-2:] == ["ssh_authorize", "ssh_key"]
 
@@ -352,9 +353,9 @@ def test_preflight_needs_ssh_on_an_orchestrator(cluster):
     facts = {"network.SshKey": {**key_fact(), "tools": ["ssh-keygen"]},
              "toolchain.Platform": {"termux": True}}
     with pytest.raises(PlanError, match="no ssh on PATH") as info:
-        ssh_ops.preflight(HostContext(cluster, cluster.host("node1"), facts, Resolved()))
+        ssh_ops.preflight(HostContext(cluster, cluster.host("node1"), facts, run_values()))
     assert info.value.hint == "pkg install openssh"
-    assert ssh_ops.preflight(HostContext(cluster, cluster.host("node3"), {}, Resolved())) is None
+    assert ssh_ops.preflight(HostContext(cluster, cluster.host("node3"), {}, run_values())) is None
 
 
 # -- the allow-list and the Hosts table ------------------------------------------------------------

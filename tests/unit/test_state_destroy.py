@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from support.resolved import run_values
+
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import files as files_module
 from meshdeploy.core import registry
-from meshdeploy.core.context import Resolved
 from meshdeploy.core.plan import Plan
 from meshdeploy.engine import locks
 from meshdeploy.engine import planner as engine
@@ -60,7 +61,7 @@ def _node3(cluster):
 
 def _teardown(cluster, facts, purge):
     host = _node3(cluster)
-    return engine.teardown(cluster, [host], {host.name: facts}, Resolved(), purge)
+    return engine.teardown(cluster, [host], {host.name: facts}, run_values(), purge)
 
 
 # --- destroy hooks ----------------------------------------------------------------------------

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from support.resolved import run_values
+
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import account
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import keys
 from meshdeploy.roles.toolchain import operations as toolchain
@@ -46,7 +48,7 @@ def contexts(cluster, facts: dict, replace=()) -> dict[str, HostContext]:
     """Every host's context as the plan makes it: the copiers from llama_cpp's prepare
     (keys.copiers), the first host of the run first."""
     copiers = keys.copiers(cluster, cluster.hosts, facts, COMMIT, replace)
-    resolved = Resolved(commit=COMMIT, build_copiers=copiers, replace=tuple(replace))
+    resolved = run_values(commit=COMMIT, build_copiers=copiers, replace=tuple(replace))
     return {h.name: HostContext(cluster, h, facts[h.name], resolved, cluster_facts=facts,
                                 first=i == 0)
             for i, h in enumerate(cluster.hosts)}
@@ -84,7 +86,8 @@ def test_a_replaced_host_compiles_with_the_whole_toolchain_and_the_first_copier_
     cluster = lab(tmp_path)
     ctxs = contexts(cluster, {h.name: bare() for h in cluster.hosts},
                     replace=("node2/llama_cpp.build",))
-    assert ctxs["node2"].resolved.build_copiers == {"node2": ("node1", "node3")}
+    assert ctxs["node2"].resolved.value("llama_cpp", "build_copiers") == {
+        "node2": ("node1", "node3")}
     assert installs(ctxs["node2"]) == [*FULL, "python3"]
     # node1 copies now, and is the first host of the run: it resolves the ref (git ls-remote);
     # it orchestrates a server that may lose a worker: md-failover needs python3.
@@ -156,7 +159,8 @@ def test_a_rootless_copier_without_cmake_is_not_refused(tmp_path):
     debs = {"curl": True, "ca-certificates": True, "libgomp1": True}
     facts = {h.name: bare(("apt-get", "curl"), debs=debs) for h in cluster.hosts}
     ctxs = contexts(cluster, facts)
-    assert ctxs["node2"].resolved.build_copiers == {"node1": ("node2", "node3")}
+    assert ctxs["node2"].resolved.value("llama_cpp", "build_copiers") == {
+        "node1": ("node2", "node3")}
     assert toolchain.preflight(ctxs["node2"]) is None
     step = toolchain.packages(ctxs["node2"])
     assert step.noop and step.change.reason == ("curl, ca-certificates, libgomp1 present; copies "

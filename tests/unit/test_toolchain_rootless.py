@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 from support import golden
+from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import account
-from meshdeploy.core.context import HostContext, Resolved
+from meshdeploy.core.context import HostContext
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.toolchain import operations as toolchain
 from meshdeploy.roles.toolchain.facts import Platform
@@ -51,7 +52,7 @@ def context(tmp_path, platform: dict, debs: dict | None = None, lines=DEBIAN_USE
     facts = {"toolchain.Platform": {"kernel": "Linux", "cmake_version": (3, 25, 1),
                                     "termux": False, **platform},
              "toolchain.DebPackages": debs if debs is not None else {}}
-    return HostContext(cluster, cluster.host(host), facts, Resolved(commit=None))
+    return HostContext(cluster, cluster.host(host), facts, run_values(commit=None))
 
 
 def refusal(fn, ctx) -> PlanError:

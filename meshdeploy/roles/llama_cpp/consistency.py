@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from meshdeploy.core.registry import Check
 from meshdeploy.errors import PlanError
+from meshdeploy.roles.llama_cpp import run
 
 
 def running(cluster, hosts, facts) -> dict[str, tuple[str, str]]:
@@ -27,8 +28,8 @@ def running(cluster, hosts, facts) -> dict[str, tuple[str, str]]:
 
 def check(request: Check) -> tuple[str, ...]:
     """Warnings about drift; PlanError when --limit would leave hosts on different commits."""
-    cluster, hosts, commit, limit = (request.cluster, request.hosts, request.resolved.commit,
-                                     request.limit)
+    cluster, hosts, limit = request.cluster, request.hosts, request.limit
+    commit = run.of(request.resolved).commit
     now = running(cluster, hosts, request.facts)
     if limit and commit:
         moving = sorted(h for h, (c, _) in now.items() if c != commit)

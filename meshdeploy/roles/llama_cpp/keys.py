@@ -69,7 +69,7 @@ GCC 12 (Debian 12's, native or cross) refuses ("unknown value for -march"), so i
 there. No cross-compiling under a tunnel (the copy would have to cross between
 stars), nor for GPU backends (their libraries for another architecture are not set up).
 
-The builders and their copiers go to the other roles as Resolved.build_copiers (copiers()):
+The builders and their copiers go to the other roles as the run's build_copiers (copiers()):
 network.allowlist opens md-share's port on a builder to its copiers alone, as for models.
 
 Nobody shares where the file says so (llama_cpp.build.copy: false: every host compiles), nor
@@ -93,7 +93,7 @@ from dataclasses import dataclass, replace
 
 from meshdeploy.core.context import HostContext, Resolved
 from meshdeploy.roles.llama_cpp import defaults as d
-from meshdeploy.roles.llama_cpp import settings
+from meshdeploy.roles.llama_cpp import run, settings
 
 RESOURCE = "llama_cpp.build"
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -359,7 +359,7 @@ def copiers(cluster, hosts, facts: dict, commit: str | None,
     builder still compiles its own: -replace is for this run, and the builder's md-share port
     would otherwise close for it now and open again in the next plan."""
     def builders(replace) -> dict[str, str]:
-        resolved = Resolved(commit=commit, replace=tuple(replace))
+        resolved = Resolved(replace=tuple(replace)).fixed(run.ROLE, run.Run(commit=commit))
         return {h.name: decide(HostContext(cluster, h, facts[h.name], resolved,
                                            cluster_facts=facts)).builder
                 for h in hosts if targets(cluster, h) and h.name in facts}
@@ -397,7 +397,7 @@ def decide(ctx) -> Decision:
     """This host's build key, who compiles it, and what that compile builds (module docstring);
     while the ref is not resolved the key stands for a build of an unknown commit (UNRESOLVED)
     and the builder is the one such a build gets."""
-    cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit or UNRESOLVED
+    cluster, host, commit = ctx.cluster, ctx.host, run.of(ctx.resolved).commit or UNRESOLVED
     termux = on_termux(ctx.facts)
     where = platform(ctx.facts)
     own = targets(cluster, host)

@@ -128,7 +128,7 @@ def record(cluster, commit: str | None, source: str) -> None:
 def resolve_on_host(ctx) -> dict:
     """At apply, when the plan could not resolve the ref (no git anywhere yet): ls-remote on the
     first host once the toolchain is there, recorded in the lock file before anything builds.
-    Returns the Resolved fields this fixes."""
+    Returns the commit."""
     cluster = ctx.cluster
     ref, repo = settings.of(cluster).ref, settings.of(cluster).repo
     # As the login user: resolving a ref needs no root, and the repository is a value.
@@ -138,4 +138,4 @@ def resolve_on_host(ctx) -> dict:
         raise ApplyError(f"{ctx.host.name}: llama_cpp.ref {ref!r} does not exist in {repo}",
                         hint="use a tag, branch or full commit of that repository")
     write_lock(cluster.path, repo, ref, commit)
-    return {"commit": commit}
+    return commit

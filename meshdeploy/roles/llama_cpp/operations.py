@@ -13,7 +13,7 @@ from meshdeploy.core.paths import llama_cpp_paths as paths
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.roles.llama_cpp import defaults as d
-from meshdeploy.roles.llama_cpp import keys, lock, settings
+from meshdeploy.roles.llama_cpp import keys, lock, run, settings
 from meshdeploy.roles.llama_cpp.facts import (
     GIT_SAFE,
     Builds,
@@ -132,7 +132,7 @@ def ccache_dir(cluster, host) -> str:
 
 def source(ctx: HostContext) -> Step:
     """llama_cpp.source: the clone at the pinned commit (fetch, never re-clone, when it moved)."""
-    cluster, commit = ctx.cluster, ctx.resolved.commit
+    cluster, commit = ctx.cluster, run.of(ctx.resolved).commit
     repo = settings.of(cluster).repo
     if not targets(cluster, ctx.host):
         return Step(ctx.change(ROLE, "source", "no-op", "host runs no llama.cpp binary"))
@@ -191,7 +191,7 @@ def build_script(ctx: HostContext, key: str, decision: keys.Decision | None = No
     p = paths(ctx.prefix)
     b = settings.of(cluster).build
     wanted = decision.targets
-    number = ctx.resolved.build_number
+    number = run.of(ctx.resolved).build_number
     of = target or ctx  # the host whose binaries these are
     termux = on_termux(of)
     portable = decision.portable
@@ -205,7 +205,7 @@ def build_script(ctx: HostContext, key: str, decision: keys.Decision | None = No
         prelude=progress.SHELL, SRC=p["src"],
         TREE=f"{p['build']}/{tree}{'-' + cross if cross else ''}",
         CROSS=cross, TRIPLET=triplet, CROSS_ROOT=f"/usr/{triplet}" if triplet else "",
-        OUT=installed_build(ctx.prefix, key), COMMIT=checked_commit(ctx.resolved.commit),
+        OUT=installed_build(ctx.prefix, key), COMMIT=checked_commit(run.of(ctx.resolved).commit),
         NUMBER="" if number is None else int(number), JOBS=int(b.jobs) if b.jobs else "",
         CCACHE=ccache_dir(cluster, host),
         WANT_SERVER=int(d.llama_cpp_server_target in wanted), WANT_RPC=int("rpc" in wanted),
@@ -227,7 +227,7 @@ def build(ctx: HostContext) -> Step:
 
     + -replace=HOST/llama_cpp.build: compile on HOST, whatever is installed or shared
     """
-    cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit
+    cluster, host, commit = ctx.cluster, ctx.host, run.of(ctx.resolved).commit
     if not targets(cluster, host):
         return Step(ctx.change(ROLE, "build", "no-op", "host runs no llama.cpp binary"))
     have = ctx.fact("llama_cpp.Builds") or {"current": None, "builds": {}}
@@ -298,7 +298,7 @@ def cross(ctx: HostContext) -> Step:
     if not jobs:
         return Step(ctx.change(ROLE, "cross", "no-op", "builds for no other architecture"))
     have = (ctx.fact("llama_cpp.Builds") or {}).get("builds") or {}
-    commit = ctx.resolved.commit
+    commit = run.of(ctx.resolved).commit
     names = ", ".join(sorted({keys.machine(ctx.cluster_facts[j.members[0]]) or "?"
                               for j in jobs}))
     if commit is None:
@@ -400,7 +400,7 @@ def _and_serve(ctx: HostContext, step: Step, serving: Step) -> Step:
 
 def _copy(ctx: HostContext, decision: keys.Decision) -> Step:
     """The copying host's part of llama_cpp.copy (copy())."""
-    cluster, host, commit = ctx.cluster, ctx.host, ctx.resolved.commit
+    cluster, host, commit = ctx.cluster, ctx.host, run.of(ctx.resolved).commit
     have = ctx.fact("llama_cpp.Builds") or {"current": None, "builds": {}}
     if commit is None:  # the ref is resolved at apply: what is copied is known then
         return Step(_copy_change(ctx, decision, have.get("current"), None),
@@ -441,7 +441,7 @@ def _copy_change(ctx: HostContext, decision: keys.Decision, current: str | None,
     """What the plan says of a copy: from where, how many bytes (`seen`: the builder's tarball,
     when the plan saw it), the build it makes current (known after apply while the ref is
     not resolved)."""
-    resolved = ctx.resolved.commit is not None
+    resolved = run.of(ctx.resolved).commit is not None
     diffs = [AttrDiff("from", None, decision.builder),
              AttrDiff("bytes", None, str(seen[1]) if seen else None,
                       known_after_apply=seen is None)]
@@ -473,13 +473,14 @@ def _serve(ctx: HostContext, decisions: list[keys.Decision]) -> Step:
     # A build compiled in this run is served for the first time (created with it, so a first
     # plan only adds); an installed one is served again to a host that lacks it.
     have = ((ctx.fact("llama_cpp.Builds") or {}).get("builds") or {})
-    served = ctx.resolved.commit is not None and all(dec.key in have for dec, _ in wanted)
-    what = ", ".join(dec.key for dec, _ in wanted) if ctx.resolved.commit else "its build"
+    served = run.of(ctx.resolved).commit is not None and all(dec.key in have for dec, _ in wanted)
+    what = ", ".join(dec.key for dec, _ in wanted) if run.of(ctx.resolved).commit else "its build"
     change = ctx.change(ROLE, "copy", "update" if served else "create",
                         f"serve {what} to {', '.join(clients)} {share.way(cluster)} while they "
                         "copy it (md-share)",
                         [AttrDiff("md-share", None, ", ".join(clients))])
-    if ctx.resolved.commit is None:  # the build is known after apply, and so are the commands
+    # The build is known after apply, and so are the commands.
+    if run.of(ctx.resolved).commit is None:
         return Step(change)
     return Step(change,
                 [*(pack_script(ctx, dec.key) for dec, _ in wanted),
@@ -490,16 +491,17 @@ def _serve(ctx: HostContext, decisions: list[keys.Decision]) -> Step:
 def resolve(ctx: HostContext) -> Step:
     """llama_cpp.resolve (apply only): the ref resolved on the first host, when the plan could
     not (no git anywhere yet); a no-op everywhere else."""
-    if ctx.resolved.commit is not None or not ctx.first:
+    if run.of(ctx.resolved).commit is not None or not ctx.first:
         return Step(ctx.change(ROLE, "resolve", "no-op", "ref already resolved"))
-    fixed = lock.resolve_on_host(ctx)
+    commit = lock.resolve_on_host(ctx)
     # Who copies from whom, decided again with the commit (keys.copiers): the same as the
     # plan's unless a host already holds the build of that commit.
-    run = [h for h in ctx.cluster.hosts if h.name in (ctx.cluster_facts or {})]
-    fixed["build_copiers"] = keys.copiers(ctx.cluster, run, ctx.cluster_facts or {},
-                                          fixed["commit"], ctx.resolved.replace)
+    hosts = [h for h in ctx.cluster.hosts if h.name in (ctx.cluster_facts or {})]
+    copiers = keys.copiers(ctx.cluster, hosts, ctx.cluster_facts or {}, commit,
+                           ctx.resolved.replace)
+    fixed = replace(run.of(ctx.resolved), commit=commit, build_copiers=copiers)
     return Step(ctx.change(ROLE, "resolve", "no-op",
-                           f"{settings.of(ctx.cluster).ref} -> {fixed['commit'][:12]}"),
+                           f"{settings.of(ctx.cluster).ref} -> {commit[:12]}"),
                 resolves=fixed)
 
 

@@ -3,7 +3,7 @@ key and copied to the key's other hosts (keys.py)."""
 
 from meshdeploy.core import registry
 from meshdeploy.core.registry import FactRequest, Prepare, Prepared, Resource, Role
-from meshdeploy.roles.llama_cpp import consistency, keys, lock, settings
+from meshdeploy.roles.llama_cpp import consistency, keys, lock, run, settings
 from meshdeploy.roles.llama_cpp import operations as ops
 
 
@@ -18,10 +18,11 @@ def _prepare(p: Prepare) -> Prepared:
     commit, how = lock.resolve(p.cluster, upstream, first)
     if upstream == ops.RemoteRef.MISSING:
         upstream = None
-    return Prepared(values={"commit": commit, "commit_source": how, "upstream_commit": upstream,
-                            "build_number": lock.build_number(settings.of(p.cluster).ref),
-                            "build_copiers": keys.copiers(p.cluster, p.hosts, p.facts, commit,
-                                                          p.resolved.replace)},
+    return Prepared(values=run.Run(commit=commit, commit_source=how, upstream_commit=upstream,
+                                   build_number=lock.build_number(settings.of(p.cluster).ref),
+                                   build_copiers=keys.copiers(p.cluster, p.hosts, p.facts, commit,
+                                                              p.resolved.replace)),
+                    commit=(commit, how),
                     warnings=tuple(lock.moved_warning(p.cluster, upstream)))
 
 
@@ -34,8 +35,8 @@ ROLE = Role(
     destroy=ops.destroy,
     preflight=ops.preflight,
     inputs=lambda cluster: [lock.lock_path(cluster.path)],
-    apply_started=lambda cluster, resolved: lock.record(cluster, resolved.commit,
-                                                        resolved.commit_source),
+    apply_started=lambda cluster, resolved: lock.record(cluster, run.of(resolved).commit,
+                                                        run.of(resolved).commit_source),
     after=("toolchain",),
     resources=(
         Resource("resolve", lambda ctx, key: ops.resolve(ctx),

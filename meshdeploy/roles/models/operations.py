@@ -19,6 +19,7 @@ from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.models import defaults as d
+from meshdeploy.roles.models import run
 from meshdeploy.roles.models.facts import DiskFree, ModelFile, OllamaManifest, Stored
 
 ROLE = "models"
@@ -101,7 +102,7 @@ def gguf(ctx: HostContext, name: str) -> Step:
 
 def _huggingface(ctx: HostContext, name: str) -> Step:
     resource = f"gguf[{name}]"
-    resolved = ctx.resolved.models[name]
+    resolved = run.of(ctx.resolved).models[name]
     commands, diffs, missing_bytes, actions = [], [], 0, set()
     # One download from the internet per model: a host that is not the model's source copies
     # the source's file over the LAN (md-share), trailing its download when both run now.
@@ -114,12 +115,12 @@ def _huggingface(ctx: HostContext, name: str) -> Step:
     # endpoints are trusted with it). It reaches curl on standard input over the SSH channel:
     # never in arguments, a file on the host, units, logs or the plan.
     auth = resolved.auth is not None and not copying
-    if auth and not ctx.resolved.hf_token:
+    if auth and not run.of(ctx.resolved).hf_token:
         raise PlanError(f"models.{name}: {resolved.repo} is {resolved.auth} and no token was read",
                         hint="set huggingface.token_file or $HF_TOKEN")
 
     def fed(command: str) -> str:
-        return SecretStdin(command, f"Authorization: Bearer {ctx.resolved.hf_token}\n") \
+        return SecretStdin(command, f"Authorization: Bearer {run.of(ctx.resolved).hf_token}\n") \
             if auth else command
     for f in resolved.files:
         path = f"{model_dir(ctx.prefix, name)}/{f.name}"

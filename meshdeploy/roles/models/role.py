@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 from meshdeploy.config.model import HfSource
 from meshdeploy.config import distribution
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
-from meshdeploy.roles.models import hf
+from meshdeploy.roles.models import hf, run
 from meshdeploy.roles.models import operations as ops
 
 
@@ -32,7 +32,8 @@ def _prepare(p: Prepare) -> Prepared:
     if not resolved:
         return Prepared()
     needed = any(r.auth for r in resolved.values())
-    return Prepared(values={"models": resolved, "hf_token": get_token(p.cluster) if needed else None})
+    return Prepared(values=run.Run(models=resolved,
+                                   hf_token=get_token(p.cluster) if needed else None))
 
 
 def _holders(cluster, name: str) -> list[str]:

@@ -16,6 +16,8 @@ from meshdeploy.roles.network import tunnel as wgr
 from meshdeploy.roles.network.facts import Allowlist, Tools, WireGuard
 
 ROLE = "network"
+# Whose run values say which hosts copy a build (Resolved.value: build_copiers).
+LLAMA_CPP = "llama_cpp"
 OPT_OUT = "network.firewall: false"
 
 
@@ -133,7 +135,7 @@ def allowlist(ctx: HostContext) -> Step:
                                    else "macOS: not managed yet"))
         return Step(ctx.change(ROLE, "allowlist", "delete", f"{OPT_OUT}: remove the table",
                                rules.diffs({}, live)), rules.remove_commands())
-    copiers = ctx.resolved.build_copiers.get(ctx.host.name, ())
+    copiers = ctx.resolved.value(LLAMA_CPP, "build_copiers", {}).get(ctx.host.name, ())
     login_uid = _login_uid(ctx)
     wanted = rules.allowlist(ctx.cluster, ctx.host, copiers, login_uid)
     if not wanted:

@@ -72,7 +72,8 @@ def port_key(proto: str, port: int) -> str:
 
 def ports(cluster, host, build_copiers=()) -> list[Port]:
     """The host's meshdeploy ports and their allowed sources, in port order. `build_copiers`: the
-    hosts that copy the llama.cpp build this host compiles (Resolved.build_copiers), which its
+    hosts that copy the llama.cpp build this host compiles (the llama_cpp run's build_copiers),
+    which its
     md-share serves them."""
     found: dict[tuple[str, int], tuple[list[str], list[str]]] = {}
     tunnel = settings.of(cluster).wireguard if cluster.network.tunnel else None

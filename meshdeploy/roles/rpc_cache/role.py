@@ -4,7 +4,7 @@ from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
 from meshdeploy.placement import layout
 from meshdeploy.placement.tensors import GgufHeaderError, header_bytes
 from meshdeploy.roles.rpc_cache import operations as ops
-from meshdeploy.roles.rpc_cache import seeding, sharing
+from meshdeploy.roles.rpc_cache import run, seeding, sharing
 
 
 def _prepare(p: Prepare) -> Prepared:
@@ -17,9 +17,9 @@ def _prepare(p: Prepare) -> Prepared:
     planned = seeding.prepare(p.cluster, p.hosts, p.facts, p.resolved, header_cache=p.header_cache,
                               read_remote=read if p.read_remote is not None else None,
                               speeds=p.speeds)
-    return Prepared(values={"seeds": planned.seeds, "layouts": planned.layouts,
-                            "shared": planned.shared, "splits": planned.splits,
-                            "failover": planned.runs},
+    return Prepared(values=run.Run(seeds=planned.seeds, layouts=planned.layouts,
+                                   shared=planned.shared, splits=planned.splits,
+                                   failover=planned.runs),
                     warnings=planned.notes,
                     placement=layout.sections(planned.layouts, p.cluster, planned.runs,
                                               planned.extra))

@@ -3,7 +3,8 @@
 Computed once per plan on the control machine: the GGUF header is read with Range requests from
 the control machine's view of the hub (huggingface.api_endpoint), never from a host, and
 llama.cpp's layer split is reproduced for every llama-server whose model is a one-file Hub
-model (layout.py), refusing one that cannot fit. The result (Resolved.layouts, Resolved.seeds)
+model (layout.py), refusing one that cannot fit. The result (the role's run values: layouts,
+seeds)
 feeds the plan's placement table and rpc_cache.seed[port].
 """
 
@@ -24,6 +25,7 @@ from meshdeploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import defaults as d
 from meshdeploy.placement import layout
 from meshdeploy.roles.rpc_cache import operations as ops
+from meshdeploy.roles.rpc_cache import run
 from meshdeploy.placement.tensors import (
     GgufHeaderError,
     header_from_http,
@@ -42,6 +44,10 @@ def header_url(model, hf_model) -> str:
                         f"({hf_model.api!r}); its header cannot be read")
     return f"{hf_model.api.rstrip('/')}/{src.repo}/resolve/{hf_model.commit}/{src.files[0]}"
 
+
+# The roles whose run values seeding reads (Resolved.value): the models as the hub resolved
+# them (and the token for gated ones), the commit the workers run.
+MODELS, LLAMA_CPP = "models", "llama_cpp"
 
 _CACHE_KEY = re.compile(r"[0-9a-f]{64}")
 
@@ -158,11 +164,11 @@ def _source(cluster, server, model, resolved, facts, names, fetch, cache, read_r
                                 hint="use a single-file GGUF of the model, or set cache: false")
             return None, {}, (f"servers.{server.name}: {model.name} is a split GGUF; its "
                               "placement is not computed")
-        hf_model = resolved.models.get(model.name)
+        hf_model = resolved.value(MODELS, "models", {}).get(model.name)
         if hf_model is None:
             return None, {}, None  # no host in --limit loads it
         # The token only for a repo that needs it (models' hf.resolve checked its endpoint).
-        token = resolved.hf_token if hf_model.auth else None
+        token = resolved.value(MODELS, "hf_token") if hf_model.auth else None
         header = _hub_header(cluster, model, hf_model, token, fetch, cache, where)
         sha = hf_model.files[0].sha256
         return header, {h.name: sha for h in cluster.hosts}, None
@@ -256,12 +262,12 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
             continue
         tensors = weight_tensors(header)
         lay = layout.build(cluster, server, tensors, model_shape(header), device_memory,
-                           speeds.get(server.name), resolved.commit)
+                           speeds.get(server.name), resolved.value(LLAMA_CPP, "commit"))
         layouts.append(lay)
         notes += layout.warnings(lay)
         runs[server.name] = (layout.run_of(cluster, server, lay),) + tuple(layout.degraded(
             cluster, server, tensors, model_shape(header), device_memory, speeds.get(server.name),
-            resolved.commit))
+            resolved.value(LLAMA_CPP, "commit")))
         if any(m == model.name for m, _ in fetches):
             shared[model.name] = tuple(sorted((t.offset, t.size) for t in tensors if t.hashed))
         seeded = [lay] + ([r.layout for r in runs[server.name][1:] if r.layout is not None]
@@ -324,7 +330,8 @@ def _merge(merged: list, seed) -> None:
 def seed(ctx: HostContext, port: int) -> Step:
     """rpc_cache.seed[port] for this host, from what prepare() computed."""
     rpc = ctx.host.rpc_server(port)
-    wanted = ctx.resolved.seeds.get(rpc_ref(ctx.host.name, port)) if rpc and rpc.cache else None
+    seeds = run.of(ctx.resolved).seeds
+    wanted = seeds.get(rpc_ref(ctx.host.name, port)) if rpc and rpc.cache else None
     if not wanted:
         if rpc is not None and rpc.cache:
             return Step(ctx.change(ops.ROLE, f"seed[{port}]", "no-op",

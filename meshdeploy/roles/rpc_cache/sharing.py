@@ -27,8 +27,10 @@ from meshdeploy.core.context import HostContext, Step
 from meshdeploy.core.paths import model_path, model_share_port
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.roles.rpc_cache import operations as ops
+from meshdeploy.roles.rpc_cache import run
 
 ROLE = ops.ROLE
+MODELS = "models"  # whose run values hold the models as the hub resolved them
 
 
 def _digested(fact, model: str, sha: str, wanted) -> bool:
@@ -47,7 +49,7 @@ def _to_serve(ctx: HostContext, model: str, workers) -> dict[str, int]:
     for worker in workers:
         missing = 0
         for port in sorted(r.port for r in worker.rpc_servers if r.cache):
-            mine = [m for m in ctx.resolved.seeds.get(rpc_ref(worker.name, port), ())
+            mine = [m for m in run.of(ctx.resolved).seeds.get(rpc_ref(worker.name, port), ())
                     if m.model == model and m.source == ctx.host.name]
             cov = ops.coverage(ctx.fact_of(worker.name, f"rpc_cache.CacheDir[{port}]"), mine)
             missing += sum(size for _, wanted in cov.to_seed for _, size in wanted)
@@ -70,8 +72,8 @@ def share(ctx: HostContext) -> Step:
     fact = ctx.fact("rpc_cache.Digests")
     digest, serve, diffs, listed = [], {}, [], 0
     for model, workers in shares.items():
-        hub = ctx.resolved.models.get(model)
-        wanted = ctx.resolved.shared.get(model)
+        hub = ctx.resolved.value(MODELS, "models", {}).get(model)
+        wanted = run.of(ctx.resolved).shared.get(model)
         if hub is None or wanted is None:
             continue  # outside --limit, or its header is unknown (the plan warned)
         sha = hub.files[0].sha256
@@ -99,8 +101,9 @@ def share(ctx: HostContext) -> Step:
         diffs.append(AttrDiff("md-share", None, f"{md_share.address(cluster, ctx.host.name)}:"
                                                 f"{model_share_port}"))
         clients = [w for workers in shares.values() for w in workers]
-        files = {ctx.resolved.models[m].files[0].sha256: model_path(cluster, m, ctx.host) for m in shares
-                 if m in ctx.resolved.models}
+        hub = ctx.resolved.value(MODELS, "models", {})
+        files = {hub[m].files[0].sha256: model_path(cluster, m, ctx.host) for m in shares
+                 if m in hub}
         commands += md_share.start(cluster, ctx.host, files, clients)
     return Step(ctx.change(ROLE, "share", "create" if digest else "update", "; ".join(reason),
                            diffs), commands)

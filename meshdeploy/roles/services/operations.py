@@ -44,6 +44,9 @@ from meshdeploy.roles.services.unit_files import (
 )
 
 ROLE = "services"
+# The roles whose run values the services read (Resolved.value): the models as the hub
+# resolved them, the placements (-ts, md-failover's runs, layouts).
+MODELS, RPC_CACHE = "models", "rpc_cache"
 TEMPLATES = Path(__file__).with_name("templates")
 FAILOVER = TEMPLATES / "md-failover.py"
 
@@ -322,7 +325,7 @@ def stale_units(ctx: HostContext) -> Step:
 
 
 def model_sha(ctx: HostContext, name: str) -> str | None:
-    resolved = ctx.resolved.models.get(name)
+    resolved = ctx.resolved.value(MODELS, "models", {}).get(name)
     if isinstance(resolved, HfResolved):
         return resolved.files[0].sha256
     return None
@@ -365,11 +368,11 @@ def llama_server(ctx: HostContext, name: str) -> Step:
         return Step(ctx.change(ROLE, resource, "no-op",
                                f"{', '.join(outside)} not in this run (--limit): left as it is, "
                                "failover included; apply without --limit to change it"))
-    runs = ctx.resolved.failover.get(name) or ()
+    runs = ctx.resolved.value(RPC_CACHE, "failover", {}).get(name) or ()
     # md-failover runs a server that may lose workers, where the plan knows its placements.
     script = failover_script(ctx.prefix) if runs and ctx.cluster.supervised(server) else None
     supervised_as = server
-    split = ctx.resolved.splits.get(name)
+    split = ctx.resolved.value(RPC_CACHE, "splits", {}).get(name)
     if runs:  # the full placement: placement: auto's or the file's -ts, idle workers left off
         full = runs[0]
         server = _replace(server, rpc=full.rpc,
@@ -456,7 +459,8 @@ def _dropped(ctx, server_name: str, unit: str, endpoints) -> list[str]:
     loads, or where it freed its buffers. Only workers the placement gives weights (rpc_cache's
     layout); none without a layout, nor where a host could not say."""
     have = (ctx.fact("services.Units") or {}).get(unit)
-    layout = next((lay for lay in ctx.resolved.layouts if lay.server == server_name), None)
+    layouts = ctx.resolved.value(RPC_CACHE, "layouts", ())
+    layout = next((lay for lay in layouts if lay.server == server_name), None)
     if have is None or have["active"] != "active" or not have.get("started") or layout is None:
         return []
     used = {(row["host"], row["port"]) for row in layout.rows if row["used"]}

@@ -51,7 +51,7 @@ toolchain_toolkit_tools = {"nvidia-cuda-toolkit": "nvcc", "hipcc": "hipcc"}
 # recommends here). OpenMP (libgomp1-arm64-cross) comes with the compiler.
 toolchain_apt_cross_packages = {"aarch64": ("g++-aarch64-linux-gnu", "libc6-dev-arm64-cross")}
 
-# --- a copier on apt (Resolved.build_copiers: it copies its llama.cpp build, compiles none) ----
+# --- a copier on apt (the llama_cpp run's build_copiers: it copies its build, compiles none) --
 # What running and copying the build needs there, from what runs on such a host:
 # curl: llama_cpp's copy.sh fetches the tarball from the builder's md-share (tar, gzip and
 #   sha256sum, which it also runs, are Debian's essential packages); the models role downloads

@@ -17,7 +17,7 @@ from meshdeploy.roles.toolchain.facts import AptComponents, AptProxy, DebPackage
 ROLE = "toolchain"
 
 
-# Who copies. A host in Resolved.build_copiers (llama_cpp's prepare, keys.copiers) copies its
+# Who copies. A host among the llama_cpp run's build_copiers (keys.copiers) copies its
 # llama.cpp build and compiles none of it, so on apt it gets the copy set (defaults.py), not
 # cmake, a C++ compiler or ninja. llama_cpp.resolve decides the copiers again at apply, after
 # this step; can a plan's copier then compile? A key's builder (keys.decide) is the first host
@@ -31,16 +31,22 @@ ROLE = "toolchain"
 # A failed copy never falls back to a compile either: llama_cpp.copy stops and names
 # -replace=HOST/llama_cpp.build, whose plan gives HOST the whole toolchain.
 
-# The llama_cpp role's section of the cluster file (builds_use_ccache).
+# The llama_cpp role: its section of the cluster file (builds_use_ccache), and its run values'
+# build_copiers (who copies a build: _copiers).
 LLAMA_CPP = "llama_cpp"
 
 
+def _copiers(ctx: HostContext) -> dict:
+    """Builder -> the hosts that copy its llama.cpp build (llama_cpp's prepare, keys.copiers)."""
+    return ctx.resolved.value(LLAMA_CPP, "build_copiers", {})
+
+
 def copies_from(ctx: HostContext) -> str | None:
-    """The host whose llama.cpp build this one copies (Resolved.build_copiers), or None where it
+    """The host whose llama.cpp build this one copies (_copiers), or None where it
     compiles its own, runs none, or -replace makes it compile."""
     if ctx.replacing("llama_cpp.build"):
         return None
-    return next((builder for builder, copiers in ctx.resolved.build_copiers.items()
+    return next((builder for builder, copiers in _copiers(ctx).items()
                  if ctx.host.name in copiers), None)
 
 
@@ -80,12 +86,12 @@ def wanted_packages(cluster, manager: str, host, copier: bool = False,
 
 def cross_targets(ctx: HostContext) -> tuple[str, ...]:
     """The machines this host compiles llama.cpp builds for besides its own: those of the hosts
-    that copy its builds (Resolved.build_copiers) with another machine (llama_cpp/keys.py)."""
+    that copy its builds (_copiers) with another machine (llama_cpp/keys.py)."""
     def machine(name: str):
         return (ctx.fact_of(name, "toolchain.Platform") or {}).get("machine")
 
     mine = machine(ctx.host.name)
-    return tuple(sorted({machine(m) for m in ctx.resolved.build_copiers.get(ctx.host.name, ())
+    return tuple(sorted({machine(m) for m in _copiers(ctx).get(ctx.host.name, ())
                          if machine(m) and machine(m) != mine}))
 
 
@@ -253,11 +259,11 @@ def packages(ctx: HostContext) -> Step:
     # A host that cross-compiles for others needs the build tools, whoever compiles its own.
     source = None if cross else copies_from(ctx)
     wanted = wanted_packages(ctx.cluster, manager, ctx.host, bool(source), ctx.first, cross)
-    if (ctx.resolved.build_copiers.get(ctx.host.name) and manager != "brew"
+    if (_copiers(ctx).get(ctx.host.name) and manager != "brew"
             and d.toolchain_python_package not in wanted
             and "python3" not in platform.get("tools", [])):
         # md-share serves the llama.cpp build this host compiles to the hosts that copy it
-        # (Resolved.build_copiers); where python3 is on PATH already, nothing to install.
+        # (the llama_cpp run's build_copiers); where python3 is on PATH already, nothing to install.
         wanted = wanted + (d.toolchain_python_package,)
     if manager == "apt":
         installed = ctx.fact("toolchain.DebPackages") or {}
