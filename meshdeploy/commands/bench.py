@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import local_address
+from meshdeploy.config.addresses import local_address
 from meshdeploy.engine import hosts as cluster_hosts
 from meshdeploy.engine import sweep, sweep_guard
 from meshdeploy.engine.server_api import (

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 from meshdeploy import errors
 from meshdeploy.commands import common, options
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import RUNIT, SYSTEMD_USER, local_address
+from meshdeploy.config.addresses import local_address
+from meshdeploy.config.model import RUNIT, SYSTEMD_USER
 from meshdeploy.core import registry, rpc_hello, shell
 from meshdeploy.core.paths import llama_cpp_paths
 from meshdeploy.engine import hosts as cluster_hosts

@@ -18,17 +18,9 @@ from dataclasses import dataclass
 
 from meshdeploy.config import distribution
 from meshdeploy.config.document import Document
-from meshdeploy.config.model import (
-    CPU_DEVICE,
-    WILDCARD,
-    Cluster,
-    HfSource,
-    Host,
-    is_loopback,
-    is_private,
-    parse_rpc_ref,
-    reachable_from,
-)
+from meshdeploy.config.addresses import WILDCARD, is_loopback, is_private
+from meshdeploy.config.model import CPU_DEVICE, Cluster, Host, parse_rpc_ref, reachable_from
+from meshdeploy.config.sources import HfSource
 from meshdeploy.config.schema import suggest
 from meshdeploy.config.yaml_doc import render_path
 from meshdeploy.errors import ConfigIssue

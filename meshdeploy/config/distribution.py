@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from meshdeploy.config.model import Cluster, HfSource, Host
+from meshdeploy.config.model import Cluster, Host
+from meshdeploy.config.sources import HfSource
 
 
 # md-share's port on a host whose verified copy of a model other hosts copy or fetch tensors of

@@ -24,16 +24,13 @@ from meshdeploy.config.model import (
     Cluster,
     Failover,
     Health,
-    HfSource,
     Host,
-    Model,
-    OllamaSource,
-    PathSource,
     RpcServer,
     Server,
     rpc_ref,
     system_layout,
 )
+from meshdeploy.config.sources import HfSource, Model, OllamaSource, PathSource
 from meshdeploy.config.schema import (
     layout_field,
     load_schema,

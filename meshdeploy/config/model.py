@@ -6,11 +6,13 @@ engine never re-validates and never sees "" for "unset": unset optional values a
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Union
+from typing import Any, Literal, NamedTuple
+
+from meshdeploy.config.addresses import WILDCARD, is_loopback, local_address
+from meshdeploy.config.sources import Model
 
 BACKENDS = ("cpu", "cuda", "metal", "vulkan", "rocm")
 
@@ -28,14 +30,6 @@ CPU_DEVICE = "CPU"
 
 # common/arg.cpp refuses -ts with llama_max_devices() (16) values or more.
 MAX_TENSOR_SPLIT = 15
-
-# A bind on every interface (rpc-server -H, llama-server --host).
-WILDCARD = "0.0.0.0"
-
-PRIVATE_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
-    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "127.0.0.0/8",
-    "fd00::/8"))
-
 
 @dataclass(frozen=True)
 class Network:
@@ -275,60 +269,6 @@ class ServerDevice(NamedTuple):
 
 
 @dataclass(frozen=True)
-class HfSource:
-    repo: str
-    files: tuple[str, ...]  # one file, or the parts of a split GGUF (first part is loaded)
-    revision: str
-    sha256: str | None  # of the single file; None = trust the hub's LFS hash
-    endpoint: str | None  # None = huggingface.endpoint
-
-
-@dataclass(frozen=True)
-class HfFile:
-    name: str
-    size: int
-    sha256: str
-    url: str  # what the host downloads (hosts' endpoint, pinned to the commit)
-
-
-@dataclass(frozen=True)
-class HfResolved:
-    """An HfSource as the hub answers at plan time (roles.models.hf.resolve): the revision's
-    commit and each file's size and sha256; kept in the models run's `models` by model name."""
-
-    repo: str
-    commit: str
-    files: tuple[HfFile, ...]
-    # Why downloads need the control machine's token ("gated", "private"); None: public, and
-    # no token is sent to anyone for it.
-    auth: str | None = None
-    # The endpoint the control machine asked (the model's own, else huggingface.api_endpoint):
-    # where the plan reads the model's header from, pinned to `commit`.
-    api: str = ""
-
-
-@dataclass(frozen=True)
-class OllamaSource:
-    model: str  # "qwen3-coder"
-    tag: str  # "30b"; "latest" when the file names none
-    store: str | None  # None = $OLLAMA_MODELS or ~/.ollama/models on the host
-
-
-@dataclass(frozen=True)
-class PathSource:
-    path: str  # absolute path of a GGUF already on the orchestrator host
-
-
-ModelSource = Union[HfSource, OllamaSource, PathSource]
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    source: ModelSource
-
-
-@dataclass(frozen=True)
 class Health:
     retries: int
     interval: float  # seconds
@@ -552,27 +492,3 @@ def dial_address(host: Host, rpc: RpcServer, from_host: str) -> str:
 def reachable_from(host: Host, bind: str, from_host: str) -> bool:
     """Whether a listener on `host` bound to `bind` answers a client on host `from_host`."""
     return host.name == from_host or not is_loopback(bind)
-
-
-def local_address(bind: str) -> str:
-    """Where a client on the same host reaches a listener bound to `bind`."""
-    return "127.0.0.1" if bind == WILDCARD else bind
-
-
-def is_loopback(address: str) -> bool:
-    return address.startswith("127.") or address == "::1"
-
-
-def is_private(address: str) -> bool:
-    """Whether `address` is a private or loopback IP literal; a host name counts as public
-    (what it resolves to is not known here), and so does the wildcard."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return any(ip in net for net in PRIVATE_NETWORKS if net.version == ip.version)
-
-
-def is_single_address(value: str) -> bool:
-    """Whether an address or network literal names one host (10.0.0.5, 10.0.0.5/32, fd00::5/128)."""
-    return ipaddress.ip_network(value, strict=False).num_addresses == 1

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 
 from meshdeploy.config.distribution import MODEL_SHARE_PORT
-from meshdeploy.config.model import HfSource, OllamaSource, PathSource, rpc_unit_name
+from meshdeploy.config.model import rpc_unit_name
+from meshdeploy.config.sources import HfSource, OllamaSource, PathSource
 
 # --- layout under llama_cpp.prefix ----------------------------------------------------------
 llama_cpp_src_dir = "src/llama.cpp"        # the clone

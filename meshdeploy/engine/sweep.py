@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from meshdeploy.config.model import local_address
+from meshdeploy.config.addresses import local_address
 from meshdeploy.core import rpc_hello, shell
 from meshdeploy.engine import server_api, sweep_guard
 from meshdeploy.placement import speed

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 
 from meshdeploy.core import registry
 from meshdeploy.core.context import HostContext, Step, Steps

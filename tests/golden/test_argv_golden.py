@@ -17,7 +17,7 @@ from support.accounts import load_inventory
 
 from meshdeploy.config.checks import warnings_for
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfSource, OllamaSource, PathSource
+from meshdeploy.config.sources import HfSource, OllamaSource, PathSource
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.services.argv import llama_server_argv, rpc_server_argv
 

@@ -16,7 +16,7 @@ from support.steps import decided
 from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.core.context import HostContext
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.services import operations as services

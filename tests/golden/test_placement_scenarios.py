@@ -17,7 +17,7 @@ from support.device_facts import GB, GiB, cpu, cuda, mac
 from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.errors import ConfigError, PlanError
 from meshdeploy.placement import layout
 from meshdeploy.roles.rpc_cache import seeding

@@ -18,7 +18,7 @@ from support.resolved import run_values
 from test_placement_scenarios import GOLDEN, ROOT, SCENARIOS, table
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.placement import speed
 from meshdeploy.placement.tensors import weight_tensors
 from meshdeploy.roles.rpc_cache import seeding

@@ -16,7 +16,7 @@ from support.device_facts import cpu, cuda
 from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.core import registry
 from meshdeploy.core.context import HostContext, Steps
 from meshdeploy.engine import planner as engine

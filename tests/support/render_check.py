@@ -25,7 +25,7 @@ from pathlib import Path
 from support.steps import decided
 
 from meshdeploy.commands.status import host_script
-from meshdeploy.config.model import HfFile, HfResolved, HfSource
+from meshdeploy.config.sources import HfFile, HfResolved, HfSource
 from meshdeploy.core import paths, shell
 from meshdeploy.core.context import HostContext
 from meshdeploy.engine.planner import probe_command

@@ -25,7 +25,7 @@ from meshdeploy.core.loading import load_cluster
 from meshdeploy.config.model import Failover
 from meshdeploy.core.context import HostContext
 from meshdeploy.errors import ApplyError
-from meshdeploy.roles.llama_cpp import keys
+from meshdeploy.roles.llama_cpp import copies, keys
 from meshdeploy.roles.llama_cpp import operations as ops
 from meshdeploy.roles.llama_cpp import settings
 
@@ -335,7 +335,7 @@ def test_a_copy_from_a_builder_whose_build_failed_stops_with_one_message():
     cluster = lab()
     ctx = contexts(cluster, same_platform(cluster), failed=("node1",))["node2"]
     with pytest.raises(ApplyError, match="nothing to copy: the build of .* on node1 failed"):
-        ops.copy(ctx)
+        copies.copy(ctx)
 
 
 # -- pack.sh and copy.sh, run for real -------------------------------------------------------------
@@ -753,21 +753,21 @@ def test_a_builder_without_python3_gets_it_for_md_share():
 def test_the_builder_serves_a_new_build_as_created_and_an_installed_one_as_updated():
     cluster = lab()
     fresh = same_platform(cluster)
-    assert ops.copy(contexts(cluster, fresh)["node1"]).change.action == "create"
+    assert copies.copy(contexts(cluster, fresh)["node1"]).change.action == "create"
     key = decisions(cluster, fresh)["node1"].key
     built = same_platform(cluster, **{h: host_facts(builds={key: manifest()}, current=key)
                                       for h in ("node1", "node2")})
-    step = ops.copy(contexts(cluster, built)["node1"])
+    step = copies.copy(contexts(cluster, built)["node1"])
     assert step.change.action == "update" and "to node3 " in step.change.reason
 
 
 def test_apply_never_copies_without_the_sha256_the_builder_computed():
     cluster = lab()
     ctx = contexts(cluster, same_platform(cluster))["node2"]
-    assert ops.copy(ctx).commands == []  # a plan: known after apply
+    assert copies.copy(ctx).commands == []  # a plan: known after apply
     ctx.run_command = lambda command: (True, [])  # apply: node1's tarball must be known now
     with pytest.raises(ApplyError, match="node2: node1 has no tarball of build"):
-        ops.copy(ctx)
+        copies.copy(ctx)
 
 
 def test_a_builder_packs_an_installed_build_once_copiers_appear():

@@ -14,7 +14,7 @@ from support.resolved import run_values
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.core import progress, shell
 from meshdeploy.core.context import HostContext
-from meshdeploy.roles.llama_cpp import keys
+from meshdeploy.roles.llama_cpp import copies, keys
 from meshdeploy.roles.llama_cpp import operations as ops
 from meshdeploy.roles.toolchain import operations as toolchain
 from meshdeploy.roles.llama_cpp import settings
@@ -90,10 +90,10 @@ def test_the_cross_step_compiles_with_the_aarch64_flags_and_a_toolchain_file():
     # The aarch64 host compiles nothing and clones nothing: it copies.
     assert ops.build(ctxs["node3"]).change.action == "no-op"
     assert "copies its build from node1" in ops.source(ctxs["node3"]).change.reason
-    copy = ops.copy(ctxs["node3"]).change.reason
+    copy = copies.copy(ctxs["node3"]).change.reason
     assert "(cross-compiled on node1 for aarch64 once for node3)" in copy
     # The builder serves both keys' tarballs, to both copiers, from one md-share.
-    serve = ops.copy(ctxs["node1"])
+    serve = copies.copy(ctxs["node1"])
     assert "node2, node3" in serve.change.reason and key in serve.change.reason
 
 
@@ -184,7 +184,7 @@ def test_the_cross_builder_is_the_same_whatever_replace_names_on_the_x86_hosts()
     step = ops.cross(ctxs["node1"])
     assert step.change.action == "create" and "\nCROSS=aarch64\n" in step.commands[0]
     assert "cmake" in toolchain.packages(ctxs["node1"]).change.diffs[0].after.split()
-    copy = ops.copy(ctxs["node1"])  # copies its own build from node2, serves node3's
+    copy = copies.copy(ctxs["node1"])  # copies its own build from node2, serves node3's
     assert "copy its build from node2" in copy.change.reason
     assert "serve" in copy.change.reason and "node3" in copy.change.reason
 

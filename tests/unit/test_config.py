@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfSource, OllamaSource, PathSource
+from meshdeploy.config.sources import HfSource, OllamaSource, PathSource
 from meshdeploy.errors import CONFIG, ConfigError
 from meshdeploy.roles.models import hf
 

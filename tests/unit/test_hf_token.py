@@ -16,7 +16,7 @@ from huggingface_hub import HfApi
 from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.core.context import HostContext, SecretStdin, Step
 from meshdeploy.core.plan import Plan
 from meshdeploy.errors import ConfigError, PlanError

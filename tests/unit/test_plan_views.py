@@ -19,7 +19,7 @@ from support.device_facts import GB, GiB, cpu, cuda, mac
 from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.core.plan import AttrDiff, Change, Plan, TransferRow, load_plan, save_plan
 from meshdeploy.errors import PlanError
 from meshdeploy.placement import layout

@@ -30,7 +30,8 @@ from test_rpc_cache import SHA, synthetic  # noqa: F401 (fixture)
 from test_seed_links import _wanted
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import SYSTEMD_USER, HfFile, HfResolved
+from meshdeploy.config.model import SYSTEMD_USER
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.core import account, inflight, registry, share
 from meshdeploy.core.context import HostContext, Steps
 from meshdeploy.core.plan import AttrDiff

@@ -19,7 +19,7 @@ from support.resolved import run_values
 
 from meshdeploy.config import distribution
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.errors import PlanError
 from meshdeploy.placement.tensors import Header, weight_tensors
 from meshdeploy.roles.models import operations as models

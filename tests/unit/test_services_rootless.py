@@ -25,7 +25,8 @@ from support.require import needs, require
 from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import RUNIT, SYSTEMD_USER, HfFile, HfResolved
+from meshdeploy.config.model import RUNIT, SYSTEMD_USER
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.core import account
 from meshdeploy.core.context import HostContext
 from meshdeploy.errors import PlanError

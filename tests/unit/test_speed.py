@@ -11,7 +11,7 @@ from support.device_facts import cpu
 from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.placement import layout, speed
 from meshdeploy.placement.layers import place
 from meshdeploy.roles.rpc_cache import seeding

@@ -3,7 +3,7 @@ key and copied to the key's other hosts (keys.py)."""
 
 from meshdeploy.core import registry
 from meshdeploy.core.registry import FactRequest, Prepare, Prepared, Resource, Role
-from meshdeploy.roles.llama_cpp import consistency, keys, lock, run, settings
+from meshdeploy.roles.llama_cpp import consistency, copies, keys, lock, run, settings
 from meshdeploy.roles.llama_cpp import operations as ops
 
 
@@ -51,7 +51,7 @@ ROLE = Role(
                  "builds this host cross-compiles for hosts of another architecture",
                  replaceable=True),
         # After every host's build: the build it copies is finished (keys.py says who copies).
-        Resource("copy", lambda ctx, key: ops.copy(ctx),
+        Resource("copy", lambda ctx, key: copies.copy(ctx),
                  "a build another host of its build key compiled, copied and verified",
                  # The builder's new tarball and its sha256, which the copy is checked against.
                  rereads=(("llama_cpp.build", "llama_cpp.Builds"),

@@ -21,7 +21,7 @@ from urllib.parse import quote as url_quote
 
 from meshdeploy.config.document import Document
 from meshdeploy.config.load import control_path
-from meshdeploy.config.model import HfFile, HfResolved
+from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.errors import ConfigError, PlanError
 
 SECTION = "huggingface"  # this role's second section of the cluster file (schema.huggingface.json)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from meshdeploy.config.model import HfSource, OllamaSource, PathSource  # noqa: F401 (engine)
+from meshdeploy.config.sources import HfSource, OllamaSource, PathSource
 from meshdeploy.config import distribution
 from meshdeploy.core import inflight, progress, share, shell
 from meshdeploy.core.context import HostContext, SecretStdin, Step, Transfer, stored_teardown

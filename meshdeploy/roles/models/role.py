@@ -2,7 +2,7 @@
 
 from concurrent.futures import ThreadPoolExecutor
 
-from meshdeploy.config.model import HfSource
+from meshdeploy.config.sources import HfSource
 from meshdeploy.config import distribution
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role
 from meshdeploy.roles.models import hf, run

@@ -6,7 +6,8 @@ from __future__ import annotations
 import ipaddress
 
 from meshdeploy.config.document import Document
-from meshdeploy.config.model import PRIVATE_NETWORKS, Cluster
+from meshdeploy.config.addresses import PRIVATE_NETWORKS
+from meshdeploy.config.model import Cluster
 from meshdeploy.errors import ConfigIssue
 from meshdeploy.roles.monitoring.prometheus import SECTION, scrapers
 

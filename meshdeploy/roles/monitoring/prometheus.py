@@ -31,7 +31,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from meshdeploy.config.model import WILDCARD, is_loopback
+from meshdeploy.config.addresses import WILDCARD, is_loopback
 from meshdeploy.roles.monitoring import defaults as d
 
 SECTION = "monitoring"  # the role's section of the cluster file (schema.json)

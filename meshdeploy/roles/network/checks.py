@@ -7,7 +7,8 @@ import ipaddress
 
 from meshdeploy.config import distribution
 from meshdeploy.config.document import Document
-from meshdeploy.config.model import Cluster, Host, is_loopback
+from meshdeploy.config.addresses import is_loopback
+from meshdeploy.config.model import Cluster, Host
 from meshdeploy.config.schema import suggest
 from meshdeploy.config.yaml_doc import render_path
 from meshdeploy.errors import ConfigIssue

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshdeploy.config.model import is_loopback, is_single_address
+from meshdeploy.config.addresses import is_loopback, is_single_address
 from meshdeploy.config import distribution
 from meshdeploy.core import registry, shell
 from meshdeploy.core.paths import model_share_port

@@ -15,15 +15,8 @@ import ipaddress
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from meshdeploy.config.model import (
-    Cluster,
-    Host,
-    Network,
-    RpcServer,
-    SshForward,
-    is_loopback,
-    parse_rpc_ref,
-)
+from meshdeploy.config.addresses import is_loopback
+from meshdeploy.config.model import Cluster, Host, Network, RpcServer, SshForward, parse_rpc_ref
 
 SECTION = "network"  # the role's section of the cluster file
 

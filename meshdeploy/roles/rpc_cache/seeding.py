@@ -17,7 +17,8 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from meshdeploy.config.model import HfSource, OllamaSource, rpc_ref
+from meshdeploy.config.model import rpc_ref
+from meshdeploy.config.sources import HfSource, OllamaSource
 from meshdeploy.config import distribution
 from meshdeploy.core.context import HostContext, Step
 from meshdeploy.core.paths import model_path, ollama_blob

@@ -7,7 +7,8 @@ import hashlib
 from dataclasses import replace as _replace
 from pathlib import Path
 
-from meshdeploy.config.model import RUNIT, SYSTEMD_USER, HfResolved, rpc_ref
+from meshdeploy.config.model import RUNIT, SYSTEMD_USER, rpc_ref
+from meshdeploy.config.sources import HfResolved
 from meshdeploy.core import progress, shell
 from meshdeploy.core.context import HostContext, Step, Teardown
 from meshdeploy.core.paths import installed_build, model_path, rpc_server_cache

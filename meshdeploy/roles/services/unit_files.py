@@ -9,7 +9,7 @@ from dataclasses import replace as _replace
 from pathlib import Path
 
 from meshdeploy.config.checks import exposed_rpc_servers
-from meshdeploy.config.model import is_loopback, is_single_address
+from meshdeploy.config.addresses import is_loopback, is_single_address
 from meshdeploy.core import registry
 from meshdeploy.core.paths import model_path, rpc_server_cache
 from meshdeploy.core.units import (
