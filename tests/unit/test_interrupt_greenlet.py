@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.cli import as_at_a_terminal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,8 +44,10 @@ g.join()
 
 @pytest.mark.parametrize("mode, transport_lives", [("plain", False), ("handled", True)])
 def test_ctrl_c_goes_to_the_main_greenlet_and_leaves_the_transport_alive(mode, transport_lives):
+    # SIGINT as at a terminal: a test process may have it ignored (a pytest-xdist worker, a run
+    # started in the background), and a child that inherits that gets no KeyboardInterrupt.
     done = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+                          timeout=60, cwd=ROOT, preexec_fn=as_at_a_terminal)
     lines = done.stdout.splitlines()
     assert "main interrupted" in lines, done.stdout + done.stderr
     assert ("transport alive" in lines) == transport_lives, done.stdout + done.stderr
