@@ -178,9 +178,11 @@ def check_rootless(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
 
 
 def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
-    """One listener per (host, port), whether rpc-server, llama-server, a forward's reverse end
-    or md-share (the last two claimed first: a service of the file on their port is the one
-    told to move). The forwards' own ports are the network role's check."""
+    """One listener per (host, port), whether rpc-server, llama-server, a forward's end or
+    md-share (md-share and the forwards' reverse ends claimed first, then the rpc-servers, then
+    the forwards' own ports: a llama-server on one of them is the one told to move). A forward's
+    port that an rpc-server, md-share or a reverse end holds is the network role's check, said
+    at the setting the forwards' ports follow from."""
     issues = []
     try:
         owners = distribution.derived_ports(cluster)
@@ -196,6 +198,13 @@ def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     for host in cluster.hosts:
         for i, rpc in enumerate(host.rpc_servers):
             claim(host.name, rpc.port, ("hosts", host.name, "rpc_servers", i, "port"))
+        try:
+            forwards = cluster.ssh_forwards(host)
+        except KeyError:  # an rpc entry names an unknown host: check_servers says so
+            forwards = []
+        for forward in forwards:
+            for local, _ in forward.ports:
+                owners.setdefault((host.name, local), f"the forward to {forward.worker.name}")
     names = {host.name for host in cluster.hosts}
     for server in cluster.servers:
         if server.host in names:

@@ -1,9 +1,10 @@
-"""Load a cluster file: YAML with positions, JSON Schema, semantic checks, then the typed model.
+"""Read a cluster file: YAML with positions, JSON Schema, then the typed model.
 
 Every problem becomes a ConfigIssue pointing at file:line:col, so a user fixes the file without
 guessing. The schema checks the plain data; the typed model (meshdeploy.config.model) is built
-from it, and the checks the schema cannot express (meshdeploy.config.checks) run on that
-model, pointing back into the file through the Document.
+from it. core.loading, which every command calls, completes it with each role's part and runs
+the checks the schema cannot express (meshdeploy.config.checks and each role's) on that model,
+pointing back into the file through the Document.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def control_path(value: str, base: Path) -> str | None:
 def default_bind(host: dict, rpc: dict) -> str | None:
     """-H value for an rpc-server on the hosts' own network: the file's bind, else the host's
     address, None when that is not IPv4 (the network role's rules may decide otherwise:
-    Role.completes)."""
+    cluster_file.complete)."""
     if rpc["bind"]:
         return rpc["bind"]
     try:

@@ -320,12 +320,6 @@ def error_issues(doc: Document, error: jsonschema.ValidationError) -> list[Confi
             f"does not match {error.validator_value}"
         hint = error.schema.get(HINT) or field_lookup(PATTERN_HINT, path)
         return [doc.issue(path, f"{show(value)} {meaning}", hint)]
-    if kind == "not":
-        # A value the field refuses although it has the field's form (llama_cpp.ref: an
-        # abbreviated commit): the refused form says what it is and what to write instead.
-        refused = error.validator_value if isinstance(error.validator_value, dict) else {}
-        meaning = refused.get(MEANING) or "is a form this field refuses"
-        return [doc.issue(path, f"{show(value)} {meaning}", refused.get(HINT))]
     if kind in ("minimum", "exclusiveMinimum", "maximum"):
         bound = error.validator_value
         relation = {"minimum": f"at least {bound}", "exclusiveMinimum": f"more than {bound}",

@@ -30,8 +30,10 @@ class Resolved:
         return self.roles.get(role)
 
     def value(self, role: str, name: str, default: Any = None) -> Any:
-        """One of another role's values by name, `default` where it fixed none."""
-        return getattr(self.roles.get(role), name, default)
+        """One of another role's values by name, `default` where the role fixed none; a name
+        its values do not have is an AttributeError, never the default."""
+        values = self.roles.get(role)
+        return default if values is None else getattr(values, name)
 
     def fixed(self, role: str, values: Any) -> Resolved:
         """This Resolved with `values` as the role's."""

@@ -324,6 +324,18 @@ def test_abbreviated_commit(tmp_path):
     assert issue.startswith("3:8: llama_cpp.ref: '612db6188' looks like an abbreviated commit")
 
 
+def test_an_abbreviated_commit_is_said_beside_the_files_other_problems(tmp_path):
+    body = HOSTS + "servers:\n  s: {host: node1, model: nope}\n"
+    found = issues(tmp_path, body, head="cluster: t\nllama_cpp:\n  ref: 612db6188\n")
+    assert found[0].startswith("3:8: llama_cpp.ref: '612db6188' looks like an abbreviated commit")
+    assert any("nope" in issue for issue in found[1:]), found
+
+
+def test_a_ref_that_is_no_string_is_one_error(tmp_path):
+    (issue,) = issues(tmp_path, HOSTS, head="cluster: t\nllama_cpp:\n  ref: 4000\n")
+    assert issue.startswith("3:8: llama_cpp.ref: expected a string, got integer 4000")
+
+
 # -- the model -------------------------------------------------------------------------------
 
 def test_model_resolves_defaults_and_paths(tmp_path, monkeypatch):

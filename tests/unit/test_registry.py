@@ -413,3 +413,13 @@ def test_the_schema_editors_read_is_the_core_with_every_roles_section():
     assert schema.role_sections()
     for role in schema.role_sections():
         assert role in complete["properties"] and role not in core["properties"]
+
+
+def test_a_roles_run_value_is_read_by_name_and_a_wrong_name_is_an_error():
+    from support.resolved import run_values
+
+    resolved = run_values(commit="c" * 40)
+    assert resolved.value("llama_cpp", "commit") == "c" * 40
+    assert resolved.value("rpc_cache", "splits", {}) == {}  # that role fixed nothing
+    with pytest.raises(AttributeError):
+        resolved.value("llama_cpp", "comit")

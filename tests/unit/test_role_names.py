@@ -11,8 +11,7 @@ name a role anyway:
 - a tuple or list whose first item is a role's name (a setting's path: `("network", "ssh")`).
 
 KNOWN lists what the scan finds that is not a role's: `models`, the core's own section of the
-models (which shares its name with the role that fetches them), and the one warning of a role's
-setting the config layer still says; it may only shrink. A new finding fails, and so does a
+models (which shares its name with the role that fetches them); it may only shrink. A new finding fails, and so does a
 listed one that is gone, so the list stays the code's.
 """
 

@@ -402,3 +402,32 @@ def test_known_hosts_plan_pins_and_no_ops(cluster):
     facts["node1"]["network.SshKey"] = key_fact(known=want)
     assert ssh_ops.ssh_known_hosts(ctx_for(cluster, "node1", facts)).noop
     assert isinstance(step, Step)
+
+
+def port_issues(tmp_path, text: str) -> list[str]:
+    from meshdeploy.errors import ConfigError
+
+    path = tmp_path / "ports.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_cluster(path)
+    return [str(i)[len(str(path)) + 1:] for i in info.value.issues]
+
+
+def test_a_llama_server_on_a_forwards_port_is_told_to_move_at_its_own_port(tmp_path):
+    text = CLUSTER.replace("  main: {host: node1, model: m,", "  main: {host: node1, model: m, "
+                           "port: 31001,")
+    (issue,) = port_issues(tmp_path, text)
+    assert "servers.main.port: port 31001 on host node1 is already used by the forward to " \
+           "node3" in issue, issue
+
+
+def test_an_rpc_server_on_a_forwards_port_is_said_at_the_setting_the_ports_follow_from(tmp_path):
+    text = CLUSTER.replace("  node1:\n    address: 10.200.0.11\n",
+                           "  node1:\n    address: 10.200.0.11\n    rpc_servers:\n"
+                           "      - port: 31000\n")
+    text = text.replace("  transport: ssh\n", "  transport: ssh\n  ssh: {local_port_base: 31000}\n")
+    (issue,) = port_issues(tmp_path, text)
+    assert "network.ssh.local_port_base: port 31000 on host node1 is taken by " \
+           "hosts.node1.rpc_servers[0], but the ssh forward to node2:50052 listens there" in issue, \
+        issue

@@ -63,7 +63,7 @@ class KeyFile:
 
 
 def scrapers(cluster) -> list[str]:
-    """monitoring.scrapers as written (checks.py: each an address or network)."""
+    """monitoring.scrapers as written (cluster_file.py: each an address or network)."""
     return list(cluster.sections[SECTION]["scrapers"])
 
 

@@ -1,5 +1,6 @@
-"""The network role's checks of its section (Role.validate, run by core.loading beside the config
-layer's): what JSON Schema cannot say of the transport, the tunnel and the forwards' ports."""
+"""The network role's checks of its section (cluster_file.validate, run by core.loading beside
+the config layer's): what JSON Schema cannot say of the transport, the tunnel and the forwards'
+ports."""
 
 from __future__ import annotations
 
@@ -58,15 +59,14 @@ def _listens(cluster: Cluster, host: Host) -> bool:
 
 def check_forward_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     """Under network.transport: ssh, each loopback port an orchestrator's forwards listen on
-    (from network.ssh.local_port_base) is free on it: no rpc-server, llama-server, md-share or
-    reverse end of a forward there. Said at local_port_base: the ports follow from it."""
+    (from network.ssh.local_port_base) is free on it: no rpc-server, md-share or reverse end of
+    a forward there. Said at local_port_base: the ports follow from it. (A llama-server on one
+    is told to move at its own port: config.checks.check_ports.)"""
     owners: dict[tuple[str, int], str] = dict(_derived_ports(cluster))
     for host in cluster.hosts:
         for i, rpc in enumerate(host.rpc_servers):
             owners.setdefault((host.name, rpc.port),
                               render_path(("hosts", host.name, "rpc_servers", i)))
-    for server in cluster.servers:
-        owners.setdefault((server.host, server.port), render_path(("servers", server.name)))
     setting = (SECTION, "ssh", "local_port_base")
     where = setting if doc.written(setting) is not None else (SECTION,)
     issues = []

@@ -124,7 +124,7 @@ def allowlist(ctx: HostContext) -> Step:
     to loopback and what the file allows; the whole table replaced atomically (nft -f)."""
     live = ctx.fact("network.Allowlist")
     if ctx.host.rootless:
-        # config.checks refused the file unless it acknowledged this (hosts.NAME.unprotected).
+        # checks.py refused the file unless it acknowledged this (hosts.NAME.unprotected).
         return Step(ctx.change(ROLE, "allowlist", "no-op",
                                "rootless: no allow-list without root" if
                                ctx.cluster.network.firewall else "firewall off"))

@@ -3,7 +3,7 @@ folder), and the cluster's network as every other layer reads it.
 
 config/model.py's `Network` is the core's interface to the network: a plain LAN, every port
 filtered, nothing public. This role's `Settings` is that interface for the file's section (the
-transport, WireGuard's tunnel, OpenSSH's forwards), and `complete` (Role.completes, run by
+transport, WireGuard's tunnel, OpenSSH's forwards), and `complete` (cluster_file.py, run by
 core.loading before any check) puts it on the Cluster with the rpc-servers' binds its rules
 decide. Outside this role, code reads the network through the interface's members only.
 """
@@ -137,7 +137,7 @@ def of(cluster: Cluster) -> Settings:
 
 
 def complete(cluster: Cluster) -> Cluster:
-    """The cluster with the file's network on it (Role.completes): the settings as its
+    """The cluster with the file's network on it (cluster_file.complete): the settings as its
     `network`, and every rpc-server's bind as the section's rules decide where the file gives
     none (network.rpc_bind, loopback under transport: ssh), and under transport: wireguard the
     tunnel address of a host whose rpc-server another host's llama-server uses."""
