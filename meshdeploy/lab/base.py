@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -237,14 +238,37 @@ def ensure_base(root: Path | None = None, log=print, toolchain: bool = False,
     return rootfs
 
 
+def remove_tree(path: Path) -> None:
+    """Remove a folder a base build left, never through a mount beneath it. A debootstrap killed
+    in its second stage leaves the new root's /proc mounted (seen: a bullseye build's, found
+    under its .tmp folder after a run), and a removal that walks into a mount deletes what is
+    mounted there: the machine's own files, where it is a bind. Each mount under `path` is
+    unmounted first (deepest first, lazily), and rm keeps to the folder's own file system, so a
+    mount that would not go is skipped, not emptied."""
+    if not path.exists() and not path.is_symlink():
+        return
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as info:
+        points = [_unescape(line.split()[4]) for line in info]
+    for point in sorted((p for p in points if p == real or p.startswith(real + "/")),
+                        key=len, reverse=True):
+        subprocess.run(["umount", "-l", "--", point], capture_output=True)
+    subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], capture_output=True)
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field: spaces, tabs, newlines and backslashes are octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def _build(final: Path, spec: dict, log) -> None:
     # A folder of this process's own: a debootstrap left running by a killed earlier run (its
     # lock released with it) keeps writing into its folder, never into this one, and is never
     # renamed into place. Earlier runs' folders go first (the caller holds the base's lock).
     for stale in final.parent.glob(f"{final.name}.tmp*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_tree(stale)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(final, ignore_errors=True)
+    remove_tree(final)
     tmp_rootfs = tmp / "rootfs"
     tmp_rootfs.mkdir(parents=True)
     arches.confine(tmp, spec.get("arch", arches.NATIVE))

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+
+import pytest
 
 from meshdeploy.lab import base
 from meshdeploy.roles.toolchain import defaults
@@ -95,3 +99,37 @@ def test_a_build_writes_a_folder_of_its_own_and_removes_earlier_runs_folders(tmp
     assert not any(folder.exists() for folder in stale)
     assert (final / "complete").is_file() and (final / "recipe.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]
+
+
+def _bind(source, target) -> None:
+    subprocess.run(["mount", "--bind", str(source), str(target)], check=True)
+
+
+def test_a_stale_build_folder_goes_without_anything_mounted_under_it_being_emptied(tmp_path):
+    """A base build killed in debootstrap's second stage leaves mounts under its .tmp folder; the
+    next build removes that folder. Removing it by walking the tree deletes what is mounted there
+    (shown first, with a bind of a folder standing for the machine's own); remove_tree unmounts
+    first and keeps to the folder's file system."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts need root")
+    outside = tmp_path / "the machine's"
+    outside.mkdir()
+    stale = tmp_path / "base-x.tmp-1"
+    target = stale / "rootfs" / "dev"
+    target.mkdir(parents=True)
+    try:
+        (outside / "keep").write_text("x")
+        _bind(outside, target)
+        shutil.rmtree(stale, ignore_errors=True)  # the walk reaches through the mount
+        assert not (outside / "keep").exists()
+        subprocess.run(["umount", "-l", str(target)], check=True)
+
+        (outside / "keep").write_text("x")
+        target.mkdir(parents=True, exist_ok=True)
+        _bind(outside, target)
+        base.remove_tree(stale)
+        assert (outside / "keep").read_text() == "x"
+        assert not stale.exists()
+        assert str(target) not in open("/proc/self/mounts").read()
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
