@@ -245,7 +245,10 @@ def remove_tree(path: Path) -> None:
     mounted there: the machine's own files, where it is a bind. Each mount under `path` is
     unmounted first (deepest first, lazily), and rm keeps to the folder's own file system, so a
     mount that would not go is skipped, not emptied."""
-    if not path.exists() and not path.is_symlink():
+    if path.is_symlink():  # the link goes, never what it points at or what is mounted there
+        path.unlink()
+        return
+    if not path.exists():
         return
     real = os.path.realpath(path)
     with open("/proc/self/mountinfo") as info:

@@ -133,3 +133,13 @@ def test_a_stale_build_folder_goes_without_anything_mounted_under_it_being_empti
         assert str(target) not in open("/proc/self/mounts").read()
     finally:
         subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def test_a_stale_build_folder_that_is_a_link_goes_alone(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("x")
+    link = tmp_path / "base-x.tmp-2"
+    link.symlink_to(elsewhere)
+    base.remove_tree(link)
+    assert not link.is_symlink() and (elsewhere / "keep").read_text() == "x"
