@@ -184,10 +184,7 @@ def check_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     port that an rpc-server, md-share or a reverse end holds is the network role's check, said
     at the setting the forwards' ports follow from."""
     issues = []
-    try:
-        owners = distribution.derived_ports(cluster)
-    except KeyError:  # an rpc entry names an unknown rpc-server: check_servers says so
-        owners = {}
+    owners = distribution.derived_ports(cluster)
 
     def claim(host: str, port: int, path: tuple) -> None:
         owner = owners.setdefault((host, port), render_path(path[:-1]))

@@ -158,10 +158,13 @@ def reverse_port(cluster: Cluster, source: str, client: str) -> int | None:
 
 def derived_ports(cluster: Cluster) -> dict[tuple[str, int], str]:
     """(host, port) -> owner of the ports no line of the file names: md-share's on a sharing
-    host, a forward's reverse end on a worker. Raises KeyError while an rpc entry names an
-    unknown rpc-server (the distribution cannot be read)."""
+    host, a forward's reverse end on a worker. Nothing while an rpc entry names an unknown
+    rpc-server (the distribution cannot be read; the config checks say so)."""
     owners: dict[tuple[str, int], str] = {}
-    fetches = tensor_fetches(cluster) + copies(cluster)
+    try:
+        fetches = tensor_fetches(cluster) + copies(cluster)
+    except KeyError:
+        return owners
     for source in share_sources(cluster):
         owners[(source.name, MODEL_SHARE_PORT)] = (
             "md-share (the model copies other hosts get from this one)")

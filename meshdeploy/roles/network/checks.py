@@ -62,7 +62,7 @@ def check_forward_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
     (from network.ssh.local_port_base) is free on it: no rpc-server, md-share or reverse end of
     a forward there. Said at local_port_base: the ports follow from it. (A llama-server on one
     is told to move at its own port: config.checks.check_ports.)"""
-    owners: dict[tuple[str, int], str] = dict(_derived_ports(cluster))
+    owners = distribution.derived_ports(cluster)
     for host in cluster.hosts:
         for i, rpc in enumerate(host.rpc_servers):
             owners.setdefault((host.name, rpc.port),
@@ -85,15 +85,6 @@ def check_forward_ports(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
                         f"forward to {forward.worker.name}:{remote} listens there",
                         "pick another network.ssh.local_port_base", at_key=True))
     return issues
-
-
-def _derived_ports(cluster: Cluster) -> dict[tuple[str, int], str]:
-    """(host, port) -> owner of the ports no line of the file names (distribution's md-share
-    and reverse ends); nothing while an rpc entry names an unknown rpc-server."""
-    try:
-        return distribution.derived_ports(cluster)
-    except KeyError:
-        return {}
 
 
 def check_ssh_transport(doc: Document, cluster: Cluster) -> list[ConfigIssue]:
