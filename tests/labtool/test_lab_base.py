@@ -6,7 +6,7 @@ import os
 import shutil
 import subprocess
 
-import pytest
+from support.require import unmet
 
 from meshdeploy.lab import base
 from meshdeploy.roles.toolchain import defaults
@@ -111,7 +111,7 @@ def test_a_stale_build_folder_goes_without_anything_mounted_under_it_being_empti
     (shown first, with a bind of a folder standing for the machine's own); remove_tree unmounts
     first and keeps to the folder's file system."""
     if os.geteuid() != 0:
-        pytest.skip("mounts need root")
+        unmet("mounting a folder needs root")
     outside = tmp_path / "the machine's"
     outside.mkdir()
     stale = tmp_path / "base-x.tmp-1"
