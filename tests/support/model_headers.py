@@ -74,3 +74,23 @@ def glm47_flash_header() -> Header:
               "deepseek2.attention.kv_lora_rank": 512, "deepseek2.leading_dense_block_count": 1}
     return _header(fields, [dense] + [moe] * 46, [("token_embd.weight", q4k(154880 * 2048))],
                    [("output_norm.weight", 8192), ("output.weight", q6k(154880 * 2048))])
+
+
+def synthetic_header(shape, vocab: int = 339) -> Header:
+    """The header support.synthetic.write_llama writes for `shape` (F16 matrices, F32 norms,
+    its 339-token vocabulary), without writing gigabytes of weights."""
+    head = shape.n_embd // shape.n_head
+    kv = head * shape.n_head_kv
+    e, f = shape.n_embd, shape.n_ff
+    layer = [("attn_norm.weight", 4 * e), ("attn_q.weight", 2 * e * e),
+             ("attn_k.weight", 2 * kv * e), ("attn_v.weight", 2 * kv * e),
+             ("attn_output.weight", 2 * e * e), ("ffn_norm.weight", 4 * e),
+             ("ffn_gate.weight", 2 * f * e), ("ffn_up.weight", 2 * f * e),
+             ("ffn_down.weight", 2 * e * f)]
+    fields = {"general.architecture": "llama", "llama.block_count": shape.n_layers,
+              "llama.embedding_length": e, "llama.feed_forward_length": f,
+              "llama.attention.head_count": shape.n_head,
+              "llama.attention.head_count_kv": shape.n_head_kv,
+              "llama.context_length": shape.context}
+    return _header(fields, [layer] * shape.n_layers, [("token_embd.weight", 2 * vocab * e)],
+                   [("output_norm.weight", 4 * e), ("output.weight", 2 * vocab * e)])

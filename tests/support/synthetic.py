@@ -12,8 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-from meshdeploy.lab.errors import LabError
-
 
 @dataclass(frozen=True)
 class Shape:
@@ -49,11 +47,15 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
 
 def write_llama(path: Path, shape: Shape = SMALL, seed: int = 1234) -> Path:
     """Write a llama-architecture GGUF to `path` (atomically); returns the path."""
+    # LabError imported only to raise it: the GPU check (benchmarks/cuda_gpu.py) writes models
+    # where none of meshdeploy's own dependencies is installed (numpy and gguf are).
     try:
         from gguf import GGUFWriter
     except ImportError as exc:
+        from meshdeploy.lab.errors import LabError
         raise LabError("the gguf package is missing: pip install gguf") from exc
     if shape.n_embd % shape.n_head or shape.n_head % shape.n_head_kv:
+        from meshdeploy.lab.errors import LabError
         raise LabError(f"inconsistent heads in {shape}")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -214,9 +214,39 @@ def test_an_rpath_to_a_system_library_folder_is_kept_and_any_other_refused(tmp_p
         shutil.rmtree(tmp_path / "builds")
         done = run_build(tmp_path, commit, ["-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
                                             f"-DCMAKE_BUILD_RPATH={other}"], force=True)
-        assert done.returncode == 1 and "is not $ORIGIN or a system library folder" in \
+        assert done.returncode == 1 and "is not $ORIGIN, a system library folder" in \
             done.stderr, (other, done.stderr)
         assert not (tmp_path / "builds" / "k").exists()
+
+
+def test_the_cuda_toolkits_own_library_folder_is_kept_where_root_alone_writes_it(tmp_path):
+    """NVIDIA's toolkit (not Debian's) keeps libcudart and libcublas in /usr/local/cuda-13.0/
+    targets/x86_64-linux/lib, and cmake names that folder in the RUNPATH (seen on an H200
+    machine: docs/gpu.md). The folder cmake found for the toolkit is kept when root owns it and
+    every folder above it, writable by no one else; the same folder under /tmp is refused, as is
+    any other folder. /usr/share/doc stands in for the toolkit's folder: root's, not /usr/lib."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "part.c").write_text("int part(void) { return 1; }\n")
+    commit = tiny_tree(tmp_path / "src", SHARED_TREE)
+    toolkit = "/usr/share/doc"
+    users = tmp_path / "cuda" / "lib"
+    users.mkdir(parents=True)
+    (tmp_path / "cuda").chmod(0o777)   # anyone may write above it, whatever TMPDIR is
+    cases = [(toolkit, None, 1),        # not the toolkit's folder: refused, as before
+             (toolkit, toolkit, 0),     # the toolkit's, root's all the way up: kept
+             (str(users), str(users), 1),   # the toolkit's, but anyone writes above it
+             ("/usr/share/man", toolkit, 1)]    # another folder than the toolkit's
+    for rpath, found, code in cases:
+        shutil.rmtree(tmp_path / "tree", ignore_errors=True)
+        shutil.rmtree(tmp_path / "builds", ignore_errors=True)
+        flags = ["-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON", f"-DCMAKE_BUILD_RPATH={rpath}"]
+        if found:
+            flags.append(f"-DCUDAToolkit_LIBRARY_DIR:PATH={found}")
+        done = run_build(tmp_path, commit, flags, force=True)
+        assert done.returncode == code, (rpath, found, done.stderr)
+        assert (tmp_path / "builds" / "k").exists() == (code == 0)
+        if code:
+            assert f"{rpath} is not $ORIGIN, a system library folder" in done.stderr, done.stderr
 
 
 def dispatch_facts(cpu: str, machine="x86_64"):
