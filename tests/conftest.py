@@ -236,6 +236,21 @@ def _prefetch_bases(done: list, stop) -> None:
             done.append((kw, True, time.monotonic() - started, str(exc)))
 
 
+SYSTEM = Path(__file__).resolve().parent / "system"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Every test in tests/system/ is marked `system` (`-m "not system"` leaves them out): it
+    starts real things on this machine, no lab. Such a test beside its unit tests elsewhere
+    carries `@pytest.mark.system` itself. Here rather than in a conftest.py of tests/system/:
+    test modules import this one as `conftest` (build_seed_tool), and a second conftest module
+    would take that name."""
+    for item in items:
+        if SYSTEM in item.path.resolve().parents:
+            item.add_marker(pytest.mark.system)
+
+
 def pytest_collection_finish(session):
     wanted = os.environ.get("MESHDEPLOY_LAB_PREFETCH",
                             "1" if os.environ.get("MESHDEPLOY_REQUIRE_LAB") == "1" else "0")

@@ -140,6 +140,7 @@ def _nft(*args: str, text: str | None = None) -> subprocess.CompletedProcess:
                           text=True)
 
 
+@pytest.mark.system
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a network namespace, nft)")
 @needs("nft", "unshare", "setpriv")
 def test_the_chain_drops_another_local_user_and_lets_root_and_the_login_user_through(tmp_path):
@@ -201,6 +202,7 @@ def test_the_fact_reads_back_one_uid_and_lists_hand_made_rules_as_drift():
     assert "loopback/50052" not in nfacts.Allowlist().process([table(0, stateless=True)])
 
 
+@pytest.mark.system
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a network namespace, nft)")
 @needs("nft", "unshare", "setpriv")
 def test_the_chain_leaves_replies_from_the_port_alone(tmp_path):

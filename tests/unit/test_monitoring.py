@@ -252,6 +252,7 @@ def test_an_interval_too_short_for_the_probe_timeout_is_a_usage_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.system
 def test_prometheus_and_its_blackbox_exporter_in_a_namespace(tmp_path):
     """The files at work, in seconds and without the lab: Debian's prometheus and blackbox
     exporter in a fresh network namespace, against listeners shaped as the lab's services

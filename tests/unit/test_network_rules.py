@@ -249,6 +249,7 @@ def _host_cases():
                        id="lab-node1-allow-v4-v6")
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("inventory, host_name, allow", list(_host_cases()))
 def test_nft_accepts_the_file_and_the_fact_reads_back_the_wish(netns_nft, tmp_path, inventory,
                                                                host_name, allow):
@@ -265,6 +266,7 @@ def test_nft_accepts_the_file_and_the_fact_reads_back_the_wish(netns_nft, tmp_pa
     assert rules.diffs(rules.allowlist(cluster, host), live) == []
 
 
+@pytest.mark.system
 def test_loading_leaves_the_hosts_own_tables_alone(netns_nft, tmp_path, lab):
     path = tmp_path / "meshdeploy.nft"
     path.write_text(rules.nft_file(lab, lab.host("node2")))
@@ -280,6 +282,7 @@ def test_loading_leaves_the_hosts_own_tables_alone(netns_nft, tmp_path, lab):
     assert "table inet user" in after and "tcp dport 22 accept" in after
 
 
+@pytest.mark.system
 def test_nft_refuses_a_broken_file_and_keeps_the_loaded_table(netns_nft, tmp_path, lab):
     good, bad = tmp_path / "good.nft", tmp_path / "bad.nft"
     good.write_text(rules.nft_file(lab, lab.host("node2")))

@@ -388,6 +388,7 @@ def eventually(read, ok, seconds: float = 5):
         time.sleep(0.2)
 
 
+@pytest.mark.system
 def test_real_runit_supervises_restarts_and_removes(runsvdir):
     from meshdeploy.config.model import Layout
 
@@ -604,6 +605,7 @@ def test_exec_sudo_is_refused_on_a_rootless_host(tmp_path, monkeypatch):
         exec_.run(args)
 
 
+@pytest.mark.system
 def test_the_account_script_finds_the_users_runsvdir_over_its_folder(runsvdir):
     """core.account's script, run as the user beside a real runsvdir of that user: runit is its
     service manager over SVDIR; the same runsvdir does not count for another SVDIR."""
