@@ -267,3 +267,26 @@ def test_a_new_vulkan_host_is_told_why_its_memory_is_unknown(tmp_path):
         "placement not checked (vulkaninfo is not on vulkan-box yet: apply installs it with the "
         "Vulkan packages, and the plan after that apply reads the memory; apply again then)")
     assert notes(["cmake", "vulkaninfo"]).endswith("placement not checked")
+
+
+def test_a_worker_left_out_by_limit_is_named_once_not_as_unknown_memory(tmp_path):
+    """plan --limit node1,node2 with node3 away: services leaves the server's unit, placements
+    and failover as they are (services.llama_server), so the plan says that, not that node3's
+    memory is unknown or that the server runs without failover."""
+    from support.device_facts import cpu
+    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
+    resolved = run_values(models={"gemma": HfResolved("r", "c" * 40, (HfFile("f", 1, SHA, "u"),),
+                                                      api=HUB)})
+    facts = {h: cpu(25_183_293_440, 22_800_000_000) for h in ("node1", "node2")}
+    import meshdeploy.roles.rpc_cache.seeding as mod
+    original = mod.read_header
+    mod.read_header = lambda _path: gemma27_header()
+    try:
+        planned = seeding.prepare(cluster, [cluster.host("node1"), cluster.host("node2")], facts,
+                                  resolved, fetch=lambda *a, **k: tmp_path.joinpath("h").touch()
+                                  or tmp_path / "h")
+    finally:
+        mod.read_header = original
+    assert list(planned.notes) == [
+        "servers.main: node3 not in this run (--limit): the server's placements and failover "
+        "are left as applied"]

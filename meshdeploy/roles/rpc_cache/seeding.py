@@ -240,10 +240,18 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         if not involved & names:
             continue  # outside --limit
         planned.append(server)
+        # Workers this run leaves out (--limit: away): services leaves the server's unit, its
+        # placements and its failover as they are, so their unknown memory is no news.
+        away = sorted({e.host.name for e in endpoints} - names) if server.host in names else []
+        if away:
+            notes.append(f"servers.{server.name}: {', '.join(away)} not in this run (--limit): "
+                         "the server's placements and failover are left as applied")
         cached = any(e.rpc.cache for e in endpoints)
         model = cluster.models[server.model]
         if server.tensor_split == "auto" and not cached:
             unknown = layout.unknown_memory(cluster, server, device_memory)
+            if unknown and away:
+                continue
             if unknown:
                 notes.append(f"servers.{server.name}: free memory of {', '.join(unknown)} is "
                              "unknown, so llama.cpp's auto split cannot be predicted; placement "
@@ -265,7 +273,9 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         lay = layout.build(cluster, server, tensors, model_shape(header), device_memory,
                            speeds.get(server.name), resolved.value(LLAMA_CPP, "commit"))
         layouts.append(lay)
-        notes += layout.warnings(lay)
+        away_devices = {r["device"] for r in lay.rows if r["host"] in away}
+        notes += layout.warnings(replace(lay, unknown=[d for d in lay.unknown
+                                                       if d not in away_devices]))
         runs[server.name] = (layout.run_of(cluster, server, lay),) + tuple(layout.degraded(
             cluster, server, tensors, model_shape(header), device_memory, speeds.get(server.name),
             resolved.value(LLAMA_CPP, "commit")))
@@ -289,7 +299,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
                     extra[server.name][key] = extra[server.name].get(key, 0) + \
                         _held(seeds[key]) - before
     for server in planned:
-        if server.name not in runs and cluster.supervised(server):
+        if server.name not in runs and cluster.supervised(server) and \
+                not {e.host.name for e in cluster.rpc_endpoints(server)} - names:
             # services then writes the plain llama-server unit: say what that leaves out.
             notes.append(f"servers.{server.name}: no failover until a plan computes its "
                          "placements: llama-server runs unsupervised, and a lost worker stops "
