@@ -108,7 +108,7 @@ class Speed:
 
 @dataclass
 class FailoverRow:
-    """The placement md-failover starts while some workers are away (placement.layout.Run)."""
+    """The placement md-failover starts while some workers are away (placement.failover.Run)."""
 
     lost: list[str]  # the worker hosts away
     rpc: list[str]  # the rpc-servers llama-server then dials ("host:port")

@@ -20,6 +20,7 @@ from meshdeploy.config.sources import HfFile, HfResolved
 from meshdeploy.core.context import HostContext
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.services import operations as services
+from meshdeploy.roles.services import orchestrator
 
 ROOT = Path(__file__).resolve().parents[2]
 INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml")) + [
@@ -70,7 +71,7 @@ def render(inventory: Path) -> str:
             # The unit file (a runit service folder: its run and log/run files): a heredoc.
             out += [c for c in step.commands if "<<'" in c]
         for server in ctx.servers():
-            step = services.llama_server(ctx, server.name)
+            step = orchestrator.llama_server(ctx, server.name)
             out.append(f"\n## {host.name} {step.change.address}")
             out += [c for c in step.commands if "cat >" in c]
     return "\n".join(out) + "\n"

@@ -182,7 +182,7 @@ def test_an_unset_context_cannot_save_weights_that_do_not_fit(headers):
 def test_a_server_that_may_lose_a_worker_runs_md_failover_golden(headers):
     """The lab's server unit with the plan's placements: md-failover in llama-server's place,
     one --placement per set of workers away, and what md-failover needs of the unit."""
-    from meshdeploy.roles.services.operations import failover_script
+    from meshdeploy.roles.services.orchestrator import failover_script
     from meshdeploy.roles.services.unit_files import server_unit
 
     path = ROOT / "inventories" / "lab.yaml"

@@ -36,6 +36,8 @@ from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.rpc_cache import operations as rpc_cache
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import operations as services
+from meshdeploy.roles.services import orchestrator
+from meshdeploy.roles.services import unit_files
 from meshdeploy.roles.toolchain import operations as toolchain
 from meshdeploy.roles.llama_cpp import settings
 from support import systemd_parse as sd
@@ -170,8 +172,8 @@ def _render_host(ctx, cluster, extras, prefix, out):
               f"http://{ctx.host.address}:29180/models/{seed_model}",
               [(0, 11 << 20, "0" * 16, "b" * 64)])]))
     for server in ctx.servers():
-        steps.append(_attempt(services.llama_server, ctx, server.name))
-        out.units.append((server, _attempt(services.server_unit, cluster, ctx.host, server,
+        steps.append(_attempt(orchestrator.llama_server, ctx, server.name))
+        out.units.append((server, _attempt(unit_files.server_unit, cluster, ctx.host, server,
                                            "/opt/b", None, "a" * 64)))
         argv = _attempt(argvs.llama_server_argv, "/opt/b/bin/llama-server", cluster, server,
                         "/m.gguf")

@@ -13,7 +13,7 @@ import subprocess
 from types import SimpleNamespace
 
 from meshdeploy.roles.services import defaults as d
-from meshdeploy.roles.services.operations import health_wait
+from meshdeploy.roles.services.orchestrator import health_wait
 
 
 def closed_url() -> str:

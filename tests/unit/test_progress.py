@@ -24,7 +24,7 @@ from meshdeploy.core.progress import MARKER, Event, Meter, Reporter, parse, pars
 from meshdeploy.lab import hfmirror
 from meshdeploy.roles.llama_cpp.operations import TEMPLATES
 from meshdeploy.roles.models import operations as models
-from meshdeploy.roles.services.operations import health_wait
+from meshdeploy.roles.services.orchestrator import health_wait
 from meshdeploy.views.progress import LiveView, PlainView, describe, view_for
 
 

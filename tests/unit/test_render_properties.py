@@ -110,7 +110,7 @@ def test_quoted_word_that_reads_back_wrong_is_caught(tmp_path):
 
 def test_unit_with_injected_argument_is_caught(lab):
     server = lab.servers[0]
-    unit = rc.services.server_unit(lab, lab.hosts[0], server, "/opt/b", None, "a" * 64)
+    unit = rc.unit_files.server_unit(lab, lab.hosts[0], server, "/opt/b", None, "a" * 64)
     assert rc.check_units(lab, [(server, unit)]) == []
     bad = unit.replace("ExecStart=", "ExecStart=/bin/sh -c x ", 1)
     assert rc.check_units(lab, [(server, bad)])

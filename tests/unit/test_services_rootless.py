@@ -32,6 +32,7 @@ from meshdeploy.core.context import HostContext
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.services import operations as services
+from meshdeploy.roles.services import orchestrator
 from meshdeploy.roles.services.facts import KeyFile, RunitTools, Units
 from meshdeploy.roles.services.managers import Runit, SystemdUser
 
@@ -91,7 +92,7 @@ def wanted(manager: str, name: str = "node2") -> str:
     ctx = context(cluster, name, manager=manager)
     mgr = services.manager(ctx)
     step = services.rpc_server(ctx, 50052) if name == "node2" else \
-        services.llama_server(ctx, "main")
+        orchestrator.llama_server(ctx, "main")
     unit = "meshdeploy-rpc-50052" if name == "node2" else "meshdeploy-server-main"
     text = step.change.unit_diff
     assert text.startswith(f"--- {mgr.label(unit)} (host)")
@@ -106,7 +107,7 @@ def test_golden(manager, name):
     cluster = rootless_lab(manager)
     ctx = context(cluster, name, manager=manager)
     step = services.rpc_server(ctx, 50052) if name == "node2" else \
-        services.llama_server(ctx, "main")
+        orchestrator.llama_server(ctx, "main")
     golden.check(GOLDEN / f"{manager}-{name}.txt",
                  f"# {step.change.address}: {step.change.reason}\n"
                  + "\n# --- command\n".join(step.commands) + "\n")
@@ -116,8 +117,8 @@ def test_hosts_with_root_keep_their_system_units():
     """The same file with node2 rootless: node1 (root) renders what it always did."""
     plain = load_cluster(ROOT / "inventories" / "lab.yaml")
     mixed = rootless_lab(SYSTEMD_USER, cache=False, hosts=("node2",))
-    a = services.llama_server(context(plain, "node1", manager=""), "main")
-    b = services.llama_server(context(mixed, "node1", manager=""), "main")
+    a = orchestrator.llama_server(context(plain, "node1", manager=""), "main")
+    b = orchestrator.llama_server(context(mixed, "node1", manager=""), "main")
     assert a.commands == b.commands
     assert "DynamicUser=yes" in a.change.unit_diff
     assert isinstance(services.manager(context(mixed, "node2", manager=SYSTEMD_USER)),
@@ -190,7 +191,7 @@ def test_run_script_hands_the_binary_exactly_its_argv(tmp_path):
 
 
 def wanted_from(ctx) -> str:
-    step = services.llama_server(ctx, "main")
+    step = orchestrator.llama_server(ctx, "main")
     return "".join(line[1:] + "\n" for line in step.change.unit_diff.splitlines()[3:])
 
 
@@ -268,8 +269,8 @@ def test_create_noop_update_restart_and_remove(manager):
 
 @pytest.mark.parametrize("manager", MANAGERS)
 def test_orchestrator_waits_for_workers_and_health_through_its_manager(manager):
-    step = services.llama_server(context(rootless_lab(manager), "node1", manager=manager),
-                                 "main")
+    step = orchestrator.llama_server(context(rootless_lab(manager), "node1", manager=manager),
+                                     "main")
     text = "\n".join(step.commands)
     assert step.commands[0].startswith("systemctl --user stop" if manager == SYSTEMD_USER
                                        else "sv -w 15 down")
@@ -282,8 +283,8 @@ def test_orchestrator_waits_for_workers_and_health_through_its_manager(manager):
 
 
 def test_user_health_wait_reads_nrestarts_through_systemctl_user(tmp_path):
-    step = services.llama_server(context(rootless_lab(SYSTEMD_USER), "node1",
-                                         manager=SYSTEMD_USER), "main")
+    step = orchestrator.llama_server(context(rootless_lab(SYSTEMD_USER), "node1",
+                                             manager=SYSTEMD_USER), "main")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "systemctl").write_text('#!/bin/sh\necho "$*" >> "$SEEN"; echo 0\n')
@@ -315,7 +316,7 @@ def test_api_key_file_must_be_the_login_users_alone(manager):
     with pytest.raises(PlanError, match="owned by root"):
         services.preflight(context(cluster, "node1", manager=manager,
                                    **{key: {**ok, "uid": 0, "owner": "root"}}))
-    step = services.llama_server(context(cluster, "node1", manager=manager), "main")
+    step = orchestrator.llama_server(context(cluster, "node1", manager=manager), "main")
     assert "\nLoadCredential" not in step.change.unit_diff and "CREDENTIALS" not in step.change.unit_diff
     assert "--api-key-file /home/md/key" in step.change.unit_diff.replace("'", "")
     [section] = [s for s in services.sections(cluster, cluster.host("node1")) if s.key == key]

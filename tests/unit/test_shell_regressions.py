@@ -26,6 +26,8 @@ from meshdeploy.roles.models import hf
 from meshdeploy.roles.models.facts import ModelFile
 from meshdeploy.roles.rpc_cache.seeding import cache_file
 from meshdeploy.roles.services import operations as services
+from meshdeploy.roles.services import orchestrator
+from meshdeploy.roles.services import unit_files
 from meshdeploy.roles.toolchain import operations as toolchain
 from meshdeploy.roles.llama_cpp import settings
 from support import systemd_parse as sd
@@ -71,7 +73,7 @@ BIND = "127.0.0.1;touch PWNED"
 def test_bind_in_the_health_wait_is_one_word(lab, tmp_path):
     _, server = with_server(lab, bind=BIND)
     env = stubs(tmp_path, ["curl", "journalctl"], body='echo 200')
-    out = run(services.health_wait(server), tmp_path, env)
+    out = run(orchestrator.health_wait(server), tmp_path, env)
     assert out.returncode == 0, out.stderr
     assert not (tmp_path / "PWNED").exists()
 
@@ -288,8 +290,8 @@ def test_header_cache_never_leaves_its_folder(tmp_path):
 
 def server_unit(cluster, server, **kw):
     host = cluster.host(server.host)
-    return services.server_unit(cluster, host, server, "/opt/meshdeploy/builds/k",
-                                kw.get("flags"), kw.get("sha"))
+    return unit_files.server_unit(cluster, host, server, "/opt/meshdeploy/builds/k",
+                                  kw.get("flags"), kw.get("sha"))
 
 
 @pytest.mark.parametrize("arg", ["x\nExecStartPre=+/bin/sh -c 'touch /PWNED'", "ok\n", "a\rb"])

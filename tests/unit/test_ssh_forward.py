@@ -31,6 +31,7 @@ from meshdeploy.errors import PlanError
 from meshdeploy.roles.llama_cpp import operations as llama_cpp
 from meshdeploy.roles.services import forward
 from meshdeploy.roles.services import operations as services
+from meshdeploy.roles.services import orchestrator
 from meshdeploy.roles.services.logs import log_sources
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,7 +256,7 @@ def test_macos_is_refused_at_preflight():
 def test_llama_server_waits_for_its_forwards_and_checks_through_them():
     cluster = ssh_lab()
     ctx = context(cluster)
-    step = services.llama_server(ctx, "main")
+    step = orchestrator.llama_server(ctx, "main")
     text = step.change.unit_diff
     for worker in ("node2", "node3"):
         assert f"+After=meshdeploy-ssh-{worker}.service" in text
@@ -269,7 +270,7 @@ def test_llama_server_waits_for_its_forwards_and_checks_through_them():
 
 def test_llama_server_user_unit_waits_for_the_forwards():
     ctx = context(ssh_lab(SYSTEMD_USER), manager=SYSTEMD_USER)
-    text = services.llama_server(ctx, "main").change.unit_diff
+    text = orchestrator.llama_server(ctx, "main").change.unit_diff
     assert "+After=meshdeploy-ssh-node2.service\n+Wants=meshdeploy-ssh-node2.service" in text
 
 
@@ -277,14 +278,14 @@ def test_llama_server_restarts_after_its_forward_restarted():
     cluster = ssh_lab()
     units = installed("systemd")
     ctx = context(cluster, units)
-    server = services.llama_server(context(cluster), "main")
+    server = orchestrator.llama_server(context(cluster), "main")
     want = definition(server)
     units["meshdeploy-server-main"] = {"active": "active", "enabled": "enabled",
                                        "content": want, "started": 2, "written": 1}
     ctx = context(ssh_lab(base=52000), units)
     ctx.steps.add("node1", "services.ssh_forward[node2]",
                   forward.ssh_forward(ctx, "node2"))
-    step = services.llama_server(ctx, "main")
+    step = orchestrator.llama_server(ctx, "main")
     assert step.change.action == "update"
 
 

@@ -40,8 +40,8 @@ def render(inventory: str, host_name: str | None, kind: str) -> str:
     cluster = load_cluster(ROOT / inventory)
     if kind == "llama-server":
         server = cluster.servers[0]
-        return services.server_unit(cluster, cluster.host(server.host), server, "/opt/b", FLAGS,
-                                    None)
+        return unit_files.server_unit(cluster, cluster.host(server.host), server, "/opt/b",
+                                      FLAGS, None)
     host = next(h for h in cluster.hosts if host_name in (h.name, h.backend) and h.rpc_servers)
     return services.rpc_unit(cluster, host, host.rpc_servers[0], "/opt/b", "ggml-rpc-server")
 
@@ -108,7 +108,7 @@ def test_vulkan_visible_devices_reach_both_units_of_the_host(tmp_path):
     cluster = load_cluster(path)
     host = cluster.host("vulkan-box")
     rpc = services.rpc_unit(cluster, host, host.rpc_servers[0], "/opt/b", "ggml-rpc-server")
-    server = services.server_unit(cluster, host, cluster.servers[0], "/opt/b", FLAGS, None)
+    server = unit_files.server_unit(cluster, host, cluster.servers[0], "/opt/b", FLAGS, None)
     for unit in (rpc, server):
         assert "Environment=GGML_VK_VISIBLE_DEVICES=1,0\n" in unit, unit
     # bench's copies of the server see the same devices.
@@ -159,5 +159,5 @@ def test_a_served_bind_with_no_allow_list_is_not_ip_restricted(tmp_path):
                               if not line.lstrip().startswith("allow:")) + "\n")
     cluster = load_cluster(path)
     server = cluster.servers[0]
-    unit = services.server_unit(cluster, cluster.host(server.host), server, "/opt/b", FLAGS, None)
+    unit = unit_files.server_unit(cluster, cluster.host(server.host), server, "/opt/b", FLAGS, None)
     assert "IPAddressDeny" not in unit and "# Not IP-restricted: it serves clients" in unit

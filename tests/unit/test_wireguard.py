@@ -196,14 +196,15 @@ def test_units_that_use_the_tunnel_start_after_it(cluster):
     before wg-quick@<interface> made the interface, so both are ordered after it (and pull it
     in). The plain lab's units have no such line."""
     from meshdeploy.roles.services import operations as services
+    from meshdeploy.roles.services import unit_files
 
     after = "After=wg-quick@mdwg0.service\nWants=wg-quick@mdwg0.service\n"
     node2 = cluster.host("node2")
     server = cluster.server("main")
     assert after in services.rpc_unit(cluster, node2, node2.rpc_servers[0], "/opt/b",
                                       "ggml-rpc-server")
-    assert after in services.server_unit(cluster, cluster.host("node1"), server, "/opt/b",
-                                         None, None)
+    assert after in unit_files.server_unit(cluster, cluster.host("node1"), server, "/opt/b",
+                                           None, None)
     plain = load_cluster(ROOT / "inventories" / "lab.yaml")
     p2 = plain.host("node2")
     assert "wg-quick" not in services.rpc_unit(plain, p2, p2.rpc_servers[0], "/opt/b",

@@ -18,7 +18,7 @@ class Run:
     # Server name -> the -ts values placement: auto chose (the services role writes them into
     # llama-server's argv); absent where the split stays llama.cpp's or the file's.
     splits: dict = field(default_factory=dict)
-    # Server name -> its layout.Run tuple: the full placement (workers without layers left off
+    # Server name -> its failover.Run tuple: the full placement (workers without layers left off
     # --rpc), then one per set of workers it may lose (servers.NAME.failover); the services
     # role starts md-failover with them.
     failover: dict = field(default_factory=dict)

@@ -24,7 +24,7 @@ from meshdeploy.core.context import HostContext, Step
 from meshdeploy.core.paths import model_path, ollama_blob
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.rpc_cache import defaults as d
-from meshdeploy.placement import layout
+from meshdeploy.placement import failover, layout
 from meshdeploy.roles.rpc_cache import operations as ops
 from meshdeploy.roles.rpc_cache import run
 from meshdeploy.placement.tensors import (
@@ -204,7 +204,7 @@ class SeedPlan:
     notes: tuple[str, ...]
     shared: dict  # model name -> ((offset, size), ...) of its hashed tensors, for digest lists
     splits: dict = field(default_factory=dict)  # server name -> placement: auto's -ts values
-    # server name -> (the full layout.Run, then one per set of workers it may lose)
+    # server name -> (the full failover.Run, then one per set of workers it may lose)
     runs: dict = field(default_factory=dict)
     # server name -> {"host:port": hashed bytes the other runs add to that cache}
     extra: dict = field(default_factory=dict)
@@ -276,7 +276,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         away_devices = {r["device"] for r in lay.rows if r["host"] in away}
         notes += layout.warnings(replace(lay, unknown=[d for d in lay.unknown
                                                        if d not in away_devices]))
-        runs[server.name] = (layout.run_of(cluster, server, lay),) + tuple(layout.degraded(
+        runs[server.name] = (failover.run_of(cluster, server, lay),) + tuple(failover.degraded(
             cluster, server, tensors, model_shape(header), device_memory, speeds.get(server.name),
             resolved.value(LLAMA_CPP, "commit")))
         if any(m == model.name for m, _ in fetches):

@@ -123,7 +123,7 @@ def failover_argv(python: str, script: str, binary: str, cluster: Cluster, serve
                   state: str | None = None) -> list[str]:
     """argv of md-failover (templates/md-failover.py) running `server` with its placements.
 
-    + runs: placement.layout.Run tuple: the full placement first, then one per set of
+    + runs: placement.failover.Run tuple: the full placement first, then one per set of
       workers it may lose; runs that cannot serve are left out (md-failover is then down
       while that set is away)
     + state: where md-failover says which placement runs, and beside it, the Unix socket

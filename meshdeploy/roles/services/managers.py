@@ -2,10 +2,10 @@
 systemd and launchd on hosts with root, systemd --user and runit (termux-services) on rootless
 hosts (config.model.Layout.manager, read from the host by core.account).
 
-Every manager gives the same operations (services.operations uses nothing else): `name` and
-`path` of a unit, `write` of its definition, `install` (start it anew after a write), `restart`,
-`stop`, `remove`, `journal` (its last lines on stderr when it fails), `reload` after removals
-and `label` for the plan's diff.
+Every manager gives the same operations (services.operations and services.orchestrator use
+nothing else): `name` and `path` of a unit, `write` of its definition, `install` (start it anew
+after a write), `restart`, `stop`, `remove`, `journal` (its last lines on stderr when it fails),
+`reload` after removals and `label` for the plan's diff.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from meshdeploy.config.model import LAUNCHD, RUNIT, SYSTEMD, SYSTEMD_USER
 from meshdeploy.core import loading, shell
 from meshdeploy.core.registry import Prepare, Prepared, Resource, Role, StatusProbe
-from meshdeploy.roles.services import failover, forward
+from meshdeploy.roles.services import failover, forward, orchestrator
 from meshdeploy.roles.services import operations as ops
 from meshdeploy.roles.services.logs import log_sources
 from meshdeploy.roles.services.rtt import network
@@ -71,7 +71,7 @@ ROLE = Role(
         Resource("ssh_forward", forward.ssh_forward,
                  "network.transport: ssh: one orchestrator's forward to a worker, accepting",
                  keys=forward.keys, cluster_wide=True, runs_before=("models.gguf",)),
-        Resource("llama_server", ops.llama_server,
+        Resource("llama_server", orchestrator.llama_server,
                  "the orchestrator, restarted after its workers, then healthy",
                  keys=lambda cluster: [s.name for s in cluster.servers], rereads=_MANIFEST,
                  together=True),

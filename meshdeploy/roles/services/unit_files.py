@@ -1,6 +1,7 @@
 """The service files the services role writes: the systemd units of rpc-server and llama-server
 (hardened, with their IP allow-lists) and the macOS LaunchDaemon plist. Pure text from the
-cluster file; services.operations decides when each is written and restarted."""
+cluster file; services.operations (services.orchestrator for llama-server's) decides when each is
+written and restarted."""
 
 from __future__ import annotations
 
