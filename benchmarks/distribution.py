@@ -34,7 +34,7 @@ from pathlib import Path
 
 from meshdeploy.core.paths import model_dir, rpc_cache_dir, rpc_unit_name
 from meshdeploy.core.share import LOG as rpc_cache_share_log
-from meshdeploy.lab import Lab, LabInfo, base, hfmirror, net, procs, services
+from meshdeploy.lab import Lab, LabInfo, base, hfstore, net, procs, services
 from meshdeploy.placement.layers import device_tensors, place, wire_bytes
 from meshdeploy.placement.tensors import weight_tensors
 
@@ -358,7 +358,7 @@ def main() -> None:
         t0 = time.monotonic()
         model = write_llama(work / HF_FILE, LARGE)
         root = base.cache_root() / "hf"  # the lab mirror's root too: the untimed apply uses it
-        served = hfmirror.add_file(root, HF_REPO, HF_FILE, model)
+        served = hfstore.add_file(root, HF_REPO, HF_FILE, model)
         size = served["size"]
         tensors = weight_tensors(model)
         placement = place(LARGE.n_layers, list(WORKERS), [1, 1, 1])

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from meshdeploy.lab import Lab, base, hfmirror, net  # noqa: E402
+from meshdeploy.lab import Lab, base, hfstore, net  # noqa: E402
 from support.labfile import lab_text  # noqa: E402
 from support.synthetic import LARGE, write_llama  # noqa: E402
 from support import wire  # noqa: E402
@@ -119,7 +119,7 @@ def cluster_text(info, model: str, folder: Path) -> str:
         return lab_text(info).replace("      - port: 50052\n",
                                       "      - {port: 50052, cache: true}\n")
     path = write_llama(folder / "synthetic-2g.gguf", LARGE)
-    served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-llama-2g",
+    served = hfstore.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-llama-2g",
                                "synthetic-2g.gguf", path)
     return wire.cluster_yaml(info, served["repo"], served["file"], served["sha256"], True,
                              tensor_split="[1, 1]", ctx=512)

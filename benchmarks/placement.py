@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from meshdeploy.lab import Lab, base, hfmirror  # noqa: E402
+from meshdeploy.lab import Lab, base, hfstore  # noqa: E402
 from support import contention, wire  # noqa: E402
 from support.synthetic import Shape, write_llama  # noqa: E402
 
@@ -140,7 +140,7 @@ def main() -> int:
     try:
         folder = Path(tempfile.mkdtemp(prefix="placement-"))
         model = write_llama(folder / "layers24.gguf", MODEL)
-        served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-layers24",
+        served = hfstore.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-layers24",
                                    "layers24.gguf", model)
         text = wire.cluster_yaml(info, served["repo"], served["file"], served["sha256"], False,
                                  tensor_split="auto", ctx=4096)

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshdeploy.lab import Lab, LabInfo, base, hfmirror
+from meshdeploy.lab import Lab, LabInfo, base, hfstore
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support import wire  # noqa: E402
 from support.synthetic import LARGE, write_llama  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> None:
     try:
         t0 = time.monotonic()
         model = write_llama(work / "synthetic-2g.gguf", LARGE)
-        served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-llama-2g",
+        served = hfstore.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-llama-2g",
                                    "synthetic-2g.gguf", model)
         print(f"model: {served['size'] / 1e9:.2f} GB, written and served in "
               f"{time.monotonic() - t0:.1f} s", flush=True)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshdeploy.lab import Lab, LabInfo, base, hfmirror
+from meshdeploy.lab import Lab, LabInfo, base, hfstore
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support import wire  # noqa: E402
 from support.synthetic import LARGE, write_llama  # noqa: E402
@@ -171,7 +171,7 @@ def main() -> None:
             served = None
             if model == "synthetic":
                 gguf = write_llama(work / "synthetic-2g.gguf", LARGE)
-                served = hfmirror.add_file(base.cache_root() / "hf",
+                served = hfstore.add_file(base.cache_root() / "hf",
                                            "meshdeploy/synthetic-llama-2g", "synthetic-2g.gguf",
                                            gguf)
                 print(f"synthetic model: {served['size'] / 1e9:.2f} GB", flush=True)

@@ -134,11 +134,11 @@ def start_git(lab: str, run_dir: Path, marker: str, cache: Path) -> dict:
 
 def start_hf(lab: str, run_dir: Path, marker: str, cache: Path) -> dict:
     try:
-        from meshdeploy.lab import hfmirror
+        from meshdeploy.lab import hfstore
     except ImportError as exc:
         raise LabError(f"the Hugging Face mirror module is not available ({exc})") from exc
     root = cache / "hf"
-    model = hfmirror.ensure_gemma_repo(root)
+    model = hfstore.ensure_gemma_repo(root)
     # The default lab keeps the port inventories/lab.yaml names for the control machine.
     preferred = HF_API_PORT if lab == DEFAULT_LAB else None
     return {**serve_hf(lab, run_dir, marker, "hf", root, HF_PORT, preferred=preferred),

@@ -23,7 +23,7 @@ from support.cli import meshdeploy
 from support.synthetic import Shape, write_llama
 from test_cluster import variant
 
-from meshdeploy.lab import base, hfmirror
+from meshdeploy.lab import base, hfstore
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
 
@@ -52,7 +52,7 @@ def placed(path) -> dict:
 def test_auto_gives_the_faster_worker_more_layers(converged_lab, tmp_path):
     info, _, cluster_file = converged_lab
     model = write_llama(tmp_path / "layers.gguf", MODEL)
-    served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-layers",
+    served = hfstore.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-layers",
                                "layers.gguf", model)
     text = wire.cluster_yaml(info, served["repo"], served["file"], served["sha256"], False,
                              tensor_split="auto", ctx=4096)

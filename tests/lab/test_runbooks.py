@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import own_lab
 
-from meshdeploy.lab import base, hfmirror
+from meshdeploy.lab import base, hfstore
 from support import runbook
 from support.synthetic import Shape, write_llama
 from support.labfile import for_lab, lab_text
@@ -60,7 +60,7 @@ def workdir(rb_lab, tmp_path_factory):
     tool.write_text(f'#!/bin/sh\nexec {sys.executable} -m meshdeploy "$@"\n')
     tool.chmod(0o755)
     model = write_llama(folder / TINY_FILE, TINY)
-    hfmirror.add_file(base.cache_root() / "hf", TINY_REPO, TINY_FILE, model)
+    hfstore.add_file(base.cache_root() / "hf", TINY_REPO, TINY_FILE, model)
     return folder
 
 

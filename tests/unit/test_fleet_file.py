@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from meshdeploy.core.loading import load_cluster
-from meshdeploy.lab.core import LabHost, LabInfo
+from meshdeploy.lab.labinfo import LabHost, LabInfo
 from meshdeploy.lab.net import host_address, host_names
 
 ROOT = Path(__file__).resolve().parents[2]

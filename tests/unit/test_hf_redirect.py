@@ -31,7 +31,7 @@ from gguf import GGUFWriter
 
 from meshdeploy.core.loading import load_cluster
 from meshdeploy.errors import PlanError
-from meshdeploy.lab import hfmirror
+from meshdeploy.lab import hfmirror, hfstore
 from meshdeploy.placement import tensors
 from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as models
@@ -131,7 +131,7 @@ def mirror(tmp_path, tls, monkeypatch):
     context, ca = tls
     monkeypatch.setenv("SSL_CERT_FILE", str(ca))
     source = _tiny_gguf(tmp_path / FILE)
-    info = {repo: hfmirror.add_file(tmp_path / "hub", repo, FILE, source)
+    info = {repo: hfstore.add_file(tmp_path / "hub", repo, FILE, source)
             for repo in (PUBLIC, PRIVATE)}
     Downgrading.seen = []
     server = hfmirror.make_server(tmp_path / "hub", handler=Downgrading, tokens=[TOKEN],

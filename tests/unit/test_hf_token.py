@@ -21,7 +21,7 @@ from meshdeploy.core.context import HostContext, SecretStdin, Step
 from meshdeploy.core.plan import Plan
 from meshdeploy.errors import ConfigError, PlanError
 from meshdeploy.execute import operations as engine_ops
-from meshdeploy.lab import hfmirror
+from meshdeploy.lab import hfmirror, hfstore
 from meshdeploy.roles.models import hf
 from meshdeploy.roles.models import operations as models
 from meshdeploy.views.plan import render_json, render_text
@@ -49,7 +49,7 @@ def mirror(tmp_path):
     source = tmp_path / FILE
     source.write_bytes(DATA)
     for repo in (PUBLIC, GATED, PRIVATE):
-        hfmirror.add_file(tmp_path / "hub", repo, FILE, source)
+        hfstore.add_file(tmp_path / "hub", repo, FILE, source)
     Recording.seen = []
     server = hfmirror.make_server(tmp_path / "hub", handler=Recording, tokens=[TOKEN],
                                   access={GATED: "gated", PRIVATE: "private"})

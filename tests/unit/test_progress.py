@@ -21,7 +21,7 @@ from support.gittree import commit_all
 
 from meshdeploy.core import progress, shell
 from meshdeploy.core.progress import MARKER, Event, Meter, Reporter, parse, parse_ninja
-from meshdeploy.lab import hfmirror
+from meshdeploy.lab import hfmirror, hfstore
 from meshdeploy.roles.llama_cpp.operations import TEMPLATES
 from meshdeploy.roles.models import operations as models
 from meshdeploy.roles.services.orchestrator import health_wait
@@ -169,7 +169,7 @@ def slow_mirror(tmp_path):
     data = hashlib.sha256(b"x").digest() * (4 * 2**20 // 32)
     source = tmp_path / FILE
     source.write_bytes(data)
-    hfmirror.add_file(tmp_path / "hub", REPO, FILE, source)
+    hfstore.add_file(tmp_path / "hub", REPO, FILE, source)
     server = hfmirror.make_server(tmp_path / "hub", handler=Slow)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/{REPO}/resolve/main/{FILE}", data

@@ -265,9 +265,9 @@ def _mirror(root):
 
 
 def test_header_from_http_reads_only_the_header(synthetic, tmp_path):
-    from meshdeploy.lab import hfmirror
+    from meshdeploy.lab import hfstore
 
-    info = hfmirror.add_file(tmp_path / "hf", "org/synth", "m.gguf", synthetic)
+    info = hfstore.add_file(tmp_path / "hf", "org/synth", "m.gguf", synthetic)
     server, handler = _mirror(tmp_path / "hf")
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/org/synth/resolve/main/m.gguf"
@@ -283,9 +283,9 @@ def test_header_from_http_reads_only_the_header(synthetic, tmp_path):
 
 
 def test_header_from_http_errors(synthetic, tmp_path):
-    from meshdeploy.lab import hfmirror
+    from meshdeploy.lab import hfstore
 
-    hfmirror.add_file(tmp_path / "hf", "org/synth", "m.gguf", synthetic)
+    hfstore.add_file(tmp_path / "hf", "org/synth", "m.gguf", synthetic)
     server, _ = _mirror(tmp_path / "hf")
     base = f"http://127.0.0.1:{server.server_address[1]}/org/synth/resolve/main"
     try:
@@ -299,9 +299,9 @@ def test_header_from_http_errors(synthetic, tmp_path):
 
 
 def test_gemma_header_from_http(gemma, tmp_path):
-    from meshdeploy.lab import hfmirror
+    from meshdeploy.lab import hfstore
 
-    info = hfmirror.add_file(tmp_path / "hf", "org/gemma", "g.gguf", gemma)
+    info = hfstore.add_file(tmp_path / "hf", "org/gemma", "g.gguf", gemma)
     server, handler = _mirror(tmp_path / "hf")
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/org/gemma/resolve/main/g.gguf"
