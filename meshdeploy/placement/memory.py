@@ -11,7 +11,9 @@ so the numbers that matter are the backends' own, not the operating system's:
                  freshly started rpc-server, so the whole working set)
 
 The tools read on the host (nvidia-smi, rocm-smi, vulkaninfo, sysctl) see the same driver
-numbers without creating a GPU context. Metal's working set cannot be read without Metal code:
+numbers without creating a GPU context; for CUDA the process's own context (CUDA_CONTEXT) is taken
+off, and what the host's running rpc-servers and llama-servers hold is counted free (their
+restart frees it). Metal's working set cannot be read without Metal code:
 it is estimated from the memory size unless iogpu.wired_limit_mb pins it (see metal_working_set).
 """
 
@@ -21,6 +23,12 @@ from dataclasses import dataclass
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+# What a worker's CUDA context takes of its GPU before any buffer: 527 MiB for ggml-cuda's
+# rpc-server on an H200 with CUDA 13.0 (its free memory against nvidia-smi's just before it
+# started; a process of PyTorch's took 518 MiB there: docs/gpu.md). Smaller GPUs take less, so
+# this errs on the safe side there.
+CUDA_CONTEXT = 528 * MiB
 
 # A device name is a backend prefix plus an index; the prefix must match the host's backend.
 _GPU_LISTS = {"CUDA": ("cuda", "nvidia-smi"), "ROCm": ("rocm", "rocm-smi"),
@@ -83,6 +91,13 @@ def device_free(mem: dict | None, backend: str, device: str,
             gpu = gpus[int(index)] if int(index) < len(gpus) else None
             if not gpu:
                 return None
+            if key == "cuda":
+                # What cudaMemGetInfo tells the worker or llama-server once it runs: what the
+                # host's running llama.cpp processes hold is free again at their restart, and
+                # the process's own CUDA context is not (nvidia-smi reads the driver without
+                # making one).
+                free = max(gpu["free"] + gpu.get("held", 0) - CUDA_CONTEXT, 0)
+                return DeviceFree(free, free, f"{source}, less a CUDA context", False)
             return DeviceFree(gpu["free"], gpu["free"], source, False)
     return None
 

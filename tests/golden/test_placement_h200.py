@@ -49,11 +49,10 @@ def test_the_plans_weights_and_kv_are_what_llama_cpp_allocated_on_the_h200(tmp_p
     assert row["device"] == "gpu:50052/CUDA0" and row["layers"] == "0-11 + output"
     assert round(row["weights"] / MiB, 2) == LLAMA_CPP["model"]
     assert round(row["kv"] / MiB, 2) == LLAMA_CPP["KV"]
-    # The free column is nvidia-smi's free before the worker started; the worker's own CUDA
-    # context then took 527 MiB (its Devices: line said 142629 MiB free).
-    assert row["free"] == 143156 * MiB
-    # llama.cpp's compute buffer fits in the plan's headroom (the worker's CUDA context does
-    # not, beside it: docs/gpu.md).
+    # The free column: nvidia-smi's free before the worker started (143156 MiB) less a CUDA
+    # context, against the worker's own Devices: line once its context was up (142629 MiB).
+    assert abs(row["free"] - 142629 * MiB) <= 16 * MiB
+    # llama.cpp's compute buffer fits in the plan's headroom.
     assert row["needed"] - row["weights"] - row["kv"] >= LLAMA_CPP["compute"] * MiB
     # token_embd stays in the orchestrator's memory (CPU_Mapped): not on the worker's row.
     embd = next(t.size for t in weight_tensors(header) if t.name == "token_embd.weight")

@@ -99,7 +99,7 @@ def test_a_cluster_that_cannot_fit_is_refused_with_its_numbers(tmp_path, headers
     msg = exc.value.message
     assert msg.startswith("servers.main: gemma27 does not fit at ctx_size 131072: ")
     assert "box11:50052/CUDA0: layers 0-25 need 35.34 GB (weights 6.89, KV 27.92, " \
-           "compute 0.54), 11.50 GB free" in msg
+           "compute 0.54), 10.95 GB free" in msg
     assert "box16/CUDA0: layers 26-61 + output" in msg
     assert "ctx_size" in exc.value.hint
 

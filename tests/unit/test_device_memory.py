@@ -14,7 +14,7 @@ import pytest
 from support.require import needs
 
 from meshdeploy.roles.rpc_cache.facts import DeviceMemory
-from meshdeploy.placement.memory import (GiB, MiB, DeviceFree, device_free,
+from meshdeploy.placement.memory import (CUDA_CONTEXT, GiB, MiB, DeviceFree, device_free,
                                                metal_working_set, vulkan_devices,
                                                vulkan_every_device)
 
@@ -42,13 +42,31 @@ def test_cpu_without_an_available_figure_falls_back_to_total():
 
 
 def test_gpu_lists_by_index_and_backend():
-    assert device_free(LINUX, "cuda", "CUDA0") == DeviceFree(23 * GiB, 23 * GiB, "nvidia-smi",
-                                                             False)
-    assert device_free(LINUX, "cuda", "CUDA2").split == 9 * GiB
+    assert device_free(LINUX, "cuda", "CUDA0") == DeviceFree(
+        23 * GiB - CUDA_CONTEXT, 23 * GiB - CUDA_CONTEXT, "nvidia-smi, less a CUDA context", False)
+    assert device_free(LINUX, "cuda", "CUDA2").split == 9 * GiB - CUDA_CONTEXT
     assert device_free(LINUX, "rocm", "ROCm1") == DeviceFree(31 * GiB, 31 * GiB, "rocm-smi",
                                                              False)
     assert device_free(LINUX, "vulkan", "Vulkan0") == DeviceFree(22 * GiB, 22 * GiB,
                                                                  "vulkaninfo", False)
+
+
+def test_a_cuda_device_counts_what_its_running_workers_hold_as_free_and_its_context_as_not():
+    """The H200's figures (docs/gpu.md): nvidia-smi read 143,156 MiB free before the worker
+    started, and the worker itself saw 142,629 MiB once its CUDA context was up. While a worker
+    (or a llama-server) holds a model, nvidia-smi's free drops by what it holds; a re-plan must
+    not read that as a smaller card (its restart frees it)."""
+    idle = {"cuda": [{"total": 143771 * MiB, "free": 143156 * MiB, "uuid": "GPU-1",
+                      "held": 0}]}
+    seen_by_the_worker = 142629 * MiB
+    assert abs(device_free(idle, "cuda", "CUDA0").split - seen_by_the_worker) <= 16 * MiB
+    loaded = {"cuda": [{"total": 143771 * MiB, "free": 138216 * MiB, "uuid": "GPU-1",
+                        "held": 4941 * MiB - 1 * MiB}]}
+    assert device_free(loaded, "cuda", "CUDA0") == device_free(
+        {"cuda": [{**loaded["cuda"][0], "free": 143156 * MiB, "held": 0}]}, "cuda", "CUDA0")
+    # Nothing left after the context: none free, never negative.
+    tiny = {"cuda": [{"total": 1 * GiB, "free": 100 * MiB}]}
+    assert device_free(tiny, "cuda", "CUDA0").usable == 0
 
 
 def test_metal_estimated_and_pinned():
@@ -325,19 +343,37 @@ def test_command_filters_gpu_tools(bin_dir, tmp_path, awk):
     tool(bin_dir, "vulkaninfo", f"cat {tmp_path}/vulkaninfo.txt; echo 'ERROR: no display' >&2\n")
     tool(bin_dir, "rocm-smi", f'[ "$*" = "--showmeminfo vram --csv" ] && cat {tmp_path}/rocm.csv'
                               "; exit 1\n")
-    tool(bin_dir, "nvidia-smi", 'echo "24564, 23940"; echo "[N/A], [N/A]"; echo "16376, 15800"\n')
-    lines = run_fact(bin_dir, awk)
+    # Two processes on the first GPU: an rpc-server (its name in /proc is what counts) and
+    # something else, whose memory stays taken. (A llama-server counts as the rpc-server does.)
+    shutil.copy(shutil.which("sleep"), bin_dir / "ggml-rpc-server")
+    shutil.copy(shutil.which("sleep"), bin_dir / "python3")
+    worker = subprocess.Popen([bin_dir / "ggml-rpc-server", "30"])
+    other = subprocess.Popen([bin_dir / "python3", "30"])
+    tool(bin_dir, "nvidia-smi", 'case "$1" in --query-gpu=*) '
+                                'echo "24564, 23940, GPU-aaaa"; echo "[N/A], [N/A], [N/A]"; '
+                                'echo "16376, 15800, GPU-cccc" ;; '
+                                f'--query-compute-apps=*) echo "{worker.pid}, 4200, GPU-aaaa"; '
+                                f'echo "{other.pid}, 900, GPU-aaaa" ;; esac\n')
+    try:
+        lines = run_fact(bin_dir, awk)
+    finally:
+        worker.kill(), other.kill(), worker.wait(), other.wait()
     # Only the few filtered lines travel, never the dump.
     assert not [x for x in lines if x.split()[0] not in ("MemTotal:", "MemAvailable:", "cuda",
-                                                         "rocm", "vk")], lines
+                                                         "cudaheld", "rocm", "vk")], lines
+    assert "cudaheld 4200 GPU-aaaa" in lines and len([x for x in lines
+                                                          if x.startswith("cudaheld")]) == 1
     assert len(lines) < 40
     mem = DeviceMemory().process(lines)
     assert mem["vulkan"] == [{"total": 25753026560, "free": 24962596864 - 26435584,
                               "budget": True, "type": "discrete"}]
     assert mem["rocm"] == [{"total": 68702699520, "free": 68702699520 - 10960896},
                            {"total": 68702699520, "free": 68702699520 - 3422552064}]
-    assert mem["cuda"] == [{"total": 24564 * MiB, "free": 23940 * MiB}, None,
-                           {"total": 16376 * MiB, "free": 15800 * MiB}]
+    assert mem["cuda"] == [{"total": 24564 * MiB, "free": 23940 * MiB, "uuid": "GPU-aaaa",
+                            "held": 4200 * MiB}, None,
+                           {"total": 16376 * MiB, "free": 15800 * MiB, "uuid": "GPU-cccc",
+                            "held": 0}]
+    assert device_free(mem, "cuda", "CUDA0").split == (23940 + 4200) * MiB - CUDA_CONTEXT
     assert mem["metal"] is None
     assert device_free(mem, "vulkan", "Vulkan0").split == 24962596864 - 26435584
     assert device_free(mem, "vulkan", "Vulkan1") is None  # llvmpipe is not a llama.cpp device

@@ -204,7 +204,8 @@ class DeviceMemory(FactBase):
     ```python
     {"cpu": {"total": 25769803776, "available": 23622320128,       # ggml-cpu offers "total"
              "source": "/proc/meminfo"},                          # or "sysctl hw.memsize"
-     "cuda": [{"total": 25769803776, "free": 25300041728}],       # nvidia-smi
+     "cuda": [{"total": 25769803776, "free": 25300041728,         # nvidia-smi
+               "uuid": "GPU-5401a293-...", "held": 0}],            # llama.cpp's processes hold
      "rocm": [{"total": 25753026560, "free": 25726590976}],       # rocm-smi: total - used
      "vulkan": [{"total": 25769803776, "free": 25012305920,       # vulkaninfo, the devices
                  "budget": True, "type": "discrete"}],            # ggml-vulkan numbers
@@ -213,8 +214,12 @@ class DeviceMemory(FactBase):
     ```
     A GPU list holds None where a device's row was unreadable, so later indices keep their
     device. Formats relied on, after the host-side filters below:
-    - nvidia-smi --query-gpu=memory.total,memory.free --format=csv,noheader,nounits:
-      "24564, 23940" (MiB), one row per GPU in nvidia-smi order.
+    - nvidia-smi --query-gpu=memory.total,memory.free,uuid --format=csv,noheader,nounits:
+      "143771, 143156, GPU-5401a293-bda0-d09b-65b9-5c6360c76852" (MiB), one row per GPU in
+      nvidia-smi order (rows without the uuid, as earlier probes sent them, still read);
+      --query-compute-apps=pid,used_memory,gpu_uuid: "551, 10758, GPU-5401a293-..." (MiB) per
+      process, kept for rpc-servers and llama-servers ("held": what they hold, their contexts
+      included).
     - rocm-smi --showmeminfo vram --csv: a header "device,VRAM Total Memory (B),VRAM Total Used
       Memory (B)" then "card0,25753026560,26435584" (bytes), one row per GPU in rocm-smi order;
       the columns are found by header name.
@@ -232,9 +237,16 @@ class DeviceMemory(FactBase):
     # The shell's own read loop: no process (the probe runs on every host of every plan).
     _MEMINFO = ("[ -r /proc/meminfo ] && while IFS= read -r l; do case \"$l\" in "
                 "MemTotal:*|MemAvailable:*) printf '%s\\n' \"$l\" ;; esac; done < /proc/meminfo")
-    _NVIDIA = ("command -v nvidia-smi >/dev/null 2>&1 && $t nvidia-smi "
-               "--query-gpu=memory.total,memory.free --format=csv,noheader,nounits "
-               "2>/dev/null | sed 's/^/cuda /'")
+    # Each GPU with its uuid, then what the host's running rpc-servers and llama-servers hold on
+    # each (by the process's name in /proc, read by the shell: no process per line): what a
+    # running cluster holds is not taken from what the plan may place (a restart frees it).
+    _NVIDIA = ("command -v nvidia-smi >/dev/null 2>&1 && { $t nvidia-smi "
+               "--query-gpu=memory.total,memory.free,uuid --format=csv,noheader,nounits "
+               "2>/dev/null | sed 's/^/cuda /'; $t nvidia-smi "
+               "--query-compute-apps=pid,used_memory,gpu_uuid --format=csv,noheader,nounits "
+               "2>/dev/null | while IFS=', ' read -r p u g; do c=; "
+               "[ -r \"/proc/$p/comm\" ] && read -r c < \"/proc/$p/comm\"; case \"$c\" in "
+               "ggml-rpc-server|rpc-server|llama-server) echo \"cudaheld $u $g\" ;; esac; done; }")
     _ROCM = ("command -v rocm-smi >/dev/null 2>&1 && $t rocm-smi --showmeminfo vram --csv "
              "2>/dev/null | awk -F, '$1 == \"device\" { for (i = 2; i <= NF; i++) { "
              "if ($i == \"VRAM Total Memory (B)\") c = i; "
@@ -265,16 +277,21 @@ class DeviceMemory(FactBase):
 
     def process(self, output):
         cpu, cuda, rocm, vk, mac = {}, [], [], [], {}
+        held: dict[str, int] = {}  # GPU uuid -> bytes its llama.cpp processes hold
         for line in output or []:
             words = line.replace(",", " ").split()
             n = [probe.uint(w) for w in words]
             if len(words) == 3 and words[0] in ("MemTotal:", "MemAvailable:") \
                     and n[1] is not None and words[2] == "kB":
                 cpu["total" if words[0] == "MemTotal:" else "available"] = n[1] * 1024
-            elif len(words) == 3 and words[0] == "cuda":
+            elif len(words) in (3, 4) and words[0] == "cuda":
                 # "[N/A]" rows keep their place: CUDA1 must not take CUDA0's numbers.
-                cuda.append({"total": n[1] << 20, "free": n[2] << 20}
-                            if None not in n[1:] else None)
+                gpu = {"total": n[1] << 20, "free": n[2] << 20} if None not in n[1:3] else None
+                if gpu and len(words) == 4:
+                    gpu["uuid"], gpu["held"] = words[3], 0
+                cuda.append(gpu)
+            elif len(words) == 3 and words[0] == "cudaheld" and n[1] is not None:
+                held[words[2]] = held.get(words[2], 0) + (n[1] << 20)
             elif len(words) == 4 and words[0] == "rocm":
                 ok = None not in n[2:] and n[3] <= n[2]
                 rocm.append({"total": n[2], "free": n[2] - n[3]} if ok else None)
@@ -284,6 +301,9 @@ class DeviceMemory(FactBase):
                 vk.append(words[1:2] if numeric and None in n[2:] else words[1:])
             elif len(words) == 3 and words[0] == "mac" and n[2] is not None:
                 mac[words[1]] = n[2]
+        for gpu in cuda:
+            if gpu and "uuid" in gpu:
+                gpu["held"] = held.get(gpu["uuid"], 0)
         if cpu:
             cpu["source"] = "/proc/meminfo"
         elif mac.get("hw.memsize"):
