@@ -22,7 +22,7 @@ left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
 finish() {
   say "packing $W"
   tar -C "$OUT" -czf "$OUT/gpu-run.tar.gz" work
-  say done
+  say "done"
   exit 0
 }
 . "$DIR/settings.sh"   # PREFIX COMMIT NGLS MODEL_SHAPE PORT CTX WORKER_DEVICE ORCH_OUT GPU_OUT
@@ -83,11 +83,13 @@ done
 wait "$MODEL_PID"
 say "builds: gpu $(tail -n1 "$W/build-gpu.log"), orch $(tail -n1 "$W/build-orch.log")"
 cat "$W/model.log"
-for b in gpu orch; do
-  cp "$PREFIX/build/"*.configure.log "$W/" 2>/dev/null
-  grep -a '^\[[0-9]*/[0-9]*\]' "$PREFIX/build/"*.build.log 2>/dev/null | tail -n 2
+for log in "$PREFIX/build/"*.build.log; do
+  grep -a '^\[[0-9]*/[0-9]*\]' "$log" 2>/dev/null | tail -n 1
 done
-cp "$PREFIX/build/"*.build.log "$W/" 2>/dev/null
+cp "$PREFIX/build/"*.build.log "$PREFIX/build/"*.configure.log "$W/" 2>/dev/null
+for tree in "$PREFIX/build/"*/; do
+  t=${tree%/}; cp "$t/CMakeCache.txt" "$W/${t##*/}.CMakeCache.txt" 2>/dev/null
+done
 RPC=$GPU_OUT/bin/ggml-rpc-server; SERVER=$ORCH_OUT/bin/llama-server
 [ -x "$RPC" ] && [ -x "$SERVER" ] && [ -s "$MODEL" ] || { say "no binaries or no model: no runs"; finish; }
 { for f in "$RPC" "$SERVER"; do ls -l "$f"; readelf -d "$f" | grep -E 'NEEDED|RPATH|RUNPATH';
@@ -96,7 +98,7 @@ RPC=$GPU_OUT/bin/ggml-rpc-server; SERVER=$ORCH_OUT/bin/llama-server
 
 say "worker: $RPC -H 127.0.0.1 -p $PORT -d $WORKER_DEVICE"
 "$RPC" -H 127.0.0.1 -p "$PORT" -d "$WORKER_DEVICE" > "$W/rpc-server.log" 2>&1 & RPC_PID=$!
-for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null && break; sleep 0.2; done
+for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null && break; sleep 0.2; done
 head -n 20 "$W/rpc-server.log"
 # Python's urllib, not curl: the GPU machine's image is not known to have curl.
 http() {
@@ -120,14 +122,14 @@ for ngl in $NGLS; do
   "$SERVER" -m "$MODEL" --host 127.0.0.1 --port 8080 --rpc "127.0.0.1:$PORT" -ngl "$ngl" \
     -c "$CTX" --no-webui -lv 4 > "$W/server-ngl$ngl.log" 2>&1 & S=$!
   ok=0
-  for i in $(seq 300); do
+  for _ in $(seq 300); do
     http health > /dev/null 2>&1 && { ok=1; break; }
     kill -0 "$S" 2>/dev/null || break; sleep 0.2
   done
   if [ "$ok" = 1 ]; then
     nvidia-smi --query-gpu=memory.used,memory.free --format=csv,noheader,nounits \
       > "$W/gpu-used-ngl$ngl.txt" 2>&1
-    for r in 1 2 3 4; do
+    for _ in 1 2 3 4; do
       http completion "$PROMPT" "${N_PREDICT:-128}" >> "$W/timings-ngl$ngl.jsonl" 2>&1
     done
     tail -n 1 "$W/timings-ngl$ngl.jsonl"

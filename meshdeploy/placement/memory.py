@@ -11,9 +11,9 @@ so the numbers that matter are the backends' own, not the operating system's:
                  freshly started rpc-server, so the whole working set)
 
 The tools read on the host (nvidia-smi, rocm-smi, vulkaninfo, sysctl) see the same driver
-numbers without creating a GPU context; for CUDA the process's own context (CUDA_CONTEXT) is taken
-off, and what the host's running rpc-servers and llama-servers hold is counted free (their
-restart frees it). Metal's working set cannot be read without Metal code:
+numbers without creating a GPU context; for CUDA each process's own context (CUDA_CONTEXT) is
+taken off, and what meshdeploy's running rpc-servers and llama-servers hold is counted free
+(their restart frees it). Metal's working set cannot be read without Metal code:
 it is estimated from the memory size unless iogpu.wired_limit_mb pins it (see metal_working_set).
 """
 
@@ -92,11 +92,12 @@ def device_free(mem: dict | None, backend: str, device: str,
             if not gpu:
                 return None
             if key == "cuda":
-                # What cudaMemGetInfo tells the worker or llama-server once it runs: what the
-                # host's running llama.cpp processes hold is free again at their restart, and
-                # the process's own CUDA context is not (nvidia-smi reads the driver without
-                # making one).
-                free = max(gpu["free"] + gpu.get("held", 0) - CUDA_CONTEXT, 0)
+                # What cudaMemGetInfo tells the worker or llama-server once it runs: what
+                # meshdeploy's running processes there hold is free again at their restart, and
+                # each one's own CUDA context is not (nvidia-smi reads the driver without making
+                # one; at least the one process the plan places there).
+                contexts = max(gpu.get("held_by", 0), 1)
+                free = max(gpu["free"] + gpu.get("held", 0) - contexts * CUDA_CONTEXT, 0)
                 return DeviceFree(free, free, f"{source}, less a CUDA context", False)
             return DeviceFree(gpu["free"], gpu["free"], source, False)
     return None

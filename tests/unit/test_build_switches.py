@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from support.gittree import commit_all
+from support.require import unmet
 from support.resolved import run_values
 
 from meshdeploy.core.loading import load_cluster
@@ -79,13 +81,13 @@ def tiny_tree(root: Path, cmakelists: str) -> str:
 
 
 def run_build(tmp_path: Path, commit: str, args: list[str], env: dict | None = None,
-              force: bool = False) -> subprocess.CompletedProcess:
+              force: bool = False, backend: str = "cpu") -> subprocess.CompletedProcess:
     """build.sh on the tiny tree; + env: the caller's locale variables (none: this process's)"""
     script = shell.template(
         TEMPLATES / "build.sh", prelude=progress.SHELL, args=args,
         SRC=tmp_path / "src", TREE=tmp_path / "tree", OUT=tmp_path / "builds" / "k",
         COMMIT=commit, NUMBER=1, JOBS=2, CCACHE="", WANT_SERVER=1, WANT_RPC=1,
-        RPC_TARGETS="ggml-rpc-server", KEY="k", BACKEND="cpu", FORCE=int(force))
+        RPC_TARGETS="ggml-rpc-server", KEY="k", BACKEND=backend, FORCE=int(force))
     base = {k: v for k, v in os.environ.items()
             if not k.startswith("LC_") and k not in ("LANG", "LANGUAGE")}
     return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=300,
@@ -221,32 +223,51 @@ def test_an_rpath_to_a_system_library_folder_is_kept_and_any_other_refused(tmp_p
 
 def test_the_cuda_toolkits_own_library_folder_is_kept_where_root_alone_writes_it(tmp_path):
     """NVIDIA's toolkit (not Debian's) keeps libcudart and libcublas in /usr/local/cuda-13.0/
-    targets/x86_64-linux/lib, and cmake names that folder in the RUNPATH (seen on an H200
-    machine: docs/gpu.md). The folder cmake found for the toolkit is kept when root owns it and
-    every folder above it, writable by no one else; the same folder under /tmp is refused, as is
-    any other folder. /usr/share/doc stands in for the toolkit's folder: root's, not /usr/lib."""
+    targets/x86_64-linux/lib, and cmake names that folder in a CUDA build's RUNPATH (seen on an
+    H200 machine: docs/gpu.md). A folder holding libcudart is kept in a CUDA build where root
+    owns it, the folder it resolves to and every folder above each, writable by no one else;
+    anywhere else it is refused like any other folder."""
+    if os.geteuid() != 0:
+        unmet("needs root: the toolkit's stand-in folder must belong to root")
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "part.c").write_text("int part(void) { return 1; }\n")
     commit = tiny_tree(tmp_path / "src", SHARED_TREE)
-    toolkit = "/usr/share/doc"
-    users = tmp_path / "cuda" / "lib"
-    users.mkdir(parents=True)
-    (tmp_path / "cuda").chmod(0o777)   # anyone may write above it, whatever TMPDIR is
-    cases = [(toolkit, None, 1),        # not the toolkit's folder: refused, as before
-             (toolkit, toolkit, 0),     # the toolkit's, root's all the way up: kept
-             (str(users), str(users), 1),   # the toolkit's, but anyone writes above it
-             ("/usr/share/man", toolkit, 1)]    # another folder than the toolkit's
-    for rpath, found, code in cases:
-        shutil.rmtree(tmp_path / "tree", ignore_errors=True)
-        shutil.rmtree(tmp_path / "builds", ignore_errors=True)
-        flags = ["-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON", f"-DCMAKE_BUILD_RPATH={rpath}"]
-        if found:
-            flags.append(f"-DCUDAToolkit_LIBRARY_DIR:PATH={found}")
-        done = run_build(tmp_path, commit, flags, force=True)
-        assert done.returncode == code, (rpath, found, done.stderr)
-        assert (tmp_path / "builds" / "k").exists() == (code == 0)
-        if code:
-            assert f"{rpath} is not $ORIGIN, a system library folder" in done.stderr, done.stderr
+    root = Path(tempfile.mkdtemp(prefix="md-cuda-", dir="/run"))   # root's, 0755 up to /
+    try:
+        root.chmod(0o755)
+        toolkit = root / "cuda-13.0" / "targets" / "x86_64-linux" / "lib"
+        toolkit.mkdir(parents=True)
+        (toolkit / "libcudart.so.13").write_bytes(b"")
+        users = tmp_path / "cuda" / "lib"
+        users.mkdir(parents=True)
+        (users / "libcudart.so.13").write_bytes(b"")
+        (tmp_path / "cuda").chmod(0o777)   # anyone may write above it, whatever TMPDIR is
+        # Root's link to root's folder, whose own parent anyone may write (the folder can be
+        # swapped for another): every folder above where it resolves counts too.
+        linked = tmp_path / "linked" / "lib"
+        linked.mkdir(parents=True)
+        (linked / "libcudart.so.13").write_bytes(b"")
+        (tmp_path / "linked").chmod(0o755)
+        tmp_path.chmod(0o777)
+        (root / "cuda").symlink_to(tmp_path / "linked")
+        cases = [(toolkit, "cuda", 0),          # the toolkit's, root's all the way up: kept
+                 (toolkit, "cpu", 1),           # not a CUDA build: refused, as before
+                 ("/usr/share/doc", "cuda", 1),     # root's, but no CUDA runtime in it
+                 (users, "cuda", 1),            # the runtime, but anyone writes above it
+                 (root / "cuda" / "lib", "cuda", 1)]    # through a link, to such a folder
+        for rpath, backend, code in cases:
+            shutil.rmtree(tmp_path / "tree", ignore_errors=True)
+            shutil.rmtree(tmp_path / "builds", ignore_errors=True)
+            done = run_build(tmp_path, commit, ["-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
+                                                f"-DCMAKE_BUILD_RPATH={rpath}"], force=True,
+                             backend=backend)
+            assert done.returncode == code, (rpath, backend, done.stderr)
+            assert (tmp_path / "builds" / "k").exists() == (code == 0)
+            if code:
+                assert f"{rpath} is not $ORIGIN, a system library folder" in done.stderr, \
+                    done.stderr
+    finally:
+        shutil.rmtree(root)
 
 
 def dispatch_facts(cpu: str, machine="x86_64"):

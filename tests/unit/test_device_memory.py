@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.require import needs
+from support.require import needs, unmet
 
 from meshdeploy.roles.rpc_cache.facts import DeviceMemory
 from meshdeploy.placement.memory import (CUDA_CONTEXT, GiB, MiB, DeviceFree, device_free,
@@ -343,8 +343,7 @@ def test_command_filters_gpu_tools(bin_dir, tmp_path, awk):
     tool(bin_dir, "vulkaninfo", f"cat {tmp_path}/vulkaninfo.txt; echo 'ERROR: no display' >&2\n")
     tool(bin_dir, "rocm-smi", f'[ "$*" = "--showmeminfo vram --csv" ] && cat {tmp_path}/rocm.csv'
                               "; exit 1\n")
-    # Two processes on the first GPU: an rpc-server (its name in /proc is what counts) and
-    # something else, whose memory stays taken. (A llama-server counts as the rpc-server does.)
+    # Two processes on the first GPU: one named as an rpc-server, one not.
     shutil.copy(shutil.which("sleep"), bin_dir / "ggml-rpc-server")
     shutil.copy(shutil.which("sleep"), bin_dir / "python3")
     worker = subprocess.Popen([bin_dir / "ggml-rpc-server", "30"])
@@ -361,8 +360,8 @@ def test_command_filters_gpu_tools(bin_dir, tmp_path, awk):
     # Only the few filtered lines travel, never the dump.
     assert not [x for x in lines if x.split()[0] not in ("MemTotal:", "MemAvailable:", "cuda",
                                                          "cudaheld", "rocm", "vk")], lines
-    assert "cudaheld 4200 GPU-aaaa" in lines and len([x for x in lines
-                                                          if x.startswith("cudaheld")]) == 1
+    # Neither runs in one of meshdeploy's units: the memory stays theirs (see the cgroup test).
+    assert not [x for x in lines if x.startswith("cudaheld")], lines
     assert len(lines) < 40
     mem = DeviceMemory().process(lines)
     assert mem["vulkan"] == [{"total": 25753026560, "free": 24962596864 - 26435584,
@@ -370,10 +369,10 @@ def test_command_filters_gpu_tools(bin_dir, tmp_path, awk):
     assert mem["rocm"] == [{"total": 68702699520, "free": 68702699520 - 10960896},
                            {"total": 68702699520, "free": 68702699520 - 3422552064}]
     assert mem["cuda"] == [{"total": 24564 * MiB, "free": 23940 * MiB, "uuid": "GPU-aaaa",
-                            "held": 4200 * MiB}, None,
+                            "held": 0, "held_by": 0}, None,
                            {"total": 16376 * MiB, "free": 15800 * MiB, "uuid": "GPU-cccc",
-                            "held": 0}]
-    assert device_free(mem, "cuda", "CUDA0").split == (23940 + 4200) * MiB - CUDA_CONTEXT
+                            "held": 0, "held_by": 0}]
+    assert device_free(mem, "cuda", "CUDA0").split == 23940 * MiB - CUDA_CONTEXT
     assert mem["metal"] is None
     assert device_free(mem, "vulkan", "Vulkan0").split == 24962596864 - 26435584
     assert device_free(mem, "vulkan", "Vulkan1") is None  # llvmpipe is not a llama.cpp device
@@ -415,3 +414,41 @@ def test_a_hung_tool_is_cut_off(bin_dir):
     lines = run_fact(bin_dir)
     assert time.monotonic() - started < 15
     assert "vk gpu 0" in lines
+
+
+@pytest.mark.system
+def test_only_meshdeploys_own_workers_count_their_gpu_memory_as_free(bin_dir, tmp_path):
+    """A process named ggml-rpc-server in one of meshdeploy's units (a real cgroup named as
+    systemd names them) counts; the same name outside one, and another name inside one, do not:
+    a user's own llama-server keeps its memory in the plan's eyes."""
+    if os.geteuid() != 0:
+        unmet("needs root: makes a cgroup")
+    roots = [p for p in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+             if os.path.exists(f"{p}/cgroup.procs") and os.access(p, os.W_OK)]
+    if not roots:
+        unmet("no writable cgroup hierarchy")
+    unit = Path(roots[0]) / "system.slice" / f"meshdeploy-rpc-t{os.getpid()}.service"
+    unit.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shutil.which("sleep"), bin_dir / "ggml-rpc-server")
+    shutil.copy(shutil.which("sleep"), bin_dir / "python3")
+    ours = subprocess.Popen([bin_dir / "ggml-rpc-server", "30"])
+    stray = subprocess.Popen([bin_dir / "ggml-rpc-server", "30"])
+    other = subprocess.Popen([bin_dir / "python3", "30"])
+    try:
+        for proc in (ours, other):
+            (unit / "cgroup.procs").write_text(str(proc.pid))
+        assert f"/system.slice/{unit.name}" in Path(f"/proc/{ours.pid}/cgroup").read_text()
+        rows = "; ".join(f"echo \"{p.pid}, {m}, GPU-aaaa\"" for p, m in
+                         ((ours, 4200), (stray, 700), (other, 900)))
+        tool(bin_dir, "nvidia-smi", 'case "$1" in --query-gpu=*) echo "24564, 23940, GPU-aaaa" ;; '
+                                    f'--query-compute-apps=*) {rows} ;; esac\n')
+        lines = run_fact(bin_dir)
+    finally:
+        for proc in (ours, stray, other):
+            proc.kill(), proc.wait()
+        unit.rmdir()
+    assert [x for x in lines if x.startswith("cudaheld")] == ["cudaheld 4200 GPU-aaaa"]
+    mem = DeviceMemory().process(lines)
+    assert mem["cuda"] == [{"total": 24564 * MiB, "free": 23940 * MiB, "uuid": "GPU-aaaa",
+                            "held": 4200 * MiB, "held_by": 1}]
+    assert device_free(mem, "cuda", "CUDA0").split == (23940 + 4200) * MiB - CUDA_CONTEXT

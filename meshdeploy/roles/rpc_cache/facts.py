@@ -198,6 +198,10 @@ def _digest_record(parts: list[str]) -> list | None:
     return None if offset is None or size is None else [offset, size, parts[3], parts[4]]
 
 
+# nvidia-smi's GPU (or MIG instance) uuid: anything else ("[N/A]") names no GPU.
+_GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Fa-f-]+")
+
+
 class DeviceMemory(FactBase):
     """Memory of the host's devices, as llama.cpp's backends report it (bytes, device order).
 
@@ -205,7 +209,7 @@ class DeviceMemory(FactBase):
     {"cpu": {"total": 25769803776, "available": 23622320128,       # ggml-cpu offers "total"
              "source": "/proc/meminfo"},                          # or "sysctl hw.memsize"
      "cuda": [{"total": 25769803776, "free": 25300041728,         # nvidia-smi
-               "uuid": "GPU-5401a293-...", "held": 0}],            # llama.cpp's processes hold
+               "uuid": "GPU-5401a293-...", "held": 0, "held_by": 0}],  # its services hold
      "rocm": [{"total": 25753026560, "free": 25726590976}],       # rocm-smi: total - used
      "vulkan": [{"total": 25769803776, "free": 25012305920,       # vulkaninfo, the devices
                  "budget": True, "type": "discrete"}],            # ggml-vulkan numbers
@@ -218,8 +222,8 @@ class DeviceMemory(FactBase):
       "143771, 143156, GPU-5401a293-bda0-d09b-65b9-5c6360c76852" (MiB), one row per GPU in
       nvidia-smi order (rows without the uuid, as earlier probes sent them, still read);
       --query-compute-apps=pid,used_memory,gpu_uuid: "551, 10758, GPU-5401a293-..." (MiB) per
-      process, kept for rpc-servers and llama-servers ("held": what they hold, their contexts
-      included).
+      process, kept for meshdeploy's rpc-servers and llama-servers ("held": what they hold,
+      their contexts included; "held_by": how many).
     - rocm-smi --showmeminfo vram --csv: a header "device,VRAM Total Memory (B),VRAM Total Used
       Memory (B)" then "card0,25753026560,26435584" (bytes), one row per GPU in rocm-smi order;
       the columns are found by header name.
@@ -237,16 +241,22 @@ class DeviceMemory(FactBase):
     # The shell's own read loop: no process (the probe runs on every host of every plan).
     _MEMINFO = ("[ -r /proc/meminfo ] && while IFS= read -r l; do case \"$l\" in "
                 "MemTotal:*|MemAvailable:*) printf '%s\\n' \"$l\" ;; esac; done < /proc/meminfo")
-    # Each GPU with its uuid, then what the host's running rpc-servers and llama-servers hold on
-    # each (by the process's name in /proc, read by the shell: no process per line): what a
-    # running cluster holds is not taken from what the plan may place (a restart frees it).
+    # Each GPU with its uuid, then what meshdeploy's running rpc-servers and llama-servers hold
+    # on each: a process of that name in one of meshdeploy's units (its cgroup: system units, or
+    # the probing user's own), read by the shell from /proc (no process per line). What a
+    # running cluster holds is not taken from what the plan may place (a restart frees it);
+    # anyone else's process keeps its memory.
     _NVIDIA = ("command -v nvidia-smi >/dev/null 2>&1 && { $t nvidia-smi "
                "--query-gpu=memory.total,memory.free,uuid --format=csv,noheader,nounits "
-               "2>/dev/null | sed 's/^/cuda /'; $t nvidia-smi "
+               "2>/dev/null | sed 's/^/cuda /'; U=$(id -u 2>/dev/null); $t nvidia-smi "
                "--query-compute-apps=pid,used_memory,gpu_uuid --format=csv,noheader,nounits "
-               "2>/dev/null | while IFS=', ' read -r p u g; do c=; "
+               "2>/dev/null | while IFS=', ' read -r p u g; do "
+               "case \"$p\" in ''|*[!0-9]*) continue ;; esac; c=; k=; "
                "[ -r \"/proc/$p/comm\" ] && read -r c < \"/proc/$p/comm\"; case \"$c\" in "
-               "ggml-rpc-server|rpc-server|llama-server) echo \"cudaheld $u $g\" ;; esac; done; }")
+               "ggml-rpc-server|rpc-server|llama-server) ;; *) continue ;; esac; "
+               "[ -r \"/proc/$p/cgroup\" ] && while IFS= read -r l; do case \"$l\" in "
+               "*/system.slice/meshdeploy-*|*\"/user@$U.service/\"*/meshdeploy-*) k=1 ;; esac; "
+               "done < \"/proc/$p/cgroup\"; [ -n \"$k\" ] && echo \"cudaheld $u $g\"; done; }")
     _ROCM = ("command -v rocm-smi >/dev/null 2>&1 && $t rocm-smi --showmeminfo vram --csv "
              "2>/dev/null | awk -F, '$1 == \"device\" { for (i = 2; i <= NF; i++) { "
              "if ($i == \"VRAM Total Memory (B)\") c = i; "
@@ -277,21 +287,28 @@ class DeviceMemory(FactBase):
 
     def process(self, output):
         cpu, cuda, rocm, vk, mac = {}, [], [], [], {}
-        held: dict[str, int] = {}  # GPU uuid -> bytes its llama.cpp processes hold
+        held: dict[str, tuple] = {}  # GPU uuid -> (bytes, processes) of meshdeploy's own
         for line in output or []:
             words = line.replace(",", " ").split()
             n = [probe.uint(w) for w in words]
             if len(words) == 3 and words[0] in ("MemTotal:", "MemAvailable:") \
                     and n[1] is not None and words[2] == "kB":
                 cpu["total" if words[0] == "MemTotal:" else "available"] = n[1] * 1024
-            elif len(words) in (3, 4) and words[0] == "cuda":
-                # "[N/A]" rows keep their place: CUDA1 must not take CUDA0's numbers.
-                gpu = {"total": n[1] << 20, "free": n[2] << 20} if None not in n[1:3] else None
-                if gpu and len(words) == 4:
-                    gpu["uuid"], gpu["held"] = words[3], 0
-                cuda.append(gpu)
+            elif words and words[0] == "cuda":
+                # By comma: "[N/A]" or "[Not Supported]" rows keep their place (CUDA1 must not
+                # take CUDA0's numbers); rows without the uuid are an earlier probe's.
+                cols = [c.strip() for c in line.split(None, 1)[1].split(",")] \
+                    if len(words) > 1 else []
+                nums = [probe.uint(c) for c in cols[:2]]
+                if len(cols) in (2, 3):  # a GPU's row; a driver's message is none
+                    gpu = {"total": nums[0] << 20, "free": nums[1] << 20} \
+                        if None not in nums else None
+                    if gpu and len(cols) == 3 and _GPU_UUID.fullmatch(cols[2]):
+                        gpu["uuid"], gpu["held"], gpu["held_by"] = cols[2], 0, 0
+                    cuda.append(gpu)
             elif len(words) == 3 and words[0] == "cudaheld" and n[1] is not None:
-                held[words[2]] = held.get(words[2], 0) + (n[1] << 20)
+                bytes_, count = held.get(words[2], (0, 0))
+                held[words[2]] = (bytes_ + (n[1] << 20), count + 1)
             elif len(words) == 4 and words[0] == "rocm":
                 ok = None not in n[2:] and n[3] <= n[2]
                 rocm.append({"total": n[2], "free": n[2] - n[3]} if ok else None)
@@ -303,7 +320,7 @@ class DeviceMemory(FactBase):
                 mac[words[1]] = n[2]
         for gpu in cuda:
             if gpu and "uuid" in gpu:
-                gpu["held"] = held.get(gpu["uuid"], 0)
+                gpu["held"], gpu["held_by"] = held.get(gpu["uuid"], (0, 0))
         if cpu:
             cpu["source"] = "/proc/meminfo"
         elif mac.get("hw.memsize"):

@@ -68,33 +68,44 @@ for f in "$TREE/bin/"*.so "$TREE/bin/"*.so.*; do
   esac
   cp -L "$f" "$OUT.tmp/bin/"
 done
-# root_only DIR: DIR and every folder above it belong to root and no one else may write them.
+# root_only DIR: DIR, the folder it resolves to, and every folder above each belong to root and
+# no one else may write them (a link is only as safe as the folders holding it).
 root_only() {
-  d=$1
-  while :; do
-    s=$(stat -L -c '%u %a' "$d" 2>/dev/null) || return 1
-    [ "${s%% *}" = 0 ] && [ $(( 0${s#* } & 022 )) = 0 ] || return 1
-    [ "$d" = / ] && return 0
-    d=${d%/*}; [ -n "$d" ] || d=/
+  r=$(cd -P "$1" 2>/dev/null && pwd -P) || return 1
+  for d in "$1" "$r"; do
+    while :; do
+      s=$(stat -L -c '%u %a' "$d" 2>/dev/null) || return 1
+      [ "${s%% *}" = 0 ] && [ $(( 0${s#* } & 022 )) = 0 ] || return 1
+      [ "$d" = / ] && break
+      d=${d%/*}; [ -n "$d" ] || d=/
+    done
   done
 }
-# The CUDA toolkit's own library folder, as cmake found it: NVIDIA's toolkit keeps libcudart and
-# libcublas in a library folder inside its own install folder, and cmake names that folder in the
-# RUNPATH. Kept only where root alone can write it and every folder above it; a host the build
-# is copied to runs the binaries before they become current (copy.sh), so one without that
-# toolkit stops there, with the loader's message.
-CUDA_LIB=$(sed -n 's/^CUDAToolkit_LIBRARY_DIR:PATH=//p' "$TREE/CMakeCache.txt" 2>/dev/null)
-case "$CUDA_LIB" in /*) root_only "$CUDA_LIB" || CUDA_LIB='' ;; *) CUDA_LIB='' ;; esac
 for f in "$OUT.tmp/bin/"*; do
   P=$(readelf -d "$f" 2>/dev/null | sed -n 's/.*(R\(UN\)\{0,1\}PATH).*\[\(.*\)\]$/\2/p')
+  # NVIDIA's CUDA toolkit keeps libcudart and libcublas in a library folder inside its own
+  # install folder, and cmake names that folder in the RUNPATH of a CUDA build: such an entry
+  # (it holds libcudart) is kept where root alone can write it and every folder above it. A host
+  # the build is copied to runs the binaries before they become current (copy.sh), so one
+  # without that toolkit stops there, with the loader's message.
+  OK=''
+  if [ "$BACKEND" = cuda ]; then
+    OK=$(printf '%s\n' "$P" | tr ':' '\n' | while IFS= read -r e; do
+      case "$e" in /*) ;; *) continue ;; esac
+      for l in "$e/libcudart.so"*; do
+        if [ -f "$l" ] && root_only "$e"; then printf '%s\n' "$e"; fi
+        break
+      done
+    done)
+  fi
   # $ORIGIN (cmake writes "$ORIGIN:", an empty entry after it), the system's own library
   # folders (root's on every host; Debian's NVIDIA driver keeps libcuda.so.1 in the nvidia
   # folder of the system's library folder, and cmake names it for a CUDA build) and the CUDA
   # toolkit's folder above are kept; any other entry (the build tree, a user's folder) is
   # refused.
   # shellcheck disable=SC2016 # $ORIGIN: the loader's word, matched as it is written
-  Q=$(printf '%s\n' "$P" | tr ':' '\n' | awk -v cuda="$CUDA_LIB" '$0 != "" && $0 != "$ORIGIN" && \
-    (cuda == "" || $0 != cuda) && \
+  Q=$(printf '%s\n' "$P" | tr ':' '\n' | MD_KEEP="$OK" awk 'BEGIN { n = split(ENVIRON["MD_KEEP"], k, "\n"); for (i = 1; i <= n; i++) if (k[i] != "") keep[k[i]] = 1 }
+    $0 != "" && $0 != "$ORIGIN" && !($0 in keep) && \
     ($0 !~ /^\/(usr\/)?lib(64)?(\/[A-Za-z0-9_.+-]+)*\/?$/ || $0 ~ /\.\./)')
   if [ -n "$Q" ]; then echo "$f: RPATH $P is not \$ORIGIN, a system library folder or the CUDA toolkit's (root's alone): the copy would not find its libraries" >&2; exit 1; fi
 done
