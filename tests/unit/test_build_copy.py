@@ -690,6 +690,43 @@ def test_md_shares_port_opens_on_the_builder_to_its_copiers_alone():
         "node2": ("node1", "node3")}
 
 
+def test_a_copier_left_out_by_limit_keeps_its_place_at_the_builders_md_share():
+    """apply --limit node1,node2 with node3 away: who copies node1's build is decided from the
+    probed hosts (node2), so node1's md-share port would close for node3, and a later
+    `apply --limit node3` would find it shut. A host outside the run that the loaded table
+    admits keeps its place; one it does not admit is not let in by a run that cannot tell."""
+    from meshdeploy.roles.network import operations as network
+    from meshdeploy.roles.network import rules
+
+    cluster = lab()
+    facts = same_platform(cluster)
+    both = rules.allowlist(cluster, cluster.host("node1"), ("node2", "node3"))
+    assert both["29180"] == ["lo", "10.200.0.12/31"]  # node2 and node3, merged by nft
+    in_run = keys.copiers(cluster, [cluster.host("node1"), cluster.host("node2")],
+                          {h: facts[h] for h in ("node1", "node2")}, COMMIT)
+    assert in_run == {"node1": ("node2",)}
+
+    def step(live):
+        node1 = {**facts["node1"], "network.Tools": ["nft"], "network.Allowlist": live}
+        ctx = HostContext(cluster, cluster.host("node1"), node1,
+                          run_values(commit=COMMIT, build_copiers=in_run),
+                          cluster_facts={"node1": node1, "node2": facts["node2"]})
+        return network.allowlist(ctx)
+
+    kept = step(both)
+    assert kept.change.action == "no-op", kept.change.diffs
+    alone = rules.allowlist(cluster, cluster.host("node1"), ("node2",))
+    assert step(alone).change.action == "no-op"  # node3 is not let in either
+    # In a run with every host, node3 is a copier again (the table it had).
+    full = network.allowlist(HostContext(
+        cluster, cluster.host("node1"), {**facts["node1"], "network.Tools": ["nft"],
+                                         "network.Allowlist": alone},
+        run_values(commit=COMMIT, build_copiers=keys.copiers(cluster, cluster.hosts, facts,
+                                                             COMMIT)),
+        cluster_facts=facts))
+    assert full.change.action == "update" and "10.200.0.12/31" in "\n".join(full.commands)
+
+
 def test_fresh_hosts_plan_the_allow_list_that_apply_converges_to(tmp_path):
     """Hosts with nothing installed: no git, so the plan cannot resolve the ref (no lock file
     either) and the commit is unknown. Who copies from whom is the same as once the hosts are

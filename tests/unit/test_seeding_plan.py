@@ -269,12 +269,9 @@ def test_a_new_vulkan_host_is_told_why_its_memory_is_unknown(tmp_path):
     assert notes(["cmake", "vulkaninfo"]).endswith("placement not checked")
 
 
-def test_a_worker_left_out_by_limit_is_named_once_not_as_unknown_memory(tmp_path):
-    """plan --limit node1,node2 with node3 away: services leaves the server's unit, placements
-    and failover as they are (services.llama_server), so the plan says that, not that node3's
-    memory is unknown or that the server runs without failover."""
+def without_node3(cluster, tmp_path):
+    """seeding.prepare of the lab's cluster as `plan --limit node1,node2` runs it: node3 away."""
     from support.device_facts import cpu
-    cluster = load_cluster(ROOT / "inventories" / "lab.yaml")
     resolved = run_values(models={"gemma": HfResolved("r", "c" * 40, (HfFile("f", 1, SHA, "u"),),
                                                       api=HUB)})
     facts = {h: cpu(25_183_293_440, 22_800_000_000) for h in ("node1", "node2")}
@@ -282,11 +279,46 @@ def test_a_worker_left_out_by_limit_is_named_once_not_as_unknown_memory(tmp_path
     original = mod.read_header
     mod.read_header = lambda _path: gemma27_header()
     try:
-        planned = seeding.prepare(cluster, [cluster.host("node1"), cluster.host("node2")], facts,
-                                  resolved, fetch=lambda *a, **k: tmp_path.joinpath("h").touch()
-                                  or tmp_path / "h")
+        return seeding.prepare(cluster, [cluster.host("node1"), cluster.host("node2")], facts,
+                               resolved, fetch=lambda *a, **k: tmp_path.joinpath("h").touch()
+                               or tmp_path / "h")
     finally:
         mod.read_header = original
+
+
+def test_a_worker_left_out_by_limit_is_named_once_not_as_unknown_memory(tmp_path):
+    """plan --limit node1,node2 with node3 away: services leaves the server's unit, placements
+    and failover as they are (services.llama_server), so the plan says that, not that node3's
+    memory is unknown or that the server runs without failover."""
+    planned = without_node3(load_cluster(ROOT / "inventories" / "lab.yaml"), tmp_path)
     assert list(planned.notes) == [
         "servers.main: node3 not in this run (--limit): the server's placements and failover "
         "are left as applied"]
+
+
+def test_a_cached_worker_in_the_run_keeps_its_seeds_while_another_worker_is_left_out(tmp_path):
+    """tensor_split auto splits by every worker's free memory: with node3 left out (--limit),
+    which tensors node2's cache holds is not known. The plan goes on (it failed as a whole,
+    "free memory of node3 ... is unknown"), says node3 is left out once, and node2's
+    cache is left as seeded rather than pruned to nothing."""
+    from meshdeploy.core.context import HostContext
+
+    text = (ROOT / "inventories" / "lab.yaml").read_text().replace(
+        "    rpc_servers:\n      - port: 50052\n", "    rpc_servers:\n      - {port: 50052, cache: true}\n")
+    path = tmp_path / "cached.yaml"
+    path.write_text(text)
+    cluster = load_cluster(path)
+    assert cluster.host("node2").rpc_server(50052).cache
+    planned = without_node3(cluster, tmp_path)
+    assert list(planned.notes) == [
+        "servers.main: node3 not in this run (--limit): the server's placements and failover "
+        "are left as applied"]
+    assert planned.kept == {"node2:50052": "servers.main splits by free memory and node3 is "
+                                           "not in this run (--limit)"}
+    assert "node2:50052" not in planned.seeds
+    ctx = HostContext(cluster, cluster.host("node2"), {}, run_values(kept=planned.kept),
+                      cluster_facts={"node1": {}, "node2": {}})
+    step = seeding.seed(ctx, 50052)
+    assert (step.change.action, step.change.reason) == (
+        "no-op", "left as seeded: servers.main splits by free memory and node3 is not in this "
+                 "run (--limit)")

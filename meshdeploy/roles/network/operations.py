@@ -7,6 +7,7 @@ import posixpath
 
 from meshdeploy.core import shell
 from meshdeploy.core.context import HostContext, Step, Teardown
+from meshdeploy.core.paths import model_share_port
 from meshdeploy.core.plan import AttrDiff
 from meshdeploy.core.probe import Section
 from meshdeploy.errors import PlanError
@@ -135,7 +136,8 @@ def allowlist(ctx: HostContext) -> Step:
                                    else "macOS: not managed yet"))
         return Step(ctx.change(ROLE, "allowlist", "delete", f"{OPT_OUT}: remove the table",
                                rules.diffs({}, live)), rules.remove_commands())
-    copiers = ctx.resolved.value(LLAMA_CPP, "build_copiers", {}).get(ctx.host.name, ())
+    copiers = tuple(ctx.resolved.value(LLAMA_CPP, "build_copiers", {}).get(ctx.host.name, ()))
+    copiers += _copiers_left_out(ctx, live, copiers)
     login_uid = _login_uid(ctx)
     wanted = rules.allowlist(ctx.cluster, ctx.host, copiers, login_uid)
     if not wanted:
@@ -152,6 +154,31 @@ def allowlist(ctx: HostContext) -> Step:
                            rules.diffs(wanted, live)),
                 [c for c in install if c] + rules.apply_commands(
                     rules.nft_file(ctx.cluster, ctx.host, copiers, login_uid)))
+
+
+def _copiers_left_out(ctx: HostContext, live, copiers: tuple) -> tuple[str, ...]:
+    """Hosts outside this run (--limit) that the loaded table lets reach md-share as copiers
+    of this host's build: they keep that place. Who copies a build is decided from the probed
+    hosts' facts alone (keys.copiers), so a run without them would shut them out, and a later
+    run of just those hosts would find the port closed."""
+    if not live or ctx.cluster_facts is None:
+        return ()
+    share = rules.port_key("tcp", model_share_port)
+    admitted = list(live.get(share) or ())
+    if not admitted:
+        return ()
+    kept = []
+    for h in ctx.cluster.hosts:
+        if h.name in ctx.cluster_facts or h.name == ctx.host.name or h.name in copiers:
+            continue
+        try:
+            # nft merges neighbours into networks: compare as sets of addresses, not strings.
+            source = rules.share_source(ctx.cluster, ctx.host, h)
+            if rules.normalize(admitted + [source]) == rules.normalize(admitted):
+                kept.append(h.name)
+        except (PlanError, ValueError):
+            continue  # no address a rule can hold, or a loaded source that is none
+    return tuple(kept)
 
 
 def _login_uid(ctx: HostContext) -> int | None:

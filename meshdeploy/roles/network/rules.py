@@ -106,10 +106,8 @@ def ports(cluster, host, build_copiers=()) -> list[Port]:
     if fetchers:
         # md-share serves this host's model copy to the hosts that fetch tensors or copies of
         # it (models.gguf, rpc_cache.share), over the tunnel when there is one.
-        sources = [_fetcher_address(cluster, host, w) for w in fetchers]
-        if tunnel is not None:
-            sources = [f"{a}{VIA}{tunnel.interface}" for a in sources]
-        _add(found, ("tcp", model_share_port), "model share", sources)
+        _add(found, ("tcp", model_share_port), "model share",
+             [share_source(cluster, host, w) for w in fetchers])
     peers = cluster.tunnel_peers(host) if tunnel is not None else []
     if peers:
         _add(found, ("udp", tunnel.listen_port), "wireguard",
@@ -184,6 +182,15 @@ def _peer_address(cluster, host, rpc, server) -> str:
     return _ip_of(orchestrator, cluster.source_address(orchestrator),
                   f"hosts.{host.name}.rpc_servers[{rpc.port}]: its allow-list needs the address "
                   f"of {orchestrator.name} (llama-server {server.name} uses it)")
+
+
+def share_source(cluster, host, worker) -> str:
+    """The source md-share's port on `host` admits for `worker` (a host that fetches from it):
+    its address, on the tunnel when there is one."""
+    address = _fetcher_address(cluster, host, worker)
+    if cluster.network.tunnel:
+        return f"{address}{VIA}{settings.of(cluster).wireguard.interface}"
+    return address
 
 
 def _fetcher_address(cluster, host, worker) -> str:

@@ -19,7 +19,7 @@ def _prepare(p: Prepare) -> Prepared:
                               speeds=p.speeds)
     return Prepared(values=run.Run(seeds=planned.seeds, layouts=planned.layouts,
                                    shared=planned.shared, splits=planned.splits,
-                                   failover=planned.runs),
+                                   failover=planned.runs, kept=planned.kept),
                     warnings=planned.notes,
                     placement=layout.sections(planned.layouts, p.cluster, planned.runs,
                                               planned.extra))

@@ -22,6 +22,9 @@ class Run:
     # --rpc), then one per set of workers it may lose (servers.NAME.failover); the services
     # role starts md-failover with them.
     failover: dict = field(default_factory=dict)
+    # "host:port" -> why that cached rpc-server's seeds are left as they are in this run
+    # (seeding.SeedPlan.kept).
+    kept: dict = field(default_factory=dict)
 
 
 def of(resolved) -> Run:

@@ -208,6 +208,9 @@ class SeedPlan:
     runs: dict = field(default_factory=dict)
     # server name -> {"host:port": hashed bytes the other runs add to that cache}
     extra: dict = field(default_factory=dict)
+    # "host:port" of a cached rpc-server in this run -> why its seeds stay as they are: a server
+    # it serves splits by free memory and a worker of that server is not in this run (--limit).
+    kept: dict = field(default_factory=dict)
 
 
 def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
@@ -231,6 +234,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
     runs: dict[str, tuple] = {}
     planned: list = []  # the servers inside --limit
     extra: dict[str, dict] = {s.name: {} for s in cluster.servers}
+    kept: dict[str, str] = {}
     fetches = {(f.model, f.worker): f.source for f in distribution.tensor_fetches(cluster)}
     # What the placement weighs of the facts: each host's device memory.
     device_memory = {name: (f or {}).get(ops.DEVICE_MEMORY) for name, f in facts.items()}
@@ -248,15 +252,23 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
                          "the server's placements and failover are left as applied")
         cached = any(e.rpc.cache for e in endpoints)
         model = cluster.models[server.model]
-        if server.tensor_split == "auto" and not cached:
-            unknown = layout.unknown_memory(cluster, server, device_memory)
-            if unknown and away:
-                continue
-            if unknown:
-                notes.append(f"servers.{server.name}: free memory of {', '.join(unknown)} is "
-                             "unknown, so llama.cpp's auto split cannot be predicted; placement "
-                             "not checked" + _without_vulkaninfo(cluster, involved, facts))
-                continue
+        unknown = layout.unknown_memory(cluster, server, device_memory) \
+            if server.tensor_split == "auto" else []
+        if unknown and away:
+            # llama.cpp splits by every worker's free memory, and the away one's is not read:
+            # which tensors the cached workers in this run hold is not known, so their caches
+            # are left as seeded (never pruned to another server's share).
+            for e in endpoints:
+                if e.rpc.cache and e.host.name in names:
+                    kept[rpc_ref(e.host.name, e.rpc.port)] = \
+                        f"servers.{server.name} splits by free memory and {', '.join(away)} " \
+                        "is not in this run (--limit)"
+            continue
+        if unknown and not cached:
+            notes.append(f"servers.{server.name}: free memory of {', '.join(unknown)} is "
+                         "unknown, so llama.cpp's auto split cannot be predicted; placement "
+                         "not checked" + _without_vulkaninfo(cluster, involved, facts))
+            continue
         try:
             header, content, note = _source(cluster, server, model, resolved, facts, names, fetch,
                                              header_cache, read_remote, cached)
@@ -307,7 +319,7 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
                          "it")
     return SeedPlan({k: tuple(v) for k, v in seeds.items()}, tuple(layouts), tuple(notes),
                     shared, {lay.server: lay.split for lay in layouts if lay.split}, runs,
-                    {s: {k: n for k, n in e.items() if n} for s, e in extra.items()})
+                    {s: {k: n for k, n in e.items() if n} for s, e in extra.items()}, kept)
 
 
 def _without_vulkaninfo(cluster, hosts, facts: dict) -> str:
@@ -342,8 +354,12 @@ def _merge(merged: list, seed) -> None:
 def seed(ctx: HostContext, port: int) -> Step:
     """rpc_cache.seed[port] for this host, from what prepare() computed."""
     rpc = ctx.host.rpc_server(port)
-    seeds = run.of(ctx.resolved).seeds
-    wanted = seeds.get(rpc_ref(ctx.host.name, port)) if rpc and rpc.cache else None
+    planned = run.of(ctx.resolved)
+    ref = rpc_ref(ctx.host.name, port)
+    if rpc is not None and rpc.cache and ref in planned.kept:
+        return Step(ctx.change(ops.ROLE, f"seed[{port}]", "no-op",
+                               f"left as seeded: {planned.kept[ref]}"))
+    wanted = planned.seeds.get(ref) if rpc and rpc.cache else None
     if not wanted:
         if rpc is not None and rpc.cache:
             return Step(ctx.change(ops.ROLE, f"seed[{port}]", "no-op",
