@@ -58,6 +58,14 @@ def pytest_addoption(parser):
         default=False,
         help="leave the lab running after the session (remove it with `meshdeploy lab down`)",
     )
+    parser.addoption(
+        "--lab-modules",
+        choices=("all", "shared", "own"),
+        default="all",
+        help="shared: only the modules that use the session's labs (`lab`, `converged_lab`); "
+             "own: only the others (each brings up a lab of its own). scripts/test runs the two "
+             "side by side",
+    )
 
 
 def lab_unavailable_reason() -> str | None:
@@ -239,16 +247,62 @@ def _prefetch_bases(done: list, stop) -> None:
 SYSTEM = Path(__file__).resolve().parent / "system"
 
 
+# The session's labs: a module whose tests use one of these shares it with other modules.
+SHARED_LABS = frozenset({"lab_handle", "converged_lab"})
+
+
+def shares_a_lab(items) -> set:
+    """The test modules (paths) of `items` that use a session lab: run in the process that
+    holds them. Every other lab module brings up a lab of its own."""
+    return {item.path for item in items if SHARED_LABS & set(item.fixturenames)}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Every test in tests/system/ is marked `system` (`-m "not system"` leaves them out): it
     starts real things on this machine, no lab. Such a test beside its unit tests elsewhere
     carries `@pytest.mark.system` itself. Here rather than in a conftest.py of tests/system/:
     test modules import this one as `conftest` (build_seed_tool), and a second conftest module
-    would take that name."""
+    would take that name.
+
+    --lab-modules shared|own keeps the modules that use a session lab, or the others; and the
+    modules marked `quiet` (they time things) run last, in file order among themselves."""
     for item in items:
         if SYSTEM in item.path.resolve().parents:
             item.add_marker(pytest.mark.system)
+    wanted = config.getoption("--lab-modules")
+    if wanted != "all":
+        shared = shares_a_lab(items)
+        keep = [i for i in items if (i.path in shared) == (wanted == "shared")]
+        dropped = [i for i in items if i not in keep]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+    items.sort(key=lambda i: i.get_closest_marker("quiet") is not None)  # stable
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quiet_machine(request):
+    """A module marked `quiet` times things (device speeds, placement by them): it waits until
+    the lab modules run beside this session (scripts/test: --lab-modules own, holding the lock
+    file MESHDEPLOY_TESTS_SIDE_LOCK names) have ended, so their labs do not share the CPU."""
+    path = os.environ.get("MESHDEPLOY_TESTS_SIDE_LOCK")
+    if request.node.get_closest_marker("quiet") is None or not path:
+        yield
+        return
+    import time
+
+    started = time.monotonic()
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"\n{request.node.name}: waiting for the lab modules beside this run to end "
+                  "(it times things)", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            print(f"{request.node.name}: waited {time.monotonic() - started:.0f} s", flush=True)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    yield
 
 
 def pytest_collection_finish(session):

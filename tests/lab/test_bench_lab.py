@@ -24,7 +24,7 @@ from support.cli import as_at_a_terminal, meshdeploy
 from test_cluster import variant
 from test_secrets import ssh
 
-pytestmark = [pytest.mark.lab, pytest.mark.build]
+pytestmark = [pytest.mark.lab, pytest.mark.build, pytest.mark.quiet]
 
 LOCAL_UNIT = "meshdeploy-bench-main"
 

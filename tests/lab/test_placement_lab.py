@@ -25,7 +25,7 @@ from test_cluster import variant
 
 from meshdeploy.lab import base, hfstore
 
-pytestmark = [pytest.mark.lab, pytest.mark.build]
+pytestmark = [pytest.mark.lab, pytest.mark.build, pytest.mark.quiet]
 
 MODEL = Shape(n_layers=12, n_embd=1024, n_ff=2816, n_head=16, n_head_kv=4)
 WORKER = "      - {port: 50052, cache: false}\n"
