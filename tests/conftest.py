@@ -293,14 +293,15 @@ def quiet_machine(request):
     import time
 
     started = time.monotonic()
+    say = request.config.pluginmanager.get_plugin("terminalreporter")
     with open(path, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"\n{request.node.name}: waiting for the lab modules beside this run to end "
-                  "(it times things)", flush=True)
             fcntl.flock(lock, fcntl.LOCK_SH)
-            print(f"{request.node.name}: waited {time.monotonic() - started:.0f} s", flush=True)
+            if say is not None:
+                say.write_line(f"\n{request.node.name}: waited {time.monotonic() - started:.0f} s "
+                               "for the lab modules beside this run to end (it times things)")
         fcntl.flock(lock, fcntl.LOCK_UN)
     yield
 

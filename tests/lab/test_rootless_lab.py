@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import struct
@@ -295,39 +296,47 @@ def test_a_build_planted_on_the_rootless_host_changes_nothing_on_the_root_one(ap
 
 # -- md-failover on a rootless orchestrator ------------------------------------------------------
 
-def rootless_orchestrator(text: str) -> str:
-    """The module's file with servers.main on node3 (md, systemd --user) over node1 (root) and
-    node2 (md, runit): node3 serves no rpc-server, node1 one."""
+def rootless_orchestrator(text: str, host: str) -> str:
+    """The module's file with servers.main on `host` (node2: md under runit; node3: md under
+    systemd --user), which then serves no rpc-server, over node1 (root, given one) and the
+    other rootless host."""
     worker = f"    rpc_servers:\n      - port: {PORT}\n"
-    node1 = "    ssh: {user: deploy, config: "
-    assert text.count(worker) == 2 and text.count(node1) == 1
-    head, node3 = text.split("  node3:\n", 1)
-    node3 = node3.replace(worker, "", 1)
-    head = head.replace("\n  node2:\n", "\n" + worker.rstrip("\n") + "\n  node2:\n", 1)
-    out = head + "  node3:\n" + node3
-    return out.replace("    host: node1\n    model: gemma\n", "    host: node3\n    model: gemma\n", 1)
+    assert text.count(worker) == 2 and host in ("node2", "node3")
+    hosts, rest = text.split("\nmodels:\n", 1)
+    entries = re.split(r"(?m)^(?=  node\d:\n)", hosts)
+    out = []
+    for entry in entries:
+        if entry.startswith(f"  {host}:\n"):
+            entry = entry.replace(worker, "", 1)
+        elif entry.startswith("  node1:\n"):
+            entry = entry.rstrip("\n") + "\n" + worker
+        out.append(entry)
+    rest = rest.replace("    host: node1\n    model: gemma\n", f"    host: {host}\n    model: gemma\n",
+                        1)
+    return "".join(out) + "\nmodels:\n" + rest
 
 
-def test_md_failover_on_a_rootless_orchestrator_switches_and_comes_back(applied, rl_lab):
-    """servers.main moves to node3, which has no root: md-failover runs as md under
-    systemd --user, in front of llama-server over node1's and node2's rpc-servers. node2's
-    link drops silently (nftables inside its namespace, both ways, no RST): md-failover there
-    switches to the placement without node2, completions answer on node1 alone, `status` says
-    degraded and which placement runs; once the link is back the full placement returns."""
-    from meshdeploy.core.loading import load_cluster
+@pytest.mark.parametrize("host, cut", [("node3", "node2"), ("node2", "node3")])
+def test_md_failover_on_a_rootless_orchestrator_switches_and_comes_back(applied, rl_lab, host,
+                                                                         cut):
+    """servers.main moves to a host without root: md-failover runs as md there (under
+    systemd --user on node3, runit on node2), in front of llama-server over node1's rpc-server
+    and the other rootless host's. That host's link drops silently (nftables inside its
+    namespace, both ways, no RST): md-failover switches to the placement without it,
+    completions answer on node1 alone, `status` says degraded and which placement runs; once
+    the link is back the full placement returns. Its state is in md's cache folder: a systemd
+    --user unit's sandbox hides $XDG_RUNTIME_DIR (md-failover died there at its first start)."""
     from meshdeploy.errors import DEGRADED, OK
     from meshdeploy.lab import net
-    from meshdeploy.roles.services import failover
 
     info, _ = rl_lab
-    path = applied["path"].with_name("rootless-orchestrator.yaml")
-    path.write_text(rootless_orchestrator(applied["path"].read_text()))
-    cluster = load_cluster(path)
-    state_file = failover.state_path(cluster.host("node3"), cluster.servers[0])
-    assert state_file.startswith("/home/md/"), state_file
+    path = applied["path"].with_name(f"rootless-orchestrator-{host}.yaml")
+    path.write_text(rootless_orchestrator(applied["path"].read_text(), host))
+    state_file = "~/.cache/meshdeploy/meshdeploy-server-main/failover.json"
+    table = "mdtest_rl_failover"
 
     def state() -> dict:
-        done = info.run("node3", f"cat {shlex.quote(state_file)}")
+        done = info.run(host, f"cat {state_file}")
         return json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else {}
 
     def wait(predicate, timeout: float) -> dict:
@@ -342,48 +351,49 @@ def test_md_failover_on_a_rootless_orchestrator_switches_and_comes_back(applied,
     def answers() -> bool:
         body = json.dumps({"prompt": "The capital of France is", "n_predict": 4,
                            "temperature": 0})
-        done = info.run("node3", f"curl -sf -m 30 http://127.0.0.1:8080/completion "
-                                 f"-H 'Content-Type: application/json' -d '{body}'")
+        done = info.run(host, f"curl -sf -m 30 http://127.0.0.1:8080/completion "
+                              f"-H 'Content-Type: application/json' -d '{body}'")
         return done.returncode == 0 and '"content"' in done.stdout
 
-    def drop(rules: str) -> None:
-        subprocess.run(["ip", "netns", "exec", net.host_netns(info.name, "node2"), "nft", "-f",
-                        "-"], input=rules, text=True, check=True, capture_output=True,
-                       timeout=30)
+    def nft(*args: str, rules: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", net.host_netns(info.name, cut), "nft",
+                               *args], input=rules, text=True, capture_output=True, timeout=30)
 
     try:
         done = meshdeploy("apply", path, "--auto-approve")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr
-        assert "without node2:" in done.stdout and "without node1:" in done.stdout, done.stdout
-        unit = info.run("node3", "systemctl --user cat meshdeploy-server-main.service").stdout
-        assert "md-failover-" in unit, unit
+        assert f"without {cut}:" in done.stdout and "without node1:" in done.stdout, done.stdout
         s = wait(lambda s: s.get("state") == "serving" and not s["lost"], 120)
         assert s.get("state") == "serving" and s["lost"] == [], s
-        assert info.run("node3", "ps -o user= -C python3").stdout.split() == ["md"]
+        # Its command line starts with python3 (pgrep's own shell has the pattern further on).
+        pid = info.run(host, "pgrep -f '^[^ ]*python3 -I [^ ]*/md-failover-' | head -n 1")
+        owner = info.run(host, f"ps -o user= -p {pid.stdout.strip() or 0}")
+        assert owner.stdout.strip() == "md", (pid, owner)
         assert answers()
         assert meshdeploy("status", path).returncode == OK
-        cut = time.monotonic()
-        drop("table inet mdtest_rl_failover {\n"
-             " chain in { type filter hook input priority -10; tcp dport 50052 drop; }\n"
-             " chain out { type filter hook output priority -10; tcp sport 50052 drop; }\n}\n")
-        s = wait(lambda s: s.get("lost") == ["node2"] and s.get("state") == "serving", 120)
-        switched = time.monotonic() - cut
-        assert s.get("lost") == ["node2"] and s.get("state") == "serving", s
-        assert answers(), "no completion on the placement without node2"
+        started = time.monotonic()
+        cutoff = nft("-f", "-", rules=(
+            f"table inet {table} {{\n"
+            " chain in { type filter hook input priority -10; tcp dport 50052 drop; }\n"
+            " chain out { type filter hook output priority -10; tcp sport 50052 drop; }\n}\n"))
+        assert cutoff.returncode == 0, cutoff.stderr
+        s = wait(lambda s: s.get("lost") == [cut] and s.get("state") == "serving", 120)
+        switched = time.monotonic() - started
+        assert s.get("lost") == [cut] and s.get("state") == "serving", s
+        assert answers(), f"no completion on the placement without {cut}"
         status = meshdeploy("status", path, "--json")
         assert status.returncode == DEGRADED, status.stdout + status.stderr
         row = next(r for r in json.loads(status.stdout) if r["service"] == "failover main")
-        assert row["answer"].startswith("without node2 since "), row
-        drop("delete table inet mdtest_rl_failover\n")
+        assert row["answer"].startswith(f"without {cut} since "), row
+        assert nft("delete", "table", "inet", table).returncode == 0
         back = time.monotonic()
         s = wait(lambda s: s.get("lost") == [] and s.get("state") == "serving", 120)
         assert s.get("lost") == [] and s.get("state") == "serving", s
         assert answers()
-        print(f"rootless md-failover: switched {switched:.1f} s after the cut, full placement "
-              f"{time.monotonic() - back:.1f} s after the link came back")
+        print(f"rootless md-failover on {host}: switched {switched:.1f} s after {cut}'s cut, "
+              f"full placement {time.monotonic() - back:.1f} s after the link came back")
     finally:
-        subprocess.run(["ip", "netns", "exec", net.host_netns(info.name, "node2"), "nft",
-                        "delete", "table", "inet", "mdtest_rl_failover"], capture_output=True)
+        nft("delete", "table", "inet", table)
         again = meshdeploy("apply", applied["path"], "--auto-approve")
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr
     assert completion(info)["tokens_predicted"] > 0

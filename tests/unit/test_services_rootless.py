@@ -282,6 +282,38 @@ def test_orchestrator_waits_for_workers_and_health_through_its_manager(manager):
     assert ("/log/meshdeploy-server-main/current" in text) == (manager == RUNIT)
 
 
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_md_failover_on_a_rootless_host_keeps_its_state_outside_the_runtime_folder(manager):
+    """A rootless orchestrator that may lose a worker runs md-failover. Its state file and the
+    socket llama-server listens on behind it were in $XDG_RUNTIME_DIR/meshdeploy, which the
+    systemd --user unit's sandbox hides whole (InaccessiblePaths=%t): md-failover died at its
+    first start (EACCES), seen on the rootless lab. They live in a folder of the user's cache,
+    the one folder the unit may write, made 0700 before the unit starts."""
+    from meshdeploy.placement.failover import Run
+    from meshdeploy.roles.services import failover
+    from meshdeploy.roles.rpc_cache import run as rpc_cache_run
+
+    cluster = rootless_lab(manager, cache=False, hosts=("node1",))
+    ctx = context(cluster, "node1", manager=manager,
+                  **{"services.UserNamespaces": True} if manager == SYSTEMD_USER else {})
+    layout = object()  # the argv reads each run's lost, rpc and split; a layout only if any
+    runs = (Run((), ("node2:50052", "node3:50052"), None, layout),
+            Run(("node2",), ("node3:50052",), None, layout),
+            Run(("node3",), ("node2:50052",), None, layout))
+    ctx.resolved = ctx.resolved.fixed(rpc_cache_run.ROLE, rpc_cache_run.Run(
+        failover={"main": runs}))
+    step = orchestrator.llama_server(ctx, "main")
+    folder = failover.folder(cluster.host("node1"), cluster.server("main"))
+    home = ACCOUNTS[manager][0].split("=", 1)[1]
+    assert folder == f"{home}/.cache/meshdeploy/meshdeploy-server-main"
+    text = "".join(line[1:] + "\n" for line in step.change.unit_diff.splitlines()[3:])
+    assert "md-failover-" in text and f"--state {folder}/failover.json" in text, text
+    assert "/run/user/" not in text.replace("InaccessiblePaths=%t", "")
+    if manager == SYSTEMD_USER:
+        assert f"ReadWritePaths={folder}\n" in text and "InaccessiblePaths=%t\n" in text
+    assert step.commands[0] == f"mkdir -p {folder} && chmod 700 {folder}", step.commands
+
+
 def test_user_health_wait_reads_nrestarts_through_systemctl_user(tmp_path):
     step = orchestrator.llama_server(context(rootless_lab(SYSTEMD_USER), "node1",
                                              manager=SYSTEMD_USER), "main")

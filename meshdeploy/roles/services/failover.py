@@ -11,13 +11,21 @@ from meshdeploy.core.registry import StatusProbe, StatusRow
 FILE = "failover.json"
 
 
-def state_path(host, server) -> str:
-    """Where md-failover writes its state on `host`: a system unit's RuntimeDirectory (named
-    after the unit), a rootless host's run folder. Under launchd (macOS has no /run) it writes
-    none."""
+def folder(host, server) -> str:
+    """md-failover's folder on `host`: its state file and the Unix socket llama-server listens
+    on behind it. A system unit's RuntimeDirectory (named after the unit); on a rootless host a
+    folder of the same name in the user's cache, which the llama_server step makes (0700): never
+    under $XDG_RUNTIME_DIR, which a systemd --user unit's sandbox hides whole
+    (InaccessiblePaths=%t: the user's systemd and D-Bus sockets are there)."""
     if host.layout.rootless:
-        return f"{host.layout.run}/{server.unit_name}.{FILE}"
-    return f"/run/{server.unit_name}/{FILE}"
+        return f"{host.layout.cache}/{server.unit_name}"
+    return f"/run/{server.unit_name}"
+
+
+def state_path(host, server) -> str:
+    """Where md-failover writes its state on `host` (folder()). Under launchd (macOS has no
+    /run) it writes none."""
+    return f"{folder(host, server)}/{FILE}"
 
 
 # `failover NAME STATE-JSON` per server: the file is small (md-failover writes one line).

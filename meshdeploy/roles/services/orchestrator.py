@@ -165,7 +165,8 @@ def llama_server(ctx: HostContext, name: str) -> Step:
                               port=int(server.port),
                               after=after_forwards(ctx.cluster, ctx.host),
                               failover=failover_lines("" if script else None),
-                              writable=(ctx.host.layout.run,) if script else ())
+                              writable=(failover.folder(ctx.host, server),) if script
+                              else ())
     else:
         want = server_unit(ctx.cluster, ctx.host, supervised_as if script else server,
                            build_dir, manifest.get("flags"), sha, runs, script,
@@ -174,6 +175,8 @@ def llama_server(ctx: HostContext, name: str) -> Step:
     if script is not None and step.commands:
         # The unit names the script by its content: written before the unit that runs it.
         step.commands = [shell.write_file(script, FAILOVER.read_text())] + step.commands
+        if ctx.host.rootless:  # its folder, which the unit's sandbox lets it write
+            step.commands.insert(0, rootless.make_cache(failover.folder(ctx.host, server)))
     if restarted:
         # Stopped first: its RPC connections close, so each worker accepts the check at once.
         # e.port: the port it dials (the forward's loopback port under network.transport: ssh).

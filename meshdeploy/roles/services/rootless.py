@@ -101,7 +101,8 @@ def runit_run(cluster, argv: list, env: dict, description: str, sh: str | None,
 
 
 def make_cache(path: str) -> str:
-    """The rpc-server's LLAMA_CACHE on a rootless host: the user's folder, 0700."""
+    """A folder of the user's cache a rootless service writes (an rpc-server's LLAMA_CACHE,
+    md-failover's state): made 0700."""
     return shell.command("mkdir", "-p", path, shell.AND, "chmod", "700", path)
 
 
