@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
+from support import cut as cut_
 from support.cli import meshdeploy
 from support.labfile import DEFAULT_HF_API, DEFAULT_SSH_CONFIG, for_lab
 
@@ -327,26 +328,11 @@ def test_md_failover_on_a_rootless_orchestrator_switches_and_comes_back(applied,
     the link is back the full placement returns. Its state is in md's cache folder: a systemd
     --user unit's sandbox hides $XDG_RUNTIME_DIR (md-failover died there at its first start)."""
     from meshdeploy.errors import DEGRADED, OK
-    from meshdeploy.lab import net
 
     info, _ = rl_lab
     path = applied["path"].with_name(f"rootless-orchestrator-{host}.yaml")
     path.write_text(rootless_orchestrator(applied["path"].read_text(), host))
     state_file = "~/.cache/meshdeploy/meshdeploy-server-main/failover.json"
-    table = "mdtest_rl_failover"
-
-    def state() -> dict:
-        done = info.run(host, f"cat {state_file}")
-        return json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else {}
-
-    def wait(predicate, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = state()
-            if got and predicate(got):
-                return got
-            time.sleep(0.5)
-        return state()
 
     def answers() -> bool:
         body = json.dumps({"prompt": "The capital of France is", "n_predict": 4,
@@ -355,16 +341,12 @@ def test_md_failover_on_a_rootless_orchestrator_switches_and_comes_back(applied,
                               f"-H 'Content-Type: application/json' -d '{body}'")
         return done.returncode == 0 and '"content"' in done.stdout
 
-    def nft(*args: str, rules: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", net.host_netns(info.name, cut), "nft",
-                               *args], input=rules, text=True, capture_output=True, timeout=30)
-
     try:
         done = meshdeploy("apply", path, "--auto-approve")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr
         assert f"without {cut}:" in done.stdout and "without node1:" in done.stdout, done.stdout
-        s = wait(lambda s: s.get("state") == "serving" and not s["lost"], 120)
-        assert s.get("state") == "serving" and s["lost"] == [], s
+        s = cut_.wait_state(info, host, state_file, cut_.serving([]), 120)
+        assert cut_.serving([])(s), s
         # Its command line starts with python3 (pgrep's own shell has the pattern further on).
         pid = info.run(host, "pgrep -f '^[^ ]*python3 -I [^ ]*/md-failover-' | head -n 1")
         owner = info.run(host, f"ps -o user= -p {pid.stdout.strip() or 0}")
@@ -372,28 +354,22 @@ def test_md_failover_on_a_rootless_orchestrator_switches_and_comes_back(applied,
         assert answers()
         assert meshdeploy("status", path).returncode == OK
         started = time.monotonic()
-        cutoff = nft("-f", "-", rules=(
-            f"table inet {table} {{\n"
-            " chain in { type filter hook input priority -10; tcp dport 50052 drop; }\n"
-            " chain out { type filter hook output priority -10; tcp sport 50052 drop; }\n}\n"))
-        assert cutoff.returncode == 0, cutoff.stderr
-        s = wait(lambda s: s.get("lost") == [cut] and s.get("state") == "serving", 120)
-        switched = time.monotonic() - started
-        assert s.get("lost") == [cut] and s.get("state") == "serving", s
-        assert answers(), f"no completion on the placement without {cut}"
-        status = meshdeploy("status", path, "--json")
-        assert status.returncode == DEGRADED, status.stdout + status.stderr
-        row = next(r for r in json.loads(status.stdout) if r["service"] == "failover main")
-        assert row["answer"].startswith(f"without {cut} since "), row
-        assert nft("delete", "table", "inet", table).returncode == 0
+        with cut_.silent_cut(info, cut, PORT):
+            s = cut_.wait_state(info, host, state_file, cut_.serving([cut]), 120)
+            switched = time.monotonic() - started
+            assert cut_.serving([cut])(s), s
+            assert answers(), f"no completion on the placement without {cut}"
+            status = meshdeploy("status", path, "--json")
+            assert status.returncode == DEGRADED, status.stdout + status.stderr
+            row = next(r for r in json.loads(status.stdout) if r["service"] == "failover main")
+            assert row["answer"].startswith(f"without {cut} since "), row
         back = time.monotonic()
-        s = wait(lambda s: s.get("lost") == [] and s.get("state") == "serving", 120)
-        assert s.get("lost") == [] and s.get("state") == "serving", s
+        s = cut_.wait_state(info, host, state_file, cut_.serving([]), 120)
+        assert cut_.serving([])(s), s
         assert answers()
         print(f"rootless md-failover on {host}: switched {switched:.1f} s after {cut}'s cut, "
               f"full placement {time.monotonic() - back:.1f} s after the link came back")
     finally:
-        nft("delete", "table", "inet", table)
         again = meshdeploy("apply", applied["path"], "--auto-approve")
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr
     assert completion(info)["tokens_predicted"] > 0
@@ -667,6 +643,35 @@ def test_a_killed_forward_comes_back_and_the_cluster_serves(ssh_applied, rl_lab)
             pass
         assert time.monotonic() < deadline, "the cluster did not recover"
         time.sleep(3)
+
+
+def test_a_silent_cut_behind_a_forward_switches_the_placement(ssh_applied, rl_lab):
+    """Under network.transport: ssh llama-server dials node1's loopback ends of the forwards:
+    a worker's link that drops silently (node3's sshd port dropped both ways inside its
+    namespace, no RST) leaves those loopback connections open. The forward's ssh gives up
+    (ServerAliveInterval 5 s x 3), its connections close, and md-failover switches to the
+    placement without node3; while node3 is away its forward's end must not look alive to
+    md-failover's HELLO. Back once the link is."""
+    from meshdeploy.errors import DEGRADED
+
+    info, _ = rl_lab
+    state_file = "/run/meshdeploy-server-main/failover.json"
+    s = cut_.wait_state(info, "node1", state_file, cut_.serving([]), 120, root=True)
+    assert cut_.serving([])(s), s
+    started = time.monotonic()
+    with cut_.silent_cut(info, "node3", SSH_PORTS["node3"]):
+        s = cut_.wait_state(info, "node1", state_file, cut_.serving(["node3"]), 180, root=True)
+        switched = time.monotonic() - started
+        assert cut_.serving(["node3"])(s), s
+        assert completion(info)["tokens_predicted"] > 0
+        status = meshdeploy("status", ssh_applied["path"], "--json")
+        assert status.returncode == DEGRADED, status.stdout + status.stderr
+    back = time.monotonic()
+    s = cut_.wait_state(info, "node1", state_file, cut_.serving([]), 180, root=True)
+    assert cut_.serving([])(s), s
+    assert completion(info)["tokens_predicted"] > 0
+    print(f"ssh transport, node3's link cut silently: switched {switched:.1f} s after the cut, "
+          f"full placement {time.monotonic() - back:.1f} s after it came back")
 
 
 def as_nobody(command: list[str]) -> list[str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import own_lab
-from support import capture, leaks, wire
+from support import capture, cut, leaks, wire
 from support.labfile import for_lab
 from test_cluster import idle_workers
 from support.cli import meshdeploy
@@ -249,6 +249,36 @@ def test_the_next_plan_says_no_changes(converged, cluster_file):
     proc = meshdeploy("plan", cluster_file, "--detailed-exitcode")
     assert proc.returncode == 0, proc.stdout
     assert "No changes." in proc.stdout
+
+
+def test_a_silent_cut_of_a_workers_tunnel_switches_the_placement(wg_lab, converged, cluster_file):
+    """Under WireGuard a worker's link that drops silently (node3's WireGuard port dropped both
+    ways inside its namespace: no handshake, no RST) is noticed as on the plain transport
+    (llama-server's connections through the tunnel carry md-failover's keepalive and user
+    timeout): md-failover switches to the placement without node3, chat answers, status says
+    degraded; back once the link is."""
+    from meshdeploy.errors import DEGRADED
+    from meshdeploy.roles.network import settings
+
+    state = "/run/meshdeploy-server-main/failover.json"
+    s = cut.wait_state(wg_lab, "node1", state, cut.serving([]), 120, root=True)
+    assert cut.serving([])(s), s
+    port = settings.WireGuard.listen_port  # the file leaves network.wireguard to defaults
+    assert "listen_port" not in cluster_file.read_text()
+    started = time.monotonic()
+    with cut.silent_cut(wg_lab, "node3", port, proto="udp"):
+        s = cut.wait_state(wg_lab, "node1", state, cut.serving(["node3"]), 120, root=True)
+        switched = time.monotonic() - started
+        assert cut.serving(["node3"])(s), s
+        assert chat(wg_lab)["choices"][0]["message"]["content"]
+        status = meshdeploy("status", cluster_file, "--json")
+        assert status.returncode == DEGRADED, status.stdout + status.stderr
+    back = time.monotonic()
+    s = cut.wait_state(wg_lab, "node1", state, cut.serving([]), 120, root=True)
+    assert cut.serving([])(s), s
+    assert chat(wg_lab)["choices"][0]["message"]["content"]
+    print(f"WireGuard, node3's tunnel cut silently: switched {switched:.1f} s after the cut, "
+          f"full placement {time.monotonic() - back:.1f} s after it came back")
 
 
 def test_a_rogue_host_cannot_handshake_nor_reach_the_rpc_port(wg_lab, converged, cluster_file):
