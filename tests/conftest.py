@@ -270,9 +270,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SYSTEM in item.path.resolve().parents:
             item.add_marker(pytest.mark.system)
+    shared = shares_a_lab(items)
+    # scripts/test runs tests/lab's shared modules in one process and everything else in the
+    # other: a quiet module there would time things beside other labs, a lab-tool module on a
+    # session lab would never run.
+    wrong = sorted({str(i.path) for i in items if
+                    (i.get_closest_marker("quiet") is not None and i.path not in shared) or
+                    (i.path in shared and i.path.parent.name != "lab")})
+    if wrong:
+        raise pytest.UsageError("quiet modules must use a session lab, and only tests/lab's "
+                                f"modules may: {', '.join(wrong)}")
     wanted = config.getoption("--lab-modules")
     if wanted != "all":
-        shared = shares_a_lab(items)
         keep = [i for i in items if (i.path in shared) == (wanted == "shared")]
         dropped = [i for i in items if i not in keep]
         if dropped:

@@ -98,17 +98,21 @@ def default_sdists(versions: tuple[str, ...] = DEFAULT_VERSIONS) -> list[Path]:
     cache = Path(os.environ.get("MESHDEPLOY_LAB_CACHE") or DEFAULT_CACHE) / "sdist"
     cache.mkdir(parents=True, exist_ok=True)
     found = []
-    for version in versions:
-        path = cache / f"llama_cpp_python-{version}.tar.gz"
-        if not path.exists():
-            _download(version, cache)
-        if not path.exists():
-            raise LabError(
-                f"pip did not leave {path.name} in {cache}",
-                hint="download it by hand with pip download --no-deps --no-binary=:all: "
-                f"llama-cpp-python=={version} -d {cache}",
-            )
-        found.append(path)
+    # Labs coming up at once in two processes: one downloads, the other waits for the whole
+    # file (pip writes it under its final name as it goes).
+    with open(cache / ".download.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for version in versions:
+            path = cache / f"llama_cpp_python-{version}.tar.gz"
+            if not path.exists():
+                _download(version, cache)
+            if not path.exists():
+                raise LabError(
+                    f"pip did not leave {path.name} in {cache}",
+                    hint="download it by hand with pip download --no-deps --no-binary=:all: "
+                    f"llama-cpp-python=={version} -d {cache}",
+                )
+            found.append(path)
     return found
 
 

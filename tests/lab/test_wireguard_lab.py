@@ -273,6 +273,8 @@ def test_a_silent_cut_of_a_workers_tunnel_switches_the_placement(wg_lab, converg
         assert chat(wg_lab)["choices"][0]["message"]["content"]
         status = meshdeploy("status", cluster_file, "--json")
         assert status.returncode == DEGRADED, status.stdout + status.stderr
+        row = next(r for r in json.loads(status.stdout) if r["service"] == "failover main")
+        assert row["answer"].startswith("without node3 since "), row
     back = time.monotonic()
     s = cut.wait_state(wg_lab, "node1", state, cut.serving([]), 120, root=True)
     assert cut.serving([])(s), s

@@ -269,17 +269,18 @@ def test_a_new_vulkan_host_is_told_why_its_memory_is_unknown(tmp_path):
     assert notes(["cmake", "vulkaninfo"]).endswith("placement not checked")
 
 
-def without_node3(cluster, tmp_path):
-    """seeding.prepare of the lab's cluster as `plan --limit node1,node2` runs it: node3 away."""
+def without_node3(cluster, tmp_path, run=("node1", "node2")):
+    """seeding.prepare of the lab's cluster as `plan --limit node1,node2` runs it: node3 away
+    (`run`: the hosts of another --limit)."""
     from support.device_facts import cpu
     resolved = run_values(models={"gemma": HfResolved("r", "c" * 40, (HfFile("f", 1, SHA, "u"),),
                                                       api=HUB)})
-    facts = {h: cpu(25_183_293_440, 22_800_000_000) for h in ("node1", "node2")}
+    facts = {h: cpu(25_183_293_440, 22_800_000_000) for h in run}
     import meshdeploy.roles.rpc_cache.seeding as mod
     original = mod.read_header
     mod.read_header = lambda _path: gemma27_header()
     try:
-        return seeding.prepare(cluster, [cluster.host("node1"), cluster.host("node2")], facts,
+        return seeding.prepare(cluster, [cluster.host(h) for h in run], facts,
                                resolved, fetch=lambda *a, **k: tmp_path.joinpath("h").touch()
                                or tmp_path / "h")
     finally:
@@ -322,3 +323,15 @@ def test_a_cached_worker_in_the_run_keeps_its_seeds_while_another_worker_is_left
     assert (step.change.action, step.change.reason) == (
         "no-op", "left as seeded: servers.main splits by free memory and node3 is not in this "
                  "run (--limit)")
+
+
+def test_a_run_of_one_cached_worker_alone_keeps_its_seeds(tmp_path):
+    """`plan --limit node3`: neither the orchestrator nor node2 is read, node3's cache is
+    left as seeded (the plan failed as a whole: node2's memory unknown)."""
+    text = (ROOT / "inventories" / "lab.yaml").read_text().replace(
+        "    rpc_servers:\n      - port: 50052\n", "    rpc_servers:\n      - {port: 50052, cache: true}\n")
+    path = tmp_path / "cached.yaml"
+    path.write_text(text)
+    planned = without_node3(load_cluster(path), tmp_path, run=("node3",))
+    assert list(planned.kept) == ["node3:50052"] and "node2" in planned.kept["node3:50052"]
+    assert planned.seeds == {} and planned.notes == ()

@@ -246,7 +246,8 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         planned.append(server)
         # Workers this run leaves out (--limit: away): services leaves the server's unit, its
         # placements and its failover as they are, so their unknown memory is no news.
-        away = sorted({e.host.name for e in endpoints} - names) if server.host in names else []
+        outside = sorted({e.host.name for e in endpoints} - names)
+        away = outside if server.host in names else []
         if away:
             notes.append(f"servers.{server.name}: {', '.join(away)} not in this run (--limit): "
                          "the server's placements and failover are left as applied")
@@ -254,15 +255,18 @@ def prepare(cluster, hosts, facts: dict, resolved, fetch=header_from_http,
         model = cluster.models[server.model]
         unknown = layout.unknown_memory(cluster, server, device_memory) \
             if server.tensor_split == "auto" else []
-        if unknown and away:
-            # llama.cpp splits by every worker's free memory, and the away one's is not read:
-            # which tensors the cached workers in this run hold is not known, so their caches
-            # are left as seeded (never pruned to another server's share).
+        unread = sorted({h.name for label, h, _, _ in cluster.server_devices(server)
+                         if label in unknown})
+        if unread and not set(unread) & names:
+            # llama.cpp splits by every device's free memory, and only hosts outside this run
+            # (--limit) were not read: which tensors the cached workers in the run hold is not
+            # known, so their caches are left as seeded (never pruned to another share).
             for e in endpoints:
                 if e.rpc.cache and e.host.name in names:
                     kept[rpc_ref(e.host.name, e.rpc.port)] = \
-                        f"servers.{server.name} splits by free memory and {', '.join(away)} " \
-                        "is not in this run (--limit)"
+                        f"servers.{server.name} splits by free memory and " \
+                        f"{', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not in " \
+                        "this run (--limit)"
             continue
         if unknown and not cached:
             notes.append(f"servers.{server.name}: free memory of {', '.join(unknown)} is "
