@@ -62,9 +62,9 @@ def pytest_addoption(parser):
         "--lab-modules",
         choices=("all", "shared", "own"),
         default="all",
-        help="shared: only the modules that use the session's labs (`lab`, `converged_lab`); "
-             "own: only the others (each brings up a lab of its own). scripts/test runs the two "
-             "side by side",
+        help="shared: only the modules that use the session's labs (`lab`, `converged_lab`) "
+             "or are marked first_process; own: only the others (each brings up a lab of its "
+             "own). scripts/test runs the two side by side",
     )
 
 
@@ -257,6 +257,13 @@ def shares_a_lab(items) -> set:
     return {item.path for item in items if SHARED_LABS & set(item.fixturenames)}
 
 
+def first_process(items) -> set:
+    """The modules --lab-modules shared keeps: those sharing a session lab, and those marked
+    `first_process` (a lab of their own, run there to even out the two processes' time)."""
+    return shares_a_lab(items) | {item.path for item in items
+                                  if item.get_closest_marker("first_process") is not None}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Every test in tests/system/ is marked `system` (`-m "not system"` leaves them out): it
@@ -282,7 +289,8 @@ def pytest_collection_modifyitems(config, items):
                                 f"modules may: {', '.join(wrong)}")
     wanted = config.getoption("--lab-modules")
     if wanted != "all":
-        keep = [i for i in items if (i.path in shared) == (wanted == "shared")]
+        first = first_process(items)
+        keep = [i for i in items if (i.path in first) == (wanted == "shared")]
         dropped = [i for i in items if i not in keep]
         if dropped:
             config.hook.pytest_deselected(items=dropped)

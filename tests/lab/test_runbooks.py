@@ -30,7 +30,8 @@ from support import runbook
 from support.synthetic import Shape, write_llama
 from support.labfile import for_lab, lab_text
 
-pytestmark = [pytest.mark.lab, pytest.mark.build]
+# Its own lab, run in scripts/test's first lab process: about 250-290 s, which evens out the two.
+pytestmark = [pytest.mark.lab, pytest.mark.build, pytest.mark.first_process]
 
 LAB_NAME = "mdrb"
 REPO = Path(__file__).resolve().parents[2]
