@@ -314,6 +314,27 @@ def test_md_failover_on_a_rootless_host_keeps_its_state_outside_the_runtime_fold
     assert step.commands[0] == f"mkdir -p {folder} && chmod 700 {folder}", step.commands
 
 
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_md_failovers_folder_goes_with_its_server_unit(manager):
+    """A server that leaves a rootless host (moved elsewhere, or destroy) takes md-failover's
+    folder in the user's cache with it; the rootless lab's destroy test found it left behind.
+    On a host with root the unit's RuntimeDirectory goes by itself: nothing to remove."""
+    cluster = rootless_lab(manager, hosts=("node2",))
+    unit = "meshdeploy-server-gone"
+    folder = f"{cluster.host('node2').layout.cache}/{unit}"
+    units = {unit: have(manager, "x")}
+    stale = services.stale_units(context(cluster, "node2", units, manager))
+    assert stale.commands[-1] == f"rm -rf -- {folder}", stale.commands
+    (step,) = services.destroy(context(cluster, "node2", units, manager), purge=False).steps
+    assert step.commands[-1] == f"rm -rf -- {folder}", step.commands
+    rooted = services.destroy(context(rootless_lab(manager, hosts=()), "node2", units,
+                                      manager), purge=False).steps[0]
+    assert not any(c.startswith("rm -rf") for c in rooted.commands), rooted.commands
+    with pytest.raises(PlanError):  # a name a host reported, checked before it reaches a path
+        services.stale_units(context(cluster, "node2", {"meshdeploy-server-x/../..": units[unit]},
+                                     manager))
+
+
 def test_user_health_wait_reads_nrestarts_through_systemctl_user(tmp_path):
     step = orchestrator.llama_server(context(rootless_lab(SYSTEMD_USER), "node1",
                                              manager=SYSTEMD_USER), "main")

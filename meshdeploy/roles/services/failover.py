@@ -7,6 +7,7 @@ import json
 
 from meshdeploy.core import shell
 from meshdeploy.core.registry import StatusProbe, StatusRow
+from meshdeploy.core.units import unit_name
 
 FILE = "failover.json"
 
@@ -20,6 +21,16 @@ def folder(host, server) -> str:
     if host.layout.rootless:
         return f"{host.layout.cache}/{server.unit_name}"
     return f"/run/{server.unit_name}"
+
+
+def remove_folder(host, unit: str) -> list[str]:
+    """Commands that remove md-failover's folder of the llama-server unit `unit` with it (a
+    name the Units fact reported, checked first: no "/" can reach elsewhere). On a rootless
+    host only: a system unit's RuntimeDirectory goes with the unit."""
+    if not host.layout.rootless:
+        return []
+    return [shell.command("rm", "-rf", "--",
+                          f"{host.layout.cache}/{unit_name(unit, 'service name')}")]
 
 
 def state_path(host, server) -> str:

@@ -21,6 +21,7 @@ from meshdeploy.core.probe import Section
 from meshdeploy.errors import PlanError
 from meshdeploy.roles.services import argv as argvs
 from meshdeploy.roles.services import defaults as d
+from meshdeploy.roles.services import failover
 from meshdeploy.roles.services import rootless
 from meshdeploy.roles.services.facts import (
     Groups,
@@ -290,6 +291,9 @@ def stale_units(ctx: HostContext) -> Step:
     if not stale:
         return Step(ctx.change(ROLE, "cleanup", "no-op", "no stale units"))
     cmds = [mgr.remove(u) for u in stale] + mgr.reload()
+    for u in stale:  # a server moved off a rootless host: md-failover's folder goes too
+        if _unit_resource(u).startswith("llama_server["):
+            cmds += failover.remove_folder(ctx.host, u)
     return Step(ctx.change(ROLE, "cleanup", "delete", "no longer in the cluster file",
                            [AttrDiff("units", " ".join(stale), None)]), cmds)
 
@@ -320,6 +324,7 @@ def destroy(ctx: HostContext, purge: bool) -> Teardown:
             cmds.append(shell.command("sh", "-c",
                                       f'rm -f -- "$0"/{d.services_failover_script}-*.py',
                                       f"{ctx.prefix}/tools"))
+            cmds += failover.remove_folder(ctx.host, unit)
         steps.append(Step(ctx.change(ROLE, _unit_resource(unit), "delete",
                                      "leaves the cluster: stopped, disabled, removed",
                                      [AttrDiff("unit", unit, None),
