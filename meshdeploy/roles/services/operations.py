@@ -291,9 +291,12 @@ def stale_units(ctx: HostContext) -> Step:
     if not stale:
         return Step(ctx.change(ROLE, "cleanup", "no-op", "no stale units"))
     cmds = [mgr.remove(u) for u in stale] + mgr.reload()
-    for u in stale:  # a server moved off a rootless host: md-failover's folder goes too
-        if _unit_resource(u).startswith("llama_server["):
-            cmds += failover.remove_folder(ctx.host, u)
+    servers_gone = [u for u in stale if _unit_resource(u).startswith("llama_server[")]
+    for u in servers_gone:  # a server moved off a rootless host: md-failover's folder goes too
+        cmds += failover.remove_folder(ctx.host, u)
+    if servers_gone and not list(ctx.servers()):
+        # The last server left this host: md-failover's script with it (servers share it).
+        cmds.append(_failover_scripts_removed(ctx))
     return Step(ctx.change(ROLE, "cleanup", "delete", "no longer in the cluster file",
                            [AttrDiff("units", " ".join(stale), None)]), cmds)
 
@@ -306,6 +309,13 @@ def _unit_resource(unit: str) -> str:
     kind, _, rest = short.partition("-")
     return {"rpc": f"rpc_server[{rest}]", "server": f"llama_server[{rest}]",
             "ssh": f"ssh_forward[{rest}]"}.get(kind, f"unit[{unit}]")
+
+
+def _failover_scripts_removed(ctx: HostContext) -> str:
+    """md-failover's scripts in the host's tools folder removed (the folder arrives as $0, the
+    name's pattern is fixed text)."""
+    return shell.command("sh", "-c", f'rm -f -- "$0"/{d.services_failover_script}-*.py',
+                         f"{ctx.prefix}/tools")
 
 
 def destroy(ctx: HostContext, purge: bool) -> Teardown:
@@ -321,9 +331,7 @@ def destroy(ctx: HostContext, purge: bool) -> Teardown:
         if _unit_resource(unit).startswith("llama_server["):
             # md-failover, the program a server's unit may run, goes with the unit (the folder
             # arrives as $0, the name's pattern is fixed text).
-            cmds.append(shell.command("sh", "-c",
-                                      f'rm -f -- "$0"/{d.services_failover_script}-*.py',
-                                      f"{ctx.prefix}/tools"))
+            cmds.append(_failover_scripts_removed(ctx))
             cmds += failover.remove_folder(ctx.host, unit)
         steps.append(Step(ctx.change(ROLE, _unit_resource(unit), "delete",
                                      "leaves the cluster: stopped, disabled, removed",
