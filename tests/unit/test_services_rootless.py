@@ -340,6 +340,24 @@ def test_md_failovers_folder_goes_with_its_server_unit(manager):
                                      manager))
 
 
+def test_md_failovers_scripts_go_and_their_folder_once_empty(tmp_path):
+    """Run for real: the rootless lab's destroy found an empty tools folder left behind once
+    the server had moved off the host."""
+    from types import SimpleNamespace
+
+    tools = tmp_path / "tools"
+    for others in ((), ("md-rpc-seed",)):
+        tools.mkdir()
+        (tools / "md-failover-0123456789ab.py").write_text("x")
+        for name in others:
+            (tools / name).write_text("y")
+        command = services._failover_scripts_removed(SimpleNamespace(prefix=str(tmp_path)))
+        assert subprocess.run(["sh", "-c", command]).returncode == 0
+        assert (sorted(p.name for p in tools.iterdir()) if tools.exists() else None) == \
+            (list(others) or None)
+        shutil.rmtree(tools, ignore_errors=True)
+
+
 def test_user_health_wait_reads_nrestarts_through_systemctl_user(tmp_path):
     step = orchestrator.llama_server(context(rootless_lab(SYSTEMD_USER), "node1",
                                              manager=SYSTEMD_USER), "main")

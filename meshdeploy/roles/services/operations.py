@@ -312,10 +312,10 @@ def _unit_resource(unit: str) -> str:
 
 
 def _failover_scripts_removed(ctx: HostContext) -> str:
-    """md-failover's scripts in the host's tools folder removed (the folder arrives as $0, the
-    name's pattern is fixed text)."""
-    return shell.command("sh", "-c", f'rm -f -- "$0"/{d.services_failover_script}-*.py',
-                         f"{ctx.prefix}/tools")
+    """md-failover's scripts in the host's tools folder removed, and the folder once empty
+    (the folder arrives as $0, the name's pattern is fixed text)."""
+    return shell.command("sh", "-c", f'rm -f -- "$0"/{d.services_failover_script}-*.py; '
+                         'rmdir -- "$0" 2>/dev/null; true', f"{ctx.prefix}/tools")
 
 
 def destroy(ctx: HostContext, purge: bool) -> Teardown:
