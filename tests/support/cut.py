@@ -56,3 +56,16 @@ def wait_state(info, host: str, path: str, predicate, timeout: float,
 def serving(lost: list[str]):
     """A predicate: md-failover serves with exactly `lost` away."""
     return lambda s: s.get("state") == "serving" and s.get("lost") == lost
+
+
+def assert_degraded(path, lost: str) -> None:
+    """`meshdeploy status` of the cluster file `path` says degraded, and md-failover's row
+    names the placement without `lost`."""
+    from support.cli import meshdeploy
+
+    from meshdeploy.errors import DEGRADED
+
+    status = meshdeploy("status", path, "--json")
+    assert status.returncode == DEGRADED, status.stdout + status.stderr
+    row = next(r for r in json.loads(status.stdout) if r["service"] == "failover main")
+    assert row["answer"].startswith(f"without {lost} since "), row
