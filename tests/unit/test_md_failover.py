@@ -5,6 +5,8 @@ a stand-in llama-server that dials every --rpc endpoint, holds the connections a
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -416,3 +418,50 @@ def test_a_health_probe_is_answered_at_once_while_no_placement_runs(setup):
         assert json.loads(err.value.read())["error"]["message"] == "down while nb is away"
         assert time.monotonic() - began < 2
     a.stop()
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("md_failover", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_after_llama_server_aborts_only_a_worker_that_connected_is_asked_again():
+    """After llama-server exits, the workers it dialed are asked HELLO up to three times: one
+    may still be finishing its last graph. A worker whose connect timed out (nothing answered
+    the SYN: a link that dropped silently) is not asked again: with the old code the three
+    tries kept the server down for about 4 s more after every silent loss (a 2 GB model's
+    run in benchmarks/failover.py: the switch 9.6 s after the cut, llama-server's abort at
+    5.7 s). Real sockets on loopback: an accept queue kept full drops every SYN."""
+    md = _module()
+    answering = FakeRpc()
+    silent = socket.socket()  # accepts (the kernel completes the handshake), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    unreachable = socket.socket()
+    unreachable.bind(("127.0.0.1", 0))
+    unreachable.listen(0)
+    queued = [socket.create_connection(unreachable.getsockname(), timeout=1)]
+    targets = {"na": f"127.0.0.1:{answering.port}",
+               "ns": f"127.0.0.1:{silent.getsockname()[1]}",
+               "nu": f"127.0.0.1:{unreachable.getsockname()[1]}"}
+    asked = []
+    real = md.hello
+
+    def counting(target, deadline=md.HELLO_TIMEOUT):
+        asked.append(target)
+        return real(target, deadline)
+
+    md.hello = counting
+    opts = argparse.Namespace(worker=[f"{n}={t}" for n, t in targets.items()], placement=[],
+                              argv=["llama-server"], state=None, settle=2)
+    sup = md.Supervisor(opts)
+    assert sup.answering(["na", "ns", "nu"], tries=md.HELLO_TRIES) == {"na"}
+    assert [asked.count(targets[n]) for n in ("na", "ns", "nu")] == [1, md.HELLO_TRIES, 1]
+    md.hello = real
+    assert [md.hello(targets[n]) for n in ("na", "ns", "nu")] == [
+        md.ANSWERED, md.NO_ANSWER, md.UNREACHABLE]
+    for s in (*queued, silent, unreachable):
+        s.close()
+    answering.stop()

@@ -312,6 +312,12 @@ def test_md_failover_on_a_rootless_host_keeps_its_state_outside_the_runtime_fold
     if manager == SYSTEMD_USER:
         assert f"ReadWritePaths={folder}\n" in text and "InaccessiblePaths=%t\n" in text
     assert step.commands[0] == f"mkdir -p {folder} && chmod 700 {folder}", step.commands
+    # ... and again at every start, before the sandbox needs it: a user who empties ~/.cache
+    # left a systemd --user unit failing (226/NAMESPACE) and md-failover unable to write its
+    # state until the next apply (the rootless lab's test removes the folder and restarts).
+    made = (f"ExecStartPre=+/bin/mkdir -p -m 700 {folder}\n" if manager == SYSTEMD_USER
+            else f"mkdir -p -m 700 {folder}\nexec ")
+    assert made in text, text
 
 
 @pytest.mark.parametrize("manager", MANAGERS)

@@ -384,7 +384,7 @@ def common_options(key, known, user="md", port="22") -> list[str]:
             "-o", f'UserKnownHostsFile="{known}"', "-o", "GlobalKnownHostsFile=/dev/null",
             "-o", "StrictHostKeyChecking=yes", "-o", "UpdateHostKeys=no",
             "-o", "Ciphers=aes128-gcm@openssh.com,chacha20-poly1305@openssh.com",
-            "-o", "Compression=no", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
+            "-o", "Compression=no", "-o", "ServerAliveInterval=1", "-o", "ServerAliveCountMax=3",
             "-o", "ConnectTimeout=10", "-p", port, "-l", user]
 
 

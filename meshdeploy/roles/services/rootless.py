@@ -70,7 +70,12 @@ def user_unit(template: str, cluster, host, argv: list, env: dict, where: str,
               **values) -> str:
     """A systemd --user unit from `template` (rpc-server.user.service or
     llama-server.user.service)."""
-    warning = f'ExecStartPre=/bin/echo "{EXPOSED}"\n' if exposed else ""
+    pre = f'ExecStartPre=/bin/echo "{EXPOSED}"\n' if exposed else ""
+    # Each folder it writes made again at every start, outside the sandbox ("+": the user's
+    # own rights, no namespace), before ReadWritePaths= must find it: a user who empties
+    # ~/.cache leaves a unit that starts, not one that fails until the next apply.
+    pre += "".join(f"ExecStartPre=+{exec_line(['/bin/mkdir', '-p', '-m', '700', w], where)}\n"
+                       for w in writable)
     sandbox = "MemoryDenyWriteExecute=yes\n" if host.backend in d.services_deny_write_execute \
         else ""
     sandbox += file_sandbox(host, writable, userns, where)
@@ -78,14 +83,16 @@ def user_unit(template: str, cluster, host, argv: list, env: dict, where: str,
                   exec_start=exec_line(argv, f"{where} (ExecStart)"),
                   environment="".join(env_line(k, v, f"{where} (Environment)")
                                       for k, v in sorted(env.items())),
-                  warning=warning, sandbox=sandbox, failover=failover, **values)
+                  pre=pre, sandbox=sandbox, failover=failover, **values)
 
 
 def runit_run(cluster, argv: list, env: dict, description: str, sh: str | None,
-              where: str, exposed: bool = False) -> str:
+              where: str, exposed: bool = False, writable=()) -> str:
     """A runit service's `run`: sh runs it (the host's own, from the RunitTools fact), every
     value a quoted word (core.shell), the environment exported, stderr joined to stdout (svlogd
-    keeps both), then exec of the binary, so runsv supervises the server itself."""
+    keeps both), the folders it writes made again (`writable`: a user who empties ~/.cache
+    loses nothing but what was in them), then exec of the binary, so runsv supervises the
+    server itself."""
     if not sh:
         raise PlanError(f"{where}: the host has no sh on PATH for runit's run scripts",
                         hint="install runit's tools (Termux: pkg install termux-services)")
@@ -95,6 +102,7 @@ def runit_run(cluster, argv: list, env: dict, description: str, sh: str | None,
         raise PlanError(f"{where}: the program {argv[0]!r} is not an absolute path")
     environment = "".join(f"export {shell.assign(k, v)}\n" for k, v in sorted(env.items()))
     warning = shell.command("echo", EXPOSED) + "\n" if exposed else ""
+    warning += "".join(shell.command("mkdir", "-p", "-m", "700", w) + "\n" for w in writable)
     return render(TEMPLATES / "runit.run", sh=sh, cluster=comment_value(cluster.name, "cluster"),
                   description=comment_value(description, where), environment=environment,
                   warning=warning, argv=shell.join(argv))
@@ -136,12 +144,13 @@ def want(ctx, mgr, where: str, argv: list, env: dict, description: str,
 
     + after: whole lines a unit template takes as ${after} (ordered_after's; runit has no
       ordering: llama-server's worker checks stand for it)
-    + writable: folders the service writes, in a systemd --user unit's sandbox"""
+    + writable: folders the service writes (made at each start; in a systemd --user unit's
+      sandbox, the ones it may write)"""
     if isinstance(mgr, Runit):
         # Without the RunitTools fact at all (a plan rendered without a probe) the POSIX path
         # stands in; a probed host without sh was refused at preflight.
         sh = mgr.tools.get("sh") if ctx.fact("services.RunitTools") is not None else "/bin/sh"
-        return runit_run(ctx.cluster, argv, env, description, sh, where, exposed)
+        return runit_run(ctx.cluster, argv, env, description, sh, where, exposed, writable)
     quoted = {k: line_value(v, where) if isinstance(v, str) else v for k, v in values.items()}
     if after is not None:
         quoted["after"] = after

@@ -85,22 +85,31 @@ def log(message):
     print(f"md-failover: {message}", file=sys.stderr, flush=True)
 
 
+ANSWERED, NO_ANSWER, UNREACHABLE = "answered", "no answer", "unreachable"
+
+
 def hello(target, deadline=HELLO_TIMEOUT):
     """Whether rpc-server answers HELLO at "addr:port" within `deadline` seconds in all (a
     forward whose worker is gone accepts the connect and then closes it: only the reply
-    counts; a listener that dribbles its reply out does not hold the caller longer)."""
+    counts; a listener that dribbles its reply out does not hold the caller longer):
+    ANSWERED; UNREACHABLE when the connect itself timed out (nothing answered the SYN: a link
+    that is down, or a backlog full of queued clients); NO_ANSWER otherwise (refused, closed,
+    or no reply: a worker still finishing its last graph, an rpc-server restarting)."""
     addr, _, port = target.rpartition(":")
     end = time.monotonic() + deadline
     try:
         s = socket.create_connection((addr, int(port)), timeout=deadline)
+    except socket.timeout:
+        return UNREACHABLE
     except (OSError, ValueError):
-        return False
+        return NO_ANSWER
     try:
         s.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
         size = struct.unpack("<Q", _recv(s, 8, end))[0]
-        return size <= REPLY_MAX and len(_recv(s, size, end)) == size
+        ok = size <= REPLY_MAX and len(_recv(s, size, end)) == size
+        return ANSWERED if ok else NO_ANSWER
     except (OSError, EOFError, struct.error):
-        return False
+        return NO_ANSWER
     finally:
         s.close()
 
@@ -366,7 +375,10 @@ class Supervisor:
     # --- what answers -------------------------------------------------------------------------
     def answering(self, names, tries=1):
         """The workers among `names` whose every rpc-server answers HELLO, asked at once (a
-        lost worker's dead connections nudged first); `tries` asks a silent one again."""
+        lost worker's dead connections nudged first); `tries` asks a silent one again, not
+        one whose connect timed out (a link that dropped silently: asking it again would only
+        keep the server down longer; a busy one that dropped the SYN comes back as any lost
+        worker does)."""
         names = list(names)
         targets = [t for n in names for t in self.workers[n]]
         if not targets:
@@ -378,8 +390,11 @@ class Supervisor:
                 if t == target:
                     nudge(local, t)
             for i in range(tries):
-                if hello(target):
+                answer = hello(target)
+                if answer == ANSWERED:
                     return True
+                if answer == UNREACHABLE:
+                    return False
                 if i + 1 < tries:
                     time.sleep(0.5)
             return False

@@ -34,7 +34,7 @@ ssh_to() {
     -o "UserKnownHostsFile=\"$known\"" -o GlobalKnownHostsFile=/dev/null \
     -o StrictHostKeyChecking=yes -o UpdateHostKeys=no \
     -o Ciphers=aes128-gcm@openssh.com,chacha20-poly1305@openssh.com -o Compression=no \
-    -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -o ConnectTimeout=10 \
+    -o ServerAliveInterval=1 -o ServerAliveCountMax=3 -o ConnectTimeout=10 \
     -p "$sshport" -l "$user" "$@"
 }
 master='' stopping=''
