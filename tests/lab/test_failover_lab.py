@@ -15,7 +15,7 @@ import time
 import pytest
 from support.cli import meshdeploy
 
-from meshdeploy.errors import DEGRADED, OK
+from meshdeploy.errors import DEGRADED, DOWN, OK
 from meshdeploy.lab import net
 
 pytestmark = [pytest.mark.lab, pytest.mark.build]
@@ -213,6 +213,51 @@ def test_a_stopped_worker_switches_at_once_and_its_return_is_seen(lab):
     assert complete(info)
     done = meshdeploy("plan", lab[1])
     assert "No changes" in done.stdout, done.stdout
+
+
+def test_with_no_placement_for_the_workers_left_the_server_is_down_not_restarting(lab):
+    """Both workers away: tolerate 1 has no placement for that set (as a model that does not
+    fit without one worker has none for it). md-failover says "down while node2, node3 are
+    away" in its state, its log and to a request (503 from its front at once), starts no
+    llama-server (no restart loop), and `meshdeploy status` exits DOWN with that row. The
+    first worker back brings the placement with it, both back the full one."""
+    info, _ = lab
+    assert wait_state(info, lambda s: s.get("state") == "serving" and not s["lost"], 60)[0]
+    for host in ("node2", "node3"):
+        info.run(host, "sudo -n systemctl stop meshdeploy-rpc-50052", check=True)
+    try:
+        s, _ = wait_state(info, lambda s: s["state"] == "down", 60)
+        assert s["state"] == "down" and s["lost"] == ["node2", "node3"], s
+        time.sleep(6)  # three of md-failover's 2 s rounds: still down, nothing started
+        assert state(info)["state"] == "down"
+        running = info.run("node1", "pgrep -c -x llama-server")
+        assert running.stdout.strip() == "0", running.stdout
+        body = json.dumps({"prompt": "x", "n_predict": 1})
+        refused = subprocess.run(
+            ["ip", "netns", "exec", net.host_netns(info.name, "node1"), "curl", "-s", "-m",
+             "10", "-w", "\n%{http_code}", "-H", "Content-Type: application/json", "-d", body,
+             "http://127.0.0.1:8080/completion"], capture_output=True, text=True, timeout=20)
+        assert refused.stdout.endswith("\n503"), refused.stdout
+        assert "down while node2, node3 are away" in refused.stdout, refused.stdout
+        done = meshdeploy("status", lab[1], "--json", "--window", "0")
+        assert done.returncode == DOWN, done.stdout + done.stderr
+        rows = {(r["host"], r["service"]): r for r in json.loads(done.stdout)}
+        assert rows[("node1", "failover main")]["answer"].startswith(
+            "down while node2, node3 are away"), rows
+        log = info.run("node1", "sudo -n journalctl -u meshdeploy-server-main --no-pager "
+                                "| grep 'down while'")
+        assert "down while node2, node3 are away: no placement without them" in log.stdout, \
+            log.stdout + log.stderr
+        info.run("node2", "sudo -n systemctl start meshdeploy-rpc-50052", check=True)
+        s, _ = wait_state(info, lambda s: s["state"] == "serving", 60)
+        assert s["lost"] == ["node3"], s
+    finally:
+        for host in ("node2", "node3"):
+            info.run(host, "sudo -n systemctl start meshdeploy-rpc-50052")
+    s, _ = wait_state(info, lambda s: s["lost"] == [] and s["state"] == "serving", 90)
+    assert s["lost"] == [] and s["state"] == "serving", s
+    wait_for_health(info, 60)
+    assert complete(info)
 
 
 def test_apply_limited_to_the_hosts_left_keeps_the_failover_in_force(lab):
