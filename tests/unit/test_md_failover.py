@@ -166,9 +166,13 @@ def setup(tmp_path):
     procs = []
 
     def start(workers: dict, placements: list, port: int, env: dict | None = None,
-              front: bool = False):
-        argv = [sys.executable, str(SCRIPT), "--state", str(short / "state.json"),
-                "--interval", "0.5"]
+              front: bool = False, platform: str | None = None):
+        # platform: md-failover run as on another system (sys.platform set before it starts)
+        run = [sys.executable, str(SCRIPT)] if platform is None else [
+            sys.executable, "-c", "import runpy, sys; sys.platform = sys.argv.pop(1); "
+            "sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name='__main__')",
+            platform, str(SCRIPT)]
+        argv = [*run, "--state", str(short / "state.json"), "--interval", "0.5"]
         if front:
             argv += ["--front", f"127.0.0.1:{port}"]
         for name, rpc in workers.items():
@@ -465,3 +469,32 @@ def test_after_llama_server_aborts_only_a_worker_that_connected_is_asked_again()
     for s in (*queued, silent, unreachable):
         s.close()
     answering.stop()
+
+
+def test_without_the_kernels_table_a_lost_worker_is_seen_when_llama_server_exits(setup):
+    """macOS (launchd) has no pidfd_getfd and no /proc: md-failover watches nothing there and
+    learns of a lost worker from llama-server's exit (it aborts on the worker's closed end).
+    No Mac here: md-failover run with sys.platform "darwin" on Linux, which takes the same
+    path, shows it switches and comes back without touching /proc for llama-server's sockets."""
+    start, starts, tmp = setup
+    a, b = FakeRpc(), FakeRpc()
+    both, only_a = f"127.0.0.1:{a.port},127.0.0.1:{b.port}", f"127.0.0.1:{a.port}"
+    proc = start({"na": a, "nb": b}, [["-", both, "-"], ["nb", only_a, "-"]], free_port(),
+                 platform="darwin")
+    assert wait_for(lambda: len(starts()) == 1), proc.stderr
+    child = wait_for(lambda: json.loads((tmp / "state.json").read_text()).get("pid"))
+    b.stop()
+    assert wait_for(lambda: len(starts()) == 2)
+    assert rpc_of(starts()[1]) == only_a
+    assert wait_for(lambda: json.loads((tmp / "state.json").read_text())["lost"] == ["nb"])
+    b2 = FakeRpc(b.port)
+    assert wait_for(lambda: len(starts()) == 3)
+    assert rpc_of(starts()[2]) == both and proc.poll() is None
+    proc.terminate()
+    _, err = proc.communicate(timeout=20)
+    # It says at its start that it watches nothing (it said nothing before: the docs promised
+    # it), and learned of the loss from the exit.
+    assert "cannot watch llama-server's connections (darwin has no pidfd_getfd" in err, err
+    assert "llama-server exited with status" in err and child, err
+    a.stop()
+    b2.stop()

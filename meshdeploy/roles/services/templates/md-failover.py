@@ -739,6 +739,8 @@ class Supervisor:
     def run(self):
         just_lost, down_before, placement = set(), None, None
         self.resolve()
+        if not self.watching:
+            self.unwatch(f"{sys.platform} has no pidfd_getfd and no /proc/net/tcp")
         while not self.stopping:
             # Right after a loss, the workers the placement dialed besides the lost ones are
             # taken as they were (their connections were sound until llama-server stopped; a
