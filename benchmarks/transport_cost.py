@@ -76,7 +76,7 @@ SSHD_OPTIONS = {"ClientAliveInterval": "5", "ClientAliveCountMax": "3",
                 "AllowTcpForwarding": "local", "X11Forwarding": "no",
                 "AllowAgentForwarding": "no", "PermitTunnel": "no", "GatewayPorts": "no"}
 FORWARD = ["-L", f"127.0.0.1:{LOCAL_PORT}:127.0.0.1:{RPC_PORT}", "-o", "ExitOnForwardFailure=yes"]
-KEEPALIVE = ["-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
+KEEPALIVE = ["-o", "ServerAliveInterval=1", "-o", "ServerAliveCountMax=3"]  # as the forward
 # name -> ssh arguments before the destination; None: no ssh, llama-server dials the worker's
 # address (plain) or its tunnel address (wireguard, see netns_pair.Wireguard). "{ctl}": a
 # ControlPath.

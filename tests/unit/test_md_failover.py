@@ -167,9 +167,13 @@ def setup(tmp_path):
 
     def start(workers: dict, placements: list, port: int, env: dict | None = None,
               front: bool = False, platform: str | None = None):
-        # platform: md-failover run as on another system (sys.platform set before it starts)
+        # platform: md-failover run as on another system (sys.platform set before it starts),
+        # every file or folder it opens under /proc said on stderr ("read /proc/...")
         run = [sys.executable, str(SCRIPT)] if platform is None else [
-            sys.executable, "-c", "import runpy, sys; sys.platform = sys.argv.pop(1); "
+            sys.executable, "-c", "import os, runpy, sys; sys.platform = sys.argv.pop(1); "
+            "sys.addaudithook(lambda e, a: e in ('open', 'os.listdir', 'os.scandir') and "
+            "isinstance(a[0], str) and a[0].startswith('/proc/') and "
+            "os.write(2, ('read ' + a[0] + chr(10)).encode())); "
             "sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name='__main__')",
             platform, str(SCRIPT)]
         argv = [*run, "--state", str(short / "state.json"), "--interval", "0.5"]
@@ -431,25 +435,64 @@ def _module():
     return module
 
 
-def test_after_llama_server_aborts_only_a_worker_that_connected_is_asked_again():
+# Rows of /proc/net/tcp read in a network namespace (Linux 6.1) while a peer's namespace dropped
+# everything both ways (nftables, no RST): llama-server's connections as md-failover arms them
+# (keepalive 2 s idle, 1 s probes, 2 probes, 4 s user timeout).
+ROW_IDLE_OK = ("0: 0100FB0A:8ADA 0200FB0A:C384 01 00000000:00000000 02:00000096 00000000     0"
+               "        0 6185260 3 00000000090f1fef 20 0 0 10 -1")
+ROW_IDLE_PROBING = ("0: 0100FB0A:8ADA 0200FB0A:C384 01 00000000:00000000 02:00000045 00000000"
+                    "     0        1 6185260 2 00000000090f1fef 20 0 0 10 -1")  # 1.8 s after
+ROW_SENDING_RETRANSMITTING = ("1: 0100FB0A:8ADC 0200FB0A:C384 01 000003E8:00000000 01:0000004A"
+                              " 00000002     0        0 6185261 3 00000000719a0449 81 0 0 1 -1")
+
+
+def test_a_row_with_unanswered_retransmissions_or_probes_is_failing():
+    md = _module()
+    assert not md._failing(ROW_IDLE_OK.split())
+    assert md._failing(ROW_IDLE_PROBING.split())
+    assert md._failing(ROW_SENDING_RETRANSMITTING.split())
+    assert not md._failing(["0:", "x"])
+
+
+def test_after_llama_server_aborts_a_timed_out_connect_is_final_only_for_a_failing_link():
     """After llama-server exits, the workers it dialed are asked HELLO up to three times: one
-    may still be finishing its last graph. A worker whose connect timed out (nothing answered
-    the SYN: a link that dropped silently) is not asked again: with the old code the three
-    tries kept the server down for about 4 s more after every silent loss (a 2 GB model's
-    run in benchmarks/failover.py: the switch 9.6 s after the cut, llama-server's abort at
-    5.7 s). Real sockets on loopback: an accept queue kept full drops every SYN."""
+    may still be finishing its last graph, its backlog full of queued probes (every SYN then
+    times out). A worker whose connection from llama-server was failing at the last read of the
+    kernel's table (retransmissions or keepalive probes unanswered) and whose connect times out
+    is not asked again: its link is down. Before, the three tries kept the server down about
+    4 s longer after every silent loss (the 2 GB model in benchmarks/failover.py: switch 9.6 s
+    after the cut, llama-server's abort at 5.7 s). Real sockets on loopback: an accept queue
+    kept full drops every SYN, as a dropped link does."""
     md = _module()
     answering = FakeRpc()
     silent = socket.socket()  # accepts (the kernel completes the handshake), never answers
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
-    unreachable = socket.socket()
-    unreachable.bind(("127.0.0.1", 0))
-    unreachable.listen(0)
-    queued = [socket.create_connection(unreachable.getsockname(), timeout=1)]
+
+    def full():
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(0)
+        return s, socket.create_connection(s.getsockname(), timeout=1)
+
+    down, down_queued = full()  # the failing link
+    busy, busy_queued = full()  # a live worker that frees its backlog after 1.2 s
+
+    def serve_later():
+        time.sleep(1.2)
+        busy_queued.close()
+        while True:
+            try:
+                c, _ = busy.accept()
+            except OSError:
+                return
+            FakeRpc._one(c)
+
+    threading.Thread(target=serve_later, daemon=True).start()
     targets = {"na": f"127.0.0.1:{answering.port}",
                "ns": f"127.0.0.1:{silent.getsockname()[1]}",
-               "nu": f"127.0.0.1:{unreachable.getsockname()[1]}"}
+               "nd": f"127.0.0.1:{down.getsockname()[1]}",
+               "nb": f"127.0.0.1:{busy.getsockname()[1]}"}
     asked = []
     real = md.hello
 
@@ -461,12 +504,13 @@ def test_after_llama_server_aborts_only_a_worker_that_connected_is_asked_again()
     opts = argparse.Namespace(worker=[f"{n}={t}" for n, t in targets.items()], placement=[],
                               argv=["llama-server"], state=None, settle=2)
     sup = md.Supervisor(opts)
-    assert sup.answering(["na", "ns", "nu"], tries=md.HELLO_TRIES) == {"na"}
-    assert [asked.count(targets[n]) for n in ("na", "ns", "nu")] == [1, md.HELLO_TRIES, 1]
+    got = sup.answering(list(targets), tries=md.HELLO_TRIES, failing={"nd"})
+    assert got == {"na", "nb"}, (got, asked)
+    assert [asked.count(targets[n]) for n in ("na", "ns", "nd")] == [1, md.HELLO_TRIES, 1]
     md.hello = real
-    assert [md.hello(targets[n]) for n in ("na", "ns", "nu")] == [
+    assert [md.hello(targets[n]) for n in ("na", "ns", "nd")] == [
         md.ANSWERED, md.NO_ANSWER, md.UNREACHABLE]
-    for s in (*queued, silent, unreachable):
+    for s in (silent, down, down_queued, busy):
         s.close()
     answering.stop()
 
@@ -475,7 +519,8 @@ def test_without_the_kernels_table_a_lost_worker_is_seen_when_llama_server_exits
     """macOS (launchd) has no pidfd_getfd and no /proc: md-failover watches nothing there and
     learns of a lost worker from llama-server's exit (it aborts on the worker's closed end).
     No Mac here: md-failover run with sys.platform "darwin" on Linux, which takes the same
-    path, shows it switches and comes back without touching /proc for llama-server's sockets."""
+    path, shows it switches and comes back without reading /proc (an audit hook says what it
+    opens there)."""
     start, starts, tmp = setup
     a, b = FakeRpc(), FakeRpc()
     both, only_a = f"127.0.0.1:{a.port},127.0.0.1:{b.port}", f"127.0.0.1:{a.port}"
@@ -496,5 +541,6 @@ def test_without_the_kernels_table_a_lost_worker_is_seen_when_llama_server_exits
     # it), and learned of the loss from the exit.
     assert "cannot watch llama-server's connections (darwin has no pidfd_getfd" in err, err
     assert "llama-server exited with status" in err and child, err
+    assert "read /proc/" not in err, err  # on Linux: /proc/PID/fd, /proc/net/tcp every second
     a.stop()
     b2.stop()

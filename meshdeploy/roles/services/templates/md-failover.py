@@ -92,17 +92,33 @@ def hello(target, deadline=HELLO_TIMEOUT):
     """Whether rpc-server answers HELLO at "addr:port" within `deadline` seconds in all (a
     forward whose worker is gone accepts the connect and then closes it: only the reply
     counts; a listener that dribbles its reply out does not hold the caller longer):
-    ANSWERED; UNREACHABLE when the connect itself timed out (nothing answered the SYN: a link
-    that is down, or a backlog full of queued clients); NO_ANSWER otherwise (refused, closed,
-    or no reply: a worker still finishing its last graph, an rpc-server restarting)."""
+    ANSWERED; UNREACHABLE when every connect timed out (nothing answered the SYN: a link that is
+    down, or a backlog full of queued clients); NO_ANSWER otherwise (refused, closed, or no
+    reply: a worker still finishing its last graph, an rpc-server restarting)."""
     addr, _, port = target.rpartition(":")
     end = time.monotonic() + deadline
     try:
-        s = socket.create_connection((addr, int(port)), timeout=deadline)
-    except socket.timeout:
-        return UNREACHABLE
+        infos = socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
     except (OSError, ValueError):
         return NO_ANSWER
+    s, timed_out = None, True
+    for family, kind, proto, _, address in infos:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        s = socket.socket(family, kind, proto)
+        try:
+            s.settimeout(left)
+            s.connect(address)
+            break
+        except socket.timeout:
+            pass
+        except OSError:
+            timed_out = False  # refused or unreachable at once: someone answered
+        s.close()
+        s = None
+    if s is None:
+        return UNREACHABLE if timed_out else NO_ANSWER
     try:
         s.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
         size = struct.unpack("<Q", _recv(s, 8, end))[0]
@@ -156,6 +172,18 @@ def _address(hexed):
         return f"{socket.inet_ntoa(struct.pack('=I', int(addr, 16)))}:{int(port, 16)}"
     except ValueError:
         return None
+
+
+def _failing(w):
+    """Whether a row of /proc/net/tcp (split into words) shows data or keepalive probes its
+    peer has not answered: the retransmission count (hexadecimal) or the unanswered probe count
+    (decimal) above 0. A link that drops silently shows one of them within a second or two
+    (tests/unit/test_md_failover.py has rows read during such a cut); a live peer, however
+    busy its program, acknowledges at once."""
+    try:
+        return int(w[6], 16) > 0 or int(w[8]) > 0
+    except (IndexError, ValueError):
+        return False
 
 
 def _parent_death_signal():
@@ -342,6 +370,9 @@ class Supervisor:
         self.seen = set()
         self.armed = {}  # socket inode of llama-server's -> the worker at its other end
         self.connecting = {}  # socket inode of llama-server's in SYN_SENT -> since when
+        # workers whose connection from llama-server, at the last read of the kernel's table,
+        # had data or keepalive probes unanswered (its retransmission or probe count above 0)
+        self.failing = set()
         # worker -> {((addr, port), target)}: the local ends of llama-server's connections to
         # it, and (once it is lost) of those whose other end may still wait on the worker
         self.local = {}
@@ -373,12 +404,14 @@ class Supervisor:
                     self.owner.setdefault(f"{info[4][0]}:{info[4][1]}", name)
 
     # --- what answers -------------------------------------------------------------------------
-    def answering(self, names, tries=1):
+    def answering(self, names, tries=1, failing=()):
         """The workers among `names` whose every rpc-server answers HELLO, asked at once (a
-        lost worker's dead connections nudged first); `tries` asks a silent one again, not
-        one whose connect timed out (a link that dropped silently: asking it again would only
-        keep the server down longer; a busy one that dropped the SYN comes back as any lost
-        worker does)."""
+        lost worker's dead connections nudged first); `tries` asks a silent one again. A worker
+        in `failing` (llama-server's connection to it was retransmitting or probing unanswered
+        when last read) is not asked again once its connect times out: its link is down, and
+        asking again would only keep the server down longer. Any other worker's timed-out
+        connect may be a live rpc-server with its backlog full of queued probes, still
+        finishing its last graph: it is asked again."""
         names = list(names)
         targets = [t for n in names for t in self.workers[n]]
         if not targets:
@@ -386,6 +419,7 @@ class Supervisor:
 
         def ask(target):
             name = self.owner.get(target)
+            final = name in failing
             for local, t in self.stale.get(name, ()):
                 if t == target:
                     nudge(local, t)
@@ -393,7 +427,7 @@ class Supervisor:
                 answer = hello(target)
                 if answer == ANSWERED:
                     return True
-                if answer == UNREACHABLE:
+                if answer == UNREACHABLE and final:
                     return False
                 if i + 1 < tries:
                     time.sleep(0.5)
@@ -454,6 +488,7 @@ class Supervisor:
     def start(self, placement):
         self.seen.clear()
         self.local = {}
+        self.failing = set()
         if self.front is not None:
             self.front.down = None
             try:
@@ -621,7 +656,7 @@ class Supervisor:
             for row in rows:
                 w = row.split()
                 if len(w) > 9:
-                    table[w[9]] = (w[3], w[2])
+                    table[w[9]] = (w[3], w[2], _failing(w))
         if not read:
             # Without the table every connection would look gone (Android keeps it from apps).
             self.unwatch("the kernel's connection table cannot be read")
@@ -637,12 +672,14 @@ class Supervisor:
         for inode in [i for i in self.armed if i not in mine]:
             del self.armed[inode]  # closed by llama-server itself
         gone = {name for inode, name in self.armed.items() if table.get(inode, ("",))[0] != "01"}
+        self.failing = {name for inode, name in self.armed.items()
+                        if table.get(inode, ("", "", False))[2]}
         now = time.monotonic()
         for inode in [i for i in self.connecting if i not in mine or
                       table.get(i, ("",))[0] != "02"]:
             del self.connecting[inode]
         for inode in mine - set(self.armed):
-            state, remote = table.get(inode, ("", ""))
+            state, remote, _ = table.get(inode, ("", "", False))
             name = self.owner.get(_address(remote)) if state == "02" else None
             if name is None:
                 continue
@@ -794,7 +831,7 @@ class Supervisor:
                 if self.stopping:
                     continue
                 used = self.dials(placement)
-                gone = used - self.answering(used, tries=HELLO_TRIES)
+                gone = used - self.answering(used, tries=HELLO_TRIES, failing=self.failing)
                 if not gone:
                     # Not a worker's loss: the service manager restarts md-failover, as it would
                     # a llama-server that exits.
