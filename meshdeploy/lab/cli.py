@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="boot HOST from Debian for ARCH, one of " + ", ".join(arches.ARCHES) +
                     f" (default: {arches.NATIVE}; others run under qemu-user, which "
                     "qemu-user-static brings); repeatable")
-    sub.add_parser("down", parents=[common], help="stop the lab and remove every trace of it")
+    sub.add_parser("down", parents=[common],
+                   help="stop the lab and remove its hosts, networks and processes (its key "
+                        "pairs and ssh_config stay for the next lab of that name)")
     st = sub.add_parser("status", parents=[common], help="show the lab's hosts")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     return parser

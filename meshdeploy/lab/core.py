@@ -260,7 +260,9 @@ class Lab:
     # -- down -----------------------------------------------------------------------------
 
     def down(self) -> float:
-        """Remove every trace of the lab; safe to repeat. Returns the seconds it took."""
+        """Remove the lab's hosts, namespaces, mounts and processes (the key pairs and ssh_config
+        stay in its state folder for the next lab of that name); safe to repeat. Returns the
+        seconds it took."""
         if os.geteuid() != 0:
             raise LabError("taking the lab down needs root: run it as root")
         with self.locked():
