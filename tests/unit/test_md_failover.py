@@ -440,8 +440,10 @@ def _module():
 # (keepalive 2 s idle, 1 s probes, 2 probes, 4 s user timeout).
 ROW_IDLE_OK = ("0: 0100FB0A:8ADA 0200FB0A:C384 01 00000000:00000000 02:00000096 00000000     0"
                "        0 6185260 3 00000000090f1fef 20 0 0 10 -1")
-ROW_IDLE_PROBING = ("0: 0100FB0A:8ADA 0200FB0A:C384 01 00000000:00000000 02:00000045 00000000"
-                    "     0        1 6185260 2 00000000090f1fef 20 0 0 10 -1")  # 1.8 s after
+ROW_IDLE_ONE_PROBE = ("0: 0100FB0A:8ADA 0200FB0A:C384 01 00000000:00000000 02:00000045 00000000"
+                      "     0        1 6185260 2 00000000090f1fef 20 0 0 10 -1")  # 1.8 s after
+ROW_IDLE_PROBING = ("0: 0100FB0A:8ADA 0200FB0A:C384 01 00000000:00000000 02:00000050 00000000"
+                    "     0        2 6185260 2 00000000090f1fef 20 0 0 10 -1")  # 2.7 s after
 ROW_SENDING_RETRANSMITTING = ("1: 0100FB0A:8ADC 0200FB0A:C384 01 000003E8:00000000 01:0000004A"
                               " 00000002     0        0 6185261 3 00000000719a0449 81 0 0 1 -1")
 
@@ -449,9 +451,33 @@ ROW_SENDING_RETRANSMITTING = ("1: 0100FB0A:8ADC 0200FB0A:C384 01 000003E8:000000
 def test_a_row_with_unanswered_retransmissions_or_probes_is_failing():
     md = _module()
     assert not md._failing(ROW_IDLE_OK.split())
+    # One probe awaiting its answer is a round trip's normal state on a live link too.
+    assert not md._failing(ROW_IDLE_ONE_PROBE.split())
     assert md._failing(ROW_IDLE_PROBING.split())
     assert md._failing(ROW_SENDING_RETRANSMITTING.split())
     assert not md._failing(["0:", "x"])
+
+
+def test_what_was_read_of_a_failing_link_survives_llama_servers_exit():
+    """llama-server aborts the moment the user timeout ends its connection, and the next read
+    of the kernel's table finds it exited but not yet reaped: its /proc/PID/fd lists nothing.
+    That read emptied the failing set (and took every connection for closed by llama-server
+    itself), so the exit's handling never saw the failing link (found by review: the first
+    version of this never applied)."""
+    md = _module()
+    opts = argparse.Namespace(worker=["nd=127.0.0.1:9"], placement=[], argv=["llama-server"],
+                              state=None, settle=2)
+    sup = md.Supervisor(opts)
+    sup.watching = True
+    sup.child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and \
+            not Path(f"/proc/{sup.child.pid}/stat").read_text().split(") ")[1].startswith("Z"):
+        time.sleep(0.05)  # a zombie: exited, not reaped (nothing here waits for it)
+    sup.armed, sup.failing = {"999999999": "nd"}, {"nd"}
+    assert sup.hung_up(0) == set()
+    assert sup.failing == {"nd"} and sup.armed == {"999999999": "nd"}
+    assert sup.child.poll() == 0  # its exit is still there for serve() to see
 
 
 def test_after_llama_server_aborts_a_timed_out_connect_is_final_only_for_a_failing_link():

@@ -101,21 +101,25 @@ def hello(target, deadline=HELLO_TIMEOUT):
         infos = socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
     except (OSError, ValueError):
         return NO_ANSWER
+    if not infos:
+        return NO_ANSWER
     s, timed_out = None, True
-    for family, kind, proto, _, address in infos:
-        left = end - time.monotonic()
+    for i, (family, kind, proto, _, address) in enumerate(infos):
+        left = (end - time.monotonic()) / (len(infos) - i)  # a share for each address left
         if left <= 0:
             break
-        s = socket.socket(family, kind, proto)
         try:
+            s = socket.socket(family, kind, proto)
             s.settimeout(left)
             s.connect(address)
             break
         except socket.timeout:
             pass
         except OSError:
-            timed_out = False  # refused or unreachable at once: someone answered
-        s.close()
+            # refused or unreachable at once (someone answered), or no such socket here
+            timed_out = False
+        if s is not None:
+            s.close()
         s = None
     if s is None:
         return UNREACHABLE if timed_out else NO_ANSWER
@@ -177,11 +181,12 @@ def _address(hexed):
 def _failing(w):
     """Whether a row of /proc/net/tcp (split into words) shows data or keepalive probes its
     peer has not answered: the retransmission count (hexadecimal) or the unanswered probe count
-    (decimal) above 0. A link that drops silently shows one of them within a second or two
-    (tests/unit/test_md_failover.py has rows read during such a cut); a live peer, however
-    busy its program, acknowledges at once."""
+    (decimal) at 2 or more. A link that drops silently reaches one of them in the seconds
+    before the user timeout ends the connection (tests/unit/test_md_failover.py has rows read
+    during such a cut); a live peer, however busy its program, acknowledges at once (one
+    probe or one retransmission awaiting its answer is a round trip's normal state)."""
     try:
-        return int(w[6], 16) > 0 or int(w[8]) > 0
+        return int(w[6], 16) >= 2 or int(w[8]) >= 2
     except (IndexError, ValueError):
         return False
 
@@ -669,6 +674,10 @@ class Supervisor:
                     mine.add(link[8:-1])
         except OSError:
             return set()  # it is ending: its exit says the rest
+        if self.child.poll() is not None:
+            # It ended (an unreaped llama-server lists no descriptors): what was read of its
+            # connections stays as it was for the exit's handling (failing).
+            return set()
         for inode in [i for i in self.armed if i not in mine]:
             del self.armed[inode]  # closed by llama-server itself
         gone = {name for inode, name in self.armed.items() if table.get(inode, ("",))[0] != "01"}
