@@ -128,7 +128,7 @@ def cluster_text(info, model: str, folder: Path) -> str:
 def one_loss(info, loop: Loop) -> dict:
     wait_state(info, lambda s: s.get("state") == "serving" and not s["lost"])
     time.sleep(5)
-    t0 = time.monotonic()
+    t0, wall = time.monotonic(), time.time()
     cut(info, "node3", True)
     try:
         detect = wait_state(info, lambda s: s["lost"] == ["node3"])
@@ -143,7 +143,25 @@ def one_loss(info, loop: Loop) -> dict:
     t1 = time.monotonic()
     full = wait_state(info, lambda s: s.get("state") == "serving" and not s["lost"])
     return {"detect_s": detect, "serving_again_s": None if served is None else served - t0,
-            "back_to_full_s": full, "back_at": t1}
+            "back_to_full_s": full, "back_at": t1, "log": failover_log(info, wall)}
+
+
+def failover_log(info, since: float) -> list[str]:
+    """md-failover's lines in node1's journal since `since` (epoch seconds), each with its time
+    after that: which way it learned of the loss (its watcher, "lost node3: ...", or
+    llama-server's exit) and when it started the next placement."""
+    done = info.run("node1", "sudo -n journalctl -u meshdeploy-server-main --no-pager "
+                             f"-o short-unix --since @{since:.3f}")
+    out = []
+    for line in done.stdout.splitlines():
+        stamp, _, rest = line.partition(" ")
+        if "md-failover: " in rest:
+            try:
+                at = float(stamp) - since
+            except ValueError:
+                continue
+            out.append(f"  +{at:5.1f} s  {rest.split('md-failover: ', 1)[1]}")
+    return out
 
 
 def flaps(info, loop: Loop, cycles: int, away: float, back: float) -> list[dict]:
@@ -202,6 +220,7 @@ def main() -> int:
             print(f"silent loss of node3: switch after {loss['detect_s']:.1f} s, first completion "
                   f"answered {loss['serving_again_s']:.1f} s after the loss; link back: full "
                   f"placement after {loss['back_to_full_s']:.1f} s")
+            print("md-failover's log from the cut on:", *loss["log"], sep="\n")
             rows = flaps(info, loop, args.cycles, args.away, args.back)
         finally:
             loop.stop()
