@@ -376,7 +376,7 @@ class Supervisor:
         self.armed = {}  # socket inode of llama-server's -> the worker at its other end
         self.connecting = {}  # socket inode of llama-server's in SYN_SENT -> since when
         # workers whose connection from llama-server, at the last read of the kernel's table,
-        # had data or keepalive probes unanswered (its retransmission or probe count above 0)
+        # had data or keepalive probes unanswered (_failing: a count at 2 or more)
         self.failing = set()
         # worker -> {((addr, port), target)}: the local ends of llama-server's connections to
         # it, and (once it is lost) of those whose other end may still wait on the worker
