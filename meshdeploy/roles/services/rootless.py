@@ -75,7 +75,7 @@ def user_unit(template: str, cluster, host, argv: list, env: dict, where: str,
     # own rights, no namespace), before ReadWritePaths= must find it: a user who empties
     # ~/.cache leaves a unit that starts, not one that fails until the next apply.
     pre += "".join(f"ExecStartPre=+{exec_line(['/bin/mkdir', '-p', '-m', '700', w], where)}\n"
-                       for w in writable)
+                   for w in writable)
     sandbox = "MemoryDenyWriteExecute=yes\n" if host.backend in d.services_deny_write_execute \
         else ""
     sandbox += file_sandbox(host, writable, userns, where)
@@ -101,11 +101,11 @@ def runit_run(cluster, argv: list, env: dict, description: str, sh: str | None,
     if not argv[0].startswith("/"):
         raise PlanError(f"{where}: the program {argv[0]!r} is not an absolute path")
     environment = "".join(f"export {shell.assign(k, v)}\n" for k, v in sorted(env.items()))
-    warning = shell.command("echo", EXPOSED) + "\n" if exposed else ""
-    warning += "".join(shell.command("mkdir", "-p", "-m", "700", w) + "\n" for w in writable)
+    pre = shell.command("echo", EXPOSED) + "\n" if exposed else ""
+    pre += "".join(shell.command("mkdir", "-p", "-m", "700", w) + "\n" for w in writable)
     return render(TEMPLATES / "runit.run", sh=sh, cluster=comment_value(cluster.name, "cluster"),
                   description=comment_value(description, where), environment=environment,
-                  warning=warning, argv=shell.join(argv))
+                  pre=pre, argv=shell.join(argv))
 
 
 def make_cache(path: str) -> str:

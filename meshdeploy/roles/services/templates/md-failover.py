@@ -120,7 +120,7 @@ def hello(target, deadline=HELLO_TIMEOUT):
             timed_out = False
         if s is not None:
             s.close()
-        s = None
+            s = None
     if s is None:
         return UNREACHABLE if timed_out else NO_ANSWER
     try:
@@ -176,6 +176,9 @@ def _address(hexed):
         return f"{socket.inet_ntoa(struct.pack('=I', int(addr, 16)))}:{int(port, 16)}"
     except ValueError:
         return None
+
+
+_ABSENT = ("", "", False)  # a connection's (state, remote end, failing) when the table lacks it
 
 
 def _failing(w):
@@ -680,15 +683,15 @@ class Supervisor:
             return set()
         for inode in [i for i in self.armed if i not in mine]:
             del self.armed[inode]  # closed by llama-server itself
-        gone = {name for inode, name in self.armed.items() if table.get(inode, ("",))[0] != "01"}
+        gone = {name for inode, name in self.armed.items() if table.get(inode, _ABSENT)[0] != "01"}
         self.failing = {name for inode, name in self.armed.items()
-                        if table.get(inode, ("", "", False))[2]}
+                        if table.get(inode, _ABSENT)[2]}
         now = time.monotonic()
         for inode in [i for i in self.connecting if i not in mine or
-                      table.get(i, ("",))[0] != "02"]:
+                      table.get(i, _ABSENT)[0] != "02"]:
             del self.connecting[inode]
         for inode in mine - set(self.armed):
-            state, remote, _ = table.get(inode, ("", "", False))
+            state, remote, _ = table.get(inode, _ABSENT)
             name = self.owner.get(_address(remote)) if state == "02" else None
             if name is None:
                 continue
